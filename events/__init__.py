@@ -1,0 +1,28 @@
+"""nnx_es's event vocabulary and its append-only log (no torch, no nnx_es imports)."""
+
+from events.codec import CURRENT_TYPES, EVENT_TYPES, KINDS, AnyEvent, decode, encode, kind_of, upcast
+from events.errors import CorruptEventError, EventLogError, LogClosedError, NnxError, SequenceGapError
+from events.log import EventLog, LmdbLog, MemoryLog, seq_key
+from events.schema import *  # noqa: F403
+from events.schema import __all__ as _schema_all
+
+__all__ = [
+    "CURRENT_TYPES",
+    "EVENT_TYPES",
+    "KINDS",
+    "AnyEvent",
+    "CorruptEventError",
+    "EventLog",
+    "EventLogError",
+    "LmdbLog",
+    "LogClosedError",
+    "MemoryLog",
+    "NnxError",
+    "SequenceGapError",
+    "decode",
+    "encode",
+    "kind_of",
+    "seq_key",
+    "upcast",
+    *_schema_all,
+]

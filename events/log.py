@@ -1,0 +1,300 @@
+"""The append-only event log: an in-memory implementation and the LMDB one.
+
+Both keep one contract (``tests/contract/test_event_log.py``):
+
+* sequence numbers are contiguous from 0; ``append`` returns the event's seq;
+* ``append`` only buffers; ``flush()`` writes the buffer in one transaction
+  (no fsync); ``commit(event)`` appends, flushes and syncs, so a commit marker
+  is durable before the call returns;
+* ``read``/``read_raw`` see flushed events only, by sequence range;
+  ``read(kinds=...)`` filters by kind;
+* a value that does not decode raises :class:`CorruptEventError` naming its seq.
+
+The LMDB log stores key = 8-byte big-endian seq, value = msgpack
+(:mod:`events.codec`); the map doubles on ``MapFullError`` and the buffered
+batch is retried, so a full map never loses an event.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Protocol
+
+import lmdb
+
+from events.codec import decode, encode
+from events.errors import EventLogError, LogClosedError
+from events.schema import Event
+
+__all__ = ["EventLog", "LmdbLog", "MemoryLog", "seq_key"]
+
+_EVENTS_DB = b"events"
+_SNAPSHOTS_DB = b"snapshots"
+_DEFAULT_MAP_SIZE = 32 << 20  # bytes; doubled on demand
+
+
+def seq_key(seq: int) -> bytes:
+    """The 8-byte big-endian key of sequence number ``seq``."""
+    return seq.to_bytes(8, "big")
+
+
+class EventLog(Protocol):
+    """What every event log offers (see the module docstring for the contract)."""
+
+    @property
+    def next_seq(self) -> int: ...
+
+    @property
+    def durable_seq(self) -> int: ...
+
+    @property
+    def syncs(self) -> int: ...
+
+    def append(self, event: Event) -> int: ...
+
+    def flush(self, *, sync: bool = False) -> None: ...
+
+    def commit(self, event: Event) -> int: ...
+
+    def read_raw(self, start: int = 0, stop: int | None = None) -> Iterator[tuple[int, bytes]]: ...
+
+    def read(
+        self, start: int = 0, stop: int | None = None, kinds: Iterable[str] | None = None
+    ) -> Iterator[tuple[int, Event]]: ...
+
+    def close(self) -> None: ...
+
+
+class _LogBase:
+    """Buffering, sequencing and decoding shared by both logs."""
+
+    def __init__(self, next_seq: int) -> None:
+        self._buffer: list[tuple[int, bytes]] = []
+        self._flushed = next_seq
+        self._next = next_seq
+        self._syncs = 0
+        self._closed = False
+
+    @property
+    def next_seq(self) -> int:
+        """The seq the next append gets (buffered events included)."""
+        return self._next
+
+    @property
+    def durable_seq(self) -> int:
+        """Number of flushed events (the seq the first unflushed event has)."""
+        return self._flushed
+
+    @property
+    def syncs(self) -> int:
+        """fsyncs this log object performed (for benchmarks and tests)."""
+        return self._syncs
+
+    def append(self, event: Event) -> int:
+        """Buffer ``event``; return its seq. Nothing is written until ``flush``."""
+        if self._closed:
+            raise LogClosedError("append on a closed event log")
+        seq = self._next
+        self._buffer.append((seq, encode(event)))
+        self._next = seq + 1
+        return seq
+
+    def commit(self, event: Event) -> int:
+        """Append ``event`` and make it and everything before it durable (synced)."""
+        seq = self.append(event)
+        self.flush(sync=True)
+        return seq
+
+    def discard_buffer(self) -> int:
+        """Drop unflushed events (what a crash does); return how many were dropped."""
+        n = len(self._buffer)
+        self._buffer.clear()
+        self._next = self._flushed
+        return n
+
+    def read(
+        self, start: int = 0, stop: int | None = None, kinds: Iterable[str] | None = None
+    ) -> Iterator[tuple[int, Event]]:
+        """Yield ``(seq, event)`` for flushed events with ``start <= seq < stop``.
+
+        Raises:
+            CorruptEventError: a value does not decode (names its seq).
+        """
+        wanted = frozenset(kinds) if kinds is not None else None
+        for seq, raw in self.read_raw(start, stop):
+            event = decode(raw, seq)
+            if wanted is None or event.KIND in wanted:
+                yield seq, event
+
+    def read_raw(self, start: int = 0, stop: int | None = None) -> Iterator[tuple[int, bytes]]:
+        raise NotImplementedError
+
+    def __enter__(self) -> _LogBase:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._closed = True
+
+
+class MemoryLog(_LogBase):
+    """An event log in a Python list, for fast unit tests. ``sync`` is counted, not done."""
+
+    def __init__(self) -> None:
+        super().__init__(0)
+        self._stored: list[bytes] = []
+
+    def flush(self, *, sync: bool = False) -> None:
+        if self._closed:
+            raise LogClosedError("flush on a closed event log")
+        self._stored.extend(raw for _, raw in self._buffer)
+        self._buffer.clear()
+        self._flushed = self._next
+        if sync:
+            self._syncs += 1
+
+    def read_raw(self, start: int = 0, stop: int | None = None) -> Iterator[tuple[int, bytes]]:
+        end = len(self._stored) if stop is None else min(stop, len(self._stored))
+        for seq in range(max(start, 0), end):
+            yield seq, self._stored[seq]
+
+    def put_raw(self, seq: int, raw: bytes) -> None:
+        """Overwrite or add a stored value (tests use it to forge broken logs)."""
+        if seq == len(self._stored):
+            self._stored.append(raw)
+            self._flushed = self._next = seq + 1
+        else:
+            self._stored[seq] = raw
+
+
+class LmdbLog(_LogBase):
+    """The event log of one run, in an LMDB environment (``runs/<id>/events.lmdb``).
+
+    Args:
+        path: the environment directory; created when ``readonly`` is false.
+        readonly: open for reading beside a live writer; appends are refused.
+        map_size: initial map size in bytes; doubled whenever a write finds it full.
+
+    Raises:
+        EventLogError: the directory is missing (read-only) or is not an LMDB log.
+    """
+
+    def __init__(
+        self, path: str | os.PathLike[str], *, readonly: bool = False, map_size: int = _DEFAULT_MAP_SIZE
+    ) -> None:
+        self.path = Path(path)
+        self.readonly = readonly
+        if readonly and not (self.path / "data.mdb").exists():
+            raise EventLogError(f"no event log at {self.path}: expected {self.path / 'data.mdb'}")
+        if not readonly:
+            self.path.mkdir(parents=True, exist_ok=True)
+        try:
+            self._env = lmdb.open(
+                str(self.path),
+                map_size=map_size,
+                subdir=True,
+                readonly=readonly,
+                max_dbs=4,
+                sync=False,  # commit() syncs explicitly; plain flushes never fsync
+                metasync=True,
+                lock=True,
+                readahead=False,
+            )
+            if readonly:
+                self._events = self._env.open_db(_EVENTS_DB, create=False)
+            else:
+                self._events = self._env.open_db(_EVENTS_DB)
+                self._env.open_db(_SNAPSHOTS_DB)
+        except lmdb.Error as exc:
+            raise EventLogError(f"cannot open event log at {self.path}: {exc}") from None
+        super().__init__(self._count_stored())
+
+    def _count_stored(self) -> int:
+        with self._txn() as txn:
+            cur = txn.cursor(self._events)
+            if not cur.last():
+                return 0
+            return int.from_bytes(cur.key(), "big") + 1
+
+    def _txn(self, write: bool = False) -> lmdb.Transaction:
+        try:
+            return self._env.begin(write=write)
+        except lmdb.MapResizedError:
+            self._env.set_mapsize(0)  # adopt the size a writer grew the map to
+            return self._env.begin(write=write)
+
+    def refresh(self) -> int:
+        """Re-read the stored length (a reader following a live writer); return it."""
+        n = self._count_stored()
+        self._flushed = self._next = n
+        return n
+
+    def flush(self, *, sync: bool = False) -> None:
+        """Write the buffer in one transaction; with ``sync`` also fsync the environment.
+
+        Raises:
+            EventLogError: the write failed; the buffer is kept, nothing partial is stored.
+        """
+        if self._closed:
+            raise LogClosedError("flush on a closed event log")
+        if self.readonly:
+            raise EventLogError(f"event log at {self.path} is open read-only")
+        if self._buffer:
+            while True:
+                try:
+                    with self._env.begin(write=True, db=self._events) as txn:
+                        for seq, raw in self._buffer:
+                            txn.put(seq_key(seq), raw, append=True)
+                    break
+                except lmdb.MapFullError:
+                    self._env.set_mapsize(self._env.info()["map_size"] * 2)
+                except lmdb.Error as exc:
+                    raise EventLogError(f"write to {self.path} failed: {exc}") from exc
+            self._buffer.clear()
+            self._flushed = self._next
+        if sync:
+            try:
+                self._env.sync(True)
+            except lmdb.Error as exc:
+                raise EventLogError(f"sync of {self.path} failed: {exc}") from exc
+            self._syncs += 1
+
+    def read_raw(self, start: int = 0, stop: int | None = None) -> Iterator[tuple[int, bytes]]:
+        """Yield ``(seq, raw bytes)`` of stored values in key order, ``start <= seq < stop``.
+
+        Keys are yielded as stored: a gap in the sequence shows as a jump in seq.
+        """
+        if self._closed:
+            raise LogClosedError("read on a closed event log")
+        with self._txn() as txn:
+            cur = txn.cursor(self._events)
+            if not cur.set_range(seq_key(max(start, 0))):
+                return
+            for key, value in cur:
+                seq = int.from_bytes(key, "big")
+                if stop is not None and seq >= stop:
+                    return
+                yield seq, bytes(value)
+
+    def put_raw(self, seq: int, raw: bytes) -> None:
+        """Store ``raw`` under ``seq`` directly (tests use it to forge broken logs)."""
+        with self._env.begin(write=True, db=self._events) as txn:
+            txn.put(seq_key(seq), raw)
+
+    def delete_raw(self, seq: int) -> None:
+        """Delete the value under ``seq`` (tests use it to forge a sequence gap)."""
+        with self._env.begin(write=True, db=self._events) as txn:
+            txn.delete(seq_key(seq))
+
+    def map_size(self) -> int:
+        """The environment's current map size in bytes."""
+        return int(self._env.info()["map_size"])
+
+    def close(self) -> None:
+        if not self._closed:
+            self._env.close()
+        super().close()

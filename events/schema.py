@@ -1,0 +1,427 @@
+"""The event vocabulary: one frozen, tagged msgspec Struct per lifecycle transition.
+
+Conventions (STYLE.md):
+
+* every event is ``frozen`` and ``kw_only``; the tag field is ``kind``;
+* the tag of schema version 1 is the bare kind (``"epoch_began"``); a later
+  version N is tagged ``"<kind>@N"``, and its predecessors stay in the union
+  as legacy structs that :mod:`events.codec` upcasts at decode time;
+* counters say their base: ``epoch`` is the 0-based index of an epoch,
+  ``batch`` the 0-based index of a microbatch within its epoch, ``step`` the
+  number of committed optimizer updates (so the first update is step 1);
+* scalars carry units in their names (``wall_time_s``, ``examples``, ``lr``).
+
+The lifecycle these events walk is declared in :mod:`nnx_es.lifecycle`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import msgspec
+
+__all__ = [
+    "BestCommitted",
+    "CallbackBegan",
+    "CallbackCheckpointed",
+    "CallbackFinalized",
+    "CheckpointStored",
+    "Counters",
+    "EpochBegan",
+    "EpochSummarized",
+    "Event",
+    "HistoryAppended",
+    "HistoryRecord",
+    "LastCommitted",
+    "MicrobatchDone",
+    "MonitorDecided",
+    "MonitorSpec",
+    "PhaseCommitted",
+    "PlateauState",
+    "RunFailed",
+    "RunFinalized",
+    "RunResumed",
+    "RunStarted",
+    "SchedulerDecl",
+    "SchedulerStepped",
+    "SourceRef",
+    "StopRequested",
+    "TrainBegan",
+    "UpdateCommitted",
+    "UpdateCommittedV1",
+    "UpdateSkipped",
+    "ValidationDone",
+]
+
+
+class Event(msgspec.Struct, frozen=True, kw_only=True, tag_field="kind"):
+    """Base of every event. ``KIND`` is the stable kind name, ``VERSION`` its schema version."""
+
+    KIND: ClassVar[str] = ""
+    VERSION: ClassVar[int] = 1
+
+
+# --- value types carried inside events -------------------------------------------------
+
+
+class Counters(msgspec.Struct, frozen=True, kw_only=True):
+    """Progress counters (spec 004, "Training counters").
+
+    batch: microbatches completed over the run (count).
+    step: committed optimizer updates over the run (count).
+    global_step: committed updates summed over data-parallel ranks (count).
+    epoch: epochs completed (count; equals the next epoch's 0-based index).
+    epoch_step: microbatches completed in the current epoch (count).
+    """
+
+    batch: int = 0
+    step: int = 0
+    global_step: int = 0
+    epoch: int = 0
+    epoch_step: int = 0
+
+
+class MonitorSpec(msgspec.Struct, frozen=True, kw_only=True):
+    """The quantity one monitor decision per epoch is made on."""
+
+    name: str
+    mode: str = "min"
+    min_delta: float = 0.0
+
+
+class SchedulerDecl(msgspec.Struct, frozen=True, kw_only=True):
+    """A scheduler as declared at run start: its name, clock and torch class name."""
+
+    name: str
+    clock: str
+    cls: str
+    optimizer: str
+    plateau: bool = False
+
+
+class PlateauState(msgspec.Struct, frozen=True, kw_only=True):
+    """The state of a plateau scheduler after a step (ReduceLROnPlateau semantics)."""
+
+    best: float
+    num_bad_epochs: int
+    cooldown_counter: int
+
+
+class SourceRef(msgspec.Struct, frozen=True, kw_only=True):
+    """Where a continuation came from: source run, its LAST seq and manifest hash."""
+
+    run_id: str
+    last_seq: int
+    manifest: str
+
+
+class HistoryRecord(msgspec.Struct, frozen=True, kw_only=True):
+    """One committed epoch of history.
+
+    train: whole-epoch training summary (``loss``, per-term losses, metrics).
+    val: validation metrics (``val_loss``, ``val_accuracy``, ...); empty when
+        the epoch was not validated.
+    monitor_value / improved: the epoch's monitor decision, ``None`` when none was made.
+    lrs: learning rates per optimizer after the epoch's scheduler steps.
+    """
+
+    epoch: int
+    train: dict[str, float]
+    val: dict[str, float]
+    monitor_value: float | None = None
+    improved: bool | None = None
+    lrs: dict[str, list[float]] = {}
+    counters: Counters = Counters()
+    wall_time_s: float = 0.0
+
+
+# --- run lifecycle ---------------------------------------------------------------------
+
+
+class RunStarted(Event, frozen=True, kw_only=True, tag="run_started"):
+    """A new run began. ``recipe`` is the run's declared configuration (JSON-like)."""
+
+    KIND: ClassVar[str] = "run_started"
+    run_id: str
+    seed: int
+    recipe: dict[str, Any] = {}
+    library_versions: dict[str, str] = {}
+    callbacks: list[str] = []
+    optimizers: list[str] = []
+    schedulers: list[SchedulerDecl] = []
+    monitor: MonitorSpec | None = None
+    accumulation: int = 1
+    world_size: int = 1
+    writer_rank: int = 0
+    source: SourceRef | None = None
+    wall_time_s: float = 0.0
+
+
+class RunResumed(Event, frozen=True, kw_only=True, tag="run_resumed"):
+    """A stateful resume from LAST.
+
+    The events in ``[discard_from, discard_to)`` (sequence numbers) are the
+    uncommitted tail the resume abandons: they stay in the log for audit and
+    out of every projection.
+    """
+
+    KIND: ClassVar[str] = "run_resumed"
+    last_seq: int
+    manifest: str
+    epoch: int
+    discard_from: int
+    discard_to: int
+    library_versions: dict[str, str] = {}
+    callbacks: list[str] = []
+    wall_time_s: float = 0.0
+
+
+class CallbackBegan(Event, frozen=True, kw_only=True, tag="callback_began"):
+    """A callback's ``on_train_begin`` completed (``index`` is its list position)."""
+
+    KIND: ClassVar[str] = "callback_began"
+    name: str
+    index: int
+
+
+class TrainBegan(Event, frozen=True, kw_only=True, tag="train_began"):
+    """The epoch loop starts at ``start_epoch`` (0-based) and ends before ``epochs``."""
+
+    KIND: ClassVar[str] = "train_began"
+    start_epoch: int
+    epochs: int
+    train_batches: int | None = None
+
+
+class EpochBegan(Event, frozen=True, kw_only=True, tag="epoch_began"):
+    KIND: ClassVar[str] = "epoch_began"
+    epoch: int
+    wall_time_s: float = 0.0
+
+
+class MicrobatchDone(Event, frozen=True, kw_only=True, tag="microbatch_done"):
+    """One microbatch's forward and backward.
+
+    rows: rows in the microbatch; examples: its loss denominator (valid rows,
+    or their weight sum); loss: numerator / denominator (``nan`` when the
+    denominator is 0); terms: the same per named loss term.
+    """
+
+    KIND: ClassVar[str] = "microbatch_done"
+    epoch: int
+    batch: int
+    rows: int
+    examples: float
+    loss: float
+    terms: dict[str, float] = {}
+
+
+class UpdateCommittedV1(Event, frozen=True, kw_only=True, tag="update_committed"):
+    """Schema v1 of the step receipt: one learning rate, no clipping fields."""
+
+    KIND: ClassVar[str] = "update_committed"
+    VERSION: ClassVar[int] = 1
+    step: int
+    epoch: int
+    microbatches: int
+    examples: float
+    loss: float
+    lr: float
+    optimizer: str = "default"
+
+
+class UpdateCommitted(Event, frozen=True, kw_only=True, tag="update_committed@2"):
+    """A committed optimizer update: the step receipt (spec 003, StepReceipt).
+
+    step: committed updates after this one (1-based). microbatches: in the window.
+    local_examples / global_examples: loss denominator on this rank / summed
+    over ranks. loss: window numerator / global denominator. grad_norm: total
+    L2 norm before clipping (``None`` when not computed). lrs: the optimizer's
+    learning rates, one per param group, as used by this step.
+    """
+
+    KIND: ClassVar[str] = "update_committed"
+    VERSION: ClassVar[int] = 2
+    step: int
+    epoch: int
+    microbatches: int
+    local_examples: float
+    global_examples: float
+    loss: float
+    grad_norm: float | None = None
+    clipped: bool = False
+    lrs: list[float] = []
+    optimizer: str = "default"
+    data_parallel_size: int = 1
+    precision: str = "fp32"
+
+
+class UpdateSkipped(Event, frozen=True, kw_only=True, tag="update_skipped"):
+    """An accumulation window ended without an update. reason: masked | nonfinite | vetoed."""
+
+    KIND: ClassVar[str] = "update_skipped"
+    step: int
+    epoch: int
+    microbatches: int
+    reason: str
+    optimizer: str = "default"
+    detail: str = ""
+
+
+class ValidationDone(Event, frozen=True, kw_only=True, tag="validation_done"):
+    """Validation metrics (``val_`` prefixed) over ``examples`` held-out rows."""
+
+    KIND: ClassVar[str] = "validation_done"
+    epoch: int
+    metrics: dict[str, float]
+    examples: int
+    step: int = 0
+
+
+class EpochSummarized(Event, frozen=True, kw_only=True, tag="epoch_summarized"):
+    """Whole-epoch training summary: metrics over every microbatch of the epoch."""
+
+    KIND: ClassVar[str] = "epoch_summarized"
+    epoch: int
+    metrics: dict[str, float]
+    examples: float
+    microbatches: int
+    updates: int
+    skipped: int = 0
+    duration_s: float = 0.0
+
+
+class MonitorDecided(Event, frozen=True, kw_only=True, tag="monitor_decided"):
+    """The epoch's one monitor decision (drives plateau, BEST and early stopping).
+
+    bad_epochs: consecutive epochs without improvement, this one included.
+    best / best_epoch: the best value so far and its epoch, after this decision.
+    """
+
+    KIND: ClassVar[str] = "monitor_decided"
+    epoch: int
+    monitor: str
+    mode: str
+    value: float
+    improved: bool
+    best: float
+    best_epoch: int
+    bad_epochs: int
+
+
+class SchedulerStepped(Event, frozen=True, kw_only=True, tag="scheduler_stepped"):
+    """A scheduler stepped on its clock. steps: its steps so far (1-based after this)."""
+
+    KIND: ClassVar[str] = "scheduler_stepped"
+    name: str
+    clock: str
+    epoch: int
+    step: int
+    steps: int
+    lrs: list[float]
+    plateau: PlateauState | None = None
+
+
+class StopRequested(Event, frozen=True, kw_only=True, tag="stop_requested"):
+    """Training will stop. reason: early_stopping | update_boundary | requested."""
+
+    KIND: ClassVar[str] = "stop_requested"
+    epoch: int
+    step: int
+    reason: str
+    by: str = ""
+
+
+# --- durable commits -------------------------------------------------------------------
+
+
+class HistoryAppended(Event, frozen=True, kw_only=True, tag="history_appended"):
+    KIND: ClassVar[str] = "history_appended"
+    record: HistoryRecord
+
+
+class CheckpointStored(Event, frozen=True, kw_only=True, tag="checkpoint_stored"):
+    """Every blob of a checkpoint and its manifest are durable under ``blobs/``.
+
+    components: component name -> blob SHA-256 (hex). bytes: total size.
+    """
+
+    KIND: ClassVar[str] = "checkpoint_stored"
+    manifest: str
+    epoch: int
+    step: int
+    components: dict[str, str]
+    bytes: int = 0
+
+
+class LastCommitted(Event, frozen=True, kw_only=True, tag="last_committed"):
+    """LAST now names ``manifest``: the commit marker. Synced before it is acknowledged.
+
+    epoch: the 0-based index of the last epoch the checkpoint contains
+    (``-1`` before any epoch). final: the refresh after finalization.
+    """
+
+    KIND: ClassVar[str] = "last_committed"
+    manifest: str
+    epoch: int
+    step: int
+    counters: Counters
+    final: bool = False
+
+
+class BestCommitted(Event, frozen=True, kw_only=True, tag="best_committed"):
+    KIND: ClassVar[str] = "best_committed"
+    manifest: str
+    epoch: int
+    monitor: str
+    value: float
+
+
+class PhaseCommitted(Event, frozen=True, kw_only=True, tag="phase_committed"):
+    """A phase checkpoint (every N epochs). removed: phase names rotated out."""
+
+    KIND: ClassVar[str] = "phase_committed"
+    name: str
+    manifest: str
+    epoch: int
+    removed: list[str] = []
+
+
+class CallbackCheckpointed(Event, frozen=True, kw_only=True, tag="callback_checkpointed"):
+    """A callback's deferred checkpoint, written after LAST/BEST/phase."""
+
+    KIND: ClassVar[str] = "callback_checkpointed"
+    name: str
+    epoch: int
+    blob: str
+
+
+# --- ending ----------------------------------------------------------------------------
+
+
+class CallbackFinalized(Event, frozen=True, kw_only=True, tag="callback_finalized"):
+    """A callback's ``on_train_end`` ran (``error`` names what it raised, if anything)."""
+
+    KIND: ClassVar[str] = "callback_finalized"
+    name: str
+    index: int
+    error: str | None = None
+
+
+class RunFailed(Event, frozen=True, kw_only=True, tag="run_failed"):
+    KIND: ClassVar[str] = "run_failed"
+    error_type: str
+    message: str
+    epoch: int
+    step: int
+    traceback: str = ""
+
+
+class RunFinalized(Event, frozen=True, kw_only=True, tag="run_finalized"):
+    """The run ended. status: completed | stopped | failed."""
+
+    KIND: ClassVar[str] = "run_finalized"
+    status: str
+    epochs: int
+    steps: int
+    wall_time_s: float = 0.0

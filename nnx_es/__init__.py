@@ -1,0 +1,1 @@
+"""nnx_es: an event-sourced training runtime for PyTorch."""

@@ -1,0 +1,46 @@
+"""Errors of the runtime. All derive from :class:`events.NnxError` and a matching built-in."""
+
+from __future__ import annotations
+
+from events.errors import CorruptEventError, EventLogError, NnxError
+
+__all__ = [
+    "CheckpointWriteError",
+    "ConfigError",
+    "CorruptCheckpointError",
+    "CorruptEventError",
+    "EventLogError",
+    "InvalidRunIdError",
+    "LeaseHeldError",
+    "NnxError",
+    "ResumeError",
+    "UnsafePayloadError",
+]
+
+
+class ConfigError(NnxError, ValueError):
+    """A trainer, monitor, scheduler or callback was configured with a bad value."""
+
+
+class InvalidRunIdError(NnxError, ValueError):
+    """A run id is empty, too long, or has characters outside ``[A-Za-z0-9._-]``."""
+
+
+class LeaseHeldError(NnxError, BlockingIOError):
+    """Another process holds the writer lease of this run."""
+
+
+class CorruptCheckpointError(NnxError, ValueError):
+    """A manifest or blob is missing, torn, or does not match its SHA-256 name."""
+
+
+class UnsafePayloadError(CorruptCheckpointError):
+    """A checkpoint blob holds a payload the safe loader refuses (e.g. a code-running pickle)."""
+
+
+class CheckpointWriteError(NnxError, OSError):
+    """A checkpoint or view file could not be made durable."""
+
+
+class ResumeError(NnxError, RuntimeError):
+    """A run cannot be resumed from its LAST commit (the reason is named)."""

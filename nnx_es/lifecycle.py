@@ -1,0 +1,180 @@
+"""The training lifecycle, declared once as data (states + transitions table).
+
+Triggers are event kinds (:data:`events.KINDS`): a transition is legal when
+the machine accepts the event's kind in its current state. The declaration
+serves twice:
+
+* the runtime (:class:`Lifecycle`) checks each event before it is appended;
+* the audit (``tools/replay``) feeds a recorded log through the same machine.
+
+Both use :func:`compiled_table`, a ``(state, kind) -> state`` dict built from
+:data:`TRANSITIONS`; :func:`build_machine` builds the equivalent
+``transitions.Machine`` (queued, as STYLE.md asks), and a test proves the two
+agree on every (state, kind) pair. Order of one run (spec 000 "Lifecycle order")::
+
+    run_started  callback_began*  train_began  checkpoint_stored?  last_committed(initial)
+      ( epoch_began
+          ( microbatch_done+  (update_committed+ scheduler_stepped* | update_skipped) )*
+          validation_done?  epoch_summarized  monitor_decided?  scheduler_stepped*
+          stop_requested?  history_appended  checkpoint_stored?  last_committed
+          best_committed?  phase_committed?  (checkpoint_stored? callback_checkpointed)* )*
+      callback_finalized* (reverse order)  checkpoint_stored?  last_committed(final)  run_finalized
+    failure anywhere:  run_failed  callback_finalized*  run_finalized
+    stop at an update boundary:  ... update_committed  stop_requested  callback_finalized*  run_finalized
+    resume:  run_resumed  callback_began*  train_began  ...
+"""
+
+from __future__ import annotations
+
+from functools import cache
+from typing import Any
+
+from events.codec import KINDS
+from events.errors import NnxError
+
+__all__ = [
+    "INITIAL",
+    "STATES",
+    "TRANSITIONS",
+    "IllegalTransitionError",
+    "Lifecycle",
+    "build_machine",
+    "compiled_table",
+]
+
+INITIAL = "new"
+
+#: States of the lifecycle machine.
+STATES: tuple[str, ...] = (
+    "new",  # nothing written yet
+    "started",  # run_started / run_resumed: callbacks begin
+    "training",  # train_began: the initial LAST is being committed
+    "in_epoch",  # epoch_began, or after a window closed
+    "in_window",  # microbatches of an open accumulation window
+    "updated",  # a window committed: more receipts / opt-clock scheduler steps
+    "validated",
+    "summarized",
+    "decided",
+    "scheduled",
+    "recorded",  # history_appended: the epoch waits for its LAST
+    "committed",  # LAST for the epoch is durable
+    "stopping",  # stopped at an update boundary
+    "failed",
+    "finalizing",  # callbacks are being finalized
+    "closed",  # final LAST refreshed
+    "finalized",
+)
+
+_IN_EPOCH_QUIET = ["in_epoch", "updated"]  # no window open
+_EPOCH_END = ["summarized", "decided", "scheduled"]
+_ALIVE = [s for s in STATES if s not in ("new", "failed", "finalizing", "closed", "finalized")]
+
+
+def _t(trigger: str, source: str | list[str], dest: str) -> dict[str, Any]:
+    return {"trigger": trigger, "source": source, "dest": dest}
+
+
+#: The transitions table: trigger (event kind), source state(s), destination.
+TRANSITIONS: tuple[dict[str, Any], ...] = (
+    _t("run_started", "new", "started"),
+    _t("run_resumed", [s for s in STATES if s != "new"], "started"),
+    _t("callback_began", "started", "started"),
+    _t("train_began", "started", "training"),
+    _t("epoch_began", "committed", "in_epoch"),
+    _t("microbatch_done", ["in_epoch", "in_window", "updated", "validated"], "in_window"),
+    _t("update_committed", ["in_window", "updated"], "updated"),
+    _t("update_skipped", "in_window", "in_epoch"),
+    _t("scheduler_stepped", "updated", "updated"),
+    _t("validation_done", _IN_EPOCH_QUIET, "validated"),
+    _t("epoch_summarized", [*_IN_EPOCH_QUIET, "validated"], "summarized"),
+    _t("monitor_decided", "summarized", "decided"),
+    _t("scheduler_stepped", ["summarized", "decided", "scheduled"], "scheduled"),
+    _t("stop_requested", _EPOCH_END, "scheduled"),
+    _t("history_appended", _EPOCH_END, "recorded"),
+    _t("checkpoint_stored", ["recorded", "committed", "finalizing", "training"], "="),
+    _t("last_committed", ["training", "recorded"], "committed"),
+    _t("best_committed", "committed", "committed"),
+    _t("phase_committed", "committed", "committed"),
+    _t("callback_checkpointed", "committed", "committed"),
+    _t("stop_requested", "updated", "stopping"),
+    _t("callback_finalized", ["committed", "stopping", "finalizing"], "finalizing"),
+    _t("last_committed", ["committed", "finalizing"], "closed"),
+    _t("run_finalized", ["closed", "stopping", "finalizing"], "finalized"),
+    _t("run_failed", _ALIVE + ["finalizing", "closed"], "failed"),
+    _t("callback_finalized", "failed", "failed"),
+    _t("run_finalized", "failed", "finalized"),
+)
+
+
+class IllegalTransitionError(NnxError, RuntimeError):
+    """An event's kind is not accepted by the lifecycle machine in its current state."""
+
+    def __init__(self, state: str, trigger: str, seq: int | None = None) -> None:
+        where = f" (seq {seq})" if seq is not None else ""
+        super().__init__(
+            f"illegal lifecycle transition{where}: trigger {trigger!r} is not accepted in state {state!r}; "
+            f"accepted there: {sorted(k for (s, k) in compiled_table() if s == state)}"
+        )
+        self.state = state
+        self.trigger = trigger
+        self.seq = seq
+
+
+@cache
+def compiled_table() -> dict[tuple[str, str], str]:
+    """``(state, kind) -> next state``, compiled from :data:`TRANSITIONS`."""
+    table: dict[tuple[str, str], str] = {}
+    for row in TRANSITIONS:
+        sources = row["source"] if isinstance(row["source"], list) else [row["source"]]
+        for src in sources:
+            dest = src if row["dest"] == "=" else row["dest"]
+            key = (src, row["trigger"])
+            if key in table and table[key] != dest:
+                raise AssertionError(f"ambiguous transition {key}: {table[key]} / {dest}")
+            table[key] = dest
+    unknown = {k for (_, k) in table} - set(KINDS)
+    if unknown:
+        raise AssertionError(f"transitions name unknown event kinds: {sorted(unknown)}")
+    return table
+
+
+def build_machine(model: object | None = None) -> Any:
+    """The declaration as a ``transitions.Machine`` (queued; triggers are event kinds)."""
+    from transitions import Machine
+
+    return Machine(
+        model=model,
+        states=list(STATES),
+        transitions=[dict(row) for row in TRANSITIONS],
+        initial=INITIAL,
+        queued=True,
+        auto_transitions=False,
+        ignore_invalid_triggers=False,
+    )
+
+
+class Lifecycle:
+    """The runtime's view of the machine: one state, advanced by event kinds.
+
+    Raises:
+        IllegalTransitionError: from :meth:`advance` when ``kind`` is not
+            accepted in the current state; the state is left unchanged.
+    """
+
+    __slots__ = ("state", "_table")
+
+    def __init__(self, state: str = INITIAL) -> None:
+        if state not in STATES:
+            raise ValueError(f"state must be one of {STATES}, got {state!r}")
+        self.state = state
+        self._table = compiled_table()
+
+    def accepts(self, kind: str) -> bool:
+        return (self.state, kind) in self._table
+
+    def advance(self, kind: str, seq: int | None = None) -> str:
+        nxt = self._table.get((self.state, kind))
+        if nxt is None:
+            raise IllegalTransitionError(self.state, kind, seq)
+        self.state = nxt
+        return nxt

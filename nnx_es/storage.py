@@ -1,0 +1,184 @@
+"""Files outside LMDB: atomic writes, the content-addressed blob store, run ids and leases.
+
+Every file goes through an owned temporary file (``.<name>.<pid>.<rand>.tmp``
+in the destination's directory), ``fsync``, atomic ``os.replace`` and a
+directory fsync; a failed write removes its temporary and leaves the
+destination's previous bytes (DESIGN.md "Failure semantics").
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import hashlib
+import os
+import re
+import secrets
+from pathlib import Path
+
+from nnx_es.errors import CheckpointWriteError, CorruptCheckpointError, InvalidRunIdError, LeaseHeldError
+
+__all__ = [
+    "BlobStore",
+    "Lease",
+    "atomic_write",
+    "clean_stale_temporaries",
+    "fsync_dir",
+    "validate_run_id",
+]
+
+_RUN_ID = re.compile(r"[A-Za-z0-9._-]{1,128}")
+TMP_SUFFIX = ".tmp"
+
+
+def validate_run_id(run_id: str) -> str:
+    """Return ``run_id`` if it is a safe directory name.
+
+    Raises:
+        InvalidRunIdError: empty, longer than 128 characters, ``.``/``..``, or a
+            character outside ``[A-Za-z0-9._-]``.
+    """
+    if not isinstance(run_id, str) or not _RUN_ID.fullmatch(run_id) or run_id in (".", ".."):
+        raise InvalidRunIdError(
+            f"run_id must be 1-128 characters of [A-Za-z0-9._-] and not '.' or '..', got {run_id!r}"
+        )
+    return run_id
+
+
+def fsync_dir(path: Path) -> None:
+    """fsync a directory so a rename inside it is durable."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write(path: Path, data: bytes) -> None:
+    """Durably replace ``path`` with ``data`` (temporary, fsync, rename, dir fsync).
+
+    Raises:
+        CheckpointWriteError: any OS error (ENOSPC, EIO, ...); the temporary is
+            removed and ``path`` keeps its previous bytes.
+    """
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}{TMP_SUFFIX}")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            view = memoryview(data)
+            while view:
+                n = os.write(fd, view)
+                view = view[n:]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+        fsync_dir(path.parent)
+    except OSError as exc:
+        try:
+            tmp.unlink()
+        except FileNotFoundError:
+            pass
+        raise CheckpointWriteError(f"writing {path} failed: {exc.strerror or exc}") from exc
+
+
+def clean_stale_temporaries(root: Path) -> list[Path]:
+    """Remove temporaries a hard kill left under ``root``; return what was removed."""
+    removed = []
+    if root.exists():
+        for p in root.rglob(f".*{TMP_SUFFIX}"):
+            if p.is_file():
+                p.unlink()
+                removed.append(p)
+    return removed
+
+
+class BlobStore:
+    """Immutable blobs named by their SHA-256 under ``<run>/blobs/sha256/ab/abcd...``.
+
+    Identical bytes are stored once, so BEST naming LAST's state costs nothing.
+    """
+
+    def __init__(self, root: Path) -> None:
+        self.root = Path(root)
+
+    def path(self, digest: str) -> Path:
+        if not re.fullmatch(r"[0-9a-f]{64}", digest):
+            raise CorruptCheckpointError(f"blob name must be 64 lowercase hex digits, got {digest!r}")
+        return self.root / "sha256" / digest[:2] / digest
+
+    def put(self, data: bytes) -> str:
+        """Store ``data`` durably (no-op when present); return its SHA-256 hex."""
+        digest = hashlib.sha256(data).hexdigest()
+        p = self.path(digest)
+        if not p.exists():
+            atomic_write(p, data)
+        return digest
+
+    def exists(self, digest: str) -> bool:
+        return self.path(digest).exists()
+
+    def get(self, digest: str) -> bytes:
+        """Read and verify a blob.
+
+        Raises:
+            CorruptCheckpointError: missing, or its bytes do not hash to ``digest``.
+        """
+        p = self.path(digest)
+        try:
+            data = p.read_bytes()
+        except FileNotFoundError:
+            raise CorruptCheckpointError(f"blob {digest} is missing (expected at {p})") from None
+        found = hashlib.sha256(data).hexdigest()
+        if found != digest:
+            raise CorruptCheckpointError(f"blob {digest} is corrupt: its bytes hash to {found}")
+        return data
+
+
+class Lease:
+    """The writer lease of one run: an exclusive ``flock`` on ``runs/.leases/<id>.lock``.
+
+    The kernel drops the lock when the holder dies, so a SIGKILLed writer frees it.
+
+    Raises:
+        LeaseHeldError: from :meth:`acquire` when another process holds it.
+    """
+
+    def __init__(self, runs_root: Path, run_id: str) -> None:
+        self.path = Path(runs_root) / ".leases" / f"{validate_run_id(run_id)}.lock"
+        self._fd: int | None = None
+
+    def acquire(self) -> Lease:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            os.close(fd)
+            if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                raise LeaseHeldError(
+                    f"run {self.path.stem!r} is being written by another process (lease {self.path} is held)"
+                ) from None
+            raise
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())
+        self._fd = fd
+        return self
+
+    def release(self) -> None:
+        if self._fd is not None:
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+            os.close(self._fd)
+            self._fd = None
+
+    @property
+    def held(self) -> bool:
+        return self._fd is not None
+
+    def __enter__(self) -> Lease:
+        return self.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()

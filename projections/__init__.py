@@ -1,0 +1,31 @@
+"""Pure folds over the event log: history, checkpoints, schedulers, counters, status.
+
+No I/O, no clock, no torch: ``fold(state, event) -> state``.
+"""
+
+from projections.checkpoints import CheckpointsState, Pointer, fold_checkpoints
+from projections.counters import fold_counters
+from projections.history import HistoryState, fold_history
+from projections.schedulers import SchedulersState, SchedulerState, fold_schedulers
+from projections.status import StatusState, fold_status
+from projections.view import CLOSING_KINDS, Projections, committed, fold, project, tail_length
+
+__all__ = [
+    "CLOSING_KINDS",
+    "CheckpointsState",
+    "HistoryState",
+    "Pointer",
+    "Projections",
+    "SchedulerState",
+    "SchedulersState",
+    "StatusState",
+    "committed",
+    "fold",
+    "fold_checkpoints",
+    "fold_counters",
+    "fold_history",
+    "fold_schedulers",
+    "fold_status",
+    "project",
+    "tail_length",
+]

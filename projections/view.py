@@ -1,0 +1,112 @@
+"""The committed view of a log and the aggregate of every projection.
+
+The committed view is the prefix of the log that readers trust:
+
+* events up to and including the last ``LastCommitted`` are committed, and so
+  is the commit group that directly follows it (BEST, phase, callback
+  checkpoints: :data:`GROUP_KINDS`), which only ever names durable blobs;
+* a ``RunResumed`` abandons the pending tail before it (the range it names)
+  and is itself committed (it is synced when written);
+* a tail after the last LAST is ignored, except that, when the log ends with a
+  durable ``RunFinalized``, the closing events of that tail (stop requested,
+  run failed, callback finalized, run finalized) are folded, so the status of
+  a stopped or failed run is known while its unfinished epoch stays out.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+
+import msgspec
+
+from events.schema import Counters, Event, LastCommitted, RunFinalized, RunResumed
+from projections.checkpoints import CheckpointsState, fold_checkpoints
+from projections.counters import fold_counters
+from projections.history import HistoryState, fold_history
+from projections.schedulers import SchedulersState, fold_schedulers
+from projections.status import StatusState, fold_status
+
+__all__ = ["CLOSING_KINDS", "GROUP_KINDS", "Projections", "committed", "fold", "project", "tail_length"]
+
+#: Kinds folded from a tail that ends in a durable ``RunFinalized``.
+CLOSING_KINDS = frozenset({"stop_requested", "run_failed", "callback_finalized", "run_finalized"})
+
+
+#: Kinds that belong to the commit group of the LAST they follow.
+GROUP_KINDS = frozenset({"best_committed", "phase_committed", "callback_checkpointed", "checkpoint_stored"})
+
+
+class Projections(msgspec.Struct, frozen=True, kw_only=True):
+    """Every projection's state, plus the seq of the last folded event (``-1``: none)."""
+
+    history: HistoryState = HistoryState()
+    checkpoints: CheckpointsState = CheckpointsState()
+    schedulers: SchedulersState = SchedulersState()
+    counters: Counters = Counters()
+    status: StatusState = StatusState()
+    seq: int = -1
+
+
+def fold(state: Projections, seq: int, event: Event) -> Projections:
+    """Fold one committed event into every projection (pure)."""
+    return Projections(
+        history=fold_history(state.history, event),
+        checkpoints=fold_checkpoints(state.checkpoints, event),
+        schedulers=fold_schedulers(state.schedulers, event),
+        counters=fold_counters(state.counters, event),
+        status=fold_status(state.status, event),
+        seq=seq,
+    )
+
+
+def committed(pairs: Iterable[tuple[int, Event]]) -> Iterator[tuple[int, Event]]:
+    """Yield the committed ``(seq, event)`` pairs of a log, in order (see module doc)."""
+    pending: list[tuple[int, Event]] = []
+    in_group = False
+    for seq, event in pairs:
+        if type(event) is RunResumed:
+            pending.clear()
+            in_group = False
+            yield seq, event
+            continue
+        if in_group:
+            if event.KIND in GROUP_KINDS:
+                yield seq, event
+                continue
+            in_group = False
+        pending.append((seq, event))
+        if type(event) is LastCommitted:
+            yield from pending
+            pending.clear()
+            in_group = True
+    if pending and type(pending[-1][1]) is RunFinalized:
+        yield from ((s, e) for s, e in pending if e.KIND in CLOSING_KINDS)
+
+
+def tail_length(pairs: Iterable[tuple[int, Event]]) -> int:
+    """How many events at the end of the log the committed view leaves out."""
+    tail = 0
+    closing = 0
+    in_group = False
+    last: Event | None = None
+    for _seq, event in pairs:
+        last = event
+        kind_type = type(event)
+        if kind_type is LastCommitted or kind_type is RunResumed:
+            tail = closing = 0
+            in_group = kind_type is LastCommitted
+        elif in_group and event.KIND in GROUP_KINDS:
+            pass
+        else:
+            in_group = False
+            tail += 1
+            closing += event.KIND in CLOSING_KINDS
+    return tail - closing if type(last) is RunFinalized else tail
+
+
+def project(pairs: Iterable[tuple[int, Event]], start: Projections | None = None) -> Projections:
+    """Fold the committed view of ``pairs`` into :class:`Projections`."""
+    state = start if start is not None else Projections()
+    for seq, event in committed(pairs):
+        state = fold(state, seq, event)
+    return state
