@@ -1,0 +1,343 @@
+"""The update engine: microbatches accumulate into a window; the window commits one update.
+
+Per microbatch (:meth:`UpdateEngine.microbatch`)::
+
+    outputs, targets, weights = train_step_fn(net, batch)        # under autocast when enabled
+    parts = objective(outputs, targets, weights)                 # numerators + denominator
+    backward(parts.total)   (scaled by the GradScaler if any; skipped when not finite or den == 0)
+    -> microbatch_done
+
+At the window's end (:meth:`UpdateEngine.finalize_step`), in this order
+(spec 000 "Lifecycle order" and §3 "One update")::
+
+    W = sum of the window's denominators
+    W == 0                      -> update_skipped(masked)     no step, no scheduler step
+    a loss was not finite       -> update_skipped(nonfinite)
+    unscale (GradScaler) ; grad /= W ; norm = total L2 norm (before clipping)
+    norm not finite             -> update_skipped(nonfinite)  (the scaler lowers its scale)
+    an update hook vetoes       -> update_skipped(vetoed)
+    clip (max_norm) -> optimizer.step() for every optimizer
+    -> update_committed per optimizer (the step receipts)
+    -> on_optimizer_update callbacks see every receipt of the commit
+    -> optimizer_update-clock schedulers of those optimizers step
+    zero grads
+
+Dividing the accumulated gradient by W makes the update the gradient of the
+mean loss over the whole window, with unequal microbatch sizes and masks.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from contextlib import nullcontext
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor, nn
+
+from events.schema import MicrobatchDone, SchedulerStepped, UpdateCommitted, UpdateSkipped
+from nnx_es.errors import ConfigError
+from nnx_es.objective import Objective, accuracy
+
+if TYPE_CHECKING:
+    from nnx_es.context import TrainContext
+    from nnx_es.trainer import Trainer
+
+__all__ = ["EpochTotals", "UpdateEngine", "default_forward", "default_train_step", "finalize_step", "split_batch"]
+
+StepFn = Callable[[nn.Module, Any], tuple[Tensor, Tensor, Tensor | None]]
+
+
+def split_batch(batch: Any) -> tuple[Any, Tensor, Tensor | None]:
+    """``(inputs, targets[, weights])`` or a dict with ``x``/``y``[/``weight``].
+
+    Raises:
+        ConfigError: the batch has another shape.
+    """
+    if isinstance(batch, (tuple, list)):
+        if len(batch) == 2:
+            return batch[0], batch[1], None
+        if len(batch) == 3:
+            return batch[0], batch[1], batch[2]
+    if isinstance(batch, dict) and "x" in batch and "y" in batch:
+        return batch["x"], batch["y"], batch.get("weight")
+    raise ConfigError(
+        "a batch must be (inputs, targets), (inputs, targets, weights) or a dict with 'x', 'y'[, 'weight']; "
+        f"got {type(batch).__name__}"
+        + (f" of length {len(batch)}" if isinstance(batch, (tuple, list)) else "")
+    )
+
+
+def default_forward(net: nn.Module, batch: Any) -> tuple[Tensor, Tensor, Tensor | None]:
+    """The default ``train_step_fn`` and ``eval_step_fn``: ``outputs = net(inputs)``.
+
+    Returns ``(outputs (B, ...), targets (B, ...), weights (B,) or None)``.
+    """
+    inputs, targets, weights = split_batch(batch)
+    return net(inputs), targets, weights
+
+
+def default_train_step(ctx: TrainContext, batch: Any) -> None:
+    """The default ``trainer_step_fn``: one microbatch, and the update when it fills the window."""
+    engine = ctx.trainer.engine
+    engine.microbatch(ctx, batch)
+    if engine.window_full:
+        engine.finalize_step(ctx)
+
+
+class EpochTotals:
+    """Whole-epoch training sums (for the epoch summary)."""
+
+    __slots__ = ("num", "den", "terms", "correct", "scored", "microbatches", "updates", "skipped")
+
+    def __init__(self) -> None:
+        self.num = 0.0
+        self.den = 0.0
+        self.terms: dict[str, float] = {}
+        self.correct = 0.0
+        self.scored = 0.0
+        self.microbatches = 0
+        self.updates = 0
+        self.skipped = 0
+
+
+class UpdateEngine:
+    """Accumulates microbatches and commits one optimizer update per window.
+
+    Args:
+        trainer: the owning trainer (its recorder, callbacks, schedulers).
+        objective: the loss.
+        accumulation: microbatches per window (k >= 1).
+        clip_grad_norm: max total L2 norm, or ``None`` for no clipping.
+        precision: ``"fp32"``, ``"bf16"`` (autocast) or ``"fp16"`` (autocast + GradScaler).
+    """
+
+    def __init__(
+        self,
+        trainer: Trainer,
+        objective: Objective,
+        *,
+        accumulation: int = 1,
+        clip_grad_norm: float | None = None,
+        precision: str = "fp32",
+        train_step_fn: StepFn | None = None,
+        accuracy_metric: bool = True,
+    ) -> None:
+        if accumulation < 1:
+            raise ConfigError(f"accumulation must be >= 1 microbatch, got {accumulation!r}")
+        if clip_grad_norm is not None and not clip_grad_norm > 0:
+            raise ConfigError(f"clip_grad_norm must be > 0 or None, got {clip_grad_norm!r}")
+        if precision not in ("fp32", "bf16", "fp16"):
+            raise ConfigError(f"precision must be 'fp32', 'bf16' or 'fp16', got {precision!r}")
+        self.trainer = trainer
+        self.objective = objective
+        self.accumulation = int(accumulation)
+        self.clip_grad_norm = clip_grad_norm
+        self.precision = precision
+        self.train_step_fn = train_step_fn or default_forward
+        self.accuracy_metric = accuracy_metric
+        device_type = next((p.device.type for p in trainer.net.parameters()), "cpu")
+        self._autocast: Callable[[], Any] = (
+            (lambda: torch.autocast(device_type, dtype=torch.bfloat16 if precision == "bf16" else torch.float16))
+            if precision != "fp32"
+            else nullcontext
+        )
+        self.scaler = torch.amp.GradScaler(device_type) if precision == "fp16" else None
+        self.vetoes: list[Callable[[TrainContext], bool]] = []
+        self._params = [p for p in trainer.net.parameters() if p.requires_grad]
+        self.epoch = EpochTotals()
+        self._reset_window()
+
+    # --- window bookkeeping --------------------------------------------------------------
+
+    def _reset_window(self) -> None:
+        self.w_microbatches = 0
+        self.w_den = 0.0
+        self.w_num = 0.0
+        self.w_nonfinite = False
+
+    @property
+    def window_open(self) -> bool:
+        return self.w_microbatches > 0
+
+    @property
+    def window_full(self) -> bool:
+        return self.w_microbatches >= self.accumulation
+
+    def begin_epoch(self) -> None:
+        self.epoch = EpochTotals()
+
+    # --- one microbatch -------------------------------------------------------------------
+
+    def microbatch(self, ctx: TrainContext, batch: Any) -> None:
+        """Forward and backward one microbatch; emit ``microbatch_done``."""
+        with self._autocast():
+            outputs, targets, weights = self.train_step_fn(self.trainer.net, batch)
+            parts = self.objective(outputs, targets, weights)
+        num = float(parts.total.detach())
+        finite = math.isfinite(num)
+        if finite and parts.den > 0:
+            total = parts.total if self.scaler is None else self.scaler.scale(parts.total)
+            total.backward()
+        elif not finite:
+            self.w_nonfinite = True
+        self.w_microbatches += 1
+        self.w_den += parts.den
+        self.w_num += num
+        ctx.predictions, ctx.targets = outputs, targets
+        den = parts.den
+        ctx.loss = num / den if den > 0 else math.nan
+        e = self.epoch
+        e.microbatches += 1
+        if finite:
+            e.num += num
+            e.den += den
+            for name, v in parts.terms.items():
+                e.terms[name] = e.terms.get(name, 0.0) + v
+        if self.accuracy_metric and outputs.dim() == 2 and targets.dim() == 1:
+            c, s = accuracy(outputs.detach(), targets, weights)
+            e.correct += c
+            e.scored += s
+        rows = int(targets.shape[0]) if hasattr(targets, "shape") and targets.dim() > 0 else 1
+        self.trainer._microbatch_recorded = True
+        self.trainer.recorder.emit(
+            MicrobatchDone(
+                epoch=ctx.epoch,
+                batch=ctx.batch_index,
+                rows=rows,
+                examples=den,
+                loss=ctx.loss,
+                terms={k: (v / den if den > 0 else math.nan) for k, v in parts.terms.items()}
+                if len(parts.terms) > 1
+                else {},
+            )
+        )
+
+    # --- the window's end -----------------------------------------------------------------
+
+    def finalize_step(self, ctx: TrainContext) -> bool:
+        """Close the window: skip, or unscale -> clip -> step -> receipts. Returns True on commit."""
+        if not self.window_open:
+            return False
+        trainer = self.trainer
+        names = list(trainer.optimizers)
+        microbatches = self.w_microbatches
+        W = self.w_den
+        reason, detail, norm = None, "", None
+        unscaled = False
+        clipped, lrs = False, {}
+        if W <= 0:
+            reason = "masked"
+        elif self.w_nonfinite:
+            reason, detail = "nonfinite", "a microbatch loss was not finite"
+        else:
+            if self.scaler is not None:
+                for opt in trainer.optimizers.values():
+                    self.scaler.unscale_(opt)
+                unscaled = True
+            grads = [p.grad for p in self._params if p.grad is not None]
+            if W != 1.0:
+                torch._foreach_div_(grads, W)
+            norm_t = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
+            norm = float(norm_t)
+            if not math.isfinite(norm):
+                reason, detail = "nonfinite", "gradient norm is not finite"
+            elif any(veto(ctx) for veto in self.vetoes):
+                reason, detail = "vetoed", "an update hook vetoed the step"
+            else:
+                clipped = self.clip_grad_norm is not None and norm > self.clip_grad_norm
+                if clipped:
+                    torch.nn.utils.clip_grads_with_norm_(self._params, self.clip_grad_norm, norm_t)
+                lrs = {n: [float(g["lr"]) for g in trainer.optimizers[n].param_groups] for n in names}
+                for opt in trainer.optimizers.values():
+                    if self.scaler is not None:
+                        self.scaler.step(opt)
+                    else:
+                        opt.step()
+        if unscaled:
+            assert self.scaler is not None
+            self.scaler.update()  # after a step, or after an overflow (which lowers the scale)
+        for opt in trainer.optimizers.values():
+            opt.zero_grad(set_to_none=True)
+        loss = self.w_num / W if W > 0 else math.nan
+        self._reset_window()
+        if reason is not None:
+            self.epoch.skipped += 1
+            for n in names:
+                trainer.recorder.emit(
+                    UpdateSkipped(
+                        step=ctx.step_count, epoch=ctx.epoch, microbatches=microbatches, reason=reason,
+                        optimizer=n, detail=detail,
+                    )
+                )
+            return False
+        self._commit(ctx, names, loss=loss, examples=W, microbatches=microbatches, grad_norm=norm,
+                     clipped=clipped, lrs=lrs)
+        return True
+
+    def report_update(
+        self,
+        ctx: TrainContext,
+        *,
+        loss: float,
+        examples: float,
+        optimizers: list[str],
+        microbatches: int,
+        grad_norm: float | None,
+        clipped: bool,
+    ) -> None:
+        """Receipts for an update a custom step committed (see ``TrainContext.report_update``)."""
+        unknown = [n for n in optimizers if n not in self.trainer.optimizers]
+        if unknown:
+            raise ConfigError(f"report_update names unknown optimizers {unknown}; known: {list(self.trainer.optimizers)}")
+        self.trainer._ensure_microbatch_recorded(ctx, loss=loss, examples=examples)
+        lrs = {n: [float(g["lr"]) for g in self.trainer.optimizers[n].param_groups] for n in optimizers}
+        self._commit(ctx, optimizers, loss=loss, examples=examples, microbatches=microbatches,
+                     grad_norm=grad_norm, clipped=clipped, lrs=lrs)
+
+    def _commit(
+        self,
+        ctx: TrainContext,
+        names: list[str],
+        *,
+        loss: float,
+        examples: float,
+        microbatches: int,
+        grad_norm: float | None,
+        clipped: bool,
+        lrs: dict[str, list[float]],
+    ) -> None:
+        trainer = self.trainer
+        rec = trainer.recorder
+        trainer._committed_update = True
+        step = ctx.step_count + 1
+        world = trainer.world_size
+        receipts = [
+            UpdateCommitted(
+                step=step, epoch=ctx.epoch, microbatches=microbatches, local_examples=examples,
+                global_examples=examples, loss=loss, grad_norm=grad_norm, clipped=clipped, lrs=lrs[n],
+                optimizer=n, data_parallel_size=world, precision=self.precision,
+            )
+            for n in names
+        ]
+        for r in receipts:
+            rec.emit(r)
+        self.epoch.updates += 1
+        for r in receipts:
+            trainer._dispatch("on_optimizer_update", ctx, r)
+        committed = set(names)
+        for s in trainer.schedulers:
+            if s.clock == "optimizer_update" and s.optimizer_name in committed:
+                s.scheduler.step()
+                s.steps += 1
+                rec.emit(
+                    SchedulerStepped(
+                        name=s.name, clock=s.clock, epoch=ctx.epoch, step=step, steps=s.steps, lrs=s.lrs()
+                    )
+                )
+
+
+def finalize_step(ctx: TrainContext) -> bool:
+    """Close the current accumulation window of ``ctx``'s trainer (see :class:`UpdateEngine`)."""
+    return ctx.trainer.engine.finalize_step(ctx)

@@ -1,0 +1,130 @@
+"""Objectives: a loss as named, weighted terms, each reduced to a numerator and a denominator.
+
+A microbatch contributes, per term t, ``num_t = sum_i w_i * l_t(i)`` and the
+shared denominator ``den = sum_i w_i`` (the count of valid rows, or their
+weight sum). The update engine backpropagates ``sum_t weight_t * num_t`` per
+microbatch and divides the accumulated gradient by the window's total ``W``,
+so the update equals the gradient of the mean over the whole window, whatever
+the microbatch sizes and masks (spec 000 §3, "One update").
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from nnx_es.errors import ConfigError
+
+__all__ = ["LossParts", "Objective", "Term", "accuracy"]
+
+LossFn = Callable[[Tensor, Tensor], Tensor]
+
+
+class Term:
+    """One named loss term.
+
+    Args:
+        fn: ``fn(outputs, targets) -> losses`` with one loss per row, shape
+            ``(B,)`` (trailing dims are summed). A ``torch.nn`` loss module with a
+            ``reduction`` attribute is copied with ``reduction="none"``.
+        weight: multiplies the term in the total (float).
+    """
+
+    def __init__(self, fn: LossFn | nn.Module, weight: float = 1.0) -> None:
+        if isinstance(fn, nn.Module) and hasattr(fn, "reduction"):
+            fn = copy.copy(fn)
+            fn.reduction = "none"
+        if not callable(fn):
+            raise ConfigError(f"a loss term must be callable, got {fn!r}")
+        self.fn = fn
+        self.weight = float(weight)
+
+    def per_row(self, outputs: Tensor, targets: Tensor) -> Tensor:
+        losses = self.fn(outputs, targets)
+        if losses.dim() == 0:
+            raise ConfigError(
+                "a loss term returned a scalar; it must return one loss per row, shape (B,) "
+                "(use reduction='none')"
+            )
+        if losses.dim() > 1:
+            losses = losses.reshape(losses.shape[0], -1).sum(dim=1)
+        return losses
+
+
+class LossParts:
+    """What one microbatch contributes: the backward numerator and the bookkeeping.
+
+    total: ``sum_t weight_t * num_t`` (0-dim tensor, grad-carrying).
+    den: the denominator (float). terms: per-term numerators (float).
+    """
+
+    __slots__ = ("total", "den", "terms")
+
+    def __init__(self, total: Tensor, den: float, terms: dict[str, float]) -> None:
+        self.total = total
+        self.den = den
+        self.terms = terms
+
+
+class Objective:
+    """A loss of named, weighted terms.
+
+    Args:
+        terms: name -> :class:`Term`, a loss callable/module (weight 1), or
+            ``(fn, weight)``. A single callable is the term ``"loss"``.
+    """
+
+    def __init__(self, terms: Mapping[str, Any] | LossFn | nn.Module) -> None:
+        if callable(terms) and not isinstance(terms, Mapping):
+            terms = {"loss": terms}
+        if not terms:
+            raise ConfigError("an objective needs at least one term, got none")
+        self.terms: dict[str, Term] = {}
+        for name, spec in terms.items():
+            if isinstance(spec, Term):
+                self.terms[name] = spec
+            elif isinstance(spec, tuple):
+                self.terms[name] = Term(spec[0], spec[1])
+            else:
+                self.terms[name] = Term(spec)
+
+    def __call__(self, outputs: Tensor, targets: Tensor, weights: Tensor | None = None) -> LossParts:
+        """Reduce one microbatch.
+
+        Args:
+            outputs: model outputs, shape ``(B, ...)``.
+            targets: targets, shape ``(B, ...)``.
+            weights: per-row weights or a 0/1 mask, shape ``(B,)``; ``None``: all 1.
+        """
+        total: Tensor | None = None
+        nums: dict[str, float] = {}
+        for name, term in self.terms.items():
+            losses = term.per_row(outputs, targets)
+            if weights is not None:
+                w = weights.to(losses.dtype)
+                # masked rows contribute exactly 0, even when their loss is not finite
+                losses = torch.where(w != 0, losses * w, torch.zeros_like(losses))
+            num = losses.sum()
+            nums[name] = float(num.detach())
+            part = num * term.weight if term.weight != 1.0 else num
+            total = part if total is None else total + part
+        den = float(outputs.shape[0]) if weights is None else float(weights.detach().sum())
+        assert total is not None
+        return LossParts(total, den, nums)
+
+
+def accuracy(outputs: Tensor, targets: Tensor, weights: Tensor | None = None) -> tuple[float, float]:
+    """Correct predictions and their denominator for a classifier.
+
+    outputs: logits or probabilities, shape ``(B, C)``; targets: class ids, shape ``(B,)`` int64.
+    Returns ``(correct weight, total weight)`` (floats).
+    """
+    hit = (outputs.argmax(dim=-1) == targets).to(torch.float64)
+    if weights is None:
+        return float(hit.sum()), float(hit.numel())
+    w = weights.to(torch.float64)
+    return float((hit * w).sum()), float(w.sum())

@@ -1,0 +1,56 @@
+"""A progress display while training on a terminal (rich); silent otherwise."""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+from typing import Any
+
+__all__ = ["Progress"]
+
+
+class Progress:
+    """Epoch, step, loss and rows/s on stderr when it is a terminal (or when forced on)."""
+
+    def __init__(self, enabled: bool | None = None) -> None:
+        self.enabled = sys.stderr.isatty() if enabled is None else enabled
+        self._bar: Any = None
+        self._task: Any = None
+        self._rows = 0
+        self._t0 = 0.0
+
+    def start_epoch(self, epoch: int, total: int | None) -> None:
+        if not self.enabled:
+            return
+        if self._bar is None:
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress as RichProgress, TextColumn, TimeElapsedColumn
+
+            self._bar = RichProgress(
+                TextColumn("epoch {task.fields[epoch]}"), BarColumn(), MofNCompleteColumn(),
+                TextColumn("step {task.fields[step]}  loss {task.fields[loss]}  {task.fields[rate]} batches/s"),
+                TimeElapsedColumn(), transient=True,
+            )
+            self._bar.start()
+        if self._task is not None:
+            self._bar.remove_task(self._task)
+        self._task = self._bar.add_task("train", total=total, epoch=epoch, step=0, loss="-", rate="-")
+        self._rows = 0
+        self._t0 = time.perf_counter()
+
+    def advance(self, loss: float | None, step: int) -> None:
+        if not self.enabled or self._task is None:
+            return
+        self._rows += 1
+        dt = time.perf_counter() - self._t0
+        shown = f"{loss:.4f}" if loss is not None and math.isfinite(loss) else "-"
+        self._bar.update(self._task, advance=1, step=step, loss=shown, rate=f"{self._rows / dt:.0f}" if dt > 0 else "-")
+
+    def end_epoch(self, epoch: int, record: Any) -> None:
+        return None
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.stop()
+            self._bar = None
+            self._task = None

@@ -1,0 +1,71 @@
+"""The recorder: every event passes the lifecycle machine, then enters the log.
+
+It also folds the live counters from the same events (``projections.fold_counters``),
+so the counters a checkpoint stores are, by construction, the counters projection.
+"""
+
+from __future__ import annotations
+
+import time
+
+from events.log import EventLog
+from events.schema import Counters, Event
+from nnx_es.lifecycle import Lifecycle
+from projections.counters import fold_counters
+
+__all__ = ["Recorder"]
+
+
+class Recorder:
+    """Checks, appends and folds events of one run.
+
+    Raises:
+        IllegalTransitionError: from :meth:`emit` / :meth:`commit` when the
+            machine refuses the event's kind; nothing is appended then.
+    """
+
+    __slots__ = ("log", "lifecycle", "counters", "last_seq", "flush_interval_s", "_last_flush")
+
+    def __init__(self, log: EventLog, lifecycle: Lifecycle | None = None, counters: Counters | None = None) -> None:
+        self.log = log
+        self.lifecycle = lifecycle or Lifecycle()
+        self.counters = counters or Counters()
+        self.last_seq = -1
+        self.flush_interval_s = 0.5
+        self._last_flush = time.monotonic()
+
+    def emit(self, event: Event) -> int:
+        """Append ``event`` to the buffer (written at the next flush)."""
+        self.lifecycle.advance(event.KIND)
+        self.counters = fold_counters(self.counters, event)
+        self.last_seq = self.log.append(event)
+        return self.last_seq
+
+    def commit(self, event: Event) -> int:
+        """Append ``event`` and make it and everything before it durable (one sync).
+
+        When the write fails, the unwritten buffer (the commit marker with it) is
+        dropped, so a failed commit can never become durable later.
+        """
+        seq = self.emit(event)
+        try:
+            self.log.flush(sync=True)
+        except BaseException:
+            self.log.discard_buffer()
+            raise
+        self._last_flush = time.monotonic()
+        return seq
+
+    def maybe_flush(self) -> None:
+        """Flush (no sync) when ``flush_interval_s`` has passed: live readers see progress."""
+        now = time.monotonic()
+        if now - self._last_flush >= self.flush_interval_s:
+            self.log.flush()
+            self._last_flush = now
+
+    def accepts(self, kind: str) -> bool:
+        return self.lifecycle.accepts(kind)
+
+    def flush(self) -> None:
+        self.log.flush()
+        self._last_flush = time.monotonic()

@@ -1,0 +1,59 @@
+"""What a finished (or opened) run looks like to its caller: projections of its log."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import msgspec
+
+from events.log import LmdbLog
+from events.schema import Counters, HistoryRecord
+from projections.checkpoints import Pointer
+from projections.view import Projections, project
+
+__all__ = ["RunResult", "load_result", "open_projections"]
+
+
+class RunResult(msgspec.Struct, frozen=True, kw_only=True):
+    """A run, rebuilt from its event log's committed view.
+
+    status: ``completed`` | ``stopped`` | ``failed`` | ``running``.
+    history: one record per committed epoch. best / last: checkpoint pointers.
+    events: number of events in the log (uncommitted tail included).
+    """
+
+    run_id: str
+    run_dir: str
+    status: str
+    history: tuple[HistoryRecord, ...]
+    best: Pointer | None
+    last: Pointer | None
+    counters: Counters
+    events: int
+    error: str | None = None
+
+    @property
+    def best_epoch(self) -> int | None:
+        return self.best.epoch if self.best is not None else None
+
+
+def open_projections(run_dir: str | Path) -> tuple[Projections, int]:
+    """Fold a run's committed view read-only; return (projections, number of events)."""
+    with LmdbLog(Path(run_dir) / "events.lmdb", readonly=True) as log:
+        return project(log.read()), log.next_seq
+
+
+def load_result(run_dir: str | Path) -> RunResult:
+    """Rebuild a :class:`RunResult` from ``runs/<id>/``."""
+    p, n = open_projections(run_dir)
+    return RunResult(
+        run_id=p.status.run_id or Path(run_dir).name,
+        run_dir=str(run_dir),
+        status=p.status.status,
+        history=p.history.records,
+        best=p.checkpoints.best,
+        last=p.checkpoints.last,
+        counters=p.counters,
+        events=n,
+        error=p.status.error,
+    )

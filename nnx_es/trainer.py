@@ -1,0 +1,557 @@
+"""The Trainer: the training loop as a walk through the lifecycle machine.
+
+The loop, as pseudocode (every arrow is an event in ``runs/<id>/events.lmdb``)::
+
+    -> run_started
+    for each callback (list order): on_train_begin -> callback_began
+    -> train_began ; checkpoint -> checkpoint_stored -> last_committed (initial, synced)
+    for epoch in range(start_epoch, epochs):
+        -> epoch_began ; on_epoch_begin
+        for batch in train_loader:
+            trainer_step_fn(ctx, batch)            # default: microbatch -> microbatch_done,
+                                                   # window end -> update_committed | update_skipped,
+                                                   #   on_optimizer_update, optimizer_update-clock schedulers
+            on_batch_end
+            stop_at_update requested and an update committed -> stop_requested; finalize (no LAST refresh)
+        close a trailing partial window
+        validation (every ``validate_every`` epochs) -> validation_done ; on_validation_end
+        -> epoch_summarized ; one monitor decision -> monitor_decided
+        epoch-clock schedulers (a plateau one on the decision) -> scheduler_stepped
+        on_epoch_end (EarlyStopping may request a stop -> stop_requested)
+        -> history_appended ; checkpoint -> checkpoint_stored -> last_committed (synced)
+        -> best_committed (decision improved) -> phase_committed (cadence) -> callback_checkpointed
+    finalization: on_train_end in reverse order -> callback_finalized each
+        -> checkpoint_stored -> last_committed(final) -> run_finalized
+    on failure: run_failed -> on_train_end of every begun callback -> run_finalized(failed); re-raise
+
+Semantics follow spec 000 ("Lifecycle order", durable commit order, failure
+semantics) and spec 004 (counters, stages).
+"""
+
+from __future__ import annotations
+
+import math
+import secrets
+import time
+import traceback
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import structlog
+import torch
+from torch import nn
+from torch.optim import Optimizer
+
+from events.log import LmdbLog
+from events.schema import (
+    BestCommitted,
+    CallbackBegan,
+    CallbackCheckpointed,
+    CallbackFinalized,
+    CheckpointStored,
+    EpochBegan,
+    EpochSummarized,
+    HistoryAppended,
+    HistoryRecord,
+    LastCommitted,
+    MicrobatchDone,
+    PhaseCommitted,
+    RunFailed,
+    RunFinalized,
+    RunStarted,
+    SchedulerStepped,
+    StopRequested,
+    TrainBegan,
+    ValidationDone,
+)
+from nnx_es.callbacks import Callback, LambdaCallback
+from nnx_es.checkpoint import torch_bytes, write_checkpoint
+from nnx_es.context import TrainContext
+from nnx_es.engine import UpdateEngine, default_forward, default_train_step
+from nnx_es.errors import ConfigError
+from nnx_es.logs import ensure_logging
+from nnx_es.monitor import Monitor, step_plateau
+from nnx_es.objective import Objective, accuracy
+from nnx_es.progress import Progress
+from nnx_es.recorder import Recorder
+from nnx_es.result import RunResult, load_result
+from nnx_es.rng import capture_rng, seed_everything
+from nnx_es.schedulers import Scheduler
+from nnx_es.storage import BlobStore, Lease, clean_stale_temporaries, validate_run_id
+
+__all__ = ["Trainer"]
+
+log = structlog.get_logger("nnx_es")
+
+_msgpack = msgspec.msgpack.Encoder()
+
+
+def _library_versions() -> dict[str, str]:
+    import lmdb
+    import transitions
+
+    import nnx_es
+
+    return {
+        "nnx_es": getattr(nnx_es, "__version__", "0"),
+        "torch": str(torch.__version__),
+        "msgspec": msgspec.__version__,
+        "lmdb": lmdb.__version__,
+        "transitions": transitions.__version__,
+    }
+
+
+class Trainer:
+    """Trains ``net`` and records every lifecycle transition in the run's event log.
+
+    Args:
+        net: the model (``nn.Module``); checkpoints hold its ``state_dict``.
+        optimizer: one optimizer, or ``{name: optimizer}`` for several (they step together).
+        loss: the objective: a loss module/callable returning per-row losses (a
+            ``torch.nn`` loss is used with ``reduction="none"``), ``{name: fn or
+            (fn, weight)}``, or an :class:`~nnx_es.objective.Objective`.
+        monitor: :class:`~nnx_es.monitor.Monitor` or a metric name (``"val_loss"``;
+            mode ``max`` when the name contains ``acc``). One decision per
+            validated epoch drives BEST, ReduceLROnPlateau and EarlyStopping.
+        schedulers: torch schedulers (epoch clock) or :class:`~nnx_es.schedulers.Scheduler`.
+        callbacks: :class:`~nnx_es.callbacks.Callback` objects, dispatched in list order.
+        accumulation: microbatches per optimizer update (accumulation window).
+        clip_grad_norm: max total gradient L2 norm (after unscaling), or ``None``.
+        precision: ``"fp32"``, ``"bf16"`` or ``"fp16"`` (autocast; fp16 adds a GradScaler).
+        train_step_fn / eval_step_fn: ``fn(net, batch) -> (outputs, targets, weights|None)``.
+        trainer_step_fn: ``fn(ctx, batch)`` replacing the whole microbatch+update
+            path; it reports its updates with ``ctx.report_update(...)``.
+        validate_every: validate every N epochs (and after the last epoch).
+        phase_every / keep_phases: a phase checkpoint every N epochs; keep the newest K.
+        runs_root: the directory holding ``<run_id>/`` and ``.leases/``.
+        run_id: ``[A-Za-z0-9._-]{1,128}``; default: a timestamp and random suffix.
+        seed: seeds Python, numpy and torch before training.
+        progress: show a progress display (default: when stderr is a terminal).
+
+    Raises:
+        ConfigError: a bad argument (named with the value received).
+    """
+
+    def __init__(
+        self,
+        net: nn.Module,
+        optimizer: Optimizer | Mapping[str, Optimizer],
+        loss: Any,
+        *,
+        monitor: Monitor | str | None = None,
+        schedulers: Sequence[Any] = (),
+        callbacks: Sequence[Callback] = (),
+        accumulation: int = 1,
+        clip_grad_norm: float | None = None,
+        precision: str = "fp32",
+        train_step_fn: Callable[..., Any] | None = None,
+        eval_step_fn: Callable[..., Any] | None = None,
+        trainer_step_fn: Callable[[TrainContext, Any], Any] | None = None,
+        validate_every: int = 1,
+        phase_every: int | None = None,
+        keep_phases: int | None = None,
+        runs_root: str | Path = "runs",
+        run_id: str | None = None,
+        seed: int = 0,
+        progress: bool | None = None,
+        recipe: Mapping[str, Any] | None = None,
+    ) -> None:
+        if not isinstance(net, nn.Module):
+            raise ConfigError(f"net must be a torch.nn.Module, got {type(net).__name__}")
+        self.net = net
+        if isinstance(optimizer, Optimizer):
+            optimizer = {type(optimizer).__name__.lower(): optimizer}
+        if not optimizer or not all(isinstance(o, Optimizer) for o in optimizer.values()):
+            raise ConfigError(f"optimizer must be a torch Optimizer or a non-empty {{name: Optimizer}}, got {optimizer!r}")
+        self.optimizers: dict[str, Optimizer] = dict(optimizer)
+        self.objective = loss if isinstance(loss, Objective) else Objective(loss)
+        if isinstance(monitor, str):
+            monitor = Monitor(monitor, mode="max" if "acc" in monitor else "min")
+        self.monitor: Monitor | None = monitor
+        self.schedulers = self._wrap_schedulers(schedulers)
+        for cb in callbacks:
+            if not isinstance(cb, Callback):
+                raise ConfigError(f"callbacks must be nnx_es.Callback instances, got {type(cb).__name__}")
+        names = [cb.name for cb in callbacks]
+        if len(set(names)) != len(names):
+            raise ConfigError(f"callback names must be unique (they key checkpoint state), got {names}")
+        self.callbacks = list(callbacks)
+        if validate_every < 1:
+            raise ConfigError(f"validate_every must be >= 1 epoch, got {validate_every!r}")
+        if phase_every is not None and phase_every < 1:
+            raise ConfigError(f"phase_every must be >= 1 epoch or None, got {phase_every!r}")
+        if keep_phases is not None and keep_phases < 1:
+            raise ConfigError(f"keep_phases must be >= 1 or None, got {keep_phases!r}")
+        self.validate_every = validate_every
+        self.phase_every = phase_every
+        self.keep_phases = keep_phases
+        self.eval_step_fn = eval_step_fn or default_forward
+        self.trainer_step_fn = trainer_step_fn or default_train_step
+        self.custom_step = trainer_step_fn is not None
+        self.runs_root = Path(runs_root)
+        self.run_id = validate_run_id(run_id) if run_id is not None else None
+        self.seed = int(seed)
+        self.progress_enabled = progress
+        self.recipe = dict(recipe or {})
+        self.world_size = 1
+        self.engine = UpdateEngine(
+            self, self.objective, accumulation=accumulation, clip_grad_norm=clip_grad_norm,
+            precision=precision, train_step_fn=train_step_fn,
+        )
+        self._hooks = {
+            hook: [cb for cb in self.callbacks if (cb.has(hook) if isinstance(cb, LambdaCallback) else type(cb).overrides(hook))]
+            for hook in ("on_train_begin", "on_epoch_begin", "on_batch_end", "on_optimizer_update",
+                         "on_validation_end", "on_epoch_end", "on_train_end")
+        }
+        self.run_dir: Path | None = None
+        self.recorder: Recorder = None  # type: ignore[assignment]  # set by fit()
+        self.ctx = TrainContext(self)
+        self._stop: tuple[str, str] | None = None
+        self._microbatch_recorded = False
+        self._committed_update = False
+        self._phases: list[str] = []
+
+    # --- configuration helpers ----------------------------------------------------------
+
+    def _wrap_schedulers(self, schedulers: Iterable[Any]) -> list[Scheduler]:
+        out: list[Scheduler] = []
+        seen: set[str] = set()
+        for s in schedulers:
+            w = s if isinstance(s, Scheduler) else Scheduler(s)
+            if w.name in seen:
+                w.name = f"{w.name}{len(out)}"
+            seen.add(w.name)
+            owner = [n for n, o in self.optimizers.items() if o is w.optimizer]
+            if not owner:
+                raise ConfigError(f"scheduler {w.name!r} wraps an optimizer that is not among the trainer's optimizers")
+            w.optimizer_name = owner[0]
+            if w.plateau and self.monitor is None:
+                raise ConfigError(f"scheduler {w.name!r} is a ReduceLROnPlateau: it needs Trainer(monitor=...)")
+            out.append(w)
+        return out
+
+    # --- dispatch -----------------------------------------------------------------------
+
+    def _dispatch(self, hook: str, *args: Any) -> None:
+        for cb in self._hooks[hook]:
+            getattr(cb, hook)(*args)
+
+    def _request_stop(self, reason: str, by: str) -> None:
+        if self._stop is None:
+            self._stop = (reason, by)
+
+    def _ensure_microbatch_recorded(self, ctx: TrainContext, *, loss: float | None, examples: float) -> None:
+        if not self._microbatch_recorded:
+            self._microbatch_recorded = True
+            rows = len(ctx.batch[0]) if isinstance(ctx.batch, (tuple, list)) and hasattr(ctx.batch[0], "__len__") else 1
+            self.recorder.emit(
+                MicrobatchDone(
+                    epoch=ctx.epoch, batch=ctx.batch_index, rows=rows, examples=float(examples),
+                    loss=float(loss) if loss is not None else math.nan,
+                )
+            )
+
+    # --- the run ------------------------------------------------------------------------
+
+    def fit(self, train_loader: Iterable[Any], val_loader: Iterable[Any] | None = None, *, epochs: int) -> RunResult:
+        """Train for ``epochs`` epochs (0-based indices ``0 .. epochs-1``) and return the run.
+
+        Raises:
+            ConfigError: bad ``epochs`` or monitor/metrics mismatch.
+            LeaseHeldError: another process writes this run.
+            Exception: whatever training raised, after finalization.
+        """
+        if not isinstance(epochs, int) or epochs < 0:
+            raise ConfigError(f"epochs must be an int >= 0, got {epochs!r}")
+        ensure_logging()
+        run_id = self.run_id or f"{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(3)}"
+        self.run_id = run_id
+        run_dir = self.runs_root / run_id
+        self.run_dir = run_dir
+        lease = Lease(self.runs_root, run_id).acquire()
+        try:
+            if (run_dir / "events.lmdb" / "data.mdb").exists():
+                raise ConfigError(
+                    f"run {run_id!r} already has an event log at {run_dir}; a continuation writes its own run"
+                )
+            removed = clean_stale_temporaries(run_dir)
+            if removed:
+                log.warning("removed stale temporaries", run_id=run_id, files=[str(p) for p in removed])
+            self.store = BlobStore(run_dir / "blobs")
+            with LmdbLog(run_dir / "events.lmdb") as event_log:
+                self.recorder = Recorder(event_log)
+                seed_everything(self.seed)
+                self._run(train_loader, val_loader, epochs)
+        finally:
+            lease.release()
+        return load_result(run_dir)
+
+    def _run(self, train_loader: Iterable[Any], val_loader: Iterable[Any] | None, epochs: int) -> None:
+        rec = self.recorder
+        t0 = time.time()
+        ctx = self.ctx
+        begun: list[tuple[int, Callback]] = []
+        failure: BaseException | None = None
+        stopped_at_update = False
+        self.progress = Progress(self.progress_enabled)
+        try:
+            rec.emit(RunStarted(
+                run_id=self.run_id or "", seed=self.seed, recipe=self.recipe, library_versions=_library_versions(),
+                callbacks=[cb.name for cb in self.callbacks], optimizers=list(self.optimizers),
+                schedulers=[s.decl() for s in self.schedulers],
+                monitor=self.monitor.spec if self.monitor else None, accumulation=self.engine.accumulation,
+                wall_time_s=t0,
+            ))
+            for i, cb in enumerate(self.callbacks):
+                cb.on_train_begin(ctx)
+                rec.emit(CallbackBegan(name=cb.name, index=i))
+                begun.append((i, cb))
+            n_batches = len(train_loader) if hasattr(train_loader, "__len__") else None  # type: ignore[arg-type]
+            rec.emit(TrainBegan(start_epoch=0, epochs=epochs, train_batches=n_batches))
+            self._commit_last(epoch=-1)
+            rec.flush()
+            for epoch in range(0, epochs):
+                outcome = self._run_epoch(epoch, train_loader, val_loader, last=epoch == epochs - 1)
+                if outcome == "update_boundary":
+                    stopped_at_update = True
+                    break
+                if outcome == "stop":
+                    break
+        except BaseException as exc:  # noqa: BLE001 - re-raised after finalization
+            failure = exc
+        finally:
+            self.progress.close()
+        self._finalize(begun, failure, stopped_at_update, t0)
+        if failure is not None:
+            raise failure
+
+    def _run_epoch(self, epoch: int, train_loader: Iterable[Any], val_loader: Iterable[Any] | None, *, last: bool) -> str | None:
+        rec, ctx, engine = self.recorder, self.ctx, self.engine
+        ctx.epoch, ctx.decision, ctx.validation = epoch, None, ctx.validation
+        t_epoch = time.time()
+        rec.emit(EpochBegan(epoch=epoch, wall_time_s=t_epoch))
+        engine.begin_epoch()
+        self.net.train()
+        self._dispatch("on_epoch_begin", ctx)
+        self.progress.start_epoch(epoch, len(train_loader) if hasattr(train_loader, "__len__") else None)  # type: ignore[arg-type]
+        step_fn = self.trainer_step_fn
+        for i, batch in enumerate(train_loader):
+            ctx.batch_index, ctx.batch = i, batch
+            self._microbatch_recorded = False
+            self._committed_update = False
+            out = step_fn(ctx, batch)
+            if self.custom_step and not self._microbatch_recorded:
+                self._ensure_microbatch_recorded(ctx, loss=float(out) if out is not None else None, examples=0.0)
+            self._dispatch("on_batch_end", ctx)
+            self.progress.advance(ctx.loss, ctx.step_count)
+            if self._committed_update:
+                rec.maybe_flush()
+                if ctx.stop_at_update_requested:
+                    rec.emit(StopRequested(epoch=epoch, step=ctx.step_count, reason="update_boundary"))
+                    return "update_boundary"
+        if engine.finalize_step(ctx) and ctx.stop_at_update_requested:
+            rec.emit(StopRequested(epoch=epoch, step=ctx.step_count, reason="update_boundary"))
+            return "update_boundary"
+        # validation, summary, decision, schedulers
+        val: dict[str, float] = {}
+        if val_loader is not None and ((epoch + 1) % self.validate_every == 0 or last):
+            val, n_val = self.validate(val_loader)
+            ctx.validation = val
+            rec.emit(ValidationDone(epoch=epoch, metrics=val, examples=n_val, step=ctx.step_count))
+            self._dispatch("on_validation_end", ctx, val)
+        totals = engine.epoch
+        train = {"loss": totals.num / totals.den if totals.den > 0 else math.nan}
+        if len(self.objective.terms) > 1:
+            train.update({k: v / totals.den if totals.den > 0 else math.nan for k, v in totals.terms.items()})
+        if totals.scored > 0:
+            train["accuracy"] = totals.correct / totals.scored
+        rec.emit(EpochSummarized(
+            epoch=epoch, metrics=train, examples=totals.den, microbatches=totals.microbatches,
+            updates=totals.updates, skipped=totals.skipped, duration_s=time.time() - t_epoch,
+        ))
+        decision = None
+        if self.monitor is not None:
+            metrics = {**train, **val}
+            if self.monitor.name in metrics:
+                decision = self.monitor.decide(epoch, float(metrics[self.monitor.name]))
+                ctx.decision = decision
+                rec.emit(decision)
+            elif val or not self.monitor.name.startswith("val_"):
+                raise ConfigError(
+                    f"monitor {self.monitor.name!r} is not among the epoch's metrics {sorted(metrics)}"
+                )
+        for s in self.schedulers:
+            if s.clock != "epoch":
+                continue
+            if s.plateau:
+                if decision is None:
+                    continue  # no decision this epoch: a plateau scheduler does not step
+                step_plateau(s.scheduler, decision)
+            else:
+                s.scheduler.step()
+            s.steps += 1
+            rec.emit(SchedulerStepped(
+                name=s.name, clock=s.clock, epoch=epoch, step=ctx.step_count, steps=s.steps, lrs=s.lrs(),
+                plateau=s.plateau_state(),
+            ))
+        self._dispatch("on_epoch_end", ctx)
+        if self._stop is not None:
+            rec.emit(StopRequested(epoch=epoch, step=ctx.step_count, reason=self._stop[0], by=self._stop[1]))
+        record = HistoryRecord(
+            epoch=epoch, train=train, val=val,
+            monitor_value=decision.value if decision else None, improved=decision.improved if decision else None,
+            lrs={n: [float(g["lr"]) for g in o.param_groups] for n, o in self.optimizers.items()},
+            counters=msgspec.structs.replace(rec.counters, epoch=epoch + 1), wall_time_s=time.time() - t_epoch,
+        )
+        rec.emit(HistoryAppended(record=record))
+        manifest = self._commit_last(epoch=epoch)
+        if decision is not None and decision.improved:
+            rec.emit(BestCommitted(manifest=manifest, epoch=epoch, monitor=decision.monitor, value=decision.value))
+        if self.phase_every is not None and (epoch + 1) % self.phase_every == 0:
+            name = f"epoch-{epoch:04d}"
+            self._phases.append(name)
+            removed: list[str] = []
+            if self.keep_phases is not None:
+                while len(self._phases) > self.keep_phases:
+                    removed.append(self._phases.pop(0))
+            rec.emit(PhaseCommitted(name=name, manifest=manifest, epoch=epoch, removed=removed))
+        for cb in self.callbacks:
+            data = cb.checkpoint(ctx)
+            if data is not None:
+                rec.emit(CallbackCheckpointed(name=cb.name, epoch=epoch, blob=self.store.put(data)))
+        rec.flush()
+        self.progress.end_epoch(epoch, record)
+        log.info("epoch committed", run_id=self.run_id, epoch=epoch, **record.train, **record.val,
+                 improved=record.improved)
+        return "stop" if self._stop is not None else None
+
+    # --- validation -----------------------------------------------------------------------
+
+    @torch.no_grad()
+    def validate(self, loader: Iterable[Any]) -> tuple[dict[str, float], int]:
+        """Evaluate on ``loader`` in eval mode; return (``val_`` metrics, rows scored)."""
+        was_training = self.net.training
+        self.net.eval()
+        num = den = correct = scored = 0.0
+        terms: dict[str, float] = {}
+        rows = 0
+        try:
+            for batch in loader:
+                outputs, targets, weights = self.eval_step_fn(self.net, batch)
+                parts = self.objective(outputs, targets, weights)
+                num += float(parts.total)
+                den += parts.den
+                for k, v in parts.terms.items():
+                    terms[k] = terms.get(k, 0.0) + v
+                if outputs.dim() == 2 and targets.dim() == 1:
+                    c, s = accuracy(outputs, targets, weights)
+                    correct += c
+                    scored += s
+                rows += int(targets.shape[0])
+        finally:
+            self.net.train(was_training)
+        metrics = {"val_loss": num / den if den > 0 else math.nan}
+        if len(self.objective.terms) > 1:
+            metrics.update({f"val_{k}": v / den if den > 0 else math.nan for k, v in terms.items()})
+        if scored > 0:
+            metrics["val_accuracy"] = correct / scored
+        return metrics, rows
+
+    # --- checkpoints ----------------------------------------------------------------------
+
+    def _checkpoint_parts(self, epoch: int) -> dict[str, tuple[str, bytes]]:
+        parts: dict[str, tuple[str, bytes]] = {"model": ("torch", torch_bytes(self.net.state_dict()))}
+        for n, o in self.optimizers.items():
+            parts[f"optimizer/{n}"] = ("torch", torch_bytes(o.state_dict()))
+        for s in self.schedulers:
+            parts[f"scheduler/{s.name}"] = ("torch", torch_bytes(s.state_dict()))
+        if self.engine.scaler is not None:
+            parts["scaler"] = ("torch", torch_bytes(self.engine.scaler.state_dict()))
+        state = {
+            "schedulers": {s.name: s.summary() for s in self.schedulers},
+            "monitor": self.monitor.state_dict() if self.monitor else None,
+            "rng": capture_rng(),
+            "data": {"next_epoch": epoch + 1},
+            "topology": {
+                "module": type(self.net).__qualname__,
+                "parameters": {k: list(v.shape) for k, v in self.net.state_dict().items()},
+                "world_size": self.world_size,
+            },
+        }
+        for name, value in state.items():
+            parts[name] = ("msgpack", _msgpack.encode(value))
+        for cb in self.callbacks:
+            cb_state = cb.state_dict()
+            if cb_state is not None:
+                parts[f"callback/{cb.name}"] = ("msgpack", _msgpack.encode(cb_state))
+        return parts
+
+    def _commit_last(self, *, epoch: int, final: bool = False) -> str:
+        """Store the checkpoint's blobs durably, then commit LAST (synced). Returns the manifest hash."""
+        rec = self.recorder
+        counters = rec.counters
+        digest, manifest = write_checkpoint(
+            self.store, run_id=self.run_id or "", epoch=epoch, step=counters.step, counters=counters,
+            parts=self._checkpoint_parts(epoch), world_size=self.world_size,
+        )
+        rec.emit(CheckpointStored(
+            manifest=digest, epoch=epoch, step=counters.step,
+            components={k: c.blob for k, c in manifest.components.items()},
+            bytes=sum(c.bytes for c in manifest.components.values()),
+        ))
+        rec.commit(LastCommitted(manifest=digest, epoch=epoch, step=counters.step, counters=counters, final=final))
+        return digest
+
+    # --- finalization ---------------------------------------------------------------------
+
+    def _finalize(self, begun: list[tuple[int, Callback]], failure: BaseException | None,
+                  stopped_at_update: bool, t0: float) -> None:
+        rec, ctx = self.recorder, self.ctx
+        if failure is not None:
+            log.error("training failed", run_id=self.run_id, error=repr(failure))
+            self._try(lambda: rec.emit(RunFailed(
+                error_type=type(failure).__name__, message=str(failure), epoch=ctx.epoch, step=ctx.step_count,
+                traceback="".join(traceback.format_exception(failure))[-4000:],
+            )) if rec.accepts("run_failed") else None)
+        cleanup_error: BaseException | None = None
+        for i, cb in reversed(begun):
+            error = None
+            try:
+                cb.on_train_end(ctx)
+            except BaseException as exc:  # noqa: BLE001 - every cleanup hook is attempted
+                error = f"{type(exc).__name__}: {exc}"
+                log.error("callback cleanup failed", callback=cb.name, error=error)
+                if cleanup_error is None:
+                    cleanup_error = exc
+            self._try(lambda cb=cb, i=i, error=error: rec.emit(CallbackFinalized(name=cb.name, index=i, error=error)))
+        status = "failed" if failure is not None else ("stopped" if (stopped_at_update or self._stop) else "completed")
+        if failure is None and cleanup_error is not None:
+            self._try(lambda: rec.emit(RunFailed(
+                error_type=type(cleanup_error).__name__, message=str(cleanup_error), epoch=ctx.epoch,
+                step=ctx.step_count,
+            )))
+            status = "failed"
+        if status != "failed" and not stopped_at_update:
+            self._try(lambda: self._commit_last(epoch=ctx.epoch_count - 1, final=True))
+        self._try(lambda: rec.commit(RunFinalized(
+            status=status, epochs=rec.counters.epoch, steps=rec.counters.step, wall_time_s=time.time() - t0,
+        )))
+        self._try(self._write_views)
+        if failure is None and cleanup_error is not None:
+            raise cleanup_error
+
+    def _try(self, fn: Callable[[], Any]) -> None:
+        """Run a finalization step; its error is logged, never raised over the training error."""
+        try:
+            fn()
+        except BaseException as exc:  # noqa: BLE001
+            log.error("finalization step failed", error=f"{type(exc).__name__}: {exc}")
+
+    def _write_views(self) -> None:
+        from nnx_es.views import write_views
+        from projections.view import project
+
+        assert self.run_dir is not None
+        write_views(self.run_dir, project(self.recorder.log.read()))
