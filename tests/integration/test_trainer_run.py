@@ -1,0 +1,239 @@
+"""Golden event sequences and the durable commit order of whole training runs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from events.log import LmdbLog
+from events.schema import CallbackFinalized, LastCommitted, RunFailed, RunFinalized
+from nnx_es import Callback, EarlyStopping, Monitor, NNModel, Scheduler, Trainer, load_result
+from nnx_es.checkpoint import verify_checkpoint
+from nnx_es.errors import CorruptCheckpointError
+from nnx_es.lifecycle import IllegalTransitionError
+from nnx_es.storage import BlobStore
+from projections import project
+from trainkit import kinds, loaders, read_events, small_net
+
+
+class Counting(Callback):
+    """A callback with state; records the hooks it saw."""
+
+    def __init__(self, name: str, seen: list[str]) -> None:
+        self._name = name
+        self.seen = seen
+        self.epochs = 0
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    def on_train_begin(self, ctx):
+        self.seen.append(f"{self._name}.begin")
+
+    def on_epoch_end(self, ctx):
+        self.epochs += 1
+
+    def on_train_end(self, ctx):
+        self.seen.append(f"{self._name}.end")
+
+    def state_dict(self):
+        return {"epochs": self.epochs}
+
+
+def _trainer(tmp_path: Path, callbacks=(), **kw) -> Trainer:
+    net = small_net()
+    opt = torch.optim.SGD(net.parameters(), lr=0.05)
+    plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(opt, patience=1)
+    return Trainer(
+        net, opt, nn.CrossEntropyLoss(), monitor=Monitor("val_loss"),
+        schedulers=[Scheduler(plateau, name="plateau")], callbacks=list(callbacks),
+        runs_root=tmp_path / "runs", run_id="r1", progress=False, **kw,
+    )
+
+
+def test_two_epoch_run_writes_exactly_the_lifecycle_event_sequence(tmp_path):
+    seen: list[str] = []
+    trainer = _trainer(tmp_path, callbacks=[Counting("a", seen), Counting("b", seen)])
+    train, val = loaders(batch_size=16, n_train=48)  # 3 microbatches per epoch
+    run = trainer.fit(train, val, epochs=2)
+    assert run.status == "completed"
+    decisions = [e for _, e in read_events(run.run_dir) if e.KIND == "monitor_decided"]
+    assert [d.improved for d in decisions] == [True, True]  # separable data, falling val loss
+
+    epoch = (
+        ["epoch_began"] + ["microbatch_done", "update_committed"] * 3
+        + ["validation_done", "epoch_summarized", "monitor_decided", "scheduler_stepped",
+           "history_appended", "checkpoint_stored", "last_committed", "best_committed"]
+    )
+    expected = (
+        ["run_started", "callback_began", "callback_began", "train_began", "checkpoint_stored", "last_committed"]
+        + epoch + epoch
+        + ["callback_finalized", "callback_finalized", "checkpoint_stored", "last_committed", "run_finalized"]
+    )
+    assert kinds(run.run_dir) == expected
+    assert seen == ["a.begin", "b.begin", "b.end", "a.end"]
+
+
+def test_commit_order_is_history_then_last_then_best_then_callback_checkpoints(tmp_path):
+    class Deferred(Callback):
+        def checkpoint(self, ctx):
+            return f"epoch {ctx.epoch}".encode()
+
+    run = _trainer(tmp_path, callbacks=[Deferred()]).fit(*loaders(), epochs=3)
+    events = read_events(run.run_dir)
+    for epoch in range(3):
+        positions = {
+            k: [s for s, e in events if e.KIND == k and (e.record.epoch if k == "history_appended" else e.epoch) == epoch]
+            for k in ("history_appended", "last_committed", "callback_checkpointed")
+        }
+        assert positions["history_appended"][0] < positions["last_committed"][0] < positions["callback_checkpointed"][0]
+        best = [s for s, e in events if e.KIND == "best_committed" and e.epoch == epoch]
+        if best:
+            assert positions["last_committed"][0] < best[0] < positions["callback_checkpointed"][0]
+    p = project(events)
+    assert [r.epoch for r in p.history.records] == [0, 1, 2]
+    assert set(p.checkpoints.callbacks) == {"Deferred"}
+
+
+def test_last_commit_is_synced_and_each_epoch_costs_one_commit_sync(tmp_path):
+    trainer = _trainer(tmp_path)
+    run = trainer.fit(*loaders(), epochs=3)
+    # initial LAST + one per epoch + final LAST + run_finalized, nothing else synced
+    assert trainer.recorder.log.syncs == 1 + 3 + 1 + 1
+    assert run.last.epoch == 2
+
+
+def test_finalization_runs_in_reverse_order_and_refreshes_last_after_it(tmp_path):
+    seen: list[str] = []
+
+    class Mutating(Counting):
+        def on_train_end(self, ctx):
+            super().on_train_end(ctx)
+            self.epochs = 100  # a mutation at finalization must reach the persisted checkpoint
+
+    cbs = [Mutating("first", seen), Counting("second", seen), Counting("third", seen)]
+    run = _trainer(tmp_path, callbacks=cbs).fit(*loaders(), epochs=1)
+    events = read_events(run.run_dir)
+    fin = [e for _, e in events if isinstance(e, CallbackFinalized)]
+    assert [(e.name, e.index) for e in fin] == [("third", 2), ("second", 1), ("first", 0)]
+    assert seen[-3:] == ["third.end", "second.end", "first.end"]
+    last = [e for _, e in events if isinstance(e, LastCommitted)][-1]
+    assert last.final is True
+    from nnx_es.checkpoint import load_component
+
+    store = BlobStore(Path(run.run_dir) / "blobs")
+    manifest = verify_checkpoint(store, last.manifest)
+    assert load_component(store, manifest, "callback/first") == {"epochs": 100}
+
+
+def test_a_cleanup_error_does_not_mask_the_training_error(tmp_path):
+    seen: list[str] = []
+
+    class Boom(Callback):
+        def on_epoch_end(self, ctx):
+            raise KeyError("training broke")
+
+    class BadCleanup(Counting):
+        def on_train_end(self, ctx):
+            super().on_train_end(ctx)
+            raise RuntimeError("cleanup broke")
+
+    cbs = [Counting("ok1", seen), BadCleanup("bad", seen), Boom(), Counting("ok2", seen)]
+    with pytest.raises(KeyError, match="training broke"):
+        _trainer(tmp_path, callbacks=cbs).fit(*loaders(), epochs=2)
+    # every cleanup hook ran, in reverse order, despite the failing one
+    assert seen[-3:] == ["ok2.end", "bad.end", "ok1.end"]
+    events = read_events(tmp_path / "runs" / "r1")
+    failed = [e for _, e in events if isinstance(e, RunFailed)]
+    assert len(failed) == 1 and failed[0].error_type == "KeyError"
+    fin = {e.name: e.error for _, e in events if isinstance(e, CallbackFinalized)}
+    assert fin["bad"] is not None and "cleanup broke" in fin["bad"]
+    assert fin["ok1"] is None and fin["ok2"] is None
+    assert isinstance(events[-1][1], RunFinalized) and events[-1][1].status == "failed"
+    result = load_result(tmp_path / "runs" / "r1")
+    assert result.status == "failed"
+    # the failing epoch never committed: history ends before it
+    assert [r.epoch for r in result.history] == []
+
+
+def test_only_callbacks_whose_begin_completed_are_finalized(tmp_path):
+    seen: list[str] = []
+
+    class BadBegin(Counting):
+        def on_train_begin(self, ctx):
+            raise ValueError("begin broke")
+
+    cbs = [Counting("first", seen), BadBegin("second", seen), Counting("third", seen)]
+    with pytest.raises(ValueError, match="begin broke"):
+        _trainer(tmp_path, callbacks=cbs).fit(*loaders(), epochs=1)
+    assert seen == ["first.begin", "first.end"]
+    fin = [e.name for _, e in read_events(tmp_path / "runs" / "r1") if isinstance(e, CallbackFinalized)]
+    assert fin == ["first"]
+
+
+def test_a_corrupted_blob_is_detected_by_its_hash(tmp_path):
+    run = _trainer(tmp_path).fit(*loaders(), epochs=1)
+    store = BlobStore(Path(run.run_dir) / "blobs")
+    manifest = verify_checkpoint(store, run.last.manifest)
+    victim = store.path(manifest.components["model"].blob)
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    with pytest.raises(CorruptCheckpointError, match=manifest.components["model"].blob):
+        verify_checkpoint(store, run.last.manifest)
+    model = NNModel(small_net())
+    with pytest.raises(CorruptCheckpointError):
+        model.load(run.run_dir, "last")
+
+
+def test_an_illegal_transition_is_refused_and_nothing_is_appended(tmp_path):
+    from events.schema import EpochBegan
+    from nnx_es.recorder import Recorder
+
+    with LmdbLog(tmp_path / "ev") as log:
+        rec = Recorder(log)
+        with pytest.raises(IllegalTransitionError, match="'epoch_began'.*'new'"):
+            rec.emit(EpochBegan(epoch=0))
+        assert log.next_seq == 0 and rec.lifecycle.state == "new"
+
+
+def test_early_stopping_and_best_follow_one_monitor_decision(tmp_path):
+    net = small_net()
+    opt = torch.optim.SGD(net.parameters(), lr=0.0)  # nothing improves after epoch 0
+    trainer = Trainer(
+        net, opt, nn.CrossEntropyLoss(), monitor="val_loss", callbacks=[EarlyStopping(patience=2)],
+        runs_root=tmp_path / "runs", run_id="es", progress=False,
+    )
+    run = trainer.fit(*loaders(), epochs=10)
+    assert run.status == "stopped"
+    events = read_events(run.run_dir)
+    decided = [e for _, e in events if e.KIND == "monitor_decided"]
+    assert [d.improved for d in decided] == [True, False, False]
+    assert [e.epoch for _, e in events if e.KIND == "best_committed"] == [0]
+    stop = [e for _, e in events if e.KIND == "stop_requested"]
+    assert len(stop) == 1 and stop[0].reason == "early_stopping" and stop[0].epoch == 2
+    assert run.best.epoch == 0 and len(run.history) == 3
+
+
+def test_a_continuation_never_writes_into_an_existing_run(tmp_path):
+    _trainer(tmp_path).fit(*loaders(), epochs=1)
+    before = kinds(tmp_path / "runs" / "r1")
+    with pytest.raises(Exception, match="already has an event log"):
+        _trainer(tmp_path).fit(*loaders(), epochs=1)
+    assert kinds(tmp_path / "runs" / "r1") == before
+
+
+def test_nnmodel_predict_proba_shapes_and_normalization(tmp_path):
+    model = NNModel(small_net())
+    train, val = loaders()
+    run = model.train(train, val, epochs=2, runs_root=tmp_path / "runs", run_id="m", progress=False)
+    x = torch.randn(5, 4)
+    p = model.predict_proba(x)
+    assert p.shape == (5, 3) and p.dtype == torch.float32
+    assert torch.allclose(p.sum(dim=1), torch.ones(5))
+    assert model.predict(x).shape == (5,)
+    assert run.best is not None
