@@ -39,6 +39,8 @@ from torch import Tensor, nn
 from events.schema import MicrobatchDone, SchedulerStepped, UpdateCommitted, UpdateSkipped
 from nnx_es.errors import ConfigError
 from nnx_es.objective import Objective, accuracy
+from nnx_es.stages import StageDispatcher, TrainingStage
+from nnx_es.update_hooks import UpdateHook, UpdateOrchestrator
 
 if TYPE_CHECKING:
     from nnx_es.context import TrainContext
@@ -128,26 +130,41 @@ class UpdateEngine:
             raise ConfigError(f"accumulation must be >= 1 microbatch, got {accumulation!r}")
         if clip_grad_norm is not None and not clip_grad_norm > 0:
             raise ConfigError(f"clip_grad_norm must be > 0 or None, got {clip_grad_norm!r}")
-        if precision not in ("fp32", "bf16", "fp16"):
-            raise ConfigError(f"precision must be 'fp32', 'bf16' or 'fp16', got {precision!r}")
         self.trainer = trainer
         self.objective = objective
         self.accumulation = int(accumulation)
         self.clip_grad_norm = clip_grad_norm
-        self.precision = precision
         self.train_step_fn = train_step_fn or default_forward
         self.accuracy_metric = accuracy_metric
-        device_type = next((p.device.type for p in trainer.net.parameters()), "cpu")
-        self._autocast: Callable[[], Any] = (
-            (lambda: torch.autocast(device_type, dtype=torch.bfloat16 if precision == "bf16" else torch.float16))
-            if precision != "fp32"
-            else nullcontext
-        )
-        self.scaler = torch.amp.GradScaler(device_type) if precision == "fp16" else None
-        self.vetoes: list[Callable[[TrainContext], bool]] = []
         self._params = [p for p in trainer.net.parameters() if p.requires_grad]
+        self.set_precision(precision)
+        self.orchestrator = UpdateOrchestrator([])
+        self.stages = StageDispatcher([])
         self.epoch = EpochTotals()
         self._reset_window()
+
+    def set_precision(self, precision: str) -> None:
+        """``"fp32"``, ``"bf16"`` (autocast) or ``"fp16"`` (autocast + GradScaler).
+
+        Raises:
+            ConfigError: any other value.
+        """
+        if precision not in ("fp32", "bf16", "fp16"):
+            raise ConfigError(f"precision must be 'fp32', 'bf16' or 'fp16', got {precision!r}")
+        self.precision = precision
+        device_type = next((p.device.type for p in self.trainer.net.parameters()), "cpu")
+        dtype = torch.bfloat16 if precision == "bf16" else torch.float16
+        self._autocast: Callable[[], Any] = (
+            (lambda: torch.autocast(device_type, dtype=dtype)) if precision != "fp32" else nullcontext
+        )
+        self.scaler = torch.amp.GradScaler(device_type) if precision == "fp16" else None
+
+    def use_hooks(self, update_hooks: list[UpdateHook], stage_hooks: list[Any]) -> None:
+        """Install update hooks (configured now, folded into one orchestrator) and stage hooks."""
+        self.orchestrator = UpdateOrchestrator(update_hooks)
+        for h in update_hooks:
+            h.configure(self)
+        self.stages = StageDispatcher(stage_hooks)
 
     # --- window bookkeeping --------------------------------------------------------------
 
@@ -172,22 +189,32 @@ class UpdateEngine:
 
     def microbatch(self, ctx: TrainContext, batch: Any) -> None:
         """Forward and backward one microbatch; emit ``microbatch_done``."""
+        stages = self.stages
         with self._autocast():
+            stages(TrainingStage.BEFORE_FORWARD, ctx)
             outputs, targets, weights = self.train_step_fn(self.trainer.net, batch)
+            ctx.predictions, ctx.targets = outputs, targets
+            stages(TrainingStage.AFTER_FORWARD, ctx)
+            stages(TrainingStage.BEFORE_LOSS, ctx)
             parts = self.objective(outputs, targets, weights)
         num = float(parts.total.detach())
-        finite = math.isfinite(num)
-        if finite and parts.den > 0:
-            total = parts.total if self.scaler is None else self.scaler.scale(parts.total)
-            total.backward()
-        elif not finite:
-            self.w_nonfinite = True
-        self.w_microbatches += 1
-        self.w_den += parts.den
-        self.w_num += num
-        ctx.predictions, ctx.targets = outputs, targets
         den = parts.den
         ctx.loss = num / den if den > 0 else math.nan
+        stages(TrainingStage.AFTER_LOSS, ctx)
+        finite = math.isfinite(num)
+        stages(TrainingStage.BEFORE_BACKWARD, ctx)
+        if finite and den > 0:
+            owner = self.orchestrator.backward_owner
+            if owner is not None:
+                owner.backward(ctx, parts.total)
+            else:
+                parts.total.backward()
+        elif not finite:
+            self.w_nonfinite = True
+        stages(TrainingStage.AFTER_BACKWARD, ctx)
+        self.w_microbatches += 1
+        self.w_den += den
+        self.w_num += num
         e = self.epoch
         e.microbatches += 1
         if finite:
@@ -239,22 +266,25 @@ class UpdateEngine:
             grads = [p.grad for p in self._params if p.grad is not None]
             if W != 1.0:
                 torch._foreach_div_(grads, W)
+            self.stages(TrainingStage.BEFORE_OPTIMIZER_STEP, ctx)
             norm_t = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
             norm = float(norm_t)
             if not math.isfinite(norm):
                 reason, detail = "nonfinite", "gradient norm is not finite"
-            elif any(veto(ctx) for veto in self.vetoes):
+            elif self.orchestrator.vetoed(ctx):
                 reason, detail = "vetoed", "an update hook vetoed the step"
             else:
                 clipped = self.clip_grad_norm is not None and norm > self.clip_grad_norm
                 if clipped:
                     torch.nn.utils.clip_grads_with_norm_(self._params, self.clip_grad_norm, norm_t)
                 lrs = {n: [float(g["lr"]) for g in trainer.optimizers[n].param_groups] for n in names}
-                for opt in trainer.optimizers.values():
-                    if self.scaler is not None:
-                        self.scaler.step(opt)
-                    else:
+                owner = self.orchestrator.step_owner
+                if owner is not None:
+                    owner.step(ctx, trainer.optimizers)
+                else:
+                    for opt in trainer.optimizers.values():
                         opt.step()
+                self.orchestrator.after_step(ctx)
         if unscaled:
             assert self.scaler is not None
             self.scaler.update()  # after a step, or after an overflow (which lowers the scale)
@@ -274,6 +304,7 @@ class UpdateEngine:
             return False
         self._commit(ctx, names, loss=loss, examples=W, microbatches=microbatches, grad_norm=norm,
                      clipped=clipped, lrs=lrs)
+        self.stages(TrainingStage.AFTER_OPTIMIZER_STEP, ctx)
         return True
 
     def report_update(

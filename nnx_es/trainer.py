@@ -79,6 +79,8 @@ from nnx_es.recorder import Recorder
 from nnx_es.result import RunResult, load_result
 from nnx_es.rng import capture_rng, seed_everything
 from nnx_es.schedulers import Scheduler
+from nnx_es.stages import TrainingStage
+from nnx_es.update_hooks import EMA, GradientAccumulation, GradientClipping, MixedPrecision, collect
 from nnx_es.storage import BlobStore, Lease, clean_stale_temporaries, validate_run_id
 
 __all__ = ["Trainer"]
@@ -117,13 +119,16 @@ class Trainer:
             validated epoch drives BEST, ReduceLROnPlateau and EarlyStopping.
         schedulers: torch schedulers (epoch clock) or :class:`~nnx_es.schedulers.Scheduler`.
         callbacks: :class:`~nnx_es.callbacks.Callback` objects, dispatched in list order.
-        accumulation: microbatches per optimizer update (accumulation window).
-        clip_grad_norm: max total gradient L2 norm (after unscaling), or ``None``.
-        precision: ``"fp32"``, ``"bf16"`` or ``"fp16"`` (autocast; fp16 adds a GradScaler).
+        hooks: stage hooks (``stage``, ``frequency``, ``__call__(ctx, stage)``, see
+            :mod:`nnx_es.stages`) and update hooks (:mod:`nnx_es.update_hooks`).
+        accumulation: microbatches per optimizer update (shortcut for ``GradientAccumulation``).
+        clip_grad_norm: max total gradient L2 norm (shortcut for ``GradientClipping``).
+        precision: ``"fp32"``, ``"bf16"`` or ``"fp16"`` (shortcut for ``MixedPrecision``).
         train_step_fn / eval_step_fn: ``fn(net, batch) -> (outputs, targets, weights|None)``.
         trainer_step_fn: ``fn(ctx, batch)`` replacing the whole microbatch+update
             path; it reports its updates with ``ctx.report_update(...)``.
         validate_every: validate every N epochs (and after the last epoch).
+        validate_every_steps: also validate every N committed updates (no monitor decision).
         phase_every / keep_phases: a phase checkpoint every N epochs; keep the newest K.
         runs_root: the directory holding ``<run_id>/`` and ``.leases/``.
         run_id: ``[A-Za-z0-9._-]{1,128}``; default: a timestamp and random suffix.
@@ -143,6 +148,7 @@ class Trainer:
         monitor: Monitor | str | None = None,
         schedulers: Sequence[Any] = (),
         callbacks: Sequence[Callback] = (),
+        hooks: Sequence[Any] = (),
         accumulation: int = 1,
         clip_grad_norm: float | None = None,
         precision: str = "fp32",
@@ -150,6 +156,7 @@ class Trainer:
         eval_step_fn: Callable[..., Any] | None = None,
         trainer_step_fn: Callable[[TrainContext, Any], Any] | None = None,
         validate_every: int = 1,
+        validate_every_steps: int | None = None,
         phase_every: int | None = None,
         keep_phases: int | None = None,
         runs_root: str | Path = "runs",
@@ -184,7 +191,10 @@ class Trainer:
             raise ConfigError(f"phase_every must be >= 1 epoch or None, got {phase_every!r}")
         if keep_phases is not None and keep_phases < 1:
             raise ConfigError(f"keep_phases must be >= 1 or None, got {keep_phases!r}")
+        if validate_every_steps is not None and validate_every_steps < 1:
+            raise ConfigError(f"validate_every_steps must be >= 1 or None, got {validate_every_steps!r}")
         self.validate_every = validate_every
+        self.validate_every_steps = validate_every_steps
         self.phase_every = phase_every
         self.keep_phases = keep_phases
         self.eval_step_fn = eval_step_fn or default_forward
@@ -196,10 +206,17 @@ class Trainer:
         self.progress_enabled = progress
         self.recipe = dict(recipe or {})
         self.world_size = 1
-        self.engine = UpdateEngine(
-            self, self.objective, accumulation=accumulation, clip_grad_norm=clip_grad_norm,
-            precision=precision, train_step_fn=train_step_fn,
-        )
+        self.engine = UpdateEngine(self, self.objective, train_step_fn=train_step_fn)
+        update_hooks, stage_hooks = collect(hooks)
+        if accumulation != 1:
+            update_hooks.append(GradientAccumulation(accumulation))
+        if clip_grad_norm is not None:
+            update_hooks.append(GradientClipping(clip_grad_norm))
+        if precision != "fp32":
+            update_hooks.append(MixedPrecision(precision))
+        self.update_hooks = update_hooks
+        self.engine.use_hooks(update_hooks, stage_hooks)
+        self.stages = self.engine.stages
         self._hooks = {
             hook: [cb for cb in self.callbacks if (cb.has(hook) if isinstance(cb, LambdaCallback) else type(cb).overrides(hook))]
             for hook in ("on_train_begin", "on_epoch_begin", "on_batch_end", "on_optimizer_update",
@@ -312,6 +329,7 @@ class Trainer:
             rec.emit(TrainBegan(start_epoch=0, epochs=epochs, train_batches=n_batches))
             self._commit_last(epoch=-1)
             rec.flush()
+            self.stages(TrainingStage.BEFORE_TRAINING, ctx)
             for epoch in range(0, epochs):
                 outcome = self._run_epoch(epoch, train_loader, val_loader, last=epoch == epochs - 1)
                 if outcome == "update_boundary":
@@ -319,6 +337,7 @@ class Trainer:
                     break
                 if outcome == "stop":
                     break
+            self.stages(TrainingStage.AFTER_TRAINING, ctx)
         except BaseException as exc:  # noqa: BLE001 - re-raised after finalization
             failure = exc
         finally:
@@ -335,32 +354,36 @@ class Trainer:
         engine.begin_epoch()
         self.net.train()
         self._dispatch("on_epoch_begin", ctx)
+        self.stages(TrainingStage.BEFORE_EPOCH, ctx)
         self.progress.start_epoch(epoch, len(train_loader) if hasattr(train_loader, "__len__") else None)  # type: ignore[arg-type]
         step_fn = self.trainer_step_fn
         for i, batch in enumerate(train_loader):
             ctx.batch_index, ctx.batch = i, batch
             self._microbatch_recorded = False
             self._committed_update = False
+            self.stages(TrainingStage.BEFORE_BATCH, ctx)
             out = step_fn(ctx, batch)
             if self.custom_step and not self._microbatch_recorded:
                 self._ensure_microbatch_recorded(ctx, loss=float(out) if out is not None else None, examples=0.0)
+            if self._committed_update:
+                self._maybe_validate_on_step(val_loader)
             self._dispatch("on_batch_end", ctx)
+            self.stages(TrainingStage.AFTER_BATCH, ctx)
             self.progress.advance(ctx.loss, ctx.step_count)
             if self._committed_update:
                 rec.maybe_flush()
                 if ctx.stop_at_update_requested:
                     rec.emit(StopRequested(epoch=epoch, step=ctx.step_count, reason="update_boundary"))
                     return "update_boundary"
-        if engine.finalize_step(ctx) and ctx.stop_at_update_requested:
-            rec.emit(StopRequested(epoch=epoch, step=ctx.step_count, reason="update_boundary"))
-            return "update_boundary"
+        if engine.finalize_step(ctx):
+            self._maybe_validate_on_step(val_loader)
+            if ctx.stop_at_update_requested:
+                rec.emit(StopRequested(epoch=epoch, step=ctx.step_count, reason="update_boundary"))
+                return "update_boundary"
         # validation, summary, decision, schedulers
         val: dict[str, float] = {}
         if val_loader is not None and ((epoch + 1) % self.validate_every == 0 or last):
-            val, n_val = self.validate(val_loader)
-            ctx.validation = val
-            rec.emit(ValidationDone(epoch=epoch, metrics=val, examples=n_val, step=ctx.step_count))
-            self._dispatch("on_validation_end", ctx, val)
+            val = self._validation_pass(val_loader)
         totals = engine.epoch
         train = {"loss": totals.num / totals.den if totals.den > 0 else math.nan}
         if len(self.objective.terms) > 1:
@@ -397,6 +420,7 @@ class Trainer:
                 plateau=s.plateau_state(),
             ))
         self._dispatch("on_epoch_end", ctx)
+        self.stages(TrainingStage.AFTER_EPOCH, ctx)
         if self._stop is not None:
             rec.emit(StopRequested(epoch=epoch, step=ctx.step_count, reason=self._stop[0], by=self._stop[1]))
         record = HistoryRecord(
@@ -429,17 +453,35 @@ class Trainer:
 
     # --- validation -----------------------------------------------------------------------
 
+    def _validation_pass(self, loader: Iterable[Any]) -> dict[str, float]:
+        ctx = self.ctx
+        val, n_val = self.validate(loader)
+        ctx.validation = val
+        self.recorder.emit(ValidationDone(epoch=ctx.epoch, metrics=val, examples=n_val, step=ctx.step_count))
+        self._dispatch("on_validation_end", ctx, val)
+        self.stages(TrainingStage.AFTER_VALIDATION, ctx)
+        return val
+
+    def _maybe_validate_on_step(self, loader: Iterable[Any] | None) -> None:
+        n = self.validate_every_steps
+        if loader is not None and n is not None and self.ctx.step_count % n == 0:
+            self._validation_pass(loader)
+
     @torch.no_grad()
     def validate(self, loader: Iterable[Any]) -> tuple[dict[str, float], int]:
-        """Evaluate on ``loader`` in eval mode; return (``val_`` metrics, rows scored)."""
-        was_training = self.net.training
-        self.net.eval()
+        """Evaluate on ``loader`` in eval mode; return (``val_`` metrics, rows scored).
+
+        With an :class:`~nnx_es.update_hooks.EMA` update hook, the averaged weights are evaluated.
+        """
+        net = self.engine.orchestrator.averaged_module() or self.net
+        was_training = net.training
+        net.eval()
         num = den = correct = scored = 0.0
         terms: dict[str, float] = {}
         rows = 0
         try:
             for batch in loader:
-                outputs, targets, weights = self.eval_step_fn(self.net, batch)
+                outputs, targets, weights = self.eval_step_fn(net, batch)
                 parts = self.objective(outputs, targets, weights)
                 num += float(parts.total)
                 den += parts.den
@@ -451,7 +493,7 @@ class Trainer:
                     scored += s
                 rows += int(targets.shape[0])
         finally:
-            self.net.train(was_training)
+            net.train(was_training)
         metrics = {"val_loss": num / den if den > 0 else math.nan}
         if len(self.objective.terms) > 1:
             metrics.update({f"val_{k}": v / den if den > 0 else math.nan for k, v in terms.items()})
@@ -469,6 +511,9 @@ class Trainer:
             parts[f"scheduler/{s.name}"] = ("torch", torch_bytes(s.state_dict()))
         if self.engine.scaler is not None:
             parts["scaler"] = ("torch", torch_bytes(self.engine.scaler.state_dict()))
+        for h in self.update_hooks:
+            if isinstance(h, EMA):
+                parts[f"update_hook/{h.name}"] = ("torch", torch_bytes(h.torch_state()))
         state = {
             "schedulers": {s.name: s.summary() for s in self.schedulers},
             "monitor": self.monitor.state_dict() if self.monitor else None,

@@ -1,0 +1,188 @@
+"""Update hooks and the one orchestrator that owns the replacement stages.
+
+An :class:`UpdateHook` changes *whether or how* gradients are applied; it may
+own ``DO_BACKWARD`` (replace ``loss.backward()``) and/or ``DO_OPTIMIZER_STEP``
+(replace ``optimizer.step()``), veto a step (recorded as ``update_skipped``,
+reason ``vetoed``), and act after a committed step. Only one hook may own each
+replacement stage: a second owner is refused at construction (spec 004,
+"Optimizer Orchestration").
+
+Built-ins: :class:`GradientAccumulation`, :class:`GradientClipping`,
+:class:`MixedPrecision` and :class:`EMA` (validation runs on the averaged
+weights while an EMA is present).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, Any
+
+from torch import Tensor, nn
+from torch.optim import Optimizer
+from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+
+from nnx_es.errors import ConfigError
+from nnx_es.stages import TrainingStage
+
+if TYPE_CHECKING:
+    from nnx_es.context import TrainContext
+    from nnx_es.engine import UpdateEngine
+
+__all__ = ["EMA", "GradientAccumulation", "GradientClipping", "MixedPrecision", "UpdateHook", "UpdateOrchestrator"]
+
+
+class UpdateHook:
+    """Base of update hooks: every method is a no-op; ``owns`` lists replacement stages taken over."""
+
+    owns: frozenset[TrainingStage] = frozenset()
+
+    @property
+    def name(self) -> str:
+        return type(self).__name__
+
+    def configure(self, engine: UpdateEngine) -> None:
+        """Adjust the engine once, at construction (window size, clipping, precision)."""
+
+    def backward(self, ctx: TrainContext, total: Tensor) -> None:
+        """``DO_BACKWARD`` when owned: backpropagate the microbatch numerator ``total`` (0-dim)."""
+
+    def step(self, ctx: TrainContext, optimizers: dict[str, Optimizer]) -> None:
+        """``DO_OPTIMIZER_STEP`` when owned: apply the (final, unscaled, clipped) gradients."""
+
+    def veto(self, ctx: TrainContext) -> bool:
+        """Return True to skip this window's update (recorded with reason ``vetoed``)."""
+        return False
+
+    def after_step(self, ctx: TrainContext) -> None:
+        """After a committed update (``AFTER_OPTIMIZER_STEP``)."""
+
+    def state_dict(self) -> dict[str, Any] | None:
+        return None
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        return None
+
+
+class UpdateOrchestrator:
+    """Folds update hooks into one owner of ``DO_BACKWARD`` and ``DO_OPTIMIZER_STEP``.
+
+    Raises:
+        ConfigError: two hooks own the same replacement stage, or a hook is not an UpdateHook.
+    """
+
+    def __init__(self, hooks: Sequence[UpdateHook]) -> None:
+        self.hooks = list(hooks)
+        owners: dict[TrainingStage, UpdateHook] = {}
+        for h in self.hooks:
+            if not isinstance(h, UpdateHook):
+                raise ConfigError(f"update hooks must subclass nnx_es.UpdateHook, got {type(h).__name__}")
+            for stage in h.owns:
+                if stage in owners:
+                    raise ConfigError(
+                        f"{stage.name} has two owners: {owners[stage].name} and {h.name}; only one update hook "
+                        "may own a replacement stage"
+                    )
+                owners[stage] = h
+        self.backward_owner = owners.get(TrainingStage.DO_BACKWARD)
+        self.step_owner = owners.get(TrainingStage.DO_OPTIMIZER_STEP)
+        self._vetoers = [h for h in self.hooks if type(h).veto is not UpdateHook.veto]
+        self._after = [h for h in self.hooks if type(h).after_step is not UpdateHook.after_step]
+
+    def vetoed(self, ctx: TrainContext) -> bool:
+        return any(h.veto(ctx) for h in self._vetoers)
+
+    def after_step(self, ctx: TrainContext) -> None:
+        for h in self._after:
+            h.after_step(ctx)
+
+    def averaged_module(self) -> nn.Module | None:
+        for h in self.hooks:
+            if isinstance(h, EMA) and h.averaged is not None:
+                return h.averaged.module
+        return None
+
+
+class GradientAccumulation(UpdateHook):
+    """Accumulate ``steps`` microbatches per optimizer update (one accumulation window)."""
+
+    def __init__(self, steps: int) -> None:
+        if not isinstance(steps, int) or steps < 1:
+            raise ConfigError(f"GradientAccumulation steps must be an int >= 1, got {steps!r}")
+        self.steps = steps
+
+    def configure(self, engine: UpdateEngine) -> None:
+        engine.accumulation = self.steps
+
+
+class GradientClipping(UpdateHook):
+    """Clip the total gradient L2 norm to ``max_norm`` (after unscaling; the receipt keeps the pre-clip norm)."""
+
+    def __init__(self, max_norm: float) -> None:
+        if not max_norm > 0:
+            raise ConfigError(f"GradientClipping max_norm must be > 0, got {max_norm!r}")
+        self.max_norm = float(max_norm)
+
+    def configure(self, engine: UpdateEngine) -> None:
+        engine.clip_grad_norm = self.max_norm
+
+
+class MixedPrecision(UpdateHook):
+    """Autocast in ``dtype`` (``"bf16"`` or ``"fp16"``); fp16 adds a GradScaler.
+
+    With fp16 it owns ``DO_BACKWARD`` (scaled backward) and ``DO_OPTIMIZER_STEP``
+    (``scaler.step``, which skips a step whose gradients overflowed).
+    """
+
+    def __init__(self, dtype: str = "bf16") -> None:
+        if dtype not in ("bf16", "fp16"):
+            raise ConfigError(f"MixedPrecision dtype must be 'bf16' or 'fp16', got {dtype!r}")
+        self.dtype = dtype
+        if dtype == "fp16":
+            self.owns = frozenset({TrainingStage.DO_BACKWARD, TrainingStage.DO_OPTIMIZER_STEP})
+
+    def configure(self, engine: UpdateEngine) -> None:
+        engine.set_precision(self.dtype)
+        self._engine = engine
+
+    def backward(self, ctx: TrainContext, total: Tensor) -> None:
+        self._engine.scaler.scale(total).backward()  # type: ignore[union-attr]
+
+    def step(self, ctx: TrainContext, optimizers: dict[str, Optimizer]) -> None:
+        for opt in optimizers.values():
+            self._engine.scaler.step(opt)  # type: ignore[union-attr]
+
+
+class EMA(UpdateHook):
+    """An exponential moving average of the weights (``torch.optim.swa_utils.AveragedModel``).
+
+    Updated after every committed update; validation uses the averaged weights.
+    """
+
+    def __init__(self, decay: float = 0.999) -> None:
+        if not 0.0 < decay < 1.0:
+            raise ConfigError(f"EMA decay must be in (0, 1), got {decay!r}")
+        self.decay = float(decay)
+        self.averaged: AveragedModel | None = None
+
+    def configure(self, engine: UpdateEngine) -> None:
+        self.averaged = AveragedModel(engine.trainer.net, multi_avg_fn=get_ema_multi_avg_fn(self.decay), use_buffers=True)
+
+    def after_step(self, ctx: TrainContext) -> None:
+        assert self.averaged is not None
+        self.averaged.update_parameters(ctx.net)
+
+    def torch_state(self) -> dict[str, Any]:
+        assert self.averaged is not None
+        return self.averaged.state_dict()
+
+    def load_torch_state(self, state: dict[str, Any]) -> None:
+        assert self.averaged is not None
+        self.averaged.load_state_dict(state)
+
+
+def collect(hooks: Iterable[Any]) -> tuple[list[UpdateHook], list[Any]]:
+    """Split a mixed hook list into (update hooks, stage hooks)."""
+    update, stage = [], []
+    for h in hooks:
+        (update if isinstance(h, UpdateHook) else stage).append(h)
+    return update, stage
