@@ -173,6 +173,7 @@ class RunResumed(Event, frozen=True, kw_only=True, tag="run_resumed"):
     discard_to: int
     library_versions: dict[str, str] = {}
     callbacks: list[str] = []
+    cleaned_temporaries: int = 0
     wall_time_s: float = 0.0
 
 

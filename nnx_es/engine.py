@@ -38,7 +38,8 @@ from torch import Tensor, nn
 
 from events.schema import MicrobatchDone, SchedulerStepped, UpdateCommitted, UpdateSkipped
 from nnx_es.errors import ConfigError
-from nnx_es.objective import Objective, accuracy
+from nnx_es.metrics import MetricSums
+from nnx_es.objective import Objective
 from nnx_es.stages import StageDispatcher, TrainingStage
 from nnx_es.update_hooks import UpdateHook, UpdateOrchestrator
 
@@ -89,16 +90,12 @@ def default_train_step(ctx: TrainContext, batch: Any) -> None:
 
 
 class EpochTotals:
-    """Whole-epoch training sums (for the epoch summary)."""
+    """Whole-epoch training sums (for the epoch summary) and window counts."""
 
-    __slots__ = ("num", "den", "terms", "correct", "scored", "microbatches", "updates", "skipped")
+    __slots__ = ("sums", "microbatches", "updates", "skipped")
 
     def __init__(self) -> None:
-        self.num = 0.0
-        self.den = 0.0
-        self.terms: dict[str, float] = {}
-        self.correct = 0.0
-        self.scored = 0.0
+        self.sums = MetricSums()
         self.microbatches = 0
         self.updates = 0
         self.skipped = 0
@@ -124,7 +121,6 @@ class UpdateEngine:
         clip_grad_norm: float | None = None,
         precision: str = "fp32",
         train_step_fn: StepFn | None = None,
-        accuracy_metric: bool = True,
     ) -> None:
         if accumulation < 1:
             raise ConfigError(f"accumulation must be >= 1 microbatch, got {accumulation!r}")
@@ -135,7 +131,6 @@ class UpdateEngine:
         self.accumulation = int(accumulation)
         self.clip_grad_norm = clip_grad_norm
         self.train_step_fn = train_step_fn or default_forward
-        self.accuracy_metric = accuracy_metric
         self._params = [p for p in trainer.net.parameters() if p.requires_grad]
         self.set_precision(precision)
         self.orchestrator = UpdateOrchestrator([])
@@ -215,17 +210,8 @@ class UpdateEngine:
         self.w_microbatches += 1
         self.w_den += den
         self.w_num += num
-        e = self.epoch
-        e.microbatches += 1
-        if finite:
-            e.num += num
-            e.den += den
-            for name, v in parts.terms.items():
-                e.terms[name] = e.terms.get(name, 0.0) + v
-        if self.accuracy_metric and outputs.dim() == 2 and targets.dim() == 1:
-            c, s = accuracy(outputs.detach(), targets, weights)
-            e.correct += c
-            e.scored += s
+        self.epoch.microbatches += 1
+        self.epoch.sums.add(parts, num, outputs, targets, weights)
         rows = int(targets.shape[0]) if hasattr(targets, "shape") and targets.dim() > 0 else 1
         self.trainer._microbatch_recorded = True
         self.trainer.recorder.emit(

@@ -31,9 +31,7 @@ semantics) and spec 004 (counters, stages).
 from __future__ import annotations
 
 import math
-import secrets
 import time
-import traceback
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -44,12 +42,10 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
-from events.log import LmdbLog
 from events.schema import (
     BestCommitted,
     CallbackBegan,
     CallbackCheckpointed,
-    CallbackFinalized,
     CheckpointStored,
     EpochBegan,
     EpochSummarized,
@@ -58,8 +54,7 @@ from events.schema import (
     LastCommitted,
     MicrobatchDone,
     PhaseCommitted,
-    RunFailed,
-    RunFinalized,
+    RunResumed,
     RunStarted,
     SchedulerStepped,
     StopRequested,
@@ -67,42 +62,29 @@ from events.schema import (
     ValidationDone,
 )
 from nnx_es.callbacks import Callback, LambdaCallback
-from nnx_es.checkpoint import torch_bytes, write_checkpoint
+from nnx_es.checkpoint import write_checkpoint
 from nnx_es.context import TrainContext
 from nnx_es.engine import UpdateEngine, default_forward, default_train_step
 from nnx_es.errors import ConfigError
+from nnx_es.finalize import finalize
 from nnx_es.logs import ensure_logging
 from nnx_es.monitor import Monitor, step_plateau
-from nnx_es.objective import Objective, accuracy
+from nnx_es.metrics import evaluate
+from nnx_es.objective import Objective
 from nnx_es.progress import Progress
 from nnx_es.recorder import Recorder
+from nnx_es.session import open_session
 from nnx_es.result import RunResult, load_result
-from nnx_es.rng import capture_rng, seed_everything
+from nnx_es.snapshot import capture
 from nnx_es.schedulers import Scheduler
 from nnx_es.stages import TrainingStage
-from nnx_es.update_hooks import EMA, GradientAccumulation, GradientClipping, MixedPrecision, collect
-from nnx_es.storage import BlobStore, Lease, clean_stale_temporaries, validate_run_id
+from nnx_es.update_hooks import GradientAccumulation, GradientClipping, MixedPrecision, collect
+from nnx_es.storage import validate_run_id
 
 __all__ = ["Trainer"]
 
 log = structlog.get_logger("nnx_es")
 
-_msgpack = msgspec.msgpack.Encoder()
-
-
-def _library_versions() -> dict[str, str]:
-    import lmdb
-    import transitions
-
-    import nnx_es
-
-    return {
-        "nnx_es": getattr(nnx_es, "__version__", "0"),
-        "torch": str(torch.__version__),
-        "msgspec": msgspec.__version__,
-        "lmdb": lmdb.__version__,
-        "transitions": transitions.__version__,
-    }
 
 
 class Trainer:
@@ -229,6 +211,7 @@ class Trainer:
         self._microbatch_recorded = False
         self._committed_update = False
         self._phases: list[str] = []
+        self.loader_generator: torch.Generator | None = None
 
     # --- configuration helpers ----------------------------------------------------------
 
@@ -272,40 +255,46 @@ class Trainer:
 
     # --- the run ------------------------------------------------------------------------
 
-    def fit(self, train_loader: Iterable[Any], val_loader: Iterable[Any] | None = None, *, epochs: int) -> RunResult:
-        """Train for ``epochs`` epochs (0-based indices ``0 .. epochs-1``) and return the run.
+    def fit(
+        self,
+        train_loader: Iterable[Any],
+        val_loader: Iterable[Any] | None = None,
+        *,
+        epochs: int,
+        resume_from: str | Path | None = None,
+        resume_mode: str = "stateful",
+    ) -> RunResult:
+        """Train until epoch ``epochs - 1`` (0-based) and return the run.
+
+        Args:
+            resume_from: a run directory (``runs/<id>``). ``resume_mode="stateful"``
+                continues that run from its LAST commit: model, optimizers,
+                schedulers, RNG streams (the loader's generator included),
+                counters, callback state and data position are restored, the
+                uncommitted tail is recorded as discarded, and training goes on
+                at the first uncommitted epoch. ``"weights_only"`` starts a new
+                run (this trainer's ``run_id``) from the weights alone and records
+                its source (run id, LAST seq, manifest hash).
 
         Raises:
-            ConfigError: bad ``epochs`` or monitor/metrics mismatch.
+            ConfigError: bad ``epochs``/``resume_mode``, or a run directory in the way.
+            ResumeError: the resume point is missing or does not verify (named reason).
             LeaseHeldError: another process writes this run.
             Exception: whatever training raised, after finalization.
         """
         if not isinstance(epochs, int) or epochs < 0:
             raise ConfigError(f"epochs must be an int >= 0, got {epochs!r}")
+        if resume_mode not in ("stateful", "weights_only"):
+            raise ConfigError(f"resume_mode must be 'stateful' or 'weights_only', got {resume_mode!r}")
         ensure_logging()
-        run_id = self.run_id or f"{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(3)}"
-        self.run_id = run_id
-        run_dir = self.runs_root / run_id
-        self.run_dir = run_dir
-        lease = Lease(self.runs_root, run_id).acquire()
-        try:
-            if (run_dir / "events.lmdb" / "data.mdb").exists():
-                raise ConfigError(
-                    f"run {run_id!r} already has an event log at {run_dir}; a continuation writes its own run"
-                )
-            removed = clean_stale_temporaries(run_dir)
-            if removed:
-                log.warning("removed stale temporaries", run_id=run_id, files=[str(p) for p in removed])
-            self.store = BlobStore(run_dir / "blobs")
-            with LmdbLog(run_dir / "events.lmdb") as event_log:
-                self.recorder = Recorder(event_log)
-                seed_everything(self.seed)
-                self._run(train_loader, val_loader, epochs)
-        finally:
-            lease.release()
-        return load_result(run_dir)
+        self.loader_generator = getattr(train_loader, "generator", None)
+        with open_session(self, resume_from, resume_mode) as (opening, start_epoch):
+            self._run(train_loader, val_loader, epochs, opening, start_epoch)
+        assert self.run_dir is not None
+        return load_result(self.run_dir)
 
-    def _run(self, train_loader: Iterable[Any], val_loader: Iterable[Any] | None, epochs: int) -> None:
+    def _run(self, train_loader: Iterable[Any], val_loader: Iterable[Any] | None, epochs: int,
+             opening: RunStarted | RunResumed, start_epoch: int) -> None:
         rec = self.recorder
         t0 = time.time()
         ctx = self.ctx
@@ -314,23 +303,21 @@ class Trainer:
         stopped_at_update = False
         self.progress = Progress(self.progress_enabled)
         try:
-            rec.emit(RunStarted(
-                run_id=self.run_id or "", seed=self.seed, recipe=self.recipe, library_versions=_library_versions(),
-                callbacks=[cb.name for cb in self.callbacks], optimizers=list(self.optimizers),
-                schedulers=[s.decl() for s in self.schedulers],
-                monitor=self.monitor.spec if self.monitor else None, accumulation=self.engine.accumulation,
-                wall_time_s=t0,
-            ))
+            if isinstance(opening, RunResumed):
+                rec.commit(opening)  # the discarded range is durable before anything new is written
+            else:
+                rec.emit(opening)
+            ctx.epoch = start_epoch
             for i, cb in enumerate(self.callbacks):
                 cb.on_train_begin(ctx)
                 rec.emit(CallbackBegan(name=cb.name, index=i))
                 begun.append((i, cb))
             n_batches = len(train_loader) if hasattr(train_loader, "__len__") else None  # type: ignore[arg-type]
-            rec.emit(TrainBegan(start_epoch=0, epochs=epochs, train_batches=n_batches))
-            self._commit_last(epoch=-1)
+            rec.emit(TrainBegan(start_epoch=start_epoch, epochs=epochs, train_batches=n_batches))
+            self._commit_last(epoch=start_epoch - 1)
             rec.flush()
             self.stages(TrainingStage.BEFORE_TRAINING, ctx)
-            for epoch in range(0, epochs):
+            for epoch in range(start_epoch, epochs):
                 outcome = self._run_epoch(epoch, train_loader, val_loader, last=epoch == epochs - 1)
                 if outcome == "update_boundary":
                     stopped_at_update = True
@@ -385,13 +372,9 @@ class Trainer:
         if val_loader is not None and ((epoch + 1) % self.validate_every == 0 or last):
             val = self._validation_pass(val_loader)
         totals = engine.epoch
-        train = {"loss": totals.num / totals.den if totals.den > 0 else math.nan}
-        if len(self.objective.terms) > 1:
-            train.update({k: v / totals.den if totals.den > 0 else math.nan for k, v in totals.terms.items()})
-        if totals.scored > 0:
-            train["accuracy"] = totals.correct / totals.scored
+        train = totals.sums.metrics()
         rec.emit(EpochSummarized(
-            epoch=epoch, metrics=train, examples=totals.den, microbatches=totals.microbatches,
+            epoch=epoch, metrics=train, examples=totals.sums.den, microbatches=totals.microbatches,
             updates=totals.updates, skipped=totals.skipped, duration_s=time.time() - t_epoch,
         ))
         decision = None
@@ -467,71 +450,15 @@ class Trainer:
         if loader is not None and n is not None and self.ctx.step_count % n == 0:
             self._validation_pass(loader)
 
-    @torch.no_grad()
     def validate(self, loader: Iterable[Any]) -> tuple[dict[str, float], int]:
         """Evaluate on ``loader`` in eval mode; return (``val_`` metrics, rows scored).
 
         With an :class:`~nnx_es.update_hooks.EMA` update hook, the averaged weights are evaluated.
         """
         net = self.engine.orchestrator.averaged_module() or self.net
-        was_training = net.training
-        net.eval()
-        num = den = correct = scored = 0.0
-        terms: dict[str, float] = {}
-        rows = 0
-        try:
-            for batch in loader:
-                outputs, targets, weights = self.eval_step_fn(net, batch)
-                parts = self.objective(outputs, targets, weights)
-                num += float(parts.total)
-                den += parts.den
-                for k, v in parts.terms.items():
-                    terms[k] = terms.get(k, 0.0) + v
-                if outputs.dim() == 2 and targets.dim() == 1:
-                    c, s = accuracy(outputs, targets, weights)
-                    correct += c
-                    scored += s
-                rows += int(targets.shape[0])
-        finally:
-            net.train(was_training)
-        metrics = {"val_loss": num / den if den > 0 else math.nan}
-        if len(self.objective.terms) > 1:
-            metrics.update({f"val_{k}": v / den if den > 0 else math.nan for k, v in terms.items()})
-        if scored > 0:
-            metrics["val_accuracy"] = correct / scored
-        return metrics, rows
+        return evaluate(net, loader, self.objective, self.eval_step_fn)
 
     # --- checkpoints ----------------------------------------------------------------------
-
-    def _checkpoint_parts(self, epoch: int) -> dict[str, tuple[str, bytes]]:
-        parts: dict[str, tuple[str, bytes]] = {"model": ("torch", torch_bytes(self.net.state_dict()))}
-        for n, o in self.optimizers.items():
-            parts[f"optimizer/{n}"] = ("torch", torch_bytes(o.state_dict()))
-        for s in self.schedulers:
-            parts[f"scheduler/{s.name}"] = ("torch", torch_bytes(s.state_dict()))
-        if self.engine.scaler is not None:
-            parts["scaler"] = ("torch", torch_bytes(self.engine.scaler.state_dict()))
-        for h in self.update_hooks:
-            if isinstance(h, EMA):
-                parts[f"update_hook/{h.name}"] = ("torch", torch_bytes(h.torch_state()))
-        state = {
-            "schedulers": {s.name: s.summary() for s in self.schedulers},
-            "monitor": self.monitor.state_dict() if self.monitor else None,
-            "rng": capture_rng(),
-            "data": {"next_epoch": epoch + 1},
-            "topology": {
-                "module": type(self.net).__qualname__,
-                "parameters": {k: list(v.shape) for k, v in self.net.state_dict().items()},
-                "world_size": self.world_size,
-            },
-        }
-        for name, value in state.items():
-            parts[name] = ("msgpack", _msgpack.encode(value))
-        for cb in self.callbacks:
-            cb_state = cb.state_dict()
-            if cb_state is not None:
-                parts[f"callback/{cb.name}"] = ("msgpack", _msgpack.encode(cb_state))
-        return parts
 
     def _commit_last(self, *, epoch: int, final: bool = False) -> str:
         """Store the checkpoint's blobs durably, then commit LAST (synced). Returns the manifest hash."""
@@ -539,7 +466,7 @@ class Trainer:
         counters = rec.counters
         digest, manifest = write_checkpoint(
             self.store, run_id=self.run_id or "", epoch=epoch, step=counters.step, counters=counters,
-            parts=self._checkpoint_parts(epoch), world_size=self.world_size,
+            parts=capture(self, epoch), world_size=self.world_size,
         )
         rec.emit(CheckpointStored(
             manifest=digest, epoch=epoch, step=counters.step,
@@ -553,50 +480,4 @@ class Trainer:
 
     def _finalize(self, begun: list[tuple[int, Callback]], failure: BaseException | None,
                   stopped_at_update: bool, t0: float) -> None:
-        rec, ctx = self.recorder, self.ctx
-        if failure is not None:
-            log.error("training failed", run_id=self.run_id, error=repr(failure))
-            self._try(lambda: rec.emit(RunFailed(
-                error_type=type(failure).__name__, message=str(failure), epoch=ctx.epoch, step=ctx.step_count,
-                traceback="".join(traceback.format_exception(failure))[-4000:],
-            )) if rec.accepts("run_failed") else None)
-        cleanup_error: BaseException | None = None
-        for i, cb in reversed(begun):
-            error = None
-            try:
-                cb.on_train_end(ctx)
-            except BaseException as exc:  # noqa: BLE001 - every cleanup hook is attempted
-                error = f"{type(exc).__name__}: {exc}"
-                log.error("callback cleanup failed", callback=cb.name, error=error)
-                if cleanup_error is None:
-                    cleanup_error = exc
-            self._try(lambda cb=cb, i=i, error=error: rec.emit(CallbackFinalized(name=cb.name, index=i, error=error)))
-        status = "failed" if failure is not None else ("stopped" if (stopped_at_update or self._stop) else "completed")
-        if failure is None and cleanup_error is not None:
-            self._try(lambda: rec.emit(RunFailed(
-                error_type=type(cleanup_error).__name__, message=str(cleanup_error), epoch=ctx.epoch,
-                step=ctx.step_count,
-            )))
-            status = "failed"
-        if status != "failed" and not stopped_at_update:
-            self._try(lambda: self._commit_last(epoch=ctx.epoch_count - 1, final=True))
-        self._try(lambda: rec.commit(RunFinalized(
-            status=status, epochs=rec.counters.epoch, steps=rec.counters.step, wall_time_s=time.time() - t0,
-        )))
-        self._try(self._write_views)
-        if failure is None and cleanup_error is not None:
-            raise cleanup_error
-
-    def _try(self, fn: Callable[[], Any]) -> None:
-        """Run a finalization step; its error is logged, never raised over the training error."""
-        try:
-            fn()
-        except BaseException as exc:  # noqa: BLE001
-            log.error("finalization step failed", error=f"{type(exc).__name__}: {exc}")
-
-    def _write_views(self) -> None:
-        from nnx_es.views import write_views
-        from projections.view import project
-
-        assert self.run_dir is not None
-        write_views(self.run_dir, project(self.recorder.log.read()))
+        finalize(self, begun, failure, stopped_at_update, t0)

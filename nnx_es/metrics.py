@@ -1,0 +1,79 @@
+"""Whole-epoch metric sums (training summary and validation) and the validation pass.
+
+Every metric is a ratio of sums over the epoch, so it is the exact mean over
+all rows however the epoch was split into microbatches:
+``loss = sum(weighted numerators) / sum(denominators)``, one value per loss
+term when the objective has several, and ``accuracy`` for a classifier
+(outputs ``(B, C)``, integer targets ``(B,)``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from nnx_es.objective import LossParts, Objective, accuracy
+
+__all__ = ["MetricSums", "evaluate"]
+
+
+class MetricSums:
+    """Running sums of one epoch's loss terms and accuracy."""
+
+    __slots__ = ("num", "den", "terms", "correct", "scored", "rows")
+
+    def __init__(self) -> None:
+        self.num = 0.0
+        self.den = 0.0
+        self.terms: dict[str, float] = {}
+        self.correct = 0.0
+        self.scored = 0.0
+        self.rows = 0
+
+    def add(self, parts: LossParts, num: float, outputs: Tensor, targets: Tensor, weights: Tensor | None) -> None:
+        """Add one microbatch (``num``: its total numerator as a float; non-finite ones are left out)."""
+        if math.isfinite(num):
+            self.num += num
+            self.den += parts.den
+            for name, v in parts.terms.items():
+                self.terms[name] = self.terms.get(name, 0.0) + v
+        if outputs.dim() == 2 and targets.dim() == 1:
+            c, s = accuracy(outputs.detach(), targets, weights)
+            self.correct += c
+            self.scored += s
+        self.rows += int(targets.shape[0]) if targets.dim() > 0 else 1
+
+    def metrics(self, prefix: str = "") -> dict[str, float]:
+        """``{prefix+"loss", prefix+<term> (several terms only), prefix+"accuracy"}`` as floats."""
+        den = self.den
+        out = {f"{prefix}loss": self.num / den if den > 0 else math.nan}
+        if len(self.terms) > 1:
+            out.update({f"{prefix}{k}": v / den if den > 0 else math.nan for k, v in self.terms.items()})
+        if self.scored > 0:
+            out[f"{prefix}accuracy"] = self.correct / self.scored
+        return out
+
+
+@torch.no_grad()
+def evaluate(
+    net: nn.Module,
+    loader: Iterable[Any],
+    objective: Objective,
+    step_fn: Callable[[nn.Module, Any], tuple[Tensor, Tensor, Tensor | None]],
+) -> tuple[dict[str, float], int]:
+    """One validation pass in eval mode: (``val_`` metrics, rows scored). The net's mode is restored."""
+    was_training = net.training
+    net.eval()
+    sums = MetricSums()
+    try:
+        for batch in loader:
+            outputs, targets, weights = step_fn(net, batch)
+            parts = objective(outputs, targets, weights)
+            sums.add(parts, float(parts.total), outputs, targets, weights)
+    finally:
+        net.train(was_training)
+    return sums.metrics("val_"), sums.rows

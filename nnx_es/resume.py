@@ -1,0 +1,99 @@
+"""Finding and verifying a run's resume point (its last durable LAST commit).
+
+The resume point is read from the log's committed view; the manifest and every
+blob it names are SHA-256-verified before anything is restored. An empty,
+torn, corrupt or mixed LAST is refused with a named reason: it is never read as
+"no history", so a bad resume point can never erase a run (spec 000, failure
+semantics).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import msgspec
+
+from events.log import EventLog
+from events.schema import LastCommitted, RunStarted
+from nnx_es.checkpoint import Manifest, verify_checkpoint
+from nnx_es.errors import CorruptCheckpointError, ResumeError
+from nnx_es.lifecycle import compiled_table
+from nnx_es.storage import BlobStore
+from projections.view import GROUP_KINDS, Projections, committed, fold
+
+__all__ = ["ResumePoint", "find_resume_point"]
+
+
+class ResumePoint(msgspec.Struct, kw_only=True):
+    """Where a run continues from.
+
+    last_seq: seq of the LAST commit; discard_from / discard_to: the uncommitted
+    tail (``[from, to)``) the resume abandons; state: the lifecycle state the
+    log ended in; projections: the committed view's projections.
+    """
+
+    run_id: str
+    manifest_hash: str
+    manifest: Manifest
+    last_seq: int
+    discard_from: int
+    discard_to: int
+    state: str
+    projections: Projections
+
+
+def find_resume_point(run_dir: Path, log: EventLog, *, expect_run_id: str | None = None) -> ResumePoint:
+    """Locate and verify the LAST commit of the run whose log is ``log``.
+
+    Raises:
+        ResumeError: no LAST commit in the log, or the LAST checkpoint is
+            missing, empty, torn, corrupt or mixed (the reason is named).
+    """
+    table = compiled_table()
+    state = "new"
+    run_id = expect_run_id
+    last: tuple[int, LastCommitted] | None = None
+    boundary = -1
+    in_group = False
+    proj = Projections()
+    events = list(log.read())
+    for seq, event in events:
+        state = table.get((state, event.KIND), state)
+        if isinstance(event, RunStarted) and run_id is None:
+            run_id = event.run_id
+        if isinstance(event, LastCommitted):
+            in_group = True
+            boundary = seq
+        elif in_group and event.KIND in GROUP_KINDS:
+            boundary = seq
+        else:
+            in_group = False
+        if event.KIND == "run_resumed":
+            boundary = seq
+    for seq, event in committed(events):
+        if seq > boundary:
+            break
+        proj = fold(proj, seq, event)
+        if isinstance(event, LastCommitted):
+            last = (seq, event)
+    if last is None:
+        raise ResumeError(f"run at {run_dir} has no committed LAST checkpoint to resume from")
+    seq, event = last
+    store = BlobStore(Path(run_dir) / "blobs")
+    try:
+        manifest = verify_checkpoint(store, event.manifest, run_id=run_id)
+    except CorruptCheckpointError as exc:
+        raise ResumeError(
+            f"LAST (seq {seq}, manifest {event.manifest}) is refused: {exc}; "
+            "the run's history is kept, nothing was restored"
+        ) from exc
+    return ResumePoint(
+        run_id=run_id or Path(run_dir).name,
+        manifest_hash=event.manifest,
+        manifest=manifest,
+        last_seq=seq,
+        discard_from=boundary + 1,
+        discard_to=log.next_seq,
+        state=state,
+        projections=proj,
+    )

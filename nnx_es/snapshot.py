@@ -1,0 +1,105 @@
+"""A trainer's restart-critical state as checkpoint components, and back.
+
+:func:`capture` builds the components of one checkpoint from a live trainer;
+:func:`load_state` reads every component of a verified manifest with the safe
+loaders (nothing is applied until all of them loaded); :func:`apply_state`
+puts them into a trainer. Components (see :mod:`nnx_es.checkpoint`)::
+
+    model, optimizer/<name>, scheduler/<name>, scaler, update_hook/<name>   torch (weights_only)
+    schedulers, monitor, rng, data, topology, callback/<name>               msgpack
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+
+from nnx_es.checkpoint import Manifest, load_component, torch_bytes
+from nnx_es.errors import ResumeError
+from nnx_es.rng import capture_rng, restore_rng
+from nnx_es.storage import BlobStore
+from nnx_es.update_hooks import EMA
+
+if TYPE_CHECKING:
+    from nnx_es.trainer import Trainer
+
+__all__ = ["apply_state", "capture", "load_state"]
+
+_msgpack = msgspec.msgpack.Encoder()
+
+
+def capture(trainer: Trainer, epoch: int) -> dict[str, tuple[str, bytes]]:
+    """Components of a checkpoint holding ``trainer`` after 0-based ``epoch`` (-1: before training)."""
+    parts: dict[str, tuple[str, bytes]] = {"model": ("torch", torch_bytes(trainer.net.state_dict()))}
+    for n, o in trainer.optimizers.items():
+        parts[f"optimizer/{n}"] = ("torch", torch_bytes(o.state_dict()))
+    for s in trainer.schedulers:
+        parts[f"scheduler/{s.name}"] = ("torch", torch_bytes(s.state_dict()))
+    if trainer.engine.scaler is not None:
+        parts["scaler"] = ("torch", torch_bytes(trainer.engine.scaler.state_dict()))
+    for h in trainer.update_hooks:
+        if isinstance(h, EMA):
+            parts[f"update_hook/{h.name}"] = ("torch", torch_bytes(h.torch_state()))
+    state = {
+        "schedulers": {s.name: s.summary() for s in trainer.schedulers},
+        "monitor": trainer.monitor.state_dict() if trainer.monitor else None,
+        "rng": capture_rng(trainer.loader_generator),
+        "data": {"next_epoch": epoch + 1},
+        "topology": {
+            "module": type(trainer.net).__qualname__,
+            "parameters": {k: list(v.shape) for k, v in trainer.net.state_dict().items()},
+            "world_size": trainer.world_size,
+        },
+    }
+    for name, value in state.items():
+        parts[name] = ("msgpack", _msgpack.encode(value))
+    for cb in trainer.callbacks:
+        cb_state = cb.state_dict()
+        if cb_state is not None:
+            parts[f"callback/{cb.name}"] = ("msgpack", _msgpack.encode(cb_state))
+    return parts
+
+
+def load_state(store: BlobStore, manifest: Manifest) -> dict[str, Any]:
+    """Load every component of ``manifest`` safely (raises before anything is applied)."""
+    return {name: load_component(store, manifest, name) for name in manifest.components}
+
+
+def apply_state(trainer: Trainer, state: dict[str, Any], *, weights_only: bool = False) -> None:
+    """Restore ``trainer`` from :func:`load_state`'s result.
+
+    Raises:
+        ResumeError: the checkpoint does not match the trainer (a missing
+            optimizer, scheduler, callback state or a different model topology).
+    """
+    try:
+        trainer.net.load_state_dict(state["model"])
+    except RuntimeError as exc:
+        raise ResumeError(f"the checkpoint's model does not fit this net: {exc}") from None
+    if weights_only:
+        return
+    for n, o in trainer.optimizers.items():
+        key = f"optimizer/{n}"
+        if key not in state:
+            raise ResumeError(f"the checkpoint has no state for optimizer {n!r}; it has {sorted(state)}")
+        o.load_state_dict(state[key])
+    for s in trainer.schedulers:
+        key = f"scheduler/{s.name}"
+        if key not in state:
+            raise ResumeError(f"the checkpoint has no state for scheduler {s.name!r}; it has {sorted(state)}")
+        s.load_state_dict(state[key])
+    if trainer.engine.scaler is not None and "scaler" in state:
+        trainer.engine.scaler.load_state_dict(state["scaler"])
+    for h in trainer.update_hooks:
+        if isinstance(h, EMA) and f"update_hook/{h.name}" in state:
+            h.load_torch_state(state[f"update_hook/{h.name}"])
+    if trainer.monitor is not None and state.get("monitor") is not None:
+        trainer.monitor.load_state_dict(state["monitor"])
+    for cb in trainer.callbacks:
+        key = f"callback/{cb.name}"
+        if key in state:
+            cb.load_state_dict(state[key])
+        elif cb.state_dict() is not None:
+            raise ResumeError(f"the checkpoint has no state for callback {cb.name!r}")
+    restore_rng(state["rng"], trainer.loader_generator)
