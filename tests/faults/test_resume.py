@@ -1,0 +1,308 @@
+"""Exact resume after a SIGKILL, weights-only continuations, and a verified resume point."""
+
+from __future__ import annotations
+
+import hashlib
+import pickle
+from pathlib import Path
+
+import msgspec
+import pytest
+import torch
+from torch import nn
+
+from crashkit import kill_at_event, run_killed
+from events.log import LmdbLog
+from events.schema import LastCommitted, RunResumed, RunStarted, UpdateCommitted
+from nnx_es import Callback, EarlyStopping, Trainer
+from nnx_es.errors import ResumeError
+from nnx_es.storage import BlobStore
+from projections import committed, project
+from trainkit import loaders, read_events, small_net
+
+torch.set_num_threads(1)  # fork-safe parent
+
+EPOCHS = 4
+
+
+class BatchLog(Callback):
+    """Stateful callback: counts epochs (checkpointed) and records each batch's targets (not checkpointed)."""
+
+    def __init__(self) -> None:
+        self.epochs_seen = 0
+        self.batches: dict[int, list[list[int]]] = {}
+
+    def on_batch_end(self, ctx):
+        self.batches.setdefault(ctx.epoch, []).append(ctx.batch[1].tolist())
+
+    def on_epoch_end(self, ctx):
+        self.epochs_seen += 1
+
+    def state_dict(self):
+        return {"epochs_seen": self.epochs_seen}
+
+    def load_state_dict(self, state):
+        self.epochs_seen = state["epochs_seen"]
+
+
+def make_trainer(runs: Path, run_id: str | None, batch_log: BatchLog | None = None, seed: int = 0) -> Trainer:
+    net = small_net(seed)
+    opt = torch.optim.Adam(net.parameters(), lr=0.02)
+    plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(opt, patience=1, factor=0.5)
+    return Trainer(
+        net, opt, nn.CrossEntropyLoss(), monitor="val_loss", schedulers=[plateau],
+        callbacks=[EarlyStopping(patience=50), batch_log or BatchLog()], accumulation=2,
+        runs_root=runs, run_id=run_id, seed=seed, progress=False, phase_every=1, keep_phases=2,
+    )
+
+
+def fit(trainer: Trainer, **kw):
+    return trainer.fit(*loaders(batch_size=8, n_train=48), epochs=EPOCHS, **kw)
+
+
+def _history(run) -> list:
+    return [msgspec.structs.replace(r, wall_time_s=0.0) for r in run.history]
+
+
+def _step_losses(run_dir: Path) -> list[tuple[int, float]]:
+    return [(e.step, e.loss) for _, e in committed(read_events(run_dir)) if isinstance(e, UpdateCommitted)]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    runs = tmp_path_factory.mktemp("ref")
+    log = BatchLog()
+    trainer = make_trainer(runs, "ref", log)
+    run = fit(trainer)
+    kinds = [e.KIND for _, e in read_events(run.run_dir)]
+    return {"run": run, "params": trainer.net.state_dict(), "batches": log.batches, "kinds": kinds,
+            "events": read_events(run.run_dir)}
+
+
+def _index(kinds: list[str], kind: str, occurrence: int) -> int:
+    return [i for i, k in enumerate(kinds) if k == kind][occurrence]
+
+
+CASES = {
+    # name -> (kind, occurrence): SIGKILL just before that event is written
+    "first_epoch_first_microbatch": ("microbatch_done", 0),
+    "first_epoch_mid_window": ("update_committed", 1),
+    "between_epochs_after_last": ("best_committed", 1),
+    "epoch_2_mid_epoch": ("microbatch_done", 2 * 6 + 3),
+    "epoch_3_before_history": ("history_appended", 3),
+    "during_finalization": ("callback_finalized", 0),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_resume_after_sigkill_is_bitwise_identical_to_the_uninterrupted_run(case, reference, tmp_path):
+    kind, occurrence = CASES[case]
+    at = _index(reference["kinds"], kind, occurrence)
+    runs = tmp_path / "runs"
+    outcome = run_killed(lambda: fit(make_trainer(runs, "r")), kill_at_event(at))
+    assert outcome == "killed"
+    before = read_events(runs / "r")
+    batch_log = BatchLog()
+    resumed_trainer = make_trainer(runs, None, batch_log)
+    run = fit(resumed_trainer, resume_from=runs / "r")
+    # parameters: bitwise
+    ref_params = reference["params"]
+    for k, v in resumed_trainer.net.state_dict().items():
+        assert torch.equal(v, ref_params[k]), k
+    # committed history: identical (wall-clock fields aside)
+    assert _history(run) == _history(reference["run"])
+    # scenario: every committed step's loss equals the uninterrupted run's, exactly
+    assert _step_losses(runs / "r") == _step_losses(reference["run"].run_dir)
+    # scenario: the shuffled batch order of every resumed epoch equals the uninterrupted order
+    for epoch, batches in batch_log.batches.items():
+        assert batches == reference["batches"][epoch], epoch
+    # the log records the resume and the discarded tail, which stays in the log for audit
+    after = read_events(runs / "r")
+    assert after[: len(before)] == before
+    resumed = [e for _, e in after if isinstance(e, RunResumed)]
+    assert len(resumed) == 1
+    r = resumed[0]
+    last_seqs = [s for s, e in before if isinstance(e, LastCommitted)]
+    assert r.last_seq in last_seqs
+    assert r.discard_to == len(before) and r.discard_from <= r.discard_to
+    # the resumed session trained only the remaining epochs
+    trained = sorted(batch_log.batches)
+    assert trained == list(range(r.epoch + 1, EPOCHS))
+
+
+def test_a_resumed_run_with_nothing_left_trains_no_epoch(reference, tmp_path):
+    runs = tmp_path / "runs"
+    fit(make_trainer(runs, "done"))
+    batch_log = BatchLog()
+    run = fit(make_trainer(runs, None, batch_log), resume_from=runs / "done")
+    assert batch_log.batches == {} and len(run.history) == EPOCHS and run.status == "completed"
+
+
+def _tree_digest(root: Path) -> dict[str, str]:
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file() and p.name != "lock.mdb"}
+
+
+def test_weights_only_starts_a_new_run_recording_its_source_and_never_writes_the_source(reference, tmp_path):
+    runs = tmp_path / "runs"
+    src = fit(make_trainer(runs, "src"))
+    before = _tree_digest(runs / "src")
+    trainer = make_trainer(runs, "child")
+    with torch.no_grad():
+        for p in trainer.net.parameters():
+            p.zero_()
+    child = trainer.fit(*loaders(batch_size=8), epochs=0, resume_from=runs / "src", resume_mode="weights_only")
+    assert _tree_digest(runs / "src") == before
+    started = [e for _, e in read_events(child.run_dir) if isinstance(e, RunStarted)][0]
+    src_last_seq = [s for s, e in read_events(runs / "src") if isinstance(e, LastCommitted)][-1]
+    assert started.source is not None
+    assert (started.source.run_id, started.source.last_seq, started.source.manifest) == (
+        "src", src_last_seq, src.last.manifest)
+    # weights came from the source's LAST; nothing else (counters start at zero)
+    src_params = make_trainer(runs / "x", "y").net  # fresh net to load into
+    from nnx_es import NNModel
+
+    m = NNModel(src_params)
+    m.load(runs / "src", "last")
+    for k, v in trainer.net.state_dict().items():
+        assert torch.equal(v, m.net.state_dict()[k])
+    assert child.counters.step == 0
+
+
+def test_weights_only_refuses_to_write_into_its_source(tmp_path):
+    runs = tmp_path / "runs"
+    fit(make_trainer(runs, "src"))
+    with pytest.raises(Exception, match="own run"):
+        make_trainer(runs, "src").fit(*loaders(), epochs=1, resume_from=runs / "src", resume_mode="weights_only")
+
+
+def _last_manifest(run_dir: Path) -> str:
+    return project(read_events(run_dir)).checkpoints.last.manifest
+
+
+def _break_empty(store: BlobStore, digest: str) -> str:
+    store.path(digest).write_bytes(b"")
+    return "corrupt"
+
+
+def _break_torn(store: BlobStore, digest: str) -> str:
+    p = store.path(digest)
+    p.write_bytes(p.read_bytes()[:-7])
+    return "corrupt"
+
+
+def _break_blob(store: BlobStore, digest: str) -> str:
+    from nnx_es.checkpoint import read_manifest
+
+    m = read_manifest(store, digest)
+    p = store.path(m.components["model"].blob)
+    data = bytearray(p.read_bytes())
+    data[10] ^= 0x01
+    p.write_bytes(bytes(data))
+    return m.components["model"].blob
+
+
+def _break_missing(store: BlobStore, digest: str) -> str:
+    store.path(digest).unlink()
+    return "missing"
+
+
+@pytest.mark.parametrize("breaker", [_break_empty, _break_torn, _break_blob, _break_missing])
+def test_a_bad_last_is_refused_with_a_named_reason_and_history_is_kept(breaker, tmp_path):
+    runs = tmp_path / "runs"
+    fit(make_trainer(runs, "r"))
+    store = BlobStore(runs / "r" / "blobs")
+    expected = breaker(store, _last_manifest(runs / "r"))
+    before = read_events(runs / "r")
+    with pytest.raises(ResumeError, match=expected):
+        fit(make_trainer(runs, None), resume_from=runs / "r")
+    assert read_events(runs / "r") == before  # nothing erased, nothing appended
+
+
+def test_a_mixed_last_from_another_run_is_refused(tmp_path):
+    runs = tmp_path / "runs"
+    fit(make_trainer(runs, "a"))
+    fit(make_trainer(runs, "b"))
+    # b's LAST names a's manifest (blobs copied over): mixed
+    a_manifest = _last_manifest(runs / "a")
+    for p in (runs / "a" / "blobs").rglob("*"):
+        if p.is_file():
+            dest = runs / "b" / "blobs" / p.relative_to(runs / "a" / "blobs")
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            dest.write_bytes(p.read_bytes())
+    with LmdbLog(runs / "b" / "events.lmdb") as log:
+        last = [e for _, e in log.read() if isinstance(e, LastCommitted)][-1]
+        log.commit(msgspec.structs.replace(last, manifest=a_manifest))
+    with pytest.raises(ResumeError, match="mixed"):
+        fit(make_trainer(runs, None), resume_from=runs / "b")
+
+
+class _Evil:
+    def __reduce__(self):
+        import os
+
+        return (os.system, ("touch /tmp/nnx_es_pwned_marker",))
+
+
+def test_a_pickle_payload_that_would_run_code_is_refused_on_resume(tmp_path):
+    marker = Path("/tmp/nnx_es_pwned_marker")
+    marker.unlink(missing_ok=True)
+    runs = tmp_path / "runs"
+    fit(make_trainer(runs, "r"))
+    store = BlobStore(runs / "r" / "blobs")
+    from nnx_es.checkpoint import read_manifest, write_checkpoint
+
+    m = read_manifest(store, _last_manifest(runs / "r"))
+    parts = {}
+    for name, comp in m.components.items():
+        parts[name] = (comp.codec, store.get(comp.blob))
+    buf = __import__("io").BytesIO()
+    torch.save({"weight": _Evil()}, buf, _use_new_zipfile_serialization=True, pickle_module=pickle)
+    parts["model"] = ("torch", buf.getvalue())
+    digest, _ = write_checkpoint(store, run_id="r", epoch=m.epoch, step=m.step, counters=m.counters, parts=parts)
+    with LmdbLog(runs / "r" / "events.lmdb") as log:
+        last = [e for _, e in log.read() if isinstance(e, LastCommitted)][-1]
+        log.commit(msgspec.structs.replace(last, manifest=digest))
+    with pytest.raises(Exception, match="safe loader|refuses|Unsafe|weights_only"):
+        fit(make_trainer(runs, None), resume_from=runs / "r")
+    assert not marker.exists()
+
+
+def test_resume_loads_through_the_safe_loader_only(reference, tmp_path, monkeypatch):
+    runs = tmp_path / "runs"
+    outcome = run_killed(lambda: fit(make_trainer(runs, "r")), kill_at_event(_index(reference["kinds"], "epoch_began", 2)))
+    assert outcome == "killed"
+    calls = []
+    real_load = torch.load
+
+    def guarded_load(*args, **kwargs):
+        calls.append(kwargs.get("weights_only"))
+        return real_load(*args, **kwargs)
+
+    def no_unpickling(*args, **kwargs):
+        raise AssertionError("pickle.loads must not be used on resume")
+
+    monkeypatch.setattr(torch, "load", guarded_load)
+    monkeypatch.setattr(pickle, "loads", no_unpickling)
+    trainer = make_trainer(runs, None)
+    fit(trainer, resume_from=runs / "r")
+    assert calls and all(c is True for c in calls)
+    for k, v in trainer.net.state_dict().items():
+        assert torch.equal(v, reference["params"][k])
+
+
+def test_rotating_phases_never_drop_an_old_phase_before_the_new_one_is_committed(reference):
+    events = reference["events"]
+    committed_phases: list[str] = []
+    for seq, e in events:
+        if e.KIND == "phase_committed":
+            assert e.name not in e.removed
+            # the removal and the new pointer are one event: no prefix of the log has fewer phases
+            before = len(committed_phases)
+            committed_phases = [p for p in committed_phases if p not in e.removed] + [e.name]
+            assert len(committed_phases) >= min(before, 2)
+            assert len(committed_phases) <= 2
+        state = project(events[: seq + 1]).checkpoints.phases
+        assert set(state) <= set(committed_phases) | set()
+    assert committed_phases == [f"epoch-{EPOCHS - 2:04d}", f"epoch-{EPOCHS - 1:04d}"]
+    # every phase that was ever committed still has its blobs (nothing is deleted)
