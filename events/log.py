@@ -70,6 +70,8 @@ class EventLog(Protocol):
 class _LogBase:
     """Buffering, sequencing and decoding shared by both logs."""
 
+    readonly = False
+
     def __init__(self, next_seq: int) -> None:
         self._buffer: list[tuple[int, bytes]] = []
         self._flushed = next_seq
@@ -96,6 +98,8 @@ class _LogBase:
         """Buffer ``event``; return its seq. Nothing is written until ``flush``."""
         if self._closed:
             raise LogClosedError("append on a closed event log")
+        if self.readonly:
+            raise EventLogError("append on an event log opened read-only")
         seq = self._next
         self._buffer.append((seq, encode(event)))
         self._next = seq + 1
@@ -158,6 +162,8 @@ class MemoryLog(_LogBase):
             self._syncs += 1
 
     def read_raw(self, start: int = 0, stop: int | None = None) -> Iterator[tuple[int, bytes]]:
+        if self._closed:
+            raise LogClosedError("read on a closed event log")
         end = len(self._stored) if stop is None else min(stop, len(self._stored))
         for seq in range(max(start, 0), end):
             yield seq, self._stored[seq]
@@ -190,9 +196,9 @@ class LmdbLog(_LogBase):
         self.readonly = readonly
         if readonly and not (self.path / "data.mdb").exists():
             raise EventLogError(f"no event log at {self.path}: expected {self.path / 'data.mdb'}")
-        if not readonly:
-            self.path.mkdir(parents=True, exist_ok=True)
         try:
+            if not readonly:
+                self.path.mkdir(parents=True, exist_ok=True)
             self._env = lmdb.open(
                 str(self.path),
                 map_size=map_size,
@@ -209,7 +215,7 @@ class LmdbLog(_LogBase):
             else:
                 self._events = self._env.open_db(_EVENTS_DB)
                 self._env.open_db(_SNAPSHOTS_DB)
-        except lmdb.Error as exc:
+        except (lmdb.Error, OSError) as exc:
             raise EventLogError(f"cannot open event log at {self.path}: {exc}") from None
         super().__init__(self._count_stored())
 
@@ -248,7 +254,13 @@ class LmdbLog(_LogBase):
                 try:
                     with self._env.begin(write=True, db=self._events) as txn:
                         for seq, raw in self._buffer:
-                            txn.put(seq_key(seq), raw, append=True)
+                            if not txn.put(seq_key(seq), raw, append=True):
+                                # MDB_APPEND refuses a key at or below the last one: another
+                                # writer stored it. Abort the whole batch, never drop silently.
+                                raise EventLogError(
+                                    f"write to {self.path} refused: seq {seq} is already stored "
+                                    "(another writer appended to this log)"
+                                )
                     break
                 except lmdb.MapFullError:
                     self._env.set_mapsize(self._env.info()["map_size"] * 2)

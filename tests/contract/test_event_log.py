@@ -1,0 +1,385 @@
+"""The event log contract: every implementation (memory, LMDB) must pass :class:`EventLogContract`.
+
+Subclasses override the ``make_log`` fixture, a factory of fresh, writable logs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from events import (
+    CorruptEventError,
+    EpochBegan,
+    Event,
+    EventLogError,
+    LmdbLog,
+    LogClosedError,
+    MemoryLog,
+    MicrobatchDone,
+    RunStarted,
+    UpdateCommitted,
+)
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _mb(i: int) -> MicrobatchDone:
+    return MicrobatchDone(epoch=0, batch=i, rows=32, examples=32.0, loss=1.0 / (i + 1))
+
+
+def _receipt(step: int) -> UpdateCommitted:
+    return UpdateCommitted(
+        step=step, epoch=0, microbatches=2, local_examples=64.0, global_examples=64.0, loss=0.5, lrs=[0.1]
+    )
+
+
+def _mixed(n: int) -> list[Event]:
+    """``n`` events of three kinds: epoch_began at 0, then microbatches with a receipt every third."""
+    out: list[Event] = [EpochBegan(epoch=0)]
+    for i in range(1, n):
+        out.append(_receipt(i) if i % 3 == 0 else _mb(i))
+    return out
+
+_READER = r"""
+import json, sys
+from events import EventLogError, LmdbLog, MicrobatchDone
+r = LmdbLog(sys.argv[1], readonly=True, map_size=int(sys.argv[2]))
+for line in sys.stdin:
+    cmd = line.strip()
+    if cmd == "read":
+        raw = [v.hex() for _, v in r.read_raw()]
+        out = {"next_seq": r.next_seq, "raw": raw, "kinds": [e.KIND for _, e in r.read()]}
+    elif cmd == "refresh":
+        out = {"n": r.refresh()}
+    elif cmd == "write":
+        out = {}
+        for name, op in (
+            ("append", lambda: r.append(MicrobatchDone(epoch=0, batch=0, rows=1, examples=1.0, loss=0.0))),
+            ("flush", lambda: r.flush()),
+        ):
+            try:
+                op()
+                out[name] = "accepted"
+            except EventLogError as exc:
+                out[name] = type(exc).__name__
+        out["next_seq"] = r.next_seq
+    print(json.dumps(out), flush=True)
+r.close()
+"""
+
+
+class _Reader:
+    """A read-only LmdbLog in a child process, driven line by line over stdin/stdout."""
+
+    def __init__(self, path: Path, map_size: int) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", _READER, str(path), str(map_size)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            cwd=REPO,
+            env={**os.environ, "PYTHONPATH": str(REPO)},
+        )
+
+    def ask(self, cmd: str) -> dict[str, Any]:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write(cmd + "\n")
+        self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        assert line, f"reader process died (exit {self.proc.poll()})"
+        return json.loads(line)
+
+    def __enter__(self) -> _Reader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.close()
+        self.proc.wait(timeout=30)
+
+
+class EventLogContract:
+    """What every event log must do. ``make_log()`` returns a fresh writable log."""
+
+    @pytest.fixture
+    def make_log(self) -> Callable[[], Any]:
+        raise NotImplementedError
+
+    @pytest.fixture
+    def log(self, make_log: Callable[[], Any]) -> Iterator[Any]:
+        lg = make_log()
+        yield lg
+        lg.close()
+
+    # --- sequencing and buffering ---------------------------------------------------
+
+    def test_seqs_are_contiguous_from_zero(self, log: Any) -> None:
+        seqs = [log.append(e) for e in _mixed(7)]
+        assert seqs == list(range(7))
+        assert log.next_seq == 7
+        log.flush()
+        assert [s for s, _ in log.read_raw()] == list(range(7))
+        # appends after a flush continue the sequence
+        assert log.append(_mb(99)) == 7
+
+    def test_append_only_buffers_until_flush(self, log: Any) -> None:
+        for e in _mixed(4):
+            log.append(e)
+        assert list(log.read()) == []
+        assert list(log.read_raw()) == []
+        assert log.durable_seq == 0
+        assert log.next_seq == 4
+
+    def test_flush_writes_whole_buffer_at_once(self, log: Any) -> None:
+        events = _mixed(5)
+        for e in events:
+            log.append(e)
+        log.flush()
+        assert log.durable_seq == 5
+        assert list(log.read()) == list(enumerate(events))
+        # a second batch lands after the first, again in one go
+        more = [_mb(10), _mb(11)]
+        for e in more:
+            log.append(e)
+        assert len(list(log.read())) == 5
+        log.flush()
+        assert [e for _, e in log.read()] == events + more
+
+    def test_commit_appends_flushes_and_syncs_exactly_once(self, log: Any) -> None:
+        log.append(_mb(0))
+        log.append(_mb(1))
+        log.flush()
+        assert log.syncs == 0, "a plain flush must not fsync"
+        log.append(_mb(2))
+        before = log.syncs
+        seq = log.commit(_receipt(1))
+        assert seq == 3
+        assert log.syncs == before + 1
+        assert log.durable_seq == 4
+        assert [e for _, e in log.read(start=2)] == [_mb(2), _receipt(1)]
+        log.flush()
+        assert log.syncs == before + 1
+
+    def test_flush_sync_counts_one_sync(self, log: Any) -> None:
+        log.flush(sync=True)
+        assert log.syncs == 1
+
+    def test_read_by_range_is_half_open(self, log: Any) -> None:
+        events = _mixed(10)
+        for e in events:
+            log.append(e)
+        log.flush()
+        assert list(log.read(3, 6)) == [(s, events[s]) for s in range(3, 6)]
+        assert list(log.read(start=8)) == [(8, events[8]), (9, events[9])]
+        assert list(log.read(stop=2)) == [(0, events[0]), (1, events[1])]
+        assert list(log.read(5, 5)) == []
+        assert list(log.read(start=10)) == []
+        assert list(log.read(start=50)) == []
+        assert [s for s, _ in log.read_raw(4, 7)] == [4, 5, 6]
+
+    def test_read_filters_by_kinds(self, log: Any) -> None:
+        events = _mixed(10)
+        for e in events:
+            log.append(e)
+        log.flush()
+        receipts = list(log.read(kinds=["update_committed"]))
+        assert receipts == [(s, e) for s, e in enumerate(events) if isinstance(e, UpdateCommitted)]
+        assert [s for s, _ in receipts] == [3, 6, 9]
+        both = list(log.read(kinds={"update_committed", "epoch_began"}))
+        assert [s for s, _ in both] == [0, 3, 6, 9]
+        assert list(log.read(2, 7, kinds=("update_committed",))) == [(3, events[3]), (6, events[6])]
+        assert list(log.read(kinds=[])) == []
+
+    def test_discard_buffer_drops_unflushed_events(self, log: Any) -> None:
+        log.append(_mb(0))
+        log.flush()
+        log.append(_mb(1))
+        log.append(_mb(2))
+        assert log.discard_buffer() == 2
+        assert log.next_seq == 1
+        log.flush()
+        assert [e for _, e in log.read()] == [_mb(0)]
+        # the sequence continues from the last flushed event, without a gap
+        assert log.append(_mb(3)) == 1
+        log.flush()
+        assert [s for s, _ in log.read_raw()] == [0, 1]
+
+    def test_undecodable_value_raises_corrupt_event_naming_its_seq(self, log: Any) -> None:
+        events = _mixed(5)
+        for e in events:
+            log.append(e)
+        log.flush()
+        log.put_raw(3, b"\xc1 not msgpack")
+        assert list(log.read(stop=3)) == list(enumerate(events[:3]))
+        with pytest.raises(CorruptEventError) as info:
+            list(log.read())
+        assert info.value.seq == 3
+        assert "seq 3" in str(info.value)
+        # raw reads still see the stored bytes
+        assert dict(log.read_raw())[3] == b"\xc1 not msgpack"
+
+    def test_value_of_unknown_kind_is_corrupt(self, log: Any) -> None:
+        log.append(_mb(0))
+        log.flush()
+        import msgspec
+
+        log.put_raw(0, msgspec.msgpack.encode({"kind": "no_such_kind", "epoch": 0}))
+        with pytest.raises(CorruptEventError) as info:
+            list(log.read())
+        assert info.value.seq == 0
+
+    def test_closed_log_refuses_append_flush_and_read(self, make_log: Callable[[], Any]) -> None:
+        lg = make_log()
+        lg.append(_mb(0))
+        lg.flush()
+        lg.close()
+        with pytest.raises(LogClosedError):
+            lg.append(_mb(1))
+        with pytest.raises(LogClosedError):
+            lg.flush()
+        with pytest.raises(LogClosedError):
+            list(lg.read())
+        assert issubclass(LogClosedError, EventLogError)
+
+
+class TestMemoryLog(EventLogContract):
+    @pytest.fixture
+    def make_log(self) -> Callable[[], Any]:
+        return MemoryLog
+
+
+class TestLmdbLog(EventLogContract):
+    @pytest.fixture
+    def make_log(self, tmp_path: Path) -> Callable[[], Any]:
+        counter = iter(range(1000))
+        return lambda: LmdbLog(tmp_path / f"log{next(counter)}" / "events.lmdb")
+
+    # --- LMDB only --------------------------------------------------------------------
+
+    def test_reopen_sees_same_events_and_continues_sequence(self, tmp_path: Path) -> None:
+        path = tmp_path / "events.lmdb"
+        events = _mixed(6)
+        with LmdbLog(path) as lg:
+            for e in events:
+                lg.append(e)
+            lg.commit(_receipt(9))
+            lg.append(_mb(42))  # never flushed: lost on close, like a crash
+        with LmdbLog(path) as lg:
+            assert lg.next_seq == 7
+            assert lg.durable_seq == 7
+            assert [e for _, e in lg.read()] == [*events, _receipt(9)]
+            assert lg.append(_mb(7)) == 7
+            lg.flush()
+        with LmdbLog(path) as lg:
+            assert lg.next_seq == 8
+            assert list(lg.read(start=7)) == [(7, _mb(7))]
+
+    def test_tiny_map_grows_on_demand_without_losing_events(self, tmp_path: Path) -> None:
+        initial = 64 << 10
+        path = tmp_path / "events.lmdb"
+        payload = "x" * 3000
+        events = [RunStarted(run_id=f"r{i}", seed=i, recipe={"blob": payload}) for i in range(150)]
+        with LmdbLog(path, map_size=initial) as lg:
+            assert lg.map_size() == initial
+            # half in one big transaction, the rest in small flushes
+            for e in events[:75]:
+                lg.append(e)
+            lg.flush()
+            for i, e in enumerate(events[75:]):
+                lg.append(e)
+                if i % 10 == 0:
+                    lg.flush()
+            lg.commit(_mb(0))
+            grown = lg.map_size()
+            assert grown >= 8 * initial, "450 KB of events need at least three doublings of 64 KiB"
+            assert [e for _, e in lg.read()] == [*events, _mb(0)]
+        with LmdbLog(path, readonly=True) as ro:
+            assert [s for s, _ in ro.read_raw()] == list(range(151))
+
+    def test_readonly_reader_beside_live_writer(self, tmp_path: Path) -> None:
+        # py-lmdb refuses a second open of one environment in a process, and readers
+        # (replay, inspect, dashboards) are other processes anyway: the reader is a child.
+        path = tmp_path / "events.lmdb"
+        with LmdbLog(path, map_size=64 << 10) as writer:
+            first = _mixed(4)
+            for e in first:
+                writer.append(e)
+            writer.flush()
+            writer.append(_mb(50))  # buffered, not flushed: invisible to readers
+            # the reader maps only 64 KiB too, so the writer's growth outruns its map
+            with _Reader(path, map_size=64 << 10) as reader:
+                seen = reader.ask("read")
+                assert seen["next_seq"] == 4
+                assert seen["raw"] == [raw.hex() for _, raw in writer.read_raw()]
+                writer.flush()
+                assert reader.ask("read")["next_seq"] == 4, "a reader sees new events only after refresh()"
+                # the reader follows the writer after refresh(), even across a map growth
+                big = [RunStarted(run_id="r", seed=i, recipe={"b": "y" * 4000}) for i in range(60)]
+                for e in big:
+                    writer.append(e)
+                writer.commit(_receipt(1))
+                assert writer.map_size() > 64 << 10
+                assert reader.ask("refresh")["n"] == 4 + 1 + 60 + 1
+                seen = reader.ask("read")
+                assert seen["next_seq"] == 66
+                assert seen["raw"] == [raw.hex() for _, raw in writer.read_raw()]
+                assert seen["kinds"] == [e.KIND for e in [*first, _mb(50), *big, _receipt(1)]]
+                refused = reader.ask("write")
+                assert refused["append"] == "EventLogError"
+                assert refused["flush"] == "EventLogError"
+                assert refused["next_seq"] == 66, "a refused append must not take a seq"
+            # the writer's log is untouched by the reader's attempts
+            assert [s for s, _ in writer.read_raw()] == list(range(66))
+
+    def test_readonly_open_of_missing_dir_raises(self, tmp_path: Path) -> None:
+        missing = tmp_path / "nope" / "events.lmdb"
+        with pytest.raises(EventLogError) as info:
+            LmdbLog(missing, readonly=True)
+        assert str(missing) in str(info.value)
+        assert not missing.exists(), "a read-only open must not create the log"
+
+    def test_open_of_something_that_is_not_a_log_raises(self, tmp_path: Path) -> None:
+        garbage = tmp_path / "garbage.lmdb"
+        garbage.mkdir()
+        (garbage / "data.mdb").write_bytes(b"\x00garbage" * 1000)
+        with pytest.raises(EventLogError):
+            LmdbLog(garbage, readonly=True)
+        a_file = tmp_path / "a_file"
+        a_file.write_bytes(b"not a directory")
+        with pytest.raises(EventLogError):
+            LmdbLog(a_file)
+
+    def test_delete_raw_forges_a_gap_visible_in_read_raw(self, tmp_path: Path) -> None:
+        with LmdbLog(tmp_path / "events.lmdb") as lg:
+            for e in _mixed(6):
+                lg.append(e)
+            lg.flush()
+            lg.delete_raw(2)
+            assert [s for s, _ in lg.read_raw()] == [0, 1, 3, 4, 5]
+            assert [s for s, _ in lg.read()] == [0, 1, 3, 4, 5]
+
+    def test_flush_refuses_a_seq_another_writer_stored_and_keeps_its_batch(self, tmp_path: Path) -> None:
+        with LmdbLog(tmp_path / "events.lmdb") as lg:
+            lg.append(_mb(0))
+            lg.flush()
+            foreign = _receipt(7)
+            from events import encode
+
+            lg.put_raw(1, encode(foreign))  # stands in for a second, lease-less writer
+            lg.append(_mb(1))
+            lg.append(_mb(2))
+            with pytest.raises(EventLogError) as info:
+                lg.flush()
+            assert "seq 1" in str(info.value)
+            # nothing of the batch was stored, the foreign event is intact, the batch is still buffered
+            assert list(lg.read()) == [(0, _mb(0)), (1, foreign)]
+            assert lg.durable_seq == 1
+            assert lg.next_seq == 3

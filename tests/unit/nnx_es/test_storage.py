@@ -1,0 +1,226 @@
+"""Files outside LMDB: run ids, atomic writes, the blob store, leases, stale temporaries."""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import multiprocessing
+import os
+import signal
+import time
+from multiprocessing.connection import Connection
+from pathlib import Path
+
+import pytest
+
+from nnx_es.errors import (
+    CheckpointWriteError,
+    CorruptCheckpointError,
+    InvalidRunIdError,
+    LeaseHeldError,
+    NnxError,
+)
+from nnx_es.storage import BlobStore, Lease, atomic_write, clean_stale_temporaries, validate_run_id
+
+
+def _temporaries(directory: Path) -> list[Path]:
+    return [p for p in directory.rglob("*") if p.name.endswith(".tmp")]
+
+
+# --- run ids ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("good", ["run-1", "a", "digits_mlp.2024-06-01", "A.b_C-9", ".hidden", "x" * 128, "..."])
+def test_validate_run_id_accepts_safe_names(good: str) -> None:
+    assert validate_run_id(good) == good
+
+
+@pytest.mark.parametrize(
+    "bad", ["", ".", "..", "a/b", "../etc", "a\\b", "x" * 129, "a b", "run\n", "ünïcode", "a\x00b", "a:b"]
+)
+def test_validate_run_id_refuses_unsafe_names(bad: str) -> None:
+    with pytest.raises(InvalidRunIdError) as info:
+        validate_run_id(bad)
+    assert isinstance(info.value, ValueError) and isinstance(info.value, NnxError)
+    assert repr(bad) in str(info.value)
+
+
+def test_validate_run_id_refuses_non_strings() -> None:
+    with pytest.raises(InvalidRunIdError):
+        validate_run_id(7)  # type: ignore[arg-type]
+
+
+# --- atomic writes ---------------------------------------------------------------------
+
+
+def test_atomic_write_creates_and_replaces_without_temporaries(tmp_path: Path) -> None:
+    dest = tmp_path / "views" / "history.csv"
+    atomic_write(dest, b"epoch,loss\n0,1.0\n")
+    assert dest.read_bytes() == b"epoch,loss\n0,1.0\n"
+    atomic_write(dest, b"epoch,loss\n0,1.0\n1,0.5\n")
+    assert dest.read_bytes() == b"epoch,loss\n0,1.0\n1,0.5\n"
+    atomic_write(dest, b"")
+    assert dest.read_bytes() == b""
+    assert _temporaries(tmp_path) == []
+    assert sorted(p.name for p in dest.parent.iterdir()) == ["history.csv"]
+
+
+def test_atomic_write_of_a_large_payload(tmp_path: Path) -> None:
+    data = os.urandom(3 << 20)
+    atomic_write(tmp_path / "big", data)
+    assert (tmp_path / "big").read_bytes() == data
+
+
+def test_failed_fsync_keeps_previous_bytes_and_removes_temporary(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    dest = tmp_path / "summary.json"
+    atomic_write(dest, b"previous")
+
+    def no_space(fd: int) -> None:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "fsync", no_space)
+    with pytest.raises(CheckpointWriteError) as info:
+        atomic_write(dest, b"new bytes that never land")
+    monkeypatch.undo()
+    err = info.value
+    assert isinstance(err, OSError) and isinstance(err, NnxError)
+    assert str(dest) in str(err)
+    assert isinstance(err.__cause__, OSError) and err.__cause__.errno == errno.ENOSPC
+    assert dest.read_bytes() == b"previous"
+    assert _temporaries(tmp_path) == []
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["summary.json"]
+
+
+def test_failed_first_write_leaves_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def eio(fd: int, data: object) -> int:
+        raise OSError(errno.EIO, os.strerror(errno.EIO))
+
+    monkeypatch.setattr(os, "write", eio)
+    with pytest.raises(CheckpointWriteError):
+        atomic_write(tmp_path / "new", b"data")
+    monkeypatch.undo()
+    assert list(tmp_path.iterdir()) == []
+
+
+# --- blob store ------------------------------------------------------------------------
+
+
+def test_blob_round_trip_and_content_addressing(tmp_path: Path) -> None:
+    store = BlobStore(tmp_path / "blobs")
+    data = b"model state bytes"
+    digest = store.put(data)
+    assert digest == hashlib.sha256(data).hexdigest()
+    assert store.get(digest) == data
+    assert store.exists(digest)
+    assert store.path(digest) == tmp_path / "blobs" / "sha256" / digest[:2] / digest
+    other = store.put(b"optimizer state bytes")
+    assert other != digest and store.get(other) == b"optimizer state bytes"
+
+
+def test_identical_bytes_are_stored_once(tmp_path: Path) -> None:
+    store = BlobStore(tmp_path / "blobs")
+    first = store.put(b"same")
+    mtime = store.path(first).stat().st_mtime_ns
+    second = store.put(b"same")
+    assert first == second
+    files = [p for p in (tmp_path / "blobs").rglob("*") if p.is_file()]
+    assert files == [store.path(first)]
+    assert store.path(first).stat().st_mtime_ns == mtime, "an existing blob is not rewritten"
+
+
+def test_flipped_byte_in_a_stored_blob_is_detected(tmp_path: Path) -> None:
+    store = BlobStore(tmp_path / "blobs")
+    digest = store.put(b"\x00\x01\x02\x03" * 100)
+    p = store.path(digest)
+    raw = bytearray(p.read_bytes())
+    raw[17] ^= 0x01
+    p.write_bytes(bytes(raw))
+    with pytest.raises(CorruptCheckpointError) as info:
+        store.get(digest)
+    assert digest in str(info.value)
+    assert hashlib.sha256(bytes(raw)).hexdigest() in str(info.value)
+
+
+def test_missing_blob_is_corrupt_checkpoint(tmp_path: Path) -> None:
+    store = BlobStore(tmp_path / "blobs")
+    digest = hashlib.sha256(b"never stored").hexdigest()
+    assert not store.exists(digest)
+    with pytest.raises(CorruptCheckpointError) as info:
+        store.get(digest)
+    assert digest in str(info.value) and "missing" in str(info.value)
+
+
+@pytest.mark.parametrize("name", ["", "ABCD" * 16, "../" + "a" * 61, "a" * 63, "g" * 64])
+def test_malformed_blob_names_are_refused(tmp_path: Path, name: str) -> None:
+    with pytest.raises(CorruptCheckpointError):
+        BlobStore(tmp_path).path(name)
+
+
+# --- leases ----------------------------------------------------------------------------
+
+
+def test_second_acquire_is_refused_until_release(tmp_path: Path) -> None:
+    first = Lease(tmp_path, "run-1").acquire()
+    assert first.held
+    with pytest.raises(LeaseHeldError) as info:
+        Lease(tmp_path, "run-1").acquire()
+    assert "run-1" in str(info.value)
+    assert isinstance(info.value, BlockingIOError) and isinstance(info.value, NnxError)
+    # another run's lease is independent
+    with Lease(tmp_path, "run-2") as other:
+        assert other.held
+    first.release()
+    assert not first.held
+    with Lease(tmp_path, "run-1") as again:
+        assert again.held
+        assert again.path.read_text().strip() == str(os.getpid())
+
+
+def test_lease_refuses_an_invalid_run_id(tmp_path: Path) -> None:
+    with pytest.raises(InvalidRunIdError):
+        Lease(tmp_path, "../escape")
+
+
+def _hold_lease(root: Path, ready: Connection) -> None:
+    Lease(root, "run-1").acquire()
+    ready.send("held")
+    time.sleep(60)
+
+
+def test_lease_of_a_sigkilled_holder_is_free(tmp_path: Path) -> None:
+    ctx = multiprocessing.get_context("fork")  # the child inherits imports: fast
+    parent_end, child_end = ctx.Pipe(duplex=False)
+    child = ctx.Process(target=_hold_lease, args=(tmp_path, child_end), daemon=True)
+    child.start()
+    try:
+        assert parent_end.poll(30), "the child never took the lease"
+        assert parent_end.recv() == "held"
+        with pytest.raises(LeaseHeldError):
+            Lease(tmp_path, "run-1").acquire()
+    finally:
+        assert child.pid is not None
+        os.kill(child.pid, signal.SIGKILL)
+        child.join(timeout=30)
+    assert child.exitcode == -signal.SIGKILL
+    with Lease(tmp_path, "run-1") as lease:
+        assert lease.held
+
+
+# --- stale temporaries -----------------------------------------------------------------
+
+
+def test_clean_stale_temporaries_removes_only_owned_temporaries(tmp_path: Path) -> None:
+    blobs = tmp_path / "blobs" / "sha256" / "ab"
+    blobs.mkdir(parents=True)
+    stale = [tmp_path / ".x.tmp", blobs / ".abcd.1234.beef.tmp"]
+    keep = [tmp_path / "history.csv", tmp_path / "notes.tmp", blobs / "abcd"]
+    for p in stale + keep:
+        p.write_bytes(b"x")
+    removed = clean_stale_temporaries(tmp_path)
+    assert sorted(removed) == sorted(stale)
+    assert all(not p.exists() for p in stale)
+    assert all(p.exists() for p in keep)
+    assert clean_stale_temporaries(tmp_path) == []
+    assert clean_stale_temporaries(tmp_path / "missing") == []
