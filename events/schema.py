@@ -360,6 +360,9 @@ class LastCommitted(Event, frozen=True, kw_only=True, tag="last_committed"):
 
     epoch: the 0-based index of the last epoch the checkpoint contains
     (``-1`` before any epoch). final: the refresh after finalization.
+    covers: the seq of the last event this commit makes durable; ``-1`` means
+    every event before this one. A deferred commit (written while the next
+    epoch already runs) covers its epoch's ``history_appended`` only.
     """
 
     KIND: ClassVar[str] = "last_committed"
@@ -368,6 +371,7 @@ class LastCommitted(Event, frozen=True, kw_only=True, tag="last_committed"):
     step: int
     counters: Counters
     final: bool = False
+    covers: int = -1
 
 
 class BestCommitted(Event, frozen=True, kw_only=True, tag="best_committed"):

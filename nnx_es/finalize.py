@@ -60,6 +60,9 @@ def finalize(
 ) -> None:
     """Finalize ``trainer``'s run (see the module docstring). Raises a cleanup error after a successful run."""
     rec, ctx = trainer.recorder, trainer.ctx
+    # a commit still in flight lands first: its blobs may be durable already
+    _attempt(trainer.committer.complete)
+    _attempt(trainer.committer.close)
     if failure is not None:
         log.error("training failed", run_id=trainer.run_id, error=repr(failure))
         _attempt(lambda: _run_failed(trainer, failure, True))

@@ -33,7 +33,11 @@ from events.codec import KINDS
 from events.errors import NnxError
 
 __all__ = [
+    "BASE_STATES",
+    "DEFERRABLE",
     "INITIAL",
+    "JUST_COMMITTED",
+    "PENDING",
     "STATES",
     "TRANSITIONS",
     "IllegalTransitionError",
@@ -44,8 +48,8 @@ __all__ = [
 
 INITIAL = "new"
 
-#: States of the lifecycle machine.
-STATES: tuple[str, ...] = (
+#: Base states of the lifecycle machine (see :data:`STATES` for all, derived ones included).
+BASE_STATES: tuple[str, ...] = (
     "new",  # nothing written yet
     "started",  # run_started / run_resumed: callbacks begin
     "training",  # train_began: the initial LAST is being committed
@@ -67,17 +71,15 @@ STATES: tuple[str, ...] = (
 
 _IN_EPOCH_QUIET = ["in_epoch", "updated"]  # no window open
 _EPOCH_END = ["summarized", "decided", "scheduled"]
-_ALIVE = [s for s in STATES if s not in ("new", "failed", "finalizing", "closed", "finalized")]
+_ALIVE = [s for s in BASE_STATES if s not in ("new", "failed", "finalizing", "closed", "finalized")]
 
 
 def _t(trigger: str, source: str | list[str], dest: str) -> dict[str, Any]:
     return {"trigger": trigger, "source": source, "dest": dest}
 
 
-#: The transitions table: trigger (event kind), source state(s), destination.
-TRANSITIONS: tuple[dict[str, Any], ...] = (
+_BASE: tuple[dict[str, Any], ...] = (
     _t("run_started", "new", "started"),
-    _t("run_resumed", [s for s in STATES if s != "new"], "started"),
     _t("callback_began", "started", "started"),
     _t("train_began", "started", "training"),
     _t("epoch_began", "committed", "in_epoch"),
@@ -103,6 +105,58 @@ TRANSITIONS: tuple[dict[str, Any], ...] = (
     _t("run_failed", _ALIVE + ["finalizing", "closed"], "failed"),
     _t("callback_finalized", "failed", "failed"),
     _t("run_finalized", "failed", "finalized"),
+)
+
+#: States of the epoch body in which the previous epoch's LAST may still be in flight.
+DEFERRABLE: tuple[str, ...] = (
+    "in_epoch", "in_window", "updated", "validated", "summarized", "decided", "scheduled", "stopping",
+)
+#: Suffix of a deferrable state while the previous epoch's LAST is pending.
+PENDING = "~"
+#: Suffix of a deferrable state right after that LAST committed (its BEST/phase/callback group may follow).
+JUST_COMMITTED = "^"
+_GROUP = ("best_committed", "phase_committed", "callback_checkpointed", "checkpoint_stored")
+
+
+def _deferred(base: tuple[dict[str, Any], ...]) -> list[dict[str, Any]]:
+    """Rows for a deferred LAST commit (``Trainer(checkpoint_lag=N)``).
+
+    The epoch after ``history_appended`` may begin before its LAST is durable
+    (state ``recorded`` -> ``in_epoch~``). In a pending state ``s~`` the epoch
+    body moves as in ``s`` but may not append history; ``checkpoint_stored`` and
+    ``last_committed`` lead to ``s^``, which accepts the LAST's group and
+    otherwise moves exactly as ``s``.
+    """
+    rows: list[dict[str, Any]] = []
+    for row in base:
+        sources = row["source"] if isinstance(row["source"], list) else [row["source"]]
+        for src in sources:
+            if src not in DEFERRABLE:
+                continue
+            dest = src if row["dest"] == "=" else row["dest"]
+            if dest in DEFERRABLE:
+                rows.append(_t(row["trigger"], src + PENDING, dest + PENDING))
+            elif dest == "failed":
+                rows.append(_t(row["trigger"], src + PENDING, dest))
+            rows.append(_t(row["trigger"], src + JUST_COMMITTED, dest))
+    for st in DEFERRABLE:
+        rows.append(_t("checkpoint_stored", st + PENDING, st + PENDING))
+        rows.append(_t("last_committed", st + PENDING, st + JUST_COMMITTED))
+        rows.extend(_t(kind, st + JUST_COMMITTED, st + JUST_COMMITTED) for kind in _GROUP)
+    rows.append(_t("epoch_began", "recorded", "in_epoch" + PENDING))
+    return rows
+
+
+#: Every state: the base ones and their pending / just-committed variants.
+STATES: tuple[str, ...] = BASE_STATES + tuple(s + PENDING for s in DEFERRABLE) + tuple(
+    s + JUST_COMMITTED for s in DEFERRABLE
+)
+
+#: The transitions table: trigger (event kind), source state(s), destination.
+TRANSITIONS: tuple[dict[str, Any], ...] = (
+    *_BASE,
+    *_deferred(_BASE),
+    _t("run_resumed", [s for s in STATES if s != "new"], "started"),
 )
 
 

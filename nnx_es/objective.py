@@ -102,6 +102,11 @@ class Objective:
         """
         total: Tensor | None = None
         nums: dict[str, float] = {}
+        if weights is not None:
+            # masked rows pass no gradient back to the outputs: a non-finite loss on them (a
+            # missing target) would otherwise turn the whole gradient into NaN (0 * NaN)
+            keep = (weights != 0).reshape(-1, *([1] * (outputs.dim() - 1)))
+            outputs = torch.where(keep, outputs, outputs.detach())
         for name, term in self.terms.items():
             losses = term.per_row(outputs, targets)
             if weights is not None:

@@ -48,13 +48,20 @@ class Recorder:
         dropped, so a failed commit can never become durable later.
         """
         seq = self.emit(event)
+        self.sync()
+        return seq
+
+    def sync(self) -> None:
+        """Make every event appended so far durable (one synced write).
+
+        When the write fails, the unwritten buffer is dropped (see :meth:`commit`).
+        """
         try:
             self.log.flush(sync=True)
         except BaseException:
             self.log.discard_buffer()
             raise
         self._last_flush = time.monotonic()
-        return seq
 
     def maybe_flush(self) -> None:
         """Flush (no sync) when ``flush_interval_s`` has passed: live readers see progress."""

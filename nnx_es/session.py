@@ -98,7 +98,7 @@ def open_session(
                 point = find_resume_point(run_dir, event_log, expect_run_id=run_id)
                 apply_state(trainer, load_state(trainer.store, point.manifest))
                 trainer.recorder = Recorder(event_log, Lifecycle(point.state), counters=point.manifest.counters)
-                trainer._phases = list(point.projections.checkpoints.phases)
+                trainer.committer.phases = list(point.projections.checkpoints.phases)
                 opening: RunStarted | RunResumed = RunResumed(
                     last_seq=point.last_seq, manifest=point.manifest_hash, epoch=point.manifest.epoch,
                     discard_from=point.discard_from, discard_to=point.discard_to,

@@ -18,8 +18,9 @@ The loop, as pseudocode (every arrow is an event in ``runs/<id>/events.lmdb``)::
         -> epoch_summarized ; one monitor decision -> monitor_decided
         epoch-clock schedulers (a plateau one on the decision) -> scheduler_stepped
         on_epoch_end (EarlyStopping may request a stop -> stop_requested)
-        -> history_appended ; checkpoint -> checkpoint_stored -> last_committed (synced)
+        -> history_appended ; checkpoint -> checkpoint_stored -> last_committed
         -> best_committed (decision improved) -> phase_committed (cadence) -> callback_checkpointed
+        (LAST and this group are synced in one write)
     finalization: on_train_end in reverse order -> callback_finalized each
         -> checkpoint_stored -> last_committed(final) -> run_finalized
     on failure: run_failed -> on_train_end of every begun callback -> run_finalized(failed); re-raise
@@ -43,17 +44,12 @@ from torch import nn
 from torch.optim import Optimizer
 
 from events.schema import (
-    BestCommitted,
     CallbackBegan,
-    CallbackCheckpointed,
-    CheckpointStored,
     EpochBegan,
     EpochSummarized,
     HistoryAppended,
     HistoryRecord,
-    LastCommitted,
     MicrobatchDone,
-    PhaseCommitted,
     RunResumed,
     RunStarted,
     SchedulerStepped,
@@ -62,7 +58,7 @@ from events.schema import (
     ValidationDone,
 )
 from nnx_es.callbacks import Callback, LambdaCallback
-from nnx_es.checkpoint import write_checkpoint
+from nnx_es.commit import Committer
 from nnx_es.context import TrainContext
 from nnx_es.engine import UpdateEngine, default_forward, default_train_step
 from nnx_es.errors import ConfigError
@@ -75,7 +71,6 @@ from nnx_es.progress import Progress
 from nnx_es.recorder import Recorder
 from nnx_es.session import open_session
 from nnx_es.result import RunResult, load_result
-from nnx_es.snapshot import capture
 from nnx_es.schedulers import Scheduler
 from nnx_es.stages import TrainingStage
 from nnx_es.update_hooks import GradientAccumulation, GradientClipping, MixedPrecision, collect
@@ -112,6 +107,9 @@ class Trainer:
         validate_every: validate every N epochs (and after the last epoch).
         validate_every_steps: also validate every N committed updates (no monitor decision).
         phase_every / keep_phases: a phase checkpoint every N epochs; keep the newest K.
+        checkpoint_lag: 0 commits each epoch's LAST at its end; N > 0 persists the
+            checkpoint on a background thread and appends LAST after N committed
+            updates of the next epoch (see :mod:`nnx_es.commit`).
         runs_root: the directory holding ``<run_id>/`` and ``.leases/``.
         run_id: ``[A-Za-z0-9._-]{1,128}``; default: a timestamp and random suffix.
         seed: seeds Python, numpy and torch before training.
@@ -141,6 +139,7 @@ class Trainer:
         validate_every_steps: int | None = None,
         phase_every: int | None = None,
         keep_phases: int | None = None,
+        checkpoint_lag: int = 0,
         runs_root: str | Path = "runs",
         run_id: str | None = None,
         seed: int = 0,
@@ -210,7 +209,7 @@ class Trainer:
         self._stop: tuple[str, str] | None = None
         self._microbatch_recorded = False
         self._committed_update = False
-        self._phases: list[str] = []
+        self.committer = Committer(self, checkpoint_lag)
         self.loader_generator: torch.Generator | None = None
 
     # --- configuration helpers ----------------------------------------------------------
@@ -358,11 +357,13 @@ class Trainer:
             self.stages(TrainingStage.AFTER_BATCH, ctx)
             self.progress.advance(ctx.loss, ctx.step_count)
             if self._committed_update:
+                self.committer.on_update()
                 rec.maybe_flush()
                 if ctx.stop_at_update_requested:
                     rec.emit(StopRequested(epoch=epoch, step=ctx.step_count, reason="update_boundary"))
                     return "update_boundary"
         if engine.finalize_step(ctx):
+            self.committer.on_update()
             self._maybe_validate_on_step(val_loader)
             if ctx.stop_at_update_requested:
                 rec.emit(StopRequested(epoch=epoch, step=ctx.step_count, reason="update_boundary"))
@@ -412,22 +413,9 @@ class Trainer:
             lrs={n: [float(g["lr"]) for g in o.param_groups] for n, o in self.optimizers.items()},
             counters=msgspec.structs.replace(rec.counters, epoch=epoch + 1), wall_time_s=time.time() - t_epoch,
         )
-        rec.emit(HistoryAppended(record=record))
-        manifest = self._commit_last(epoch=epoch)
-        if decision is not None and decision.improved:
-            rec.emit(BestCommitted(manifest=manifest, epoch=epoch, monitor=decision.monitor, value=decision.value))
-        if self.phase_every is not None and (epoch + 1) % self.phase_every == 0:
-            name = f"epoch-{epoch:04d}"
-            self._phases.append(name)
-            removed: list[str] = []
-            if self.keep_phases is not None:
-                while len(self._phases) > self.keep_phases:
-                    removed.append(self._phases.pop(0))
-            rec.emit(PhaseCommitted(name=name, manifest=manifest, epoch=epoch, removed=removed))
-        for cb in self.callbacks:
-            data = cb.checkpoint(ctx)
-            if data is not None:
-                rec.emit(CallbackCheckpointed(name=cb.name, epoch=epoch, blob=self.store.put(data)))
+        self.committer.complete()  # the previous epoch's LAST precedes this epoch's history
+        covers = rec.emit(HistoryAppended(record=record))
+        self.committer.submit(epoch=epoch, covers=covers, decision=decision)
         rec.flush()
         self.progress.end_epoch(epoch, record)
         log.info("epoch committed", run_id=self.run_id, epoch=epoch, **record.train, **record.val,
@@ -460,21 +448,11 @@ class Trainer:
 
     # --- checkpoints ----------------------------------------------------------------------
 
-    def _commit_last(self, *, epoch: int, final: bool = False) -> str:
-        """Store the checkpoint's blobs durably, then commit LAST (synced). Returns the manifest hash."""
-        rec = self.recorder
-        counters = rec.counters
-        digest, manifest = write_checkpoint(
-            self.store, run_id=self.run_id or "", epoch=epoch, step=counters.step, counters=counters,
-            parts=capture(self, epoch), world_size=self.world_size,
-        )
-        rec.emit(CheckpointStored(
-            manifest=digest, epoch=epoch, step=counters.step,
-            components={k: c.blob for k, c in manifest.components.items()},
-            bytes=sum(c.bytes for c in manifest.components.values()),
-        ))
-        rec.commit(LastCommitted(manifest=digest, epoch=epoch, step=counters.step, counters=counters, final=final))
-        return digest
+    def _commit_last(self, *, epoch: int, final: bool = False) -> str | None:
+        """Commit LAST now (synchronously): the initial checkpoint and the refresh after finalization."""
+        self.committer.complete()
+        self.committer.submit(epoch=epoch, final=final, group=False)
+        return None
 
     # --- finalization ---------------------------------------------------------------------
 

@@ -4,7 +4,10 @@ The committed view is the prefix of the log that readers trust:
 
 * events up to and including the last ``LastCommitted`` are committed, and so
   is the commit group that directly follows it (BEST, phase, callback
-  checkpoints: :data:`GROUP_KINDS`), which only ever names durable blobs;
+  checkpoints: :data:`GROUP_KINDS`), which only ever names durable blobs; a
+  deferred LAST (``covers`` >= 0, written while the next epoch already runs)
+  commits the events up to ``covers`` and its own ``checkpoint_stored``, while
+  the next epoch's events before it stay pending;
 * a ``RunResumed`` abandons the pending tail before it (the range it names)
   and is itself committed (it is synced when written);
 * a tail after the last LAST is ignored, except that, when the log ends with a
@@ -59,12 +62,12 @@ def fold(state: Projections, seq: int, event: Event) -> Projections:
     )
 
 
-def committed(pairs: Iterable[tuple[int, Event]]) -> Iterator[tuple[int, Event]]:
-    """Yield the committed ``(seq, event)`` pairs of a log, in order (see module doc)."""
+def _committed(pairs: Iterable[tuple[int, Event]], tail: list[int]) -> Iterator[tuple[int, Event]]:
     pending: list[tuple[int, Event]] = []
     in_group = False
     for seq, event in pairs:
-        if type(event) is RunResumed:
+        t = type(event)
+        if t is RunResumed:
             pending.clear()
             in_group = False
             yield seq, event
@@ -74,34 +77,41 @@ def committed(pairs: Iterable[tuple[int, Event]]) -> Iterator[tuple[int, Event]]
                 yield seq, event
                 continue
             in_group = False
-        pending.append((seq, event))
-        if type(event) is LastCommitted:
-            yield from pending
-            pending.clear()
+        if t is LastCommitted:
+            covers = event.covers  # type: ignore[attr-defined]
+            if covers < 0 or not pending or pending[-1][0] <= covers:
+                yield from pending
+                pending.clear()
+            else:  # a deferred LAST: later events stay pending, its own checkpoint_stored is committed
+                keep = []
+                for p in pending:
+                    if p[0] <= covers or p[1].KIND == "checkpoint_stored":
+                        yield p
+                    else:
+                        keep.append(p)
+                pending = keep
+            yield seq, event
             in_group = True
+            continue
+        pending.append((seq, event))
+    tail.append(len(pending))
     if pending and type(pending[-1][1]) is RunFinalized:
-        yield from ((s, e) for s, e in pending if e.KIND in CLOSING_KINDS)
+        closing = [(s, e) for s, e in pending if e.KIND in CLOSING_KINDS]
+        tail[-1] -= len(closing)
+        yield from closing
+
+
+def committed(pairs: Iterable[tuple[int, Event]]) -> Iterator[tuple[int, Event]]:
+    """Yield the committed ``(seq, event)`` pairs of a log (see the module docstring)."""
+    return _committed(pairs, [])
 
 
 def tail_length(pairs: Iterable[tuple[int, Event]]) -> int:
-    """How many events at the end of the log the committed view leaves out."""
-    tail = 0
-    closing = 0
-    in_group = False
-    last: Event | None = None
-    for _seq, event in pairs:
-        last = event
-        kind_type = type(event)
-        if kind_type is LastCommitted or kind_type is RunResumed:
-            tail = closing = 0
-            in_group = kind_type is LastCommitted
-        elif in_group and event.KIND in GROUP_KINDS:
-            pass
-        else:
-            in_group = False
-            tail += 1
-            closing += event.KIND in CLOSING_KINDS
-    return tail - closing if type(last) is RunFinalized else tail
+    """How many events the committed view leaves out after the last resume (the uncommitted tail)."""
+    tail: list[int] = []
+    for _ in _committed(pairs, tail):
+        pass
+    return tail[0]
 
 
 def project(pairs: Iterable[tuple[int, Event]], start: Projections | None = None) -> Projections:

@@ -195,7 +195,10 @@ def test_epoch_cannot_begin_before_the_initial_last() -> None:
         (_START + ["epoch_began"], "history_appended"),  # no summary
         (_START + ["epoch_began", "microbatch_done"], "epoch_summarized"),  # window still open
         (_START + _EPOCH[:9], "best_committed"),  # BEST before LAST
-        (_START + _EPOCH[:9], "epoch_began"),  # next epoch before LAST
+        # a deferred LAST lets the next epoch begin, never append its history first
+        (_START + _EPOCH[:9] + ["epoch_began", "microbatch_done", "update_committed", "epoch_summarized"],
+         "history_appended"),
+        (_START + _EPOCH[:9] + ["epoch_began"], "best_committed"),  # BEST before its deferred LAST
         (_START + _EPOCH + _FINISH, "epoch_began"),  # nothing after finalization
         (_START + _EPOCH + _FINISH, "run_failed"),
         ([], "train_began"),
@@ -207,6 +210,22 @@ def test_out_of_order_events_are_refused(path: list[str], refused: str) -> None:
     with pytest.raises(IllegalTransitionError):
         lc.advance(refused)
     assert lc.state == before
+
+
+def test_a_deferred_last_lands_inside_the_next_epoch_and_its_group_follows() -> None:
+    lc = _walk(_START + _EPOCH[:9] + ["epoch_began", "microbatch_done", "update_committed"])
+    assert lc.state == "updated~"
+    lc = _walk(["checkpoint_stored", "last_committed", "best_committed", "phase_committed",
+                "microbatch_done", "update_committed", "epoch_summarized", "history_appended",
+                "checkpoint_stored", "last_committed"], lc.state)
+    assert lc.state == "committed"
+
+
+def test_finalization_waits_for_a_deferred_last() -> None:
+    lc = _walk(_START + _EPOCH[:9] + ["epoch_began", "microbatch_done", "update_committed", "stop_requested"])
+    assert lc.state == "stopping~"
+    assert not lc.accepts("callback_finalized")
+    _walk(["checkpoint_stored", "last_committed", "callback_finalized", "run_finalized"], lc.state)
 
 
 def test_resume_after_a_crash_restarts_the_lifecycle() -> None:

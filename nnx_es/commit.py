@@ -1,0 +1,157 @@
+"""The durable commit of an epoch: checkpoint blobs, then LAST and its group in one synced write.
+
+Order (spec 000, durable commit order; DESIGN.md "Performance budget")::
+
+    history_appended                        (the epoch's record; the commit covers up to here)
+    capture the state in memory             (training thread: serialize model, optimizers, ...)
+    write every blob + manifest, fsync      (inline, or on a background thread when lag > 0)
+    checkpoint_stored -> last_committed -> best_committed? -> phase_committed? -> callback_checkpointed*
+    one synced log write                    (LAST is the only thing readers trust)
+
+With ``lag == 0`` the commit completes at the epoch's end. With ``lag = N > 0``
+the blobs are persisted on a background thread while the next epoch trains,
+and the training thread appends LAST after exactly N committed updates of the
+next epoch (waiting for the thread only if it is not done by then), so the
+log's layout stays deterministic while the fsyncs leave the training thread.
+LAST then ``covers`` its epoch's history only; the next epoch's events before
+it stay uncommitted (:func:`projections.view.committed`).
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any
+
+from events.schema import (
+    BestCommitted,
+    CallbackCheckpointed,
+    CheckpointStored,
+    Counters,
+    LastCommitted,
+    MonitorDecided,
+    PhaseCommitted,
+)
+from nnx_es.checkpoint import Manifest, write_checkpoint
+from nnx_es.errors import ConfigError
+from nnx_es.snapshot import capture
+
+if TYPE_CHECKING:
+    from nnx_es.trainer import Trainer
+
+__all__ = ["Committer"]
+
+
+class _Pending:
+    __slots__ = ("epoch", "covers", "counters", "decision", "phase", "final", "future", "updates")
+
+    def __init__(self, epoch: int, covers: int, counters: Counters, decision: MonitorDecided | None,
+                 phase: str | None, final: bool, future: Future[Any]) -> None:
+        self.epoch = epoch
+        self.covers = covers
+        self.counters = counters
+        self.decision = decision
+        self.phase = phase
+        self.final = final
+        self.future = future
+        self.updates = 0
+
+
+class Committer:
+    """Submits and completes checkpoint commits for one trainer (at most one in flight).
+
+    Raises:
+        ConfigError: ``lag`` is negative.
+    """
+
+    def __init__(self, trainer: Trainer, lag: int = 0) -> None:
+        if not isinstance(lag, int) or lag < 0:
+            raise ConfigError(f"checkpoint_lag must be an int >= 0 committed updates, got {lag!r}")
+        self.trainer = trainer
+        self.lag = lag
+        self.pending: _Pending | None = None
+        self._executor: ThreadPoolExecutor | None = None
+        self.phases: list[str] = []
+
+    def submit(self, *, epoch: int, covers: int = -1, decision: MonitorDecided | None = None,
+               final: bool = False, group: bool = True) -> None:
+        """Capture the trainer's state now and start persisting it (see the module docstring)."""
+        self.complete()  # at most one commit in flight
+        t = self.trainer
+        counters = t.recorder.counters
+        parts = capture(t, epoch)
+        callbacks = [(cb.name, data) for cb in t.callbacks if group and (data := cb.checkpoint(t.ctx)) is not None]
+        phase = None
+        if group and t.phase_every is not None and (epoch + 1) % t.phase_every == 0:
+            phase = f"epoch-{epoch:04d}"
+        store, run_id, world = t.store, t.run_id or "", t.world_size
+
+        def persist() -> tuple[str, Manifest, list[tuple[str, str]]]:
+            digest, manifest = write_checkpoint(
+                store, run_id=run_id, epoch=epoch, step=counters.step, counters=counters, parts=parts,
+                world_size=world,
+            )
+            return digest, manifest, [(name, store.put(data)) for name, data in callbacks]
+
+        future: Future[Any] = Future()
+        inline = self.lag == 0 or final or epoch < 0
+        if inline:
+            try:
+                future.set_result(persist())
+            except BaseException as exc:  # noqa: BLE001 - re-raised by complete()
+                future.set_exception(exc)
+        else:
+            if self._executor is None:
+                self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="nnx_es-commit")
+            future = self._executor.submit(persist)
+        self.pending = _Pending(epoch, covers, counters, decision, phase, final, future)
+        if inline:
+            self.complete()
+
+    def on_update(self) -> None:
+        """Count a committed update; complete a pending commit after ``lag`` of them."""
+        p = self.pending
+        if p is not None:
+            p.updates += 1
+            if p.updates >= self.lag:
+                self.complete()
+
+    def complete(self) -> str | None:
+        """Wait for the pending commit, append LAST and its group, sync once. Returns the manifest hash.
+
+        Raises:
+            CheckpointWriteError: persisting the blobs failed; LAST is not written,
+                so the epoch's history stays uncommitted (rolled back).
+        """
+        p = self.pending
+        if p is None:
+            return None
+        self.pending = None
+        digest, manifest, callback_blobs = p.future.result()
+        rec = self.trainer.recorder
+        rec.emit(CheckpointStored(
+            manifest=digest, epoch=p.epoch, step=p.counters.step,
+            components={k: c.blob for k, c in manifest.components.items()},
+            bytes=sum(c.bytes for c in manifest.components.values()),
+        ))
+        rec.emit(LastCommitted(manifest=digest, epoch=p.epoch, step=p.counters.step, counters=p.counters,
+                               final=p.final, covers=p.covers))
+        try:
+            d = p.decision
+            if d is not None and d.improved:
+                rec.emit(BestCommitted(manifest=digest, epoch=p.epoch, monitor=d.monitor, value=d.value))
+            if p.phase is not None:
+                self.phases.append(p.phase)
+                keep = self.trainer.keep_phases
+                removed = self.phases[:-keep] if keep is not None and len(self.phases) > keep else []
+                self.phases = self.phases[len(removed):]
+                rec.emit(PhaseCommitted(name=p.phase, manifest=digest, epoch=p.epoch, removed=removed))
+            for name, blob in callback_blobs:
+                rec.emit(CallbackCheckpointed(name=name, epoch=p.epoch, blob=blob))
+        finally:
+            rec.sync()  # LAST and its group: one synced write
+        return digest
+
+    def close(self) -> None:
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+            self._executor = None
