@@ -64,7 +64,7 @@ def atomic_write(path: Path, data: bytes) -> None:
     path = Path(path)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}{TMP_SUFFIX}")
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
+        created = _make_dirs(path.parent)
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         try:
             view = memoryview(data)
@@ -76,12 +76,28 @@ def atomic_write(path: Path, data: bytes) -> None:
             os.close(fd)
         os.replace(tmp, path)
         fsync_dir(path.parent)
+        for d in created:  # a new directory's entry is durable once its parent is synced
+            fsync_dir(d.parent)
     except OSError as exc:
         try:
             tmp.unlink()
         except FileNotFoundError:
             pass
         raise CheckpointWriteError(f"writing {path} failed: {exc.strerror or exc}") from exc
+
+
+def _make_dirs(d: Path) -> list[Path]:
+    """mkdir -p ``d``; return the directories it created, deepest first."""
+    missing = []
+    while not d.exists():
+        missing.append(d)
+        d = d.parent
+    for m in reversed(missing):
+        try:
+            m.mkdir()
+        except FileExistsError:
+            pass
+    return missing
 
 
 def clean_stale_temporaries(root: Path) -> list[Path]:

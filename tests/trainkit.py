@@ -48,3 +48,79 @@ def kinds(run_dir: str | Path) -> list[str]:
 
 def params_of(net: nn.Module) -> dict[str, Any]:
     return {k: v.detach().clone() for k, v in net.state_dict().items()}
+
+
+# --- helpers of the update-engine, clock/monitor and stage tests --------------------------
+
+
+def batches(sizes: list[int], seed: int = 0, *, masks: dict[int, list[float]] | None = None,
+            nan_at: tuple[int, ...] = ()) -> list[tuple[torch.Tensor, ...]]:
+    """A plain list of microbatches of the given row counts, cut from :func:`blobs_data`.
+
+    masks: microbatch index -> per-row weights; when given, every batch is ``(x, y, w)``
+    (weights 1 where not listed). nan_at: microbatch indices whose first input row is NaN.
+    """
+    x, y = blobs_data(sum(sizes), seed)
+    out: list[tuple[torch.Tensor, ...]] = []
+    start = 0
+    for i, n in enumerate(sizes):
+        xb, yb = x[start:start + n].clone(), y[start:start + n].clone()
+        start += n
+        if i in nan_at:
+            xb[0, 0] = float("nan")
+        if masks is not None:
+            w = torch.tensor(masks[i], dtype=torch.float32) if i in masks else torch.ones(n)
+            out.append((xb, yb, w))
+        else:
+            out.append((xb, yb))
+    return out
+
+
+def of_kind(run_dir: str | Path, kind: str) -> list[Any]:
+    """The events of one kind, in log order."""
+    return [e for _, e in read_events(run_dir) if e.KIND == kind]
+
+
+def logit_for_loss(value: float) -> float:
+    """z such that cross_entropy(logits [0, z], target 0) = log(1 + e^z) equals ``value`` (> 0)."""
+    import math
+
+    return math.log(math.expm1(value))
+
+
+def designed_outputs(value: float, rows: int, like: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """2-class logits ``[0, z]`` (rows, 2) and targets 0 (rows,) whose mean CE is ``value``.
+
+    ``like``: a grad-carrying tensor (rows, >=2) mixed in with weight 0, so the loss
+    can be backpropagated while its value stays the designed one.
+    """
+    z = torch.full((rows,), logit_for_loss(value))
+    logits = torch.stack([torch.zeros(rows), z], dim=1)
+    if like is not None:
+        logits = logits + 0.0 * like[:, :2]
+    return logits, torch.zeros(rows, dtype=torch.long)
+
+
+class EpochCurve:
+    """A ``train_step_fn``/``eval_step_fn`` whose cross-entropy is designed, not learned.
+
+    values[epoch] is the loss of every row in that epoch, or a list indexed by the
+    microbatch's index in the epoch. The epoch is read from the trainer's context:
+    set ``curve.trainer`` after constructing the Trainer. When autograd is on, the
+    net's output is mixed in with weight 0, so a backward pass runs and leaves every
+    gradient at 0.
+    """
+
+    def __init__(self, values: list[Any]) -> None:
+        self.values = values
+        self.trainer: Any = None
+
+    def __call__(self, net: nn.Module, batch: Any) -> tuple[torch.Tensor, torch.Tensor, None]:
+        ctx = self.trainer.ctx
+        value = self.values[ctx.epoch]
+        if isinstance(value, (list, tuple)):
+            value = value[ctx.batch_index]
+        x = batch[0]
+        like = net(x) if torch.is_grad_enabled() else None
+        logits, targets = designed_outputs(float(value), len(x), like)
+        return logits, targets, None

@@ -85,3 +85,112 @@ def kill_at_call(module: Any, name: str, n: int, *, after: bool = False) -> Call
         setattr(module, name, wrapper)
 
     return install
+
+
+# --- storage I/O and commit-sync seams (crash matrix, write faults) ------------------------
+
+#: The os calls of :func:`nnx_es.storage.atomic_write` (and its directory fsync) that the
+#: crash matrix and the write-fault suite count: the write of the temporary, its fsync,
+#: the rename, the directory fsync.
+STORAGE_OPS = ("write", "fsync", "replace")
+_STORAGE_CALLERS = frozenset({"atomic_write", "fsync_dir"})
+
+
+class _OsProxy:
+    """Stands in for ``nnx_es.storage.os``: every attribute is the real one, except the
+    :data:`STORAGE_OPS` called from ``atomic_write``/``fsync_dir``, which go through
+    ``hook(op, caller, index, when, call)`` (``when``: ``"before"`` then ``"after"``).
+
+    ``index`` counts those calls from 0 in this process; calls from anywhere else in
+    the module (the lease's pid write) pass through uncounted.
+    """
+
+    def __init__(self, real: Any, hook: Callable[..., Any]) -> None:
+        self._real, self._hook, self.count = real, hook, 0
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._real, name)
+        if name not in STORAGE_OPS:
+            return attr
+
+        def op(*args: Any, **kwargs: Any) -> Any:
+            import sys
+
+            caller = sys._getframe(1).f_code.co_name
+            if caller not in _STORAGE_CALLERS:
+                return attr(*args, **kwargs)
+            index = self.count
+            self.count += 1
+            self._hook(name, caller, index, "before")
+            result = attr(*args, **kwargs)
+            self._hook(name, caller, index, "after")
+            return result
+
+        return op
+
+
+def install_storage_hook(hook: Callable[..., Any]) -> _OsProxy:
+    """Route ``nnx_es.storage``'s counted os calls through ``hook`` (for the rest of this process)."""
+    import nnx_es.storage as storage
+
+    real = storage.os._real if isinstance(storage.os, _OsProxy) else storage.os
+    proxy = _OsProxy(real, hook)
+    storage.os = proxy  # type: ignore[assignment]
+    return proxy
+
+
+def uninstall_storage_hook() -> None:
+    import nnx_es.storage as storage
+
+    if isinstance(storage.os, _OsProxy):
+        storage.os = storage.os._real  # type: ignore[assignment]
+
+
+def kill_in_storage_io(n: int, *, after: bool) -> Callable[[], None]:
+    """A ``kill`` that SIGKILLs just before (or just after) the n-th (0-based) counted
+    os call of ``atomic_write``/``fsync_dir`` (write, fsync of the file or the directory, rename)."""
+
+    def install() -> None:
+        when = "after" if after else "before"
+
+        def hook(op: str, caller: str, index: int, moment: str) -> None:
+            if index == n and moment == when:
+                sigkill()
+
+        install_storage_hook(hook)
+
+    return install
+
+
+def install_sync_hook(hook: Callable[[int, str], None]) -> None:
+    """Call ``hook(index, "before"|"after")`` around every ``LmdbLog.flush(sync=True)`` (index from 0)."""
+    from events.log import LmdbLog
+
+    original = LmdbLog.flush
+    count = [0]
+
+    def flush(self: LmdbLog, *, sync: bool = False) -> None:
+        if not sync:
+            return original(self, sync=sync)
+        index = count[0]
+        count[0] += 1
+        hook(index, "before")
+        original(self, sync=sync)
+        hook(index, "after")
+
+    LmdbLog.flush = flush  # type: ignore[method-assign]
+
+
+def kill_at_sync(n: int, *, after: bool) -> Callable[[], None]:
+    """A ``kill`` that SIGKILLs just before (or just after) the n-th (0-based) synced commit of the log."""
+
+    def install() -> None:
+        when = "after" if after else "before"
+
+        def hook(index: int, moment: str) -> None:
+            if index == n and moment == when:
+                sigkill()
+
+        install_sync_hook(hook)
+
+    return install
