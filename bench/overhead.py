@@ -1,0 +1,119 @@
+"""Benchmark 1: training overhead against a hand-written loop and peer trainers.
+
+The same workload for every contender: scikit-learn's digits (1,797 rows), an
+MLP 64-128-10, Adam(lr=1e-3), batch 32, shuffled by a seeded generator, one
+torch thread, a fixed number of epochs, no validation. nnx_es events every
+microbatch and commits LAST each epoch. Contenders run interleaved (A B C D,
+A B C D, ...) so drift on a shared machine hits them alike.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from sklearn.datasets import load_digits
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+__all__ = ["CONTENDERS", "digits_loader", "make_net"]
+
+
+def digits_loader(seed: int = 0) -> DataLoader:
+    x, y = load_digits(return_X_y=True)
+    ds = TensorDataset(torch.tensor(x / 16.0, dtype=torch.float32), torch.tensor(y))
+    return DataLoader(ds, batch_size=32, shuffle=True, generator=torch.Generator().manual_seed(seed))
+
+
+def make_net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 10))
+
+
+def run_hand(epochs: int) -> float:
+    net, loader = make_net(), digits_loader()
+    opt = torch.optim.Adam(net.parameters(), lr=1e-3)
+    loss_fn = nn.CrossEntropyLoss()
+    t0 = time.perf_counter()
+    for _ in range(epochs):
+        for x, y in loader:
+            opt.zero_grad(set_to_none=True)
+            loss = loss_fn(net(x), y)
+            loss.backward()
+            opt.step()
+    return time.perf_counter() - t0
+
+
+def run_nnx(epochs: int) -> float:
+    from nnx_es import Trainer
+
+    net, loader = make_net(), digits_loader()
+    opt = torch.optim.Adam(net.parameters(), lr=1e-3)
+    root = Path(tempfile.mkdtemp(prefix="nnx_bench_"))
+    try:
+        trainer = Trainer(net, opt, nn.CrossEntropyLoss(), runs_root=root, run_id="bench", progress=False)
+        t0 = time.perf_counter()
+        trainer.fit(loader, epochs=epochs)
+        return time.perf_counter() - t0
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def run_ignite(epochs: int) -> float:
+    from ignite.engine import create_supervised_trainer
+
+    net, loader = make_net(), digits_loader()
+    opt = torch.optim.Adam(net.parameters(), lr=1e-3)
+    engine = create_supervised_trainer(net, opt, nn.CrossEntropyLoss())
+    t0 = time.perf_counter()
+    engine.run(loader, max_epochs=epochs)
+    return time.perf_counter() - t0
+
+
+def run_lightning(epochs: int) -> float:
+    import logging
+    import warnings
+
+    import pytorch_lightning as pl
+
+    logging.getLogger("pytorch_lightning").setLevel(logging.ERROR)
+    logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore")
+
+    class Module(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = make_net()
+            self.loss = nn.CrossEntropyLoss()
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            return self.loss(self.net(x), y)
+
+        def configure_optimizers(self):
+            return torch.optim.Adam(self.parameters(), lr=1e-3)
+
+    root = tempfile.mkdtemp(prefix="pl_bench_")
+    try:
+        trainer = pl.Trainer(
+            max_epochs=epochs, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+            enable_progress_bar=False, enable_model_summary=False, default_root_dir=root,
+        )
+        module, loader = Module(), digits_loader()
+        t0 = time.perf_counter()
+        trainer.fit(module, loader)
+        return time.perf_counter() - t0
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+CONTENDERS: dict[str, Callable[[int], float]] = {
+    "hand-written torch loop": run_hand,
+    "nnx_es": run_nnx,
+    "pytorch-ignite": run_ignite,
+    "pytorch-lightning": run_lightning,
+}
