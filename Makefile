@@ -2,6 +2,9 @@
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
+# the benchmark's own environment: peers (Ignite, Lightning) are installed here only
+BVENV  ?= .venv-bench
+BSTAMP := $(BVENV)/.installed
 
 .PHONY: demo test bench clean
 
@@ -19,5 +22,14 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest
 
+$(BSTAMP): pyproject.toml
+	python3 -m venv $(BVENV)
+	$(BVENV)/bin/python -m pip install --quiet torch==2.13.0
+	$(BVENV)/bin/python -m pip install --quiet -e '.[examples]' 'pytorch-ignite>=0.5' 'pytorch-lightning>=2.4'
+	touch $(BSTAMP)
+
+bench: $(BSTAMP)
+	$(BVENV)/bin/python -m bench.run --markdown BENCHMARKS.md
+
 clean:
-	rm -rf $(VENV) runs .pytest_cache
+	rm -rf $(VENV) $(BVENV) runs .pytest_cache

@@ -47,51 +47,54 @@ def append_us_per_event(n_epochs: int = 40, batches: int = 250) -> float:
         shutil.rmtree(root, ignore_errors=True)
 
 
-def fsyncs_per_epoch(epochs: int = 5) -> tuple[float, float]:
-    """Count (not guess) fsync/fdatasync calls while nnx_es trains the digits MLP.
+def fsyncs_per_epoch(epochs: int = 6, lag: int = 8) -> tuple[float, float]:
+    """Count (not guess) fsyncs while nnx_es trains the digits MLP, in steady state.
 
-    Returns (all fsyncs per epoch, fsyncs per epoch issued by the training thread).
+    Counted from the start of epoch 1 to the start of the last epoch (the run's
+    initial and final LAST commits are outside the window). Returns
+    (fsyncs per epoch on all threads, fsyncs per epoch on the training thread).
     """
     import threading
 
-    import nnx_es.storage as storage
-    from bench.overhead import digits_loader, make_net
-    from nnx_es import Trainer
-    from torch import nn
     import torch
+    from torch import nn
+
+    from bench.overhead import digits_loader, make_net
+    from nnx_es import LambdaCallback, Trainer
 
     counts = {"all": 0, "main": 0}
+    marks: dict[int, tuple[int, int]] = {}
     main = threading.main_thread()
     real_fsync = os.fsync
+    real_flush = LmdbLog.flush
 
     def counting_fsync(fd: int) -> None:
         counts["all"] += 1
         counts["main"] += threading.current_thread() is main
         real_fsync(fd)
 
-    real_sync = LmdbLog.flush
-
     def counting_flush(self: LmdbLog, *, sync: bool = False) -> None:
         if sync:
             counts["all"] += 1
             counts["main"] += threading.current_thread() is main
-        real_sync(self, sync=sync)
+        real_flush(self, sync=sync)
 
+    mark = LambdaCallback(on_epoch_begin=lambda ctx: marks.__setitem__(ctx.epoch, (counts["all"], counts["main"])))
     root = Path(tempfile.mkdtemp(prefix="nnx_bench_fsync_"))
     os.fsync = counting_fsync  # type: ignore[assignment]
     LmdbLog.flush = counting_flush  # type: ignore[method-assign]
     try:
         net = make_net()
         trainer = Trainer(net, torch.optim.Adam(net.parameters(), lr=1e-3), nn.CrossEntropyLoss(),
-                          runs_root=root, run_id="fsync", progress=False)
+                          callbacks=[mark], runs_root=root, run_id="fsync", progress=False, checkpoint_lag=lag)
         trainer.fit(digits_loader(), epochs=epochs)
     finally:
         os.fsync = real_fsync  # type: ignore[assignment]
-        LmdbLog.flush = real_sync  # type: ignore[method-assign]
-        del storage
+        LmdbLog.flush = real_flush  # type: ignore[method-assign]
         shutil.rmtree(root, ignore_errors=True)
-    # the run also commits an initial LAST and a final one: count per trained epoch
-    return counts["all"] / epochs, counts["main"] / epochs
+    (a0, m0), (a1, m1) = marks[1], marks[epochs - 1]
+    n = epochs - 2
+    return (a1 - a0) / n, (m1 - m0) / n
 
 
 def synthetic_log(path: Path, n_events: int, batches: int = 250) -> int:

@@ -20,7 +20,10 @@ from sklearn.datasets import load_digits
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-__all__ = ["CONTENDERS", "digits_loader", "make_net"]
+__all__ = ["CONTENDERS", "NNX_LAG", "digits_loader", "make_net"]
+
+#: checkpoint_lag of the nnx_es contender (0: LAST committed synchronously at each epoch's end)
+NNX_LAG = 8
 
 
 def digits_loader(seed: int = 0) -> DataLoader:
@@ -55,7 +58,8 @@ def run_nnx(epochs: int) -> float:
     opt = torch.optim.Adam(net.parameters(), lr=1e-3)
     root = Path(tempfile.mkdtemp(prefix="nnx_bench_"))
     try:
-        trainer = Trainer(net, opt, nn.CrossEntropyLoss(), runs_root=root, run_id="bench", progress=False)
+        trainer = Trainer(net, opt, nn.CrossEntropyLoss(), runs_root=root, run_id="bench", progress=False,
+                          checkpoint_lag=NNX_LAG)
         t0 = time.perf_counter()
         trainer.fit(loader, epochs=epochs)
         return time.perf_counter() - t0
