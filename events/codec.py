@@ -45,6 +45,7 @@ __all__ = [
     "KINDS",
     "AnyEvent",
     "decode",
+    "decode_many",
     "encode",
     "kind_of",
     "upcast",
@@ -105,6 +106,7 @@ AnyEvent = Union[EVENT_TYPES]  # type: ignore[valid-type]
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder: msgspec.msgpack.Decoder[Any] = msgspec.msgpack.Decoder(AnyEvent)
+_list_decoder: msgspec.msgpack.Decoder[Any] = msgspec.msgpack.Decoder(list[AnyEvent])  # type: ignore[valid-type]
 
 
 def encode(event: Event) -> bytes:
@@ -133,6 +135,28 @@ def decode(payload: bytes | memoryview, seq: int | None = None) -> Event:
         raise CorruptEventError(seq, f"{type(exc).__name__}: {exc}") from None
     up = _UPCASTERS.get(type(event))
     return event if up is None else up(event)
+
+
+def decode_many(payloads: list[Any], first_seq: int = 0) -> list[Event]:
+    """Decode consecutive stored events (seqs ``first_seq, first_seq + 1, ...``) in one call.
+
+    The payloads are framed as one msgpack array and decoded by msgspec in C;
+    legacy versions are upcast. Equal to ``[decode(p, seq) ...]``, and raises
+    the same :class:`CorruptEventError` naming the first bad seq.
+    """
+    n = len(payloads)
+    try:
+        events = _list_decoder.decode(b"\xdd" + n.to_bytes(4, "big") + b"".join(payloads))
+    except Exception:
+        return [decode(p, first_seq + i) for i, p in enumerate(payloads)]
+    if len(events) != n:  # a payload that is not one whole msgpack value shifts the framing
+        return [decode(p, first_seq + i) for i, p in enumerate(payloads)]
+    ups = _UPCASTERS
+    for i, event in enumerate(events):
+        up = ups.get(type(event))
+        if up is not None:
+            events[i] = up(event)
+    return events
 
 
 def kind_of(event: Event) -> str:

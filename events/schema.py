@@ -54,7 +54,7 @@ __all__ = [
 ]
 
 
-class Event(msgspec.Struct, frozen=True, kw_only=True, tag_field="kind"):
+class Event(msgspec.Struct, frozen=True, kw_only=True, tag_field="kind", gc=False):
     """Base of every event. ``KIND`` is the stable kind name, ``VERSION`` its schema version."""
 
     KIND: ClassVar[str] = ""

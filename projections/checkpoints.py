@@ -6,7 +6,7 @@ import msgspec
 
 from events.schema import BestCommitted, CallbackCheckpointed, Event, LastCommitted, PhaseCommitted
 
-__all__ = ["CheckpointsState", "Pointer", "fold_checkpoints"]
+__all__ = ["FOLDED","CheckpointsState", "Pointer", "fold_checkpoints"]
 
 
 class Pointer(msgspec.Struct, frozen=True, kw_only=True):
@@ -45,3 +45,7 @@ def fold_checkpoints(state: CheckpointsState, event: Event) -> CheckpointsState:
             )
         case _:
             return state
+
+
+#: The event types fold_checkpoints reacts to; every other event leaves its state unchanged (tested).
+FOLDED: tuple[type[Event], ...] = (LastCommitted, BestCommitted, PhaseCommitted, CallbackCheckpointed,)

@@ -6,7 +6,7 @@ import msgspec
 
 from events.schema import Event, HistoryAppended, HistoryRecord
 
-__all__ = ["HistoryState", "fold_history"]
+__all__ = ["FOLDED","HistoryState", "fold_history"]
 
 
 class HistoryState(msgspec.Struct, frozen=True, kw_only=True):
@@ -19,3 +19,7 @@ def fold_history(state: HistoryState, event: Event) -> HistoryState:
             return HistoryState(records=(*state.records, record))
         case _:
             return state
+
+
+#: The event types fold_history reacts to; every other event leaves its state unchanged (tested).
+FOLDED: tuple[type[Event], ...] = (HistoryAppended,)

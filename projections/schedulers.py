@@ -6,7 +6,7 @@ import msgspec
 
 from events.schema import Event, PlateauState, RunStarted, SchedulerStepped
 
-__all__ = ["SchedulerState", "SchedulersState", "fold_schedulers"]
+__all__ = ["FOLDED","SchedulerState", "SchedulersState", "fold_schedulers"]
 
 
 class SchedulerState(msgspec.Struct, frozen=True, kw_only=True):
@@ -34,3 +34,7 @@ def fold_schedulers(state: SchedulersState, event: Event) -> SchedulersState:
             return SchedulersState(by_name={**state.by_name, name: entry})
         case _:
             return state
+
+
+#: The event types fold_schedulers reacts to; every other event leaves its state unchanged (tested).
+FOLDED: tuple[type[Event], ...] = (RunStarted, SchedulerStepped,)

@@ -6,7 +6,7 @@ import msgspec
 
 from events.schema import Event, RunFailed, RunFinalized, RunResumed, RunStarted, StopRequested
 
-__all__ = ["StatusState", "fold_status"]
+__all__ = ["FOLDED","StatusState", "fold_status"]
 
 
 class StatusState(msgspec.Struct, frozen=True, kw_only=True):
@@ -35,3 +35,7 @@ def fold_status(state: StatusState, event: Event) -> StatusState:
             return msgspec.structs.replace(state, status=s)
         case _:
             return state
+
+
+#: The event types fold_status reacts to; every other event leaves its state unchanged (tested).
+FOLDED: tuple[type[Event], ...] = (RunStarted, RunResumed, StopRequested, RunFailed, RunFinalized,)

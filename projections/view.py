@@ -18,13 +18,18 @@ The committed view is the prefix of the log that readers trust:
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
 
 import msgspec
 
 from events.schema import Counters, Event, LastCommitted, RunFinalized, RunResumed
+from projections import checkpoints as checkpoints_mod
+from projections import history as history_mod
+from projections import schedulers as schedulers_mod
+from projections import status as status_mod
 from projections.checkpoints import CheckpointsState, fold_checkpoints
-from projections.counters import fold_counters
+from projections.counters import CountersAccumulator, fold_counters
 from projections.history import HistoryState, fold_history
 from projections.schedulers import SchedulersState, fold_schedulers
 from projections.status import StatusState, fold_status
@@ -114,9 +119,39 @@ def tail_length(pairs: Iterable[tuple[int, Event]]) -> int:
     return tail[0]
 
 
+_FOLDS = (
+    ("history", fold_history, history_mod.FOLDED),
+    ("checkpoints", fold_checkpoints, checkpoints_mod.FOLDED),
+    ("schedulers", fold_schedulers, schedulers_mod.FOLDED),
+    ("status", fold_status, status_mod.FOLDED),
+)
+_BY_TYPE: dict[type, tuple[tuple[int, Callable[[Any, Event], Any]], ...]] = {}
+for _i, (_name, _fn, _types) in enumerate(_FOLDS):
+    for _t in _types:
+        _BY_TYPE[_t] = (*_BY_TYPE.get(_t, ()), (_i, _fn))
+
+
 def project(pairs: Iterable[tuple[int, Event]], start: Projections | None = None) -> Projections:
-    """Fold the committed view of ``pairs`` into :class:`Projections`."""
+    """Fold the committed view of ``pairs`` into :class:`Projections`.
+
+    Equal to folding :func:`fold` over :func:`committed` (tested), but each
+    event only visits the projections that react to it, and the counters are
+    folded in place and frozen once.
+    """
     state = start if start is not None else Projections()
+    states: list[Any] = [state.history, state.checkpoints, state.schedulers, state.status]
+    acc = CountersAccumulator(state.counters)
+    apply = acc.apply
+    by_type = _BY_TYPE
+    last = state.seq
     for seq, event in committed(pairs):
-        state = fold(state, seq, event)
-    return state
+        last = seq
+        apply(event)
+        folds = by_type.get(type(event))
+        if folds is not None:
+            for index, fn in folds:
+                states[index] = fn(states[index], event)
+    return Projections(
+        history=states[0], checkpoints=states[1], schedulers=states[2], counters=acc.freeze(), status=states[3],
+        seq=last,
+    )
