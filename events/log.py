@@ -189,6 +189,9 @@ class LmdbLog(_LogBase):
         EventLogError: the directory is missing (read-only) or is not an LMDB log.
     """
 
+    #: events decoded per msgspec call in :meth:`read`
+    read_chunk = 4096
+
     def __init__(
         self, path: str | os.PathLike[str], *, readonly: bool = False, map_size: int = _DEFAULT_MAP_SIZE
     ) -> None:
@@ -327,7 +330,7 @@ class LmdbLog(_LogBase):
         wanted = frozenset(kinds) if kinds is not None else None
         if self._closed:
             raise LogClosedError("read on a closed event log")
-        chunk = 4096
+        chunk = self.read_chunk
         with self._txn() as txn:
             cur = txn.cursor(self._events)
             if not cur.set_range(seq_key(max(start, 0))):
