@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Protocol
 
@@ -186,7 +187,8 @@ class LmdbLog(_LogBase):
         map_size: initial map size in bytes; doubled whenever a write finds it full.
 
     Raises:
-        EventLogError: the directory is missing (read-only) or is not an LMDB log.
+        EventLogError: the directory is missing (read-only), is not an LMDB log, or its
+            ``data.mdb`` is truncated; reads raise it for a page LMDB finds corrupted.
     """
 
     #: events decoded per msgspec call in :meth:`read`
@@ -213,17 +215,46 @@ class LmdbLog(_LogBase):
                 lock=True,
                 readahead=False,
             )
+            self._check_size()
             if readonly:
                 self._events = self._env.open_db(_EVENTS_DB, create=False)
             else:
                 self._events = self._env.open_db(_EVENTS_DB)
                 self._env.open_db(_SNAPSHOTS_DB)
         except (lmdb.Error, OSError) as exc:
+            if hasattr(self, "_env"):
+                self._env.close()
+            if isinstance(exc, EventLogError):
+                raise
             raise EventLogError(f"cannot open event log at {self.path}: {exc}") from None
         super().__init__(self._count_stored())
 
+    def _check_size(self) -> None:
+        """Refuse a data file shorter than the pages its environment says are in use.
+
+        LMDB reads pages through a memory map: a page past the end of a truncated
+        ``data.mdb`` would kill the process with SIGBUS instead of raising.
+
+        Raises:
+            EventLogError: the file is truncated (sizes named).
+        """
+        used = (self._env.info()["last_pgno"] + 1) * self._env.stat()["psize"]
+        size = (self.path / "data.mdb").stat().st_size
+        if size < used:
+            raise EventLogError(
+                f"event log at {self.path} is truncated: data.mdb has {size} bytes, its pages need {used}"
+            )
+
+    @contextmanager
+    def _reading(self) -> Iterator[None]:
+        """Turn LMDB's errors while reading (a corrupted page) into :class:`EventLogError`."""
+        try:
+            yield
+        except lmdb.Error as exc:
+            raise EventLogError(f"read of event log at {self.path} failed: {type(exc).__name__}: {exc}") from exc
+
     def _count_stored(self) -> int:
-        with self._txn() as txn:
+        with self._reading(), self._txn() as txn:
             cur = txn.cursor(self._events)
             if not cur.last():
                 return 0
@@ -305,7 +336,7 @@ class LmdbLog(_LogBase):
         """
         if self._closed:
             raise LogClosedError("read on a closed event log")
-        with self._txn() as txn:
+        with self._reading(), self._txn() as txn:
             cur = txn.cursor(self._events)
             if not cur.set_range(seq_key(max(start, 0))):
                 return
@@ -331,7 +362,7 @@ class LmdbLog(_LogBase):
         if self._closed:
             raise LogClosedError("read on a closed event log")
         chunk = self.read_chunk
-        with self._txn() as txn:
+        with self._reading(), self._txn() as txn:
             cur = txn.cursor(self._events)
             if not cur.set_range(seq_key(max(start, 0))):
                 return
@@ -343,9 +374,9 @@ class LmdbLog(_LogBase):
                 last_key = key
                 if len(values) == chunk:
                     yield from self._chunk(first, values, last_key, stop, wanted)
-                    if stop is not None and first + chunk >= stop:
-                        return
                     first = int.from_bytes(last_key, "big") + 1
+                    if stop is not None and first >= stop:
+                        return
                     values = []
             if values:
                 yield from self._chunk(first, values, last_key, stop, wanted)
@@ -354,8 +385,10 @@ class LmdbLog(_LogBase):
         self, first: int, values: list[bytes], last_key: bytes, stop: int | None, wanted: frozenset[str] | None
     ) -> Iterator[tuple[int, Event]]:
         n = len(values)
-        if int.from_bytes(last_key, "big") != first + n - 1:  # a gap inside: take the exact path
-            yield from _LogBase.read(self, first, int.from_bytes(last_key, "big") + 1, wanted)
+        last = int.from_bytes(last_key, "big")
+        if last != first + n - 1:  # a gap inside: take the exact path
+            end = last + 1 if stop is None else min(stop, last + 1)
+            yield from _LogBase.read(self, first, end, wanted)
             return
         if stop is not None and first + n > stop:
             n = max(stop - first, 0)

@@ -37,7 +37,7 @@ def fold_checkpoints(state: CheckpointsState, event: Event) -> CheckpointsState:
             return msgspec.structs.replace(state, best=Pointer(manifest=m, epoch=e, step=step, value=v))
         case PhaseCommitted(name=name, manifest=m, epoch=e, removed=removed):
             phases = {k: v for k, v in state.phases.items() if k not in removed}
-            phases[name] = Pointer(manifest=m, epoch=e)
+            phases[name] = Pointer(manifest=m, epoch=e, step=state.last.step if state.last is not None else 0)
             return msgspec.structs.replace(state, phases=phases)
         case CallbackCheckpointed(name=name, blob=blob, epoch=e):
             return msgspec.structs.replace(

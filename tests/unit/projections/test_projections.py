@@ -217,7 +217,7 @@ def test_fold_checkpoints_last_best_phase_rotation_and_callbacks() -> None:
     s = fold_checkpoints(s, PhaseCommitted(name="phase-1", manifest="p1", epoch=1))
     s = fold_checkpoints(s, PhaseCommitted(name="phase-2", manifest="p2", epoch=2, removed=["phase-0"]))
     assert set(s.phases) == {"phase-1", "phase-2"}
-    assert s.phases["phase-2"] == Pointer(manifest="p2", epoch=2)
+    assert s.phases["phase-2"] == Pointer(manifest="p2", epoch=2, step=20)  # the step of the LAST it follows
     s = fold_checkpoints(s, CallbackCheckpointed(name="ema", epoch=1, blob="e1"))
     s = fold_checkpoints(s, CallbackCheckpointed(name="ema", epoch=2, blob="e2"))
     assert s.callbacks == {"ema": Pointer(manifest="e2", epoch=2)}

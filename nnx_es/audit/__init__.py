@@ -1,0 +1,23 @@
+"""The audit behind ``tools/replay``: check a recorded run against DESIGN.md's ten invariants.
+
+Modules: :mod:`~nnx_es.audit.report` (what an audit returns),
+:mod:`~nnx_es.audit.sequence` (checks over the whole sequence: 2, 3, 7's early
+stopping, 8), :mod:`~nnx_es.audit.committed` (checks over the committed view:
+4, 6, 7, 10), :mod:`~nnx_es.audit.fold` (the committed view folded in one pass, with
+its tail), :mod:`~nnx_es.audit.run` (the streaming pass, 1, 5 and 9).
+"""
+
+from nnx_es.audit.fold import CommittedFold
+from nnx_es.audit.report import INVARIANTS, AuditReport, NotARunError, Violation
+from nnx_es.audit.run import audit_run, decoded, open_run_log
+
+__all__ = [
+    "INVARIANTS",
+    "AuditReport",
+    "CommittedFold",
+    "NotARunError",
+    "Violation",
+    "audit_run",
+    "decoded",
+    "open_run_log",
+]

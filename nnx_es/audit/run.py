@@ -1,0 +1,205 @@
+"""Audit one run directory against DESIGN.md's ten invariants, in one streaming pass.
+
+The pass reads ``events.lmdb`` read-only (so it works beside a live writer) up
+to the length it had when opened:
+
+1. ``read_raw`` checks contiguity and decodes each value (invariant 1);
+2. each decodable event feeds the sequence checks (invariants 2, 3, 8 and
+   the early-stopping rule of 7, :mod:`nnx_es.audit.sequence`);
+3. the same stream goes through :func:`projections.committed`; each committed
+   event is folded into the projections and fed to the committed-view checks
+   (invariants 4, 6, 7, 10, :mod:`nnx_es.audit.committed`).
+
+Invariant 5 then re-reads what follows the last point where the committed
+view held nothing back (the last LAST when commits are not deferred: O(tail),
+not O(run)), re-projects the committed prefix from there and compares it with
+the projection of the whole log; invariant 9 compares the view files byte for
+byte with :func:`nnx_es.views.expected_views`. Memory is what
+:func:`projections.committed` holds back (about one epoch), like
+:func:`projections.project`.
+
+Beside a live writer the log is audited as it was when opened; view files the
+writer rewrote since may then be newer than that log (an invariant 9 report).
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import msgspec
+
+from events.codec import KINDS, decode
+from events.errors import CorruptEventError
+from events.log import LmdbLog
+from events.schema import Event, RunStarted
+from nnx_es.audit.committed import CommittedCheck
+from nnx_es.audit.fold import CommittedFold
+from nnx_es.audit.report import AuditReport, NotARunError, Sink
+from nnx_es.audit.sequence import CommitOrderCheck, FinalizationCheck, LifecycleCheck
+from nnx_es.storage import BlobStore
+from nnx_es.views import expected_views, read_views
+from projections import Projections, project, tail_length
+
+__all__ = ["audit_run", "decoded", "open_run_log"]
+
+_FIELDS = ("history", "checkpoints", "schedulers", "counters", "status")
+
+
+def open_run_log(run_dir: Path) -> LmdbLog:
+    """Open ``run_dir/events.lmdb`` read-only.
+
+    Raises:
+        NotARunError: ``run_dir`` does not exist, is not a directory, or holds no event log.
+        EventLogError: the log exists but LMDB cannot open it.
+    """
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise NotARunError(f"run directory {str(run_dir)!r} does not exist or is not a directory")
+    path = run_dir / "events.lmdb"
+    if not (path / "data.mdb").is_file():
+        raise NotARunError(f"{str(run_dir)!r} is not a run: expected an event log at {path}")
+    return LmdbLog(path, readonly=True)
+
+
+def decoded(log: LmdbLog, start: int = 0, stop: int | None = None) -> Iterator[tuple[int, Event]]:
+    """``(seq, event)`` of the decodable values in ``[start, stop)``; the others are skipped."""
+    for seq, raw in log.read_raw(start, stop):
+        try:
+            yield seq, decode(raw, seq)
+        except CorruptEventError:
+            continue
+
+
+class _Source:
+    """The raw pass: invariant 1, then the sequence checks; yields the decodable events."""
+
+    def __init__(self, log: LmdbLog, stop: int, sink: Sink) -> None:
+        self.log, self.stop, self.sink = log, stop, sink
+        self.events = 0
+        self.run_started: RunStarted | None = None
+        self.checks = (LifecycleCheck(sink), CommitOrderCheck(sink), FinalizationCheck(sink))
+
+    def __iter__(self) -> Iterator[tuple[int, Event]]:
+        expected = 0
+        routes: dict[str, list[Callable[[int, Event], None]]] = {
+            kind: [c.feed for c in self.checks if kind in c.KINDS] for kind in KINDS
+        }
+        for seq, raw in self.log.read_raw(0, self.stop):
+            self.events += 1
+            if seq != expected:
+                self.sink.add(seq, 1, f"sequence gap: seqs {expected}..{seq - 1} are missing",
+                              expected=f"seq {expected}", found=f"seq {seq}")
+            expected = seq + 1
+            try:
+                event = decode(raw, seq)
+            except CorruptEventError as exc:
+                self.sink.add(seq, 1, f"value does not decode to a known event: {exc.reason}",
+                              expected="a known event", found=f"{len(raw)} bytes {raw[:16].hex()}")
+                continue
+            if self.run_started is None and type(event) is RunStarted:
+                self.run_started = event
+            for feed in routes[event.KIND]:
+                feed(seq, event)
+            yield seq, event
+
+
+def audit_run(run_dir: Path) -> AuditReport:
+    """Check every invariant of DESIGN.md on ``run_dir`` (``runs/<id>``) and name each violation.
+
+    Raises:
+        NotARunError: the directory is missing or holds no ``events.lmdb``.
+        EventLogError: the log cannot be opened or read.
+    """
+    run_dir = Path(run_dir)
+    log = open_run_log(run_dir)
+    try:
+        return _audit(run_dir, log)
+    finally:
+        log.close()
+
+
+def _audit(run_dir: Path, log: LmdbLog) -> AuditReport:
+    sink = Sink()
+    stop = log.next_seq  # a live writer may append meanwhile: audit what was there when opened
+    source = _Source(log, stop, sink)
+    check = CommittedCheck(sink, BlobStore(run_dir / "blobs"), run_id="")
+    folded = CommittedFold(source)
+    for seq, event, p in folded:
+        if not check.run_id:  # manifests are verified against the run they belong to
+            check.run_id = source.run_started.run_id if source.run_started is not None else run_dir.name
+        check.feed(seq, event, p)
+    check.finish()
+    p = folded.p
+    tail = _check_tail(log, sink, folded, stop)
+    _check_views(run_dir, sink, p)
+    last = p.checkpoints.last
+    violations = sink.sorted()
+    return AuditReport(
+        ok=not violations,
+        run_id=p.status.run_id or run_dir.name,
+        status=p.status.status,
+        events=source.events,
+        committed_epoch=last.epoch if last is not None and last.epoch >= 0 else None,
+        tail=tail,
+        violations=violations,
+    )
+
+
+def _encoded(p: Projections) -> dict[str, bytes]:
+    return {name: msgspec.msgpack.encode(getattr(p, name)) for name in _FIELDS}
+
+
+def _check_tail(log: LmdbLog, sink: Sink, folded: CommittedFold, stop: int) -> int:
+    """Invariant 5; returns the tail length (events the committed view leaves out).
+
+    When the view held events back, the events after its last restart point are
+    read again (O(tail) when commits are not deferred): their tail length
+    (:func:`projections.tail_length`) must match the pass's count, and
+    re-projecting the prefix up to the highest committed seq from the restart
+    point must give the projection of the whole log. Closing events folded from
+    a finalized tail may change the status and nothing else.
+    """
+    if folded.last_read == folded.restart_seq:
+        return 0  # the view held nothing back
+    tail = tail_length(decoded(log, folded.restart_seq + 1, stop))
+    if tail != folded.tail:
+        sink.add(None, 5, "tail length disagrees with the committed view",
+                 expected=f"{folded.tail} uncommitted events", found=f"{tail}")
+    p = folded.p
+    prefix = project(decoded(log, folded.restart_seq + 1, folded.max_seq + 1), start=folded.restart)
+    whole, part = _encoded(p), _encoded(prefix)
+    differ = [name for name in _FIELDS if whole[name] != part[name]]
+    if differ:
+        sink.add(None, 5, "the uncommitted tail changes the projections",
+                 expected=f"projection of events 0..{folded.max_seq}", found=f"{', '.join(differ)} differ")
+    if folded.closing:
+        before = _encoded(folded.before_closing)
+        changed = [name for name in _FIELDS if name != "status" and whole[name] != before[name]]
+        if changed:
+            sink.add(None, 5, f"closing events of the finalized tail changed {', '.join(changed)}",
+                     expected="only the status changes", found=f"{', '.join(changed)} changed")
+    return tail
+
+
+def _check_views(run_dir: Path, sink: Sink, p: Projections) -> None:
+    """Invariant 9: each view file present equals the projection, byte for byte."""
+    present = read_views(run_dir)
+    for rel, want in expected_views(p).items():
+        got = present.get(rel)
+        if got is None or got == want:
+            continue
+        want_lines = want.decode("utf-8", "replace").splitlines()
+        got_lines = got.decode("utf-8", "replace").splitlines()
+        where, exp, fnd = _first_difference(want_lines, got_lines)
+        sink.add(None, 9, f"{rel} differs from the projection at line {where}", expected=exp, found=fnd)
+
+
+def _first_difference(want: list[str], got: list[str]) -> tuple[int, str, str]:
+    for op, i1, _i2, j1, _j2 in difflib.SequenceMatcher(a=want, b=got, autojunk=False).get_opcodes():
+        if op != "equal":
+            exp = want[i1] if i1 < len(want) else "<end of file>"
+            fnd = got[j1] if j1 < len(got) else "<end of file>"
+            return j1 + 1, exp, fnd
+    return 1, "identical lines", "different bytes (line endings or encoding)"

@@ -1,0 +1,300 @@
+"""``inspect RUN_DIR [COMMAND] [options]``: read a run's log, read-only (safe beside a live writer).
+
+Commands (the positional after ``RUN_DIR``; more, such as ``plot`` and
+``export``, slot in as further choices):
+
+* ``events`` (default): one row per event, ``seq  kind  key fields``;
+  ``--kind K`` (repeatable, or comma-separated) keeps those kinds,
+  ``--from SEQ`` / ``--to SEQ`` bound the sequence range (both inclusive),
+  ``--limit N`` stops after N rows; ``--json`` prints one JSON object per line
+  with ``seq``, ``kind``, ``version`` and every field of the event;
+* ``summary``: status, epochs, LAST, BEST, learning rates, counters, tail size;
+  ``--json`` prints one object.
+
+Tables use rich when stdout is a terminal, plain aligned text otherwise.
+Exit status: 0, or 2 on unusable input (missing directory, not a run, bad option).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any, TextIO
+
+import msgspec
+
+from events.codec import KINDS, decode
+from events.errors import CorruptEventError, EventLogError
+from events.log import LmdbLog
+from events.schema import Event
+from nnx_es.audit import CommittedFold, NotARunError, decoded, open_run_log
+from nnx_es.views import summary as summary_of
+
+__all__ = ["COMMANDS", "main"]
+
+COMMANDS: tuple[str, ...] = ("events", "summary")
+EXIT_OK, EXIT_UNUSABLE = 0, 2
+_UNDECODABLE = "<undecodable>"
+_BULKY = frozenset({"recipe", "library_versions", "traceback", "components"})
+_VALUE_CHARS = 80
+
+
+# --- arguments -----------------------------------------------------------------------------
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="inspect", description="Show a run's event log or its summary (read-only).")
+    parser.add_argument("run_dir", type=Path, metavar="RUN_DIR", help="the run directory, runs/<id>")
+    parser.add_argument("command", nargs="?", choices=COMMANDS, default="events", help="what to show (default: events)")
+    parser.add_argument("--kind", action="append", default=[], metavar="K",
+                        help="only events of kind K (repeatable; K may be comma-separated)")
+    parser.add_argument("--from", dest="start", type=_seq, default=0, metavar="SEQ", help="first seq shown")
+    parser.add_argument("--to", dest="end", type=_seq, default=None, metavar="SEQ", help="last seq shown (inclusive)")
+    parser.add_argument("--limit", type=_seq, default=None, metavar="N", help="show at most N events")
+    parser.add_argument("--json", action="store_true", help="JSON lines (events) or one JSON object (summary)")
+    return parser
+
+
+def _seq(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text!r}")
+    return value
+
+
+def _kinds(values: list[str]) -> frozenset[str] | None:
+    wanted = {k.strip() for v in values for k in v.split(",") if k.strip()}
+    unknown = sorted(wanted - set(KINDS))
+    if unknown:
+        raise ValueError(f"--kind: unknown kind(s) {', '.join(unknown)}; known kinds: {', '.join(KINDS)}")
+    return frozenset(wanted) or None
+
+
+# --- rendering -----------------------------------------------------------------------------
+
+
+def _fmt(value: Any) -> str:
+    """A compact rendering of a field value (floats to 6 significant digits, structs inline)."""
+    if isinstance(value, bool) or value is None:
+        return str(value).lower() if value is not None else "null"
+    if isinstance(value, float):
+        return f"{value:.6g}" if math.isfinite(value) else repr(value)
+    if isinstance(value, msgspec.Struct):
+        shown = list(_fields(value)) or [(f.name, getattr(value, f.name)) for f in msgspec.structs.fields(value)]
+        return "(" + " ".join(f"{k}={_fmt(v)}" for k, v in shown) + ")"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k}: {_fmt(v)}" for k, v in value.items()) + "}"
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_fmt(v) for v in value) + "]"
+    if isinstance(value, str) and len(value) == 64 and all(c in "0123456789abcdef" for c in value):
+        return value[:12]  # a SHA-256 name
+    return str(value)
+
+
+def _fields(struct: msgspec.Struct) -> Iterator[tuple[str, Any]]:
+    """Non-default fields of ``struct``, in declaration order."""
+    for f in msgspec.structs.fields(struct):
+        value = getattr(struct, f.name)
+        if f.default is not msgspec.NODEFAULT:
+            default = f.default
+        elif f.default_factory is not msgspec.NODEFAULT:
+            default = f.default_factory()
+        else:
+            yield f.name, value  # required
+            continue
+        if value != default:
+            yield f.name, value
+
+
+def _compact(event: Event) -> str:
+    parts = []
+    for name, value in _fields(event):
+        if name in _BULKY:
+            size = len(value) if hasattr(value, "__len__") else 0
+            parts.append(f"{name}=<{size}>")
+            continue
+        text = _fmt(value)
+        if len(text) > _VALUE_CHARS:
+            text = text[: _VALUE_CHARS - 3] + "..."
+        parts.append(f"{name}={text}")
+    return " ".join(parts)
+
+
+def _as_json(seq: int, event: Event) -> dict[str, Any]:
+    fields = msgspec.to_builtins(event)
+    fields.pop("kind", None)  # the tag carries the version; kind/version are given separately
+    return {"seq": seq, "kind": event.KIND, "version": event.VERSION, **fields}
+
+
+class _Out:
+    """Rows to stdout: rich styling on a terminal, plain aligned text otherwise."""
+
+    def __init__(self, stream: TextIO, seq_width: int) -> None:
+        self.stream = stream
+        self.seq_width = max(seq_width, 3)
+        self.kind_width = max(len(k) for k in (*KINDS, _UNDECODABLE))
+        self.console: Any = None
+        if stream.isatty():
+            from rich.console import Console
+
+            self.console = Console(file=stream, highlight=False, soft_wrap=True)
+
+    def header(self) -> None:
+        self._row("seq", "kind", "fields", style="bold")
+
+    def row(self, seq: int, kind: str, fields: str) -> None:
+        style = "red" if kind == _UNDECODABLE else "cyan" if kind.endswith("_committed") else ""
+        self._row(str(seq), kind, fields, style=style)
+
+    def _row(self, seq: str, kind: str, fields: str, style: str) -> None:
+        line = f"{seq:>{self.seq_width}}  {kind:<{self.kind_width}}  {fields}".rstrip()
+        if self.console is not None:
+            from rich.text import Text
+
+            self.console.print(Text(line, style=style))
+        else:
+            self.stream.write(line + "\n")
+
+
+# --- commands ------------------------------------------------------------------------------
+
+
+def _events(log: LmdbLog, args: argparse.Namespace, kinds: frozenset[str] | None) -> None:
+    stop = log.next_seq if args.end is None else min(args.end + 1, log.next_seq)
+    out = sys.stdout
+    table = None if args.json else _Out(out, len(str(max(stop - 1, 0))))
+    if table is not None:
+        table.header()
+    shown = 0
+    for seq, raw in log.read_raw(args.start, stop):
+        if args.limit is not None and shown >= args.limit:
+            break
+        try:
+            event = decode(raw, seq)
+        except CorruptEventError as exc:
+            if kinds is not None:
+                continue
+            if table is None:
+                out.write(msgspec.json.encode({"seq": seq, "kind": None, "error": exc.reason}).decode() + "\n")
+            else:
+                table.row(seq, _UNDECODABLE, f"error={exc.reason} bytes={len(raw)}")
+            shown += 1
+            continue
+        if kinds is not None and event.KIND not in kinds:
+            continue
+        if table is None:
+            out.write(msgspec.json.encode(_as_json(seq, event)).decode() + "\n")
+        else:
+            table.row(seq, event.KIND, _compact(event))
+        shown += 1
+
+
+def _summary(log: LmdbLog, run_dir: Path, as_json: bool) -> None:
+    folded = CommittedFold(decoded(log, 0, log.next_seq))
+    for _ in folded:
+        pass
+    p = folded.p
+    doc = {**summary_of(p), "events": log.next_seq, "tail": folded.tail}
+    if p.history.records:
+        doc["lrs"] = {opt: list(lrs) for opt, lrs in p.history.records[-1].lrs.items()}
+    if as_json:
+        sys.stdout.write(msgspec.json.encode(doc).decode() + "\n")
+        return
+    lines = _summary_lines(doc, run_dir)
+    if sys.stdout.isatty():
+        from rich.console import Console
+        from rich.table import Table
+
+        table = Table(show_header=False, box=None, pad_edge=False)
+        table.add_column(style="bold")
+        table.add_column()
+        for key, value in lines:
+            table.add_row(key, value)
+        Console(highlight=False).print(table)
+    else:
+        width = max(len(k) for k, _ in lines)
+        sys.stdout.write("".join(f"{k:<{width}}  {v}\n" for k, v in lines))
+
+
+def _pointer(ptr: dict[str, Any] | None) -> str:
+    if ptr is None:
+        return "-"
+    value = "" if ptr.get("value") is None else f"  value={_fmt(ptr['value'])}"
+    return f"epoch {ptr['epoch']}  step {ptr['step']}  manifest {ptr['manifest'][:12]}{value}"
+
+
+def _summary_lines(doc: dict[str, Any], run_dir: Path) -> list[tuple[str, str]]:
+    status = doc["status"]
+    if doc.get("stop_reason"):
+        status += f" (stop: {doc['stop_reason']})"
+    if doc.get("error_type"):
+        status += f" ({doc['error_type']}: {doc['error']})"
+    lines = [
+        ("run", f"{doc['run_id'] or run_dir.name}  ({run_dir})"),
+        ("status", status),
+        ("epochs", f"{doc['epochs']} committed" + (f", last epoch {doc['last_epoch']}" if doc["epochs"] else "")),
+        ("LAST", _pointer(doc["last"])),
+        ("BEST", _pointer(doc["best"])),
+    ]
+    for name, ptr in sorted(doc["phases"].items()):
+        lines.append((f"phase {name}", _pointer(ptr)))
+    for opt, lrs in sorted(doc.get("lrs", {}).items()):
+        lines.append((f"lr {opt}", _fmt(lrs)))
+    for name, s in sorted(doc["schedulers"].items()):
+        plateau = "" if s["plateau"] is None else f"  plateau {_fmt(s['plateau'])}"
+        lines.append((f"scheduler {name}", f"{s['clock']}  steps {s['steps']}  lrs {_fmt(s['lrs'])}{plateau}"))
+    lines.append(("counters", " ".join(f"{k}={v}" for k, v in doc["counters"].items())))
+    if doc.get("resumes"):
+        lines.append(("resumes", str(doc["resumes"])))
+    lines.append(("events", str(doc["events"])))
+    lines.append(("tail", f"{doc['tail']} uncommitted event{'s' if doc['tail'] != 1 else ''}"))
+    return lines
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run ``inspect``; return the exit status."""
+    parser = _parser()
+    try:
+        args = parser.parse_intermixed_args(argv)
+    except SystemExit as exc:  # argparse exits 2 on a usage error, 0 on --help
+        return int(exc.code) if isinstance(exc.code, int) else EXIT_UNUSABLE
+    try:
+        kinds = _kinds(args.kind)
+    except ValueError as exc:
+        print(f"inspect: {exc}", file=sys.stderr)
+        return EXIT_UNUSABLE
+    if args.command == "summary" and (kinds or args.start or args.end is not None or args.limit is not None):
+        print("inspect: --kind/--from/--to/--limit apply to 'events', not 'summary'", file=sys.stderr)
+        return EXIT_UNUSABLE
+    try:
+        log = open_run_log(args.run_dir)
+    except (NotARunError, EventLogError) as exc:
+        print(f"inspect: {exc}", file=sys.stderr)
+        return EXIT_UNUSABLE
+    try:
+        if args.command == "summary":
+            _summary(log, args.run_dir, args.json)
+        else:
+            _events(log, args, kinds)
+        sys.stdout.flush()
+    except BrokenPipeError:  # `inspect ... | head`: the reader left; not an error
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except EventLogError as exc:
+        print(f"inspect: {exc}", file=sys.stderr)
+        return EXIT_UNUSABLE
+    finally:
+        log.close()
+    return EXIT_OK
+
+
+if __name__ == "__main__":
+    sys.exit(main())
