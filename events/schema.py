@@ -270,13 +270,18 @@ class UpdateSkipped(Event, frozen=True, kw_only=True, tag="update_skipped"):
 
 
 class ValidationDone(Event, frozen=True, kw_only=True, tag="validation_done"):
-    """Validation metrics (``val_`` prefixed) over ``examples`` held-out rows."""
+    """Validation metrics (``val_`` prefixed) over ``examples`` held-out rows.
+
+    trigger: ``"epoch"`` (the epoch-cadence pass the monitor decides on) or
+    ``"steps"`` (a step-cadence pass, which makes no decision).
+    """
 
     KIND: ClassVar[str] = "validation_done"
     epoch: int
     metrics: dict[str, float]
     examples: int
     step: int = 0
+    trigger: str = "epoch"
 
 
 class EpochSummarized(Event, frozen=True, kw_only=True, tag="epoch_summarized"):

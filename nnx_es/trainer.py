@@ -424,11 +424,13 @@ class Trainer:
 
     # --- validation -----------------------------------------------------------------------
 
-    def _validation_pass(self, loader: Iterable[Any]) -> dict[str, float]:
+    def _validation_pass(self, loader: Iterable[Any], trigger: str = "epoch") -> dict[str, float]:
         ctx = self.ctx
         val, n_val = self.validate(loader)
         ctx.validation = val
-        self.recorder.emit(ValidationDone(epoch=ctx.epoch, metrics=val, examples=n_val, step=ctx.step_count))
+        self.recorder.emit(
+            ValidationDone(epoch=ctx.epoch, metrics=val, examples=n_val, step=ctx.step_count, trigger=trigger)
+        )
         self._dispatch("on_validation_end", ctx, val)
         self.stages(TrainingStage.AFTER_VALIDATION, ctx)
         return val
@@ -436,7 +438,7 @@ class Trainer:
     def _maybe_validate_on_step(self, loader: Iterable[Any] | None) -> None:
         n = self.validate_every_steps
         if loader is not None and n is not None and self.ctx.step_count % n == 0:
-            self._validation_pass(loader)
+            self._validation_pass(loader, "steps")
 
     def validate(self, loader: Iterable[Any]) -> tuple[dict[str, float], int]:
         """Evaluate on ``loader`` in eval mode; return (``val_`` metrics, rows scored).

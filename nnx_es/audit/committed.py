@@ -81,7 +81,6 @@ class CommittedCheck:
         self.epoch_steps: dict[str, int] = {}
         self.validated: dict[int, dict[str, float]] = {}  # epoch -> metrics of its epoch-end validation
         self.validation: dict[str, float] | None = None  # the last validation, until epoch_summarized
-        self.step_validations = False  # the run validates inside epochs too (every N updates)
         self.summary: dict[str, float] = {}
         # optimizer_update clock: scheduler -> (seq of the first unpaid receipt, count owed)
         self.owed: dict[str, tuple[int, int]] = {}
@@ -99,7 +98,9 @@ class CommittedCheck:
         if self.owed and kind not in _WINDOW_KINDS:
             self._close_window()
         if self.validation is not None and kind not in ("validation_done", "epoch_summarized"):
-            self.validation, self.step_validations = None, True  # training went on after it
+            self.sink.add(seq, 7, "an epoch-end validation is not followed by the epoch's summary",
+                          expected="epoch_summarized", found=kind)
+            self.validation = None
         if kind == "microbatch_done":  # the hot path: nothing else to check
             self.prev_kind = kind
             return
@@ -121,8 +122,9 @@ class CommittedCheck:
                         self.owed[name] = (first, n + 1)
             case SchedulerStepped():
                 self._stepped(seq, event)
-            case ValidationDone(metrics=metrics):
-                self.validation = metrics
+            case ValidationDone(metrics=metrics, trigger=trigger):
+                if trigger == "epoch":  # a step-cadence pass makes no decision
+                    self.validation = metrics
             case EpochSummarized(epoch=e, metrics=metrics):
                 self.epoch_end, self.summary = True, metrics
                 if self.validation is not None:
@@ -298,8 +300,7 @@ class CommittedCheck:
         self._epoch_clock_count(seq, epoch)
         d = self.decisions.get(epoch)
         if d is None:
-            if self._val_monitor() and epoch in self.validated and not self.step_validations:
-                # with validations every N updates, the schema cannot tell the epoch-end one apart
+            if self._val_monitor() and epoch in self.validated:
                 self.sink.add(seq, 7, f"validated epoch {epoch} has no monitor decision",
                               expected=f"monitor_decided(epoch={epoch})", found="none")
             if value is not None or improved is not None:

@@ -172,7 +172,7 @@ def test_undecodable_value_is_invariant_1_at_its_seq(clean: Run) -> None:
 def test_illegal_transition_is_one_invariant_2_violation(template: Run, tmp_path: Path) -> None:
     events = list(template.events)
     seq = find(events, "microbatch_done", 4) + 1  # inside epoch 1's first window
-    events.insert(seq, ValidationDone(epoch=1, metrics={"val_loss": 0.9}, examples=24))
+    events.insert(seq, ValidationDone(epoch=1, metrics={"val_loss": 0.9}, examples=24, trigger="steps"))
     report = audit_run(rewrite(template, tmp_path, events).run_dir)
     assert found(report) == {(seq, 2)}
     (v,) = report.violations
