@@ -9,7 +9,17 @@ Commands (the positional after ``RUN_DIR``; more, such as ``plot`` and
   ``--limit N`` stops after N rows; ``--json`` prints one JSON object per line
   with ``seq``, ``kind``, ``version`` and every field of the event;
 * ``summary``: status, epochs, LAST, BEST, learning rates, counters, tail size;
-  ``--json`` prints one object.
+  ``--json`` prints one object;
+* ``plot --out curves.png``: loss, metric and learning-rate curves per epoch and
+  per committed update (matplotlib, headless);
+* ``export --tensorboard DIR``: TensorBoard scalars built from the projections.
+
+More options of ``events``: ``--epoch A[:B]`` (events of those 0-based epochs),
+``--rank R`` (events of data-parallel rank R; the log holds the writer rank's
+global events), ``--follow`` (keep tailing a live run until it finalizes),
+``--at SEQ`` (every projection's state after folding the log up to SEQ, and the
+checkpoint it corresponds to). ``--schema`` prints the JSON Schema of every
+event kind, generated from the msgspec types.
 
 Tables use rich when stdout is a terminal, plain aligned text otherwise.
 Exit status: 0, or 2 on unusable input (missing directory, not a run, bad option).
@@ -21,22 +31,23 @@ import argparse
 import math
 import os
 import sys
+import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, TextIO, Union
 
 import msgspec
 
 from events.codec import KINDS, decode
 from events.errors import CorruptEventError, EventLogError
 from events.log import LmdbLog
-from events.schema import Event
+from events.schema import Event, HistoryAppended, RunFinalized, RunStarted
 from nnx_es.audit import CommittedFold, NotARunError, decoded, open_run_log
 from nnx_es.views import summary as summary_of
 
 __all__ = ["COMMANDS", "main"]
 
-COMMANDS: tuple[str, ...] = ("events", "summary")
+COMMANDS: tuple[str, ...] = ("events", "summary", "plot", "export")
 EXIT_OK, EXIT_UNUSABLE = 0, 2
 _UNDECODABLE = "<undecodable>"
 _BULKY = frozenset({"recipe", "library_versions", "traceback", "components"})
@@ -48,7 +59,7 @@ _VALUE_CHARS = 80
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="inspect", description="Show a run's event log or its summary (read-only).")
-    parser.add_argument("run_dir", type=Path, metavar="RUN_DIR", help="the run directory, runs/<id>")
+    parser.add_argument("run_dir", type=Path, nargs="?", metavar="RUN_DIR", help="the run directory, runs/<id>")
     parser.add_argument("command", nargs="?", choices=COMMANDS, default="events", help="what to show (default: events)")
     parser.add_argument("--kind", action="append", default=[], metavar="K",
                         help="only events of kind K (repeatable; K may be comma-separated)")
@@ -56,7 +67,34 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--to", dest="end", type=_seq, default=None, metavar="SEQ", help="last seq shown (inclusive)")
     parser.add_argument("--limit", type=_seq, default=None, metavar="N", help="show at most N events")
     parser.add_argument("--json", action="store_true", help="JSON lines (events) or one JSON object (summary)")
+    parser.add_argument("--epoch", type=_epochs, default=None, metavar="A[:B]",
+                        help="only events of epochs A..B (0-based, inclusive)")
+    parser.add_argument("--rank", type=_seq, default=None, metavar="R", help="only events of data-parallel rank R")
+    parser.add_argument("--follow", action="store_true", help="keep printing new events of a live run")
+    parser.add_argument("--at", type=_seq, default=None, metavar="SEQ",
+                        help="print every projection's state after the log up to SEQ")
+    parser.add_argument("--schema", action="store_true", help="print the JSON Schema of every event kind")
+    parser.add_argument("--out", type=Path, default=None, metavar="PNG", help="plot: the image to write")
+    parser.add_argument("--tensorboard", type=Path, default=None, metavar="DIR", help="export: TensorBoard log dir")
     return parser
+
+
+def _epochs(text: str) -> tuple[int, int]:
+    a, _, b = text.partition(":")
+    try:
+        lo = int(a)
+        hi = int(b) if b else lo
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected EPOCH or FIRST:LAST (0-based), got {text!r}") from None
+    if lo < 0 or hi < lo:
+        raise argparse.ArgumentTypeError(f"expected 0 <= FIRST <= LAST, got {text!r}")
+    return lo, hi
+
+
+def _event_epoch(event: Event) -> int | None:
+    if isinstance(event, HistoryAppended):
+        return event.record.epoch
+    return getattr(event, "epoch", None)
 
 
 def _seq(text: str) -> int:
@@ -172,28 +210,90 @@ def _events(log: LmdbLog, args: argparse.Namespace, kinds: frozenset[str] | None
     table = None if args.json else _Out(out, len(str(max(stop - 1, 0))))
     if table is not None:
         table.header()
-    shown = 0
-    for seq, raw in log.read_raw(args.start, stop):
-        if args.limit is not None and shown >= args.limit:
+    state = {"shown": 0, "writer_rank": 0, "finalized": False}
+    next_seq = _rows(log, args, kinds, args.start, stop, table, state)
+    while args.follow and not state["finalized"] and (args.end is None or next_seq <= args.end):
+        if args.limit is not None and state["shown"] >= args.limit:
             break
+        time.sleep(args.poll_s)
+        end = log.refresh() if args.end is None else min(args.end + 1, log.refresh())
+        if end > next_seq:
+            next_seq = _rows(log, args, kinds, next_seq, end, table, state)
+        out.flush()
+
+
+def _rows(log: LmdbLog, args: argparse.Namespace, kinds: frozenset[str] | None, start: int, stop: int,
+          table: _Out | None, state: dict[str, Any]) -> int:
+    """Print the rows of ``[start, stop)``; return the seq after the last one read."""
+    out = sys.stdout
+    seq = start - 1
+    for seq, raw in log.read_raw(start, stop):
+        if args.limit is not None and state["shown"] >= args.limit:
+            return seq
         try:
             event = decode(raw, seq)
         except CorruptEventError as exc:
-            if kinds is not None:
+            if kinds is not None or args.epoch is not None:
                 continue
             if table is None:
                 out.write(msgspec.json.encode({"seq": seq, "kind": None, "error": exc.reason}).decode() + "\n")
             else:
                 table.row(seq, _UNDECODABLE, f"error={exc.reason} bytes={len(raw)}")
-            shown += 1
+            state["shown"] += 1
             continue
+        if isinstance(event, RunStarted):
+            state["writer_rank"] = event.writer_rank
+        state["finalized"] = isinstance(event, RunFinalized)
         if kinds is not None and event.KIND not in kinds:
             continue
+        if args.rank is not None and getattr(event, "rank", state["writer_rank"]) != args.rank:
+            continue
+        if args.epoch is not None:
+            e = _event_epoch(event)
+            if e is None or not args.epoch[0] <= e <= args.epoch[1]:
+                continue
         if table is None:
             out.write(msgspec.json.encode(_as_json(seq, event)).decode() + "\n")
         else:
             table.row(seq, event.KIND, _compact(event))
-        shown += 1
+        state["shown"] += 1
+    return seq + 1
+
+
+def _at(log: LmdbLog, seq: int, as_json: bool) -> None:
+    """Every projection after folding the committed view of the log up to ``seq`` (time travel)."""
+    from projections.view import project, tail_length
+
+    stop = min(seq + 1, log.next_seq)
+    p = project(log.read(0, stop))
+    tail = tail_length(log.read(0, stop))
+    last = p.checkpoints.last
+    doc = {
+        "at": seq,
+        "events": stop,
+        "tail": tail,
+        "checkpoint": None if last is None else msgspec.to_builtins(last),
+        "projections": msgspec.to_builtins(p),
+    }
+    if as_json:
+        sys.stdout.write(msgspec.json.encode(doc).decode() + "\n")
+        return
+    where = "no committed checkpoint yet" if last is None else f"LAST epoch {last.epoch} step {last.step} manifest {last.manifest}"
+    sys.stdout.write(f"at seq {seq}: {stop} events read, {tail} uncommitted; corresponds to {where}\n")
+    for name in ("status", "counters", "checkpoints", "schedulers"):
+        sys.stdout.write(f"{name:<12} {_fmt(getattr(p, name))}\n")
+    for r in p.history.records:
+        sys.stdout.write(f"{'history':<12} epoch {r.epoch}: {_fmt(r.train)} {_fmt(r.val)} improved={_fmt(r.improved)}\n")
+
+
+def _schema() -> None:
+    """The JSON Schema of every event kind (today's versions), from the msgspec types."""
+    from events.codec import CURRENT_TYPES
+
+    (schemas,), components = msgspec.json.schema_components([Union[CURRENT_TYPES]], ref_template="#/$defs/{name}")  # type: ignore[valid-type]
+    doc = {"$schema": "https://json-schema.org/draft/2020-12/schema", "title": "nnx_es events", **schemas,
+           "$defs": components}
+    sys.stdout.write(msgspec.json.format(msgspec.json.encode(doc)).decode() + "\n")
 
 
 def _summary(log: LmdbLog, run_dir: Path, as_json: bool) -> None:
@@ -270,6 +370,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as exc:
         print(f"inspect: {exc}", file=sys.stderr)
         return EXIT_UNUSABLE
+    args.poll_s = 0.5
+    if args.schema:
+        _schema()
+        return EXIT_OK
+    if args.run_dir is None:
+        print("inspect: RUN_DIR is required (or --schema)", file=sys.stderr)
+        return EXIT_UNUSABLE
+    if args.command == "plot" and args.out is None:
+        print("inspect: plot needs --out FILE.png", file=sys.stderr)
+        return EXIT_UNUSABLE
+    if args.command == "export" and args.tensorboard is None:
+        print("inspect: export needs --tensorboard DIR", file=sys.stderr)
+        return EXIT_UNUSABLE
     if args.command == "summary" and (kinds or args.start or args.end is not None or args.limit is not None):
         print("inspect: --kind/--from/--to/--limit apply to 'events', not 'summary'", file=sys.stderr)
         return EXIT_UNUSABLE
@@ -281,6 +394,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "summary":
             _summary(log, args.run_dir, args.json)
+        elif args.command == "plot":
+            from nnx_es.report import plot_run
+
+            log.close()  # the report opens the log itself (LMDB allows one handle per process)
+            print(f"wrote {plot_run(args.run_dir, args.out)}")
+        elif args.command == "export":
+            from nnx_es.report import export_tensorboard
+
+            log.close()
+            n = export_tensorboard(args.run_dir, args.tensorboard)
+            print(f"wrote {n} scalars to {args.tensorboard}")
+        elif args.at is not None:
+            _at(log, args.at, args.json)
         else:
             _events(log, args, kinds)
         sys.stdout.flush()
