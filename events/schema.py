@@ -258,7 +258,13 @@ class UpdateCommitted(Event, frozen=True, kw_only=True, tag="update_committed@2"
 
 
 class UpdateSkipped(Event, frozen=True, kw_only=True, tag="update_skipped"):
-    """An accumulation window ended without an update. reason: masked | nonfinite | vetoed."""
+    """An accumulation window ended without an update.
+
+    reason: ``masked`` (its denominator was 0), ``nonfinite`` (a loss or the
+    gradient norm was not finite), ``vetoed`` (an update hook said no), or
+    ``unreported`` (a custom ``trainer_step_fn`` recorded microbatches it never
+    reported an update for, by the epoch's end).
+    """
 
     KIND: ClassVar[str] = "update_skipped"
     step: int

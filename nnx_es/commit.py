@@ -93,7 +93,7 @@ class Committer:
             return digest, manifest, [(name, store.put(data)) for name, data in callbacks]
 
         future: Future[Any] = Future()
-        inline = self.lag == 0 or final or epoch < 0
+        inline = self.lag == 0 or final or epoch < 0 or not group  # a session's opening LAST precedes its first epoch
         if inline:
             try:
                 future.set_result(persist())

@@ -138,7 +138,7 @@ class UpdateEngine:
         self.epoch = EpochTotals()
         self._reset_window()
 
-    def set_precision(self, precision: str) -> None:
+    def set_precision(self, precision: str, *, init_scale: float = 2.0**16) -> None:
         """``"fp32"``, ``"bf16"`` (autocast) or ``"fp16"`` (autocast + GradScaler).
 
         Raises:
@@ -152,7 +152,7 @@ class UpdateEngine:
         self._autocast: Callable[[], Any] = (
             (lambda: torch.autocast(device_type, dtype=dtype)) if precision != "fp32" else nullcontext
         )
-        self.scaler = torch.amp.GradScaler(device_type) if precision == "fp16" else None
+        self.scaler = torch.amp.GradScaler(device_type, init_scale=init_scale) if precision == "fp16" else None
 
     def use_hooks(self, update_hooks: list[UpdateHook], stage_hooks: list[Any]) -> None:
         """Install update hooks (configured now, folded into one orchestrator) and stage hooks."""
@@ -309,6 +309,9 @@ class UpdateEngine:
         if unknown:
             raise ConfigError(f"report_update names unknown optimizers {unknown}; known: {list(self.trainer.optimizers)}")
         self.trainer._ensure_microbatch_recorded(ctx, loss=loss, examples=examples)
+        if math.isfinite(loss) and examples > 0:  # the epoch summary holds what the custom step reported
+            self.epoch.sums.num += loss * examples
+            self.epoch.sums.den += examples
         lrs = {n: [float(g["lr"]) for g in self.trainer.optimizers[n].param_groups] for n in optimizers}
         self._commit(ctx, optimizers, loss=loss, examples=examples, microbatches=microbatches,
                      grad_norm=grad_norm, clipped=clipped, lrs=lrs)

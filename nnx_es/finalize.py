@@ -11,7 +11,10 @@ Semantics (spec 000, "Lifecycle order" and failure semantics):
 * LAST is refreshed after finalization (so callback mutations persist), except
   after a failure or a stop at an update boundary, where LAST stays at the
   last committed epoch;
-* ``run_finalized`` is committed (synced) last; views are materialized after it.
+* ``run_finalized`` is committed (synced) last; views are materialized after it;
+* a failure of these closing writes (the final LAST, ``run_finalized``, a view
+  file) is raised to the caller after a successful run; a failed final LAST
+  records the run as failed, and LAST stays at the last committed epoch.
 """
 
 from __future__ import annotations
@@ -58,7 +61,12 @@ def finalize(
     stopped_at_update: bool,
     t0: float,
 ) -> None:
-    """Finalize ``trainer``'s run (see the module docstring). Raises a cleanup error after a successful run."""
+    """Finalize ``trainer``'s run (see the module docstring).
+
+    Raises:
+        Exception: after a successful run, the first cleanup error, else the first
+            failure of a closing write (never over a training error).
+    """
     rec, ctx = trainer.recorder, trainer.ctx
     # a commit still in flight lands first: its blobs may be durable already
     _attempt(trainer.committer.complete)
@@ -83,14 +91,31 @@ def finalize(
         status = "failed"
     else:
         status = "stopped" if (stopped_at_update or trainer._stop) else "completed"
+    # the finalization records are written before the final LAST: a failed LAST commit
+    # drops its own unwritten events only, never the record of the cleanups
+    _attempt(rec.flush)
+    closing_error: BaseException | None = None  # a failed final LAST, run_finalized or view write
     if status != "failed" and not stopped_at_update:
-        _attempt(lambda: trainer._commit_last(epoch=rec.counters.epoch - 1, final=True))
-    _attempt(lambda: rec.commit(RunFinalized(
-        status=status, epochs=rec.counters.epoch, steps=rec.counters.step, wall_time_s=time.time() - t0,
-    )))
-    _attempt(lambda: _write_views(trainer))
-    if failure is None and cleanup_error is not None:
-        raise cleanup_error
+        try:
+            trainer._commit_last(epoch=rec.counters.epoch - 1, final=True)
+        except BaseException as exc:  # noqa: BLE001 - the run fails; raised once finalized
+            log.error("final LAST commit failed", run_id=trainer.run_id, error=f"{type(exc).__name__}: {exc}")
+            closing_error = exc
+            _attempt(lambda: _run_failed(trainer, exc, True))
+            status = "failed"
+    for step in (
+        lambda: rec.commit(RunFinalized(
+            status=status, epochs=rec.counters.epoch, steps=rec.counters.step, wall_time_s=time.time() - t0,
+        )),
+        lambda: _write_views(trainer),
+    ):
+        try:
+            step()
+        except BaseException as exc:  # noqa: BLE001 - never masks the training error
+            log.error("finalization step failed", run_id=trainer.run_id, error=f"{type(exc).__name__}: {exc}")
+            closing_error = closing_error or exc
+    if failure is None and (cleanup_error or closing_error) is not None:
+        raise cleanup_error or closing_error  # type: ignore[misc]
 
 
 def _write_views(trainer: Trainer) -> None:

@@ -102,7 +102,7 @@ class Objective:
         """
         total: Tensor | None = None
         nums: dict[str, float] = {}
-        if weights is not None:
+        if weights is not None and isinstance(outputs, Tensor) and outputs.requires_grad:
             # masked rows pass no gradient back to the outputs: a non-finite loss on them (a
             # missing target) would otherwise turn the whole gradient into NaN (0 * NaN)
             keep = (weights != 0).reshape(-1, *([1] * (outputs.dim() - 1)))

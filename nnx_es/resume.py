@@ -13,8 +13,9 @@ from pathlib import Path
 
 import msgspec
 
+from events.errors import CorruptEventError, SequenceGapError
 from events.log import EventLog
-from events.schema import LastCommitted, RunStarted
+from events.schema import Event, LastCommitted, RunStarted
 from nnx_es.checkpoint import Manifest, verify_checkpoint
 from nnx_es.errors import CorruptCheckpointError, ResumeError
 from nnx_es.lifecycle import compiled_table
@@ -42,12 +43,27 @@ class ResumePoint(msgspec.Struct, kw_only=True):
     projections: Projections
 
 
+def _read_whole(run_dir: Path, log: EventLog) -> list[tuple[int, Event]]:
+    """Every event of ``log``; a log that breaks invariant 1 is refused, never continued."""
+    try:
+        events = list(log.read())
+    except CorruptEventError as exc:
+        raise ResumeError(f"cannot resume {run_dir}: {exc}; nothing was restored or written") from exc
+    for expected, (seq, _) in enumerate(events):
+        if seq != expected:
+            gap = SequenceGapError(expected, seq)
+            raise ResumeError(f"cannot resume {run_dir}: its event log has a {gap}; nothing was restored or written") from gap
+    return events
+
+
 def find_resume_point(run_dir: Path, log: EventLog, *, expect_run_id: str | None = None) -> ResumePoint:
     """Locate and verify the LAST commit of the run whose log is ``log``.
 
     Raises:
-        ResumeError: no LAST commit in the log, or the LAST checkpoint is
-            missing, empty, torn, corrupt or mixed (the reason is named).
+        ResumeError: the log has a sequence gap or a value that does not decode
+            (invariant 1: the seq is named), no LAST commit, or the LAST checkpoint
+            is missing, empty, torn, corrupt or mixed (the reason is named).
+        EventLogError: LMDB cannot read the log.
     """
     table = compiled_table()
     state = "new"
@@ -56,7 +72,7 @@ def find_resume_point(run_dir: Path, log: EventLog, *, expect_run_id: str | None
     boundary = -1
     in_group = False
     proj = Projections()
-    events = list(log.read())
+    events = _read_whole(run_dir, log)
     for seq, event in events:
         state = table.get((state, event.KIND), state)
         if isinstance(event, RunStarted) and run_id is None:

@@ -55,6 +55,7 @@ from events.schema import (
     SchedulerStepped,
     StopRequested,
     TrainBegan,
+    UpdateSkipped,
     ValidationDone,
 )
 from nnx_es.callbacks import Callback, LambdaCallback
@@ -189,6 +190,12 @@ class Trainer:
         self.world_size = 1
         self.engine = UpdateEngine(self, self.objective, train_step_fn=train_step_fn)
         update_hooks, stage_hooks = collect(hooks)
+        for kwarg, value, default, cls in (("accumulation", accumulation, 1, GradientAccumulation),
+                                           ("clip_grad_norm", clip_grad_norm, None, GradientClipping),
+                                           ("precision", precision, "fp32", MixedPrecision)):
+            if value != default and any(isinstance(h, cls) for h in update_hooks):
+                raise ConfigError(f"{kwarg}={value!r} and a {cls.__name__} hook both configure the same thing; "
+                                  "give one of them")
         if accumulation != 1:
             update_hooks.append(GradientAccumulation(accumulation))
         if clip_grad_norm is not None:
@@ -209,6 +216,7 @@ class Trainer:
         self._stop: tuple[str, str] | None = None
         self._microbatch_recorded = False
         self._committed_update = False
+        self._unreported = 0  # microbatches a custom step recorded since its last reported update
         self.committer = Committer(self, checkpoint_lag)
         self.loader_generator: torch.Generator | None = None
 
@@ -244,6 +252,8 @@ class Trainer:
     def _ensure_microbatch_recorded(self, ctx: TrainContext, *, loss: float | None, examples: float) -> None:
         if not self._microbatch_recorded:
             self._microbatch_recorded = True
+            self.engine.epoch.microbatches += 1
+            self._unreported += 1
             rows = len(ctx.batch[0]) if isinstance(ctx.batch, (tuple, list)) and hasattr(ctx.batch[0], "__len__") else 1
             self.recorder.emit(
                 MicrobatchDone(
@@ -357,11 +367,17 @@ class Trainer:
             self.stages(TrainingStage.AFTER_BATCH, ctx)
             self.progress.advance(ctx.loss, ctx.step_count)
             if self._committed_update:
+                self._unreported = 0
                 self.committer.on_update()
                 rec.maybe_flush()
                 if ctx.stop_at_update_requested:
                     rec.emit(StopRequested(epoch=epoch, step=ctx.step_count, reason="update_boundary"))
                     return "update_boundary"
+        if self.custom_step and rec.lifecycle.state.rstrip("~^") == "in_window":
+            # the custom step recorded microbatches but reported no update for them: say so
+            rec.emit(UpdateSkipped(step=ctx.step_count, epoch=epoch, microbatches=self._unreported,
+                                   reason="unreported", optimizer=",".join(self.optimizers)))
+            self._unreported = 0
         if engine.finalize_step(ctx):
             self.committer.on_update()
             self._maybe_validate_on_step(val_loader)

@@ -89,7 +89,9 @@ class UpdateOrchestrator:
         self._after = [h for h in self.hooks if type(h).after_step is not UpdateHook.after_step]
 
     def vetoed(self, ctx: TrainContext) -> bool:
-        return any(h.veto(ctx) for h in self._vetoers)
+        """Ask every update hook (none is skipped, so each sees every window); True if any vetoes."""
+        votes = [h.veto(ctx) for h in self._vetoers]
+        return any(votes)
 
     def after_step(self, ctx: TrainContext) -> None:
         for h in self._after:
@@ -133,15 +135,18 @@ class MixedPrecision(UpdateHook):
     (``scaler.step``, which skips a step whose gradients overflowed).
     """
 
-    def __init__(self, dtype: str = "bf16") -> None:
+    def __init__(self, dtype: str = "bf16", *, init_scale: float = 2.0**16) -> None:
         if dtype not in ("bf16", "fp16"):
             raise ConfigError(f"MixedPrecision dtype must be 'bf16' or 'fp16', got {dtype!r}")
+        if not init_scale > 0:
+            raise ConfigError(f"MixedPrecision init_scale must be > 0, got {init_scale!r}")
         self.dtype = dtype
+        self.init_scale = float(init_scale)
         if dtype == "fp16":
             self.owns = frozenset({TrainingStage.DO_BACKWARD, TrainingStage.DO_OPTIMIZER_STEP})
 
     def configure(self, engine: UpdateEngine) -> None:
-        engine.set_precision(self.dtype)
+        engine.set_precision(self.dtype, init_scale=self.init_scale)
         self._engine = engine
 
     def backward(self, ctx: TrainContext, total: Tensor) -> None:
