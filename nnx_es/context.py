@@ -39,6 +39,7 @@ class TrainContext:
         self.predictions: Tensor | None = None
         self.targets: Tensor | None = None
         self.loss: float | None = None
+        self.rows = 0
         self.validation: dict[str, float] | None = None
         self.decision: MonitorDecided | None = None
         self.stop_requested: str | None = None

@@ -213,6 +213,7 @@ class UpdateEngine:
         self.epoch.microbatches += 1
         self.epoch.sums.add(parts, num, outputs, targets, weights)
         rows = int(targets.shape[0]) if hasattr(targets, "shape") and targets.dim() > 0 else 1
+        ctx.rows = rows
         self.trainer._microbatch_recorded = True
         self.trainer.recorder.emit(
             MicrobatchDone(

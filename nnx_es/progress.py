@@ -11,7 +11,7 @@ __all__ = ["Progress"]
 
 
 class Progress:
-    """Epoch, step, loss and rows/s on stderr when it is a terminal (or when forced on)."""
+    """Epoch, step, loss and rows/s on stderr when it is a terminal (or when forced on); nothing otherwise."""
 
     def __init__(self, enabled: bool | None = None) -> None:
         self.enabled = sys.stderr.isatty() if enabled is None else enabled
@@ -28,7 +28,7 @@ class Progress:
 
             self._bar = RichProgress(
                 TextColumn("epoch {task.fields[epoch]}"), BarColumn(), MofNCompleteColumn(),
-                TextColumn("step {task.fields[step]}  loss {task.fields[loss]}  {task.fields[rate]} batches/s"),
+                TextColumn("step {task.fields[step]}  loss {task.fields[loss]}  {task.fields[rate]} rows/s"),
                 TimeElapsedColumn(), transient=True,
             )
             self._bar.start()
@@ -38,10 +38,11 @@ class Progress:
         self._rows = 0
         self._t0 = time.perf_counter()
 
-    def advance(self, loss: float | None, step: int) -> None:
+    def advance(self, loss: float | None, step: int, rows: int = 1) -> None:
+        """One microbatch of ``rows`` rows done; ``loss`` is its mean loss, ``step`` the committed updates."""
         if not self.enabled or self._task is None:
             return
-        self._rows += 1
+        self._rows += rows
         dt = time.perf_counter() - self._t0
         shown = f"{loss:.4f}" if loss is not None and math.isfinite(loss) else "-"
         self._bar.update(self._task, advance=1, step=step, loss=shown, rate=f"{self._rows / dt:.0f}" if dt > 0 else "-")

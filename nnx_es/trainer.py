@@ -365,7 +365,7 @@ class Trainer:
                 self._maybe_validate_on_step(val_loader)
             self._dispatch("on_batch_end", ctx)
             self.stages(TrainingStage.AFTER_BATCH, ctx)
-            self.progress.advance(ctx.loss, ctx.step_count)
+            self.progress.advance(ctx.loss, ctx.step_count, ctx.rows)
             if self._committed_update:
                 self._unreported = 0
                 self.committer.on_update()

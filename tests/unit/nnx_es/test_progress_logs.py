@@ -1,0 +1,46 @@
+"""The progress display shows only on a terminal; structlog renders JSON off a terminal."""
+
+from __future__ import annotations
+
+import io
+import json
+
+import structlog
+
+from nnx_es.logs import configure_logging
+from nnx_es.progress import Progress
+
+
+def test_progress_is_off_when_stderr_is_not_a_terminal(capsys):
+    p = Progress()  # pytest captures stderr: not a terminal
+    assert p.enabled is False
+    p.start_epoch(0, 10)
+    p.advance(0.5, 1, 32)
+    p.close()
+    assert capsys.readouterr().err == ""
+
+
+def test_forced_progress_reports_epoch_step_loss_and_rows_per_second(monkeypatch):
+    from rich.console import Console
+
+    buf = io.StringIO()
+    p = Progress(enabled=True)
+    monkeypatch.setattr("rich.progress.get_console", lambda: Console(file=buf, force_terminal=True, width=200))
+    p.start_epoch(3, 4)
+    for i in range(4):
+        p.advance(0.25, i + 1, 32)
+    task = p._bar.tasks[0]
+    assert task.fields["epoch"] == 3 and task.fields["step"] == 4 and task.fields["loss"] == "0.2500"
+    assert task.completed == 4 and p._rows == 128 and task.fields["rate"] != "-"
+    p.close()
+
+
+def test_structlog_renders_json_lines_when_asked(capsys):
+    configure_logging("info", json=True)
+    try:
+        structlog.get_logger("nnx_es").info("epoch committed", epoch=3)
+        line = capsys.readouterr().err.strip().splitlines()[-1]
+        doc = json.loads(line)
+        assert doc["event"] == "epoch committed" and doc["epoch"] == 3 and doc["level"] == "info"
+    finally:
+        configure_logging("warning")
