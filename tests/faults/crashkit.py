@@ -99,7 +99,8 @@ _STORAGE_CALLERS = frozenset({"atomic_write", "fsync_dir"})
 class _OsProxy:
     """Stands in for ``nnx_es.storage.os``: every attribute is the real one, except the
     :data:`STORAGE_OPS` called from ``atomic_write``/``fsync_dir``, which go through
-    ``hook(op, caller, index, when, call)`` (``when``: ``"before"`` then ``"after"``).
+    ``hook(op, caller, index, when, args)`` (``when``: ``"before"`` then ``"after"``; ``args``:
+    the call's positional arguments, e.g. ``(src, dst)`` of ``replace``).
 
     ``index`` counts those calls from 0 in this process; calls from anywhere else in
     the module (the lease's pid write) pass through uncounted.
@@ -121,9 +122,9 @@ class _OsProxy:
                 return attr(*args, **kwargs)
             index = self.count
             self.count += 1
-            self._hook(name, caller, index, "before")
+            self._hook(name, caller, index, "before", args)
             result = attr(*args, **kwargs)
-            self._hook(name, caller, index, "after")
+            self._hook(name, caller, index, "after", args)
             return result
 
         return op
@@ -153,7 +154,7 @@ def kill_in_storage_io(n: int, *, after: bool) -> Callable[[], None]:
     def install() -> None:
         when = "after" if after else "before"
 
-        def hook(op: str, caller: str, index: int, moment: str) -> None:
+        def hook(op: str, caller: str, index: int, moment: str, args: tuple[Any, ...]) -> None:
             if index == n and moment == when:
                 sigkill()
 
@@ -194,3 +195,110 @@ def kill_at_sync(n: int, *, after: bool) -> Callable[[], None]:
         install_sync_hook(hook)
 
     return install
+
+
+def _real_lmdb_open() -> Any:
+    import lmdb
+
+    return lmdb.open
+
+
+_REAL_LMDB_OPEN = _real_lmdb_open()  # captured at import, before any test patches it
+
+
+class LmdbFaults:
+    """Errors to inject into the LMDB environments opened through :meth:`open` (one-shot each).
+
+    ``commit_errno``: the next write transaction's commit aborts and raises ``lmdb.Error``
+    (nothing of it is stored); ``sync_errno``: the next ``env.sync`` raises ``lmdb.Error``
+    after the transaction was written. ``skip`` write commits / syncs pass first.
+    """
+
+    def __init__(self) -> None:
+        self.commit_errno: int | None = None
+        self.sync_errno: int | None = None
+        self.skip = 0
+        self.injected: list[str] = []
+        import lmdb
+
+        self._lmdb = lmdb
+        self._open = _REAL_LMDB_OPEN
+
+    def _take(self, which: str) -> int | None:
+        code = getattr(self, f"{which}_errno")
+        if code is None:
+            return None
+        if self.skip > 0:
+            self.skip -= 1
+            return None
+        setattr(self, f"{which}_errno", None)
+        self.injected.append(which)
+        return code
+
+    def error(self, call: str, code: int) -> Exception:
+        return self._lmdb.Error(f"{call}: {os.strerror(code)}")
+
+    def open(self, *args: Any, **kwargs: Any) -> Any:
+        """Stands in for ``lmdb.open``: the real environment behind a fault-injecting proxy."""
+        return _EnvProxy(self._open(*args, **kwargs), self)
+
+
+class _TxnProxy:
+    def __init__(self, txn: Any, faults: LmdbFaults) -> None:
+        self._txn, self._faults = txn, faults
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._txn, name)
+
+    def __enter__(self) -> Any:
+        self._txn.__enter__()
+        return self._txn
+
+    def __exit__(self, et: Any, ev: Any, tb: Any) -> Any:
+        if et is None:
+            code = self._faults._take("commit")
+            if code is not None:
+                self._txn.abort()
+                raise self._faults.error("mdb_txn_commit", code)
+        return self._txn.__exit__(et, ev, tb)
+
+
+class _EnvProxy:
+    def __init__(self, env: Any, faults: LmdbFaults) -> None:
+        self._env, self._faults = env, faults
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._env, name)
+
+    def begin(self, *args: Any, **kwargs: Any) -> Any:
+        txn = self._env.begin(*args, **kwargs)
+        return _TxnProxy(txn, self._faults) if kwargs.get("write") else txn
+
+    def sync(self, *args: Any) -> Any:
+        code = self._faults._take("sync")
+        if code is not None:
+            raise self._faults.error("mdb_env_sync", code)
+        return self._env.sync(*args)
+
+
+def run_in_child(target: Callable[[], Any]) -> str:
+    """Run ``target`` in a forked child; return ``"returned"``, ``"raised <Type>: <message>"``
+    or ``"signal <name>"`` (a crash such as SIGBUS or SIGSEGV that would kill the test run)."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # child
+        os.close(r)
+        try:
+            target()
+            out = "returned"
+        except BaseException as exc:  # noqa: BLE001
+            out = f"raised {type(exc).__name__}: {exc}"
+        os.write(w, out.encode()[:4000])
+        os._exit(0)
+    os.close(w)
+    with os.fdopen(r, "rb") as f:
+        message = f.read().decode(errors="replace")
+    _, status = os.waitpid(pid, 0)
+    if os.WIFSIGNALED(status):
+        return f"signal {signal.Signals(os.WTERMSIG(status)).name}"
+    return message

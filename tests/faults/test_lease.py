@@ -1,0 +1,221 @@
+"""The writer lease of a run, seen through the Trainer.
+
+One writer per run: a second ``fit`` on a run whose lease is held (by this process or by a
+live writer child) is refused with :class:`LeaseHeldError` naming the run, before it reads
+or writes anything; a SIGKILLed writer frees the lease and its run resumes; temporaries a
+hard kill left are removed when the run is next opened, and reported (``RunResumed``
+and a structlog warning).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+import structlog
+import torch
+from torch import nn
+
+from crashkit import install_storage_hook, kill_at_event, run_killed, sigkill
+from events.schema import RunResumed
+from nnx_es import Callback, Trainer
+from nnx_es.audit import audit_run
+from nnx_es.errors import LeaseHeldError, NnxError
+from nnx_es.storage import Lease
+from projections import project
+from trainkit import loaders, read_events, small_net
+
+torch.set_num_threads(1)
+
+EPOCHS = 3
+RUN_ID = "r"
+
+
+class Counter(Callback):
+    def __init__(self, on_epoch_begin: Any = None) -> None:
+        self.epochs = 0
+        self._begin = on_epoch_begin
+
+    def on_epoch_begin(self, ctx):
+        if self._begin is not None:
+            self._begin(ctx)
+
+    def on_epoch_end(self, ctx):
+        self.epochs += 1
+
+    def state_dict(self):
+        return {"epochs": self.epochs}
+
+    def load_state_dict(self, state):
+        self.epochs = state["epochs"]
+
+
+def make_trainer(runs: Path, run_id: str | None, callback: Callback | None = None) -> Trainer:
+    net = small_net(0)
+    opt = torch.optim.Adam(net.parameters(), lr=0.05)
+    return Trainer(net, opt, nn.CrossEntropyLoss(), monitor="val_loss", callbacks=[callback or Counter()],
+                   accumulation=2, runs_root=runs, run_id=run_id, seed=0, progress=False)
+
+
+def fit(trainer: Trainer, **kw: Any):
+    return trainer.fit(*loaders(batch_size=8, n_train=32), epochs=EPOCHS, **kw)
+
+
+def _history(run_dir: Path) -> list[Any]:
+    return [msgspec.structs.replace(r, wall_time_s=0.0) for r in project(read_events(run_dir)).history.records]
+
+
+def _audit_ok(run_dir: Path) -> None:
+    report = audit_run(run_dir)
+    assert report.ok, [v.line() for v in report.violations]
+
+
+@pytest.fixture(scope="module")
+def clean(tmp_path_factory) -> dict[str, Any]:
+    runs = tmp_path_factory.mktemp("clean")
+    trainer = make_trainer(runs, RUN_ID)
+    fit(trainer)
+    return {"params": {k: v.clone() for k, v in trainer.net.state_dict().items()}, "history": _history(runs / RUN_ID)}
+
+
+def _assert_bitwise(trainer: Trainer, clean: dict[str, Any]) -> None:
+    for k, v in trainer.net.state_dict().items():
+        assert torch.equal(v, clean["params"][k]), k
+
+
+def test_a_second_writer_is_refused_while_the_lease_is_held_and_touches_nothing(tmp_path, clean):
+    runs = tmp_path / "runs"
+    fit(make_trainer(runs, RUN_ID))
+    run_dir = runs / RUN_ID
+    before = read_events(run_dir)
+    files = sorted(p for p in run_dir.rglob("*") if p.is_file() and p.name != "lock.mdb")
+    stale = run_dir / "blobs" / ".left.1.dead.tmp"
+    stale.write_bytes(b"half")
+    with Lease(runs, RUN_ID):
+        with pytest.raises(LeaseHeldError, match=rf"run '{RUN_ID}' is being written by another process") as info:
+            fit(make_trainer(runs, None), resume_from=run_dir)
+        assert isinstance(info.value, NnxError) and isinstance(info.value, BlockingIOError)
+        with pytest.raises(LeaseHeldError, match=RUN_ID):
+            fit(make_trainer(runs, RUN_ID))  # a fresh run of the same id: refused before anything else
+    # the refused writers read nothing, wrote nothing, cleaned nothing
+    assert read_events(run_dir) == before
+    assert stale.exists()
+    assert sorted(p for p in run_dir.rglob("*") if p.is_file() and p.name not in ("lock.mdb",) and p != stale) == files
+    # released: the resume goes ahead (nothing left to train) and cleans the temporary
+    run = fit(make_trainer(runs, None), resume_from=run_dir)
+    assert run.status == "completed" and not stale.exists()
+    assert _history(run_dir) == clean["history"]
+    _audit_ok(run_dir)
+
+
+def _slow_writer(runs: Path, ready_fd: int) -> None:
+    """Child body: train, announce epoch 1 once it began (its epoch 0 is committed), then stall."""
+
+    def stall(ctx: Any) -> None:
+        if ctx.epoch == 1:
+            os.write(ready_fd, b"in epoch 1")
+            time.sleep(60)  # the parent SIGKILLs us long before
+
+    fit(make_trainer(runs, RUN_ID, Counter(on_epoch_begin=stall)))
+
+
+def test_a_live_writer_child_holds_the_lease_until_sigkill_frees_it_and_the_run_resumes(tmp_path, clean):
+    runs = tmp_path / "runs"
+    run_dir = runs / RUN_ID
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the writer
+        os.close(r)
+        try:
+            _slow_writer(runs, w)
+        finally:
+            os._exit(0)
+    os.close(w)
+    try:
+        with os.fdopen(r, "rb") as ready:
+            assert ready.read(10) == b"in epoch 1", "the writer child never reached epoch 1"
+        # beside the live writer: a second writer is refused, naming the run
+        with pytest.raises(LeaseHeldError, match=rf"run '{RUN_ID}'"):
+            fit(make_trainer(runs, None), resume_from=run_dir)
+        with pytest.raises(LeaseHeldError, match=rf"run '{RUN_ID}'"):
+            Lease(runs, RUN_ID).acquire()
+        # ... while a reader audits the live run read-only: epoch 0 is committed
+        report = audit_run(run_dir)
+        assert report.ok and report.committed_epoch == 0 and report.status == "running"
+    finally:
+        os.kill(pid, signal.SIGKILL)
+        _, status = os.waitpid(pid, 0)
+    assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL
+    # the kernel dropped the dead writer's lock: the lease is free, and the run resumes exactly
+    with Lease(runs, RUN_ID) as lease:
+        assert lease.held
+    trainer = make_trainer(runs, None)
+    run = fit(trainer, resume_from=run_dir)
+    assert run.status == "completed"
+    resumed = [e for _, e in read_events(run_dir) if isinstance(e, RunResumed)]
+    assert len(resumed) == 1 and resumed[0].epoch == 0
+    _assert_bitwise(trainer, clean)
+    assert _history(run_dir) == clean["history"]
+    _audit_ok(run_dir)
+
+
+def test_a_sigkilled_writer_frees_the_lease(tmp_path, clean):
+    runs = tmp_path / "runs"
+    assert run_killed(lambda: fit(make_trainer(runs, RUN_ID)), kill_at_event(30)) == "killed"
+    with Lease(runs, RUN_ID) as lease:
+        assert lease.held and lease.path.read_text().strip() == str(os.getpid())
+    trainer = make_trainer(runs, None)
+    fit(trainer, resume_from=runs / RUN_ID)
+    _assert_bitwise(trainer, clean)
+
+
+def _kill_after_write(n: int):
+    """SIGKILL right after the n-th (0-based) temporary-file write of ``atomic_write``."""
+
+    def install() -> None:
+        writes = [0]
+
+        def hook(op, caller, index, when, args):
+            if op == "write" and when == "after":
+                if writes[0] == n:
+                    sigkill()
+                writes[0] += 1
+
+        install_storage_hook(hook)
+
+    return install
+
+
+def test_stale_temporaries_of_a_hard_kill_are_cleaned_on_the_next_open_and_reported(tmp_path, clean):
+    runs = tmp_path / "runs"
+    run_dir = runs / RUN_ID
+    # killed right after writing a blob's temporary (before its rename): one real leftover
+    assert run_killed(lambda: fit(make_trainer(runs, RUN_ID)), _kill_after_write(20)) == "killed"
+    left = sorted(run_dir.rglob(".*.tmp"))
+    assert len(left) == 1 and left[0].parent.parent.name == "sha256"
+    # and more, as other hard kills would leave them
+    planted = [run_dir / "blobs" / "sha256" / "ab" / ".x.123.abcd.tmp", run_dir / "views" / ".history.csv.9.beef.tmp"]
+    for p in planted:
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_bytes(b"torn")
+    kept = [run_dir / "blobs" / "sha256" / "ab" / "notes.tmp", run_dir / "views" / "history.csv.tmp"]  # not ours
+    for p in kept:
+        p.write_bytes(b"not a temporary of ours")
+    stale = sorted([*left, *planted])
+    with structlog.testing.capture_logs() as logs:
+        trainer = make_trainer(runs, None)
+        fit(trainer, resume_from=run_dir)
+    assert sorted(run_dir.rglob(".*.tmp")) == []
+    assert all(p.exists() for p in kept)
+    resumed = [e for _, e in read_events(run_dir) if isinstance(e, RunResumed)]
+    assert len(resumed) == 1 and resumed[0].cleaned_temporaries == len(stale) == 3
+    warnings = [e for e in logs if e["event"] == "removed stale temporaries"]
+    assert len(warnings) == 1 and warnings[0]["log_level"] == "warning" and warnings[0]["run_id"] == RUN_ID
+    assert sorted(warnings[0]["files"]) == sorted(str(p) for p in stale)
+    _assert_bitwise(trainer, clean)
+    _audit_ok(run_dir)
