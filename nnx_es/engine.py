@@ -168,6 +168,7 @@ class UpdateEngine:
         self.w_den = 0.0
         self.w_num = 0.0
         self.w_nonfinite = False
+        self.w_divided = False  # the window's gradient already is the mean (one microbatch)
 
     @property
     def window_open(self) -> bool:
@@ -184,29 +185,37 @@ class UpdateEngine:
 
     def microbatch(self, ctx: TrainContext, batch: Any) -> None:
         """Forward and backward one microbatch; emit ``microbatch_done``."""
-        stages = self.stages
+        stages = self.stages if self.stages.by_stage else None
         with self._autocast():
-            stages(TrainingStage.BEFORE_FORWARD, ctx)
+            if stages:
+                stages(TrainingStage.BEFORE_FORWARD, ctx)
             outputs, targets, weights = self.train_step_fn(self.trainer.net, batch)
             ctx.predictions, ctx.targets = outputs, targets
-            stages(TrainingStage.AFTER_FORWARD, ctx)
-            stages(TrainingStage.BEFORE_LOSS, ctx)
+            if stages:
+                stages(TrainingStage.AFTER_FORWARD, ctx)
+                stages(TrainingStage.BEFORE_LOSS, ctx)
             parts = self.objective(outputs, targets, weights)
         num = float(parts.total.detach())
         den = parts.den
         ctx.loss = num / den if den > 0 else math.nan
-        stages(TrainingStage.AFTER_LOSS, ctx)
         finite = math.isfinite(num)
-        stages(TrainingStage.BEFORE_BACKWARD, ctx)
+        if stages:
+            stages(TrainingStage.AFTER_LOSS, ctx)
+            stages(TrainingStage.BEFORE_BACKWARD, ctx)
         if finite and den > 0:
             owner = self.orchestrator.backward_owner
             if owner is not None:
                 owner.backward(ctx, parts.total)
+            elif self.accumulation == 1:
+                # a one-microbatch window: its W is this den, so the mean is taken here, not on the grads
+                (parts.total / den).backward()
+                self.w_divided = True
             else:
                 parts.total.backward()
         elif not finite:
             self.w_nonfinite = True
-        stages(TrainingStage.AFTER_BACKWARD, ctx)
+        if stages:
+            stages(TrainingStage.AFTER_BACKWARD, ctx)
         self.w_microbatches += 1
         self.w_den += den
         self.w_num += num
@@ -222,7 +231,7 @@ class UpdateEngine:
                 rows=rows,
                 examples=den,
                 loss=ctx.loss,
-                terms={k: (v / den if den > 0 else math.nan) for k, v in parts.terms.items()}
+                terms={k: (float(v) / den if den > 0 else math.nan) for k, v in parts.terms.items()}
                 if len(parts.terms) > 1
                 else {},
             )
@@ -251,10 +260,11 @@ class UpdateEngine:
                     self.scaler.unscale_(opt)
                 unscaled = True
             grads = [p.grad for p in self._params if p.grad is not None]
-            if W != 1.0:
+            if W != 1.0 and not self.w_divided:
                 torch._foreach_div_(grads, W)
             self.stages(TrainingStage.BEFORE_OPTIMIZER_STEP, ctx)
-            norm_t = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
+            # the total L2 norm before clipping (what torch.nn.utils.get_total_norm computes, minus its checks)
+            norm_t = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads))) if grads else torch.zeros(())
             norm = float(norm_t)
             if not math.isfinite(norm):
                 reason, detail = "nonfinite", "gradient norm is not finite"

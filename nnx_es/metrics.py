@@ -24,28 +24,38 @@ __all__ = ["MetricSums", "evaluate"]
 class MetricSums:
     """Running sums of one epoch's loss terms and accuracy."""
 
-    __slots__ = ("num", "den", "terms", "correct", "scored", "rows")
+    __slots__ = ("num", "den", "terms", "_correct", "scored", "rows")
 
     def __init__(self) -> None:
         self.num = 0.0
         self.den = 0.0
         self.terms: dict[str, float] = {}
-        self.correct = 0.0
+        self._correct: Tensor | float = 0.0  # a tensor while accumulating: no sync per microbatch
         self.scored = 0.0
         self.rows = 0
+
+    @property
+    def correct(self) -> float:
+        return float(self._correct)
 
     def add(self, parts: LossParts, num: float, outputs: Tensor, targets: Tensor, weights: Tensor | None) -> None:
         """Add one microbatch (``num``: its total numerator as a float; non-finite ones are left out)."""
         if math.isfinite(num):
             self.num += num
             self.den += parts.den
-            for name, v in parts.terms.items():
-                self.terms[name] = self.terms.get(name, 0.0) + v
+            if len(parts.terms) > 1:
+                for name, v in parts.terms.items():
+                    self.terms[name] = self.terms.get(name, 0.0) + float(v)
+        rows = int(targets.shape[0]) if targets.dim() > 0 else 1
         if outputs.dim() == 2 and targets.dim() == 1:
-            c, s = accuracy(outputs.detach(), targets, weights)
-            self.correct += c
-            self.scored += s
-        self.rows += int(targets.shape[0]) if targets.dim() > 0 else 1
+            if weights is None:
+                self._correct = self._correct + (outputs.detach().argmax(dim=-1) == targets).sum()
+                self.scored += rows
+            else:
+                c, s = accuracy(outputs.detach(), targets, weights)
+                self._correct = self._correct + c
+                self.scored += s
+        self.rows += rows
 
     def metrics(self, prefix: str = "") -> dict[str, float]:
         """``{prefix+"loss", prefix+<term> (several terms only), prefix+"accuracy"}`` as floats."""

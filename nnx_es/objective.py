@@ -35,7 +35,11 @@ class Term:
     """
 
     def __init__(self, fn: LossFn | nn.Module, weight: float = 1.0) -> None:
+        self.sum_fn: LossFn | None = None  # the same loss summed over every row, when one exists
         if isinstance(fn, nn.Module) and hasattr(fn, "reduction"):
+            summed = copy.copy(fn)
+            summed.reduction = "sum"
+            self.sum_fn = summed
             fn = copy.copy(fn)
             fn.reduction = "none"
         if not callable(fn):
@@ -59,12 +63,13 @@ class LossParts:
     """What one microbatch contributes: the backward numerator and the bookkeeping.
 
     total: ``sum_t weight_t * num_t`` (0-dim tensor, grad-carrying).
-    den: the denominator (float). terms: per-term numerators (float).
+    den: the denominator (float). terms: per-term numerators (0-dim tensors,
+    detached; convert with ``float`` when needed, which syncs a device).
     """
 
     __slots__ = ("total", "den", "terms")
 
-    def __init__(self, total: Tensor, den: float, terms: dict[str, float]) -> None:
+    def __init__(self, total: Tensor, den: float, terms: dict[str, Tensor]) -> None:
         self.total = total
         self.den = den
         self.terms = terms
@@ -101,20 +106,23 @@ class Objective:
             weights: per-row weights or a 0/1 mask, shape ``(B,)``; ``None``: all 1.
         """
         total: Tensor | None = None
-        nums: dict[str, float] = {}
+        nums: dict[str, Tensor] = {}
         if weights is not None and isinstance(outputs, Tensor) and outputs.requires_grad:
             # masked rows pass no gradient back to the outputs: a non-finite loss on them (a
             # missing target) would otherwise turn the whole gradient into NaN (0 * NaN)
             keep = (weights != 0).reshape(-1, *([1] * (outputs.dim() - 1)))
             outputs = torch.where(keep, outputs, outputs.detach())
         for name, term in self.terms.items():
-            losses = term.per_row(outputs, targets)
-            if weights is not None:
-                w = weights.to(losses.dtype)
-                # masked rows contribute exactly 0, even when their loss is not finite
-                losses = torch.where(w != 0, losses * w, torch.zeros_like(losses))
-            num = losses.sum()
-            nums[name] = float(num.detach())
+            if weights is None and term.sum_fn is not None:
+                num = term.sum_fn(outputs, targets)  # one fused reduction: the row sum
+            else:
+                losses = term.per_row(outputs, targets)
+                if weights is not None:
+                    w = weights.to(losses.dtype)
+                    # masked rows contribute exactly 0, even when their loss is not finite
+                    losses = torch.where(w != 0, losses * w, torch.zeros_like(losses))
+                num = losses.sum()
+            nums[name] = num.detach()
             part = num * term.weight if term.weight != 1.0 else num
             total = part if total is None else total + part
         den = float(outputs.shape[0]) if weights is None else float(weights.detach().sum())
