@@ -47,7 +47,7 @@ def append_us_per_event(n_epochs: int = 40, batches: int = 250) -> float:
         shutil.rmtree(root, ignore_errors=True)
 
 
-def fsyncs_per_epoch(epochs: int = 6, lag: int = 8) -> tuple[float, float]:
+def fsyncs_per_epoch(epochs: int = 6, lag: int | str = "epoch") -> tuple[float, float]:
     """Count (not guess) fsyncs while nnx_es trains the digits MLP, in steady state.
 
     Counted from the start of epoch 1 to the start of the last epoch (the run's

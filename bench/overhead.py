@@ -23,7 +23,7 @@ from torch.utils.data import DataLoader, TensorDataset
 __all__ = ["CONTENDERS", "NNX_LAG", "digits_loader", "make_net"]
 
 #: checkpoint_lag of the nnx_es contender (0: LAST committed synchronously at each epoch's end)
-NNX_LAG = 8
+NNX_LAG: int | str = "epoch"
 
 
 def digits_loader(seed: int = 0) -> DataLoader:

@@ -24,7 +24,7 @@ import torch
 
 from bench import logbench, overhead
 
-NNX_LAG = 8  # checkpoint_lag for the nnx_es contender: LAST persisted off the training thread
+NNX_LAG = "epoch"  # checkpoint_lag for the nnx_es contender: LAST persisted off the training thread
 
 
 def _machine() -> str:

@@ -59,13 +59,20 @@ class _Pending:
 class Committer:
     """Submits and completes checkpoint commits for one trainer (at most one in flight).
 
+    Args:
+        lag: committed updates of the next epoch after which LAST is appended
+            (0: at the epoch's own end), or ``"epoch"``: at the next epoch's end,
+            which overlaps persisting with a whole epoch of training.
+
     Raises:
-        ConfigError: ``lag`` is negative.
+        ConfigError: ``lag`` is neither an int >= 0 nor ``"epoch"``.
     """
 
-    def __init__(self, trainer: Trainer, lag: int = 0) -> None:
-        if not isinstance(lag, int) or lag < 0:
-            raise ConfigError(f"checkpoint_lag must be an int >= 0 committed updates, got {lag!r}")
+    def __init__(self, trainer: Trainer, lag: int | str = 0) -> None:
+        if lag == "epoch":
+            lag = 2**62  # never reached inside an epoch: the commit completes before the next history
+        elif isinstance(lag, bool) or not isinstance(lag, int) or lag < 0:
+            raise ConfigError(f"checkpoint_lag must be an int >= 0 committed updates or 'epoch', got {lag!r}")
         self.trainer = trainer
         self.lag = lag
         self.pending: _Pending | None = None

@@ -110,7 +110,8 @@ class Trainer:
         phase_every / keep_phases: a phase checkpoint every N epochs; keep the newest K.
         checkpoint_lag: 0 commits each epoch's LAST at its end; N > 0 persists the
             checkpoint on a background thread and appends LAST after N committed
-            updates of the next epoch (see :mod:`nnx_es.commit`).
+            updates of the next epoch; ``"epoch"``: at the next epoch's end (see
+            :mod:`nnx_es.commit`). A crash can then lose up to that much more work.
         runs_root: the directory holding ``<run_id>/`` and ``.leases/``.
         run_id: ``[A-Za-z0-9._-]{1,128}``; default: a timestamp and random suffix.
         seed: seeds Python, numpy and torch before training.
@@ -140,7 +141,7 @@ class Trainer:
         validate_every_steps: int | None = None,
         phase_every: int | None = None,
         keep_phases: int | None = None,
-        checkpoint_lag: int = 0,
+        checkpoint_lag: int | str = 0,
         runs_root: str | Path = "runs",
         run_id: str | None = None,
         seed: int = 0,

@@ -237,3 +237,38 @@ def test_nnmodel_predict_proba_shapes_and_normalization(tmp_path):
     assert torch.allclose(p.sum(dim=1), torch.ones(5))
     assert model.predict(x).shape == (5,)
     assert run.best is not None
+
+
+
+@pytest.mark.parametrize("lag", [3, "epoch"])
+def test_a_deferred_last_lands_where_declared_and_changes_nothing_committed(tmp_path, lag):
+    import msgspec
+
+    from nnx_es.audit import audit_run
+
+    def run(run_id, checkpoint_lag):
+        net = small_net()
+        opt = torch.optim.SGD(net.parameters(), lr=0.05)
+        t = Trainer(net, opt, nn.CrossEntropyLoss(), monitor="val_loss", runs_root=tmp_path / "runs",
+                    run_id=run_id, progress=False, checkpoint_lag=checkpoint_lag)
+        return t, t.fit(*loaders(batch_size=8, n_train=48), epochs=3)  # 6 updates per epoch
+
+    sync_t, sync = run("sync", 0)
+    lag_t, lagged = run("lag", lag)
+    for k, v in sync_t.net.state_dict().items():
+        assert torch.equal(v, lag_t.net.state_dict()[k])
+    strip = [msgspec.structs.replace(r, wall_time_s=0.0) for r in sync.history]
+    assert strip == [msgspec.structs.replace(r, wall_time_s=0.0) for r in lagged.history]
+    events = read_events(lagged.run_dir)
+    for epoch in (0, 1):
+        last = next(s for s, e in events if e.KIND == "last_committed" and e.epoch == epoch)
+        began = next(s for s, e in events if e.KIND == "epoch_began" and e.epoch == epoch + 1)
+        updates_between = sum(1 for s, e in events if began < s < last and e.KIND == "update_committed")
+        assert updates_between == (3 if lag == 3 else 6)
+        if lag == "epoch":  # right before the next epoch's history
+            nxt = next(s for s, e in events if e.KIND == "history_appended" and e.record.epoch == epoch + 1)
+            assert [e.KIND for _, e in events[last + 1: nxt]] == ["best_committed"] * (nxt - last - 1)
+    assert audit_run(lagged.run_dir).ok
+    with pytest.raises(Exception, match="checkpoint_lag"):
+        Trainer(small_net(), torch.optim.SGD(small_net().parameters(), lr=0.1), nn.CrossEntropyLoss(),
+                checkpoint_lag=-1)
