@@ -96,6 +96,8 @@ _UPCASTERS: dict[type[Event], Callable[[Any], Event]] = {
     UpdateCommittedV1: _update_committed_v1,
 }
 
+_LEGACY = frozenset(_UPCASTERS)
+
 #: Every decodable type: today's and the legacy versions.
 EVENT_TYPES: tuple[type[Event], ...] = CURRENT_TYPES + tuple(_UPCASTERS)
 
@@ -151,11 +153,12 @@ def decode_many(payloads: list[Any], first_seq: int = 0) -> list[Event]:
         return [decode(p, first_seq + i) for i, p in enumerate(payloads)]
     if len(events) != n:  # a payload that is not one whole msgpack value shifts the framing
         return [decode(p, first_seq + i) for i, p in enumerate(payloads)]
-    ups = _UPCASTERS
-    for i, event in enumerate(events):
-        up = ups.get(type(event))
-        if up is not None:
-            events[i] = up(event)
+    if not _LEGACY.isdisjoint(map(type, events)):
+        ups = _UPCASTERS
+        for i, event in enumerate(events):
+            up = ups.get(type(event))
+            if up is not None:
+                events[i] = up(event)
     return events
 
 

@@ -17,6 +17,7 @@ batch is retried, so a full map never loses an event.
 
 from __future__ import annotations
 
+import itertools
 import os
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
@@ -366,20 +367,16 @@ class LmdbLog(_LogBase):
             cur = txn.cursor(self._events)
             if not cur.set_range(seq_key(max(start, 0))):
                 return
-            first = int.from_bytes(cur.key(), "big")
-            values: list[bytes] = []
-            last_key = b""
-            for key, value in cur:
-                values.append(value)
-                last_key = key
-                if len(values) == chunk:
-                    yield from self._chunk(first, values, last_key, stop, wanted)
-                    first = int.from_bytes(last_key, "big") + 1
-                    if stop is not None and first >= stop:
-                        return
-                    values = []
-            if values:
-                yield from self._chunk(first, values, last_key, stop, wanted)
+            items_of = cur.iternext(keys=True, values=True)
+            while True:
+                items = list(itertools.islice(items_of, chunk))  # one C-level pass per chunk
+                if not items:
+                    return
+                first = int.from_bytes(items[0][0], "big")
+                last_key = items[-1][0]
+                yield from self._chunk(first, [v for _, v in items], last_key, stop, wanted)
+                if len(items) < chunk or (stop is not None and int.from_bytes(last_key, "big") + 1 >= stop):
+                    return
 
     def _chunk(
         self, first: int, values: list[bytes], last_key: bytes, stop: int | None, wanted: frozenset[str] | None
@@ -388,14 +385,14 @@ class LmdbLog(_LogBase):
         last = int.from_bytes(last_key, "big")
         if last != first + n - 1:  # a gap inside: take the exact path
             end = last + 1 if stop is None else min(stop, last + 1)
-            yield from _LogBase.read(self, first, end, wanted)
-            return
+            return _LogBase.read(self, first, end, wanted)
         if stop is not None and first + n > stop:
             n = max(stop - first, 0)
             values = values[:n]
-        for i, event in enumerate(decode_many(values, first)):
-            if wanted is None or event.KIND in wanted:
-                yield first + i, event
+        pairs = zip(range(first, first + n), decode_many(values, first))  # iterated in C
+        if wanted is None:
+            return pairs
+        return ((seq, e) for seq, e in pairs if e.KIND in wanted)
 
     def put_raw(self, seq: int, raw: bytes) -> None:
         """Store ``raw`` under ``seq`` directly (tests use it to forge broken logs)."""

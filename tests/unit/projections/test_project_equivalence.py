@@ -51,7 +51,7 @@ def test_project_equals_folding_the_committed_view_event_by_event(pairs):
 
 
 @settings(max_examples=40, deadline=None)
-@given(logs, st.integers(min_value=1, max_value=7), st.sets(st.integers(min_value=0, max_value=79), max_size=3))
+@given(logs, st.integers(min_value=1, max_value=100), st.sets(st.integers(min_value=0, max_value=79), max_size=3))
 def test_chunked_lmdb_reads_equal_event_by_event_reads_gaps_included(tmp_path_factory, pairs, chunk, holes):
     path = tmp_path_factory.mktemp("log") / "events.lmdb"
     with LmdbLog(path) as log:
