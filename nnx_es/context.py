@@ -75,23 +75,23 @@ class TrainContext:
 
     @property
     def batch_count(self) -> int:
-        return self.counters.batch
+        return self.trainer.recorder.live.batch
 
     @property
     def step_count(self) -> int:
-        return self.counters.step
+        return self.trainer.recorder.live.step
 
     @property
     def global_step_count(self) -> int:
-        return self.counters.global_step
+        return self.trainer.recorder.live.global_step
 
     @property
     def epoch_count(self) -> int:
-        return self.counters.epoch
+        return self.trainer.recorder.live.epoch
 
     @property
     def epoch_step_count(self) -> int:
-        return self.counters.epoch_step
+        return self.trainer.recorder.live.epoch_step
 
     # --- requests -----------------------------------------------------------------
 

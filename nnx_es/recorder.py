@@ -1,6 +1,7 @@
 """The recorder: every event passes the lifecycle machine, then enters the log.
 
-It also folds the live counters from the same events (``projections.fold_counters``),
+It also folds the live counters from the same events (the counters projection's own fold,
+``projections.counters.CountersAccumulator``),
 so the counters a checkpoint stores are, by construction, the counters projection.
 """
 
@@ -11,7 +12,7 @@ import time
 from events.log import EventLog
 from events.schema import Counters, Event
 from nnx_es.lifecycle import Lifecycle
-from projections.counters import fold_counters
+from projections.counters import CountersAccumulator
 
 __all__ = ["Recorder"]
 
@@ -24,20 +25,30 @@ class Recorder:
             machine refuses the event's kind; nothing is appended then.
     """
 
-    __slots__ = ("log", "lifecycle", "counters", "last_seq", "flush_interval_s", "_last_flush")
+    __slots__ = ("log", "lifecycle", "live", "_frozen", "last_seq", "flush_interval_s", "_last_flush")
 
     def __init__(self, log: EventLog, lifecycle: Lifecycle | None = None, counters: Counters | None = None) -> None:
         self.log = log
         self.lifecycle = lifecycle or Lifecycle()
-        self.counters = counters or Counters()
+        #: the counters fold applied in place (``live.step`` etc. are read on the hot path)
+        self.live = CountersAccumulator(counters or Counters())
+        self._frozen: Counters | None = None
         self.last_seq = -1
         self.flush_interval_s = 0.5
         self._last_flush = time.monotonic()
 
+    @property
+    def counters(self) -> Counters:
+        """The counters projection of every event emitted so far."""
+        if self._frozen is None:
+            self._frozen = self.live.freeze()
+        return self._frozen
+
     def emit(self, event: Event) -> int:
         """Append ``event`` to the buffer (written at the next flush)."""
         self.lifecycle.advance(event.KIND)
-        self.counters = fold_counters(self.counters, event)
+        if self.live.apply(event):
+            self._frozen = None
         self.last_seq = self.log.append(event)
         return self.last_seq
 
