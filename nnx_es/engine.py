@@ -94,8 +94,8 @@ class EpochTotals:
 
     __slots__ = ("sums", "microbatches", "updates", "skipped")
 
-    def __init__(self) -> None:
-        self.sums = MetricSums()
+    def __init__(self, metrics: tuple[str, ...] = ()) -> None:
+        self.sums = MetricSums(metrics)
         self.microbatches = 0
         self.updates = 0
         self.skipped = 0
@@ -135,6 +135,7 @@ class UpdateEngine:
         self.set_precision(precision)
         self.orchestrator = UpdateOrchestrator([])
         self.stages = StageDispatcher([])
+        self.metrics: tuple[str, ...] = ()
         self.epoch = EpochTotals()
         self._reset_window()
 
@@ -179,7 +180,7 @@ class UpdateEngine:
         return self.w_microbatches >= self.accumulation
 
     def begin_epoch(self) -> None:
-        self.epoch = EpochTotals()
+        self.epoch = EpochTotals(self.metrics)
 
     # --- one microbatch -------------------------------------------------------------------
 

@@ -16,17 +16,35 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from nnx_es.errors import ConfigError
 from nnx_es.objective import LossParts, Objective, accuracy
 
-__all__ = ["MetricSums", "evaluate"]
+__all__ = ["METRICS", "MetricSums", "evaluate", "validate_metrics"]
+
+#: Metrics a run may declare (beyond the loss, which is always reported).
+METRICS = ("accuracy",)
+
+
+def validate_metrics(metrics: Iterable[str]) -> tuple[str, ...]:
+    """Return ``metrics`` as a tuple.
+
+    Raises:
+        ConfigError: a name that is not in :data:`METRICS`.
+    """
+    out = tuple(metrics)
+    unknown = [m for m in out if m not in METRICS]
+    if unknown:
+        raise ConfigError(f"unknown metrics {unknown}; known: {list(METRICS)} (the loss is always reported)")
+    return out
 
 
 class MetricSums:
     """Running sums of one epoch's loss terms and accuracy."""
 
-    __slots__ = ("num", "den", "terms", "_correct", "scored", "rows")
+    __slots__ = ("num", "den", "terms", "_correct", "scored", "rows", "with_accuracy")
 
-    def __init__(self) -> None:
+    def __init__(self, metrics: tuple[str, ...] = ()) -> None:
+        self.with_accuracy = "accuracy" in metrics
         self.num = 0.0
         self.den = 0.0
         self.terms: dict[str, float] = {}
@@ -47,7 +65,7 @@ class MetricSums:
                 for name, v in parts.terms.items():
                     self.terms[name] = self.terms.get(name, 0.0) + float(v)
         rows = int(targets.shape[0]) if targets.dim() > 0 else 1
-        if outputs.dim() == 2 and targets.dim() == 1:
+        if self.with_accuracy and outputs.dim() == 2 and targets.dim() == 1:
             if weights is None:
                 self._correct = self._correct + (outputs.detach().argmax(dim=-1) == targets).sum()
                 self.scored += rows
@@ -74,11 +92,12 @@ def evaluate(
     loader: Iterable[Any],
     objective: Objective,
     step_fn: Callable[[nn.Module, Any], tuple[Tensor, Tensor, Tensor | None]],
+    metrics: tuple[str, ...] = (),
 ) -> tuple[dict[str, float], int]:
     """One validation pass in eval mode: (``val_`` metrics, rows scored). The net's mode is restored."""
     was_training = net.training
     net.eval()
-    sums = MetricSums()
+    sums = MetricSums(metrics)
     try:
         for batch in loader:
             outputs, targets, weights = step_fn(net, batch)

@@ -50,11 +50,12 @@ class NNModel:
         optimizer: an optimizer over ``self.parameters()``, or a factory called
         with them; default ``Adam(lr=1e-3)``. loss: default ``CrossEntropyLoss``.
         With a ``val_loader`` and no ``monitor``, the monitor is ``val_loss``
-        (mode min), so the run has a BEST. Other keyword arguments go to
-        :class:`~nnx_es.trainer.Trainer`.
+        (mode min), so the run has a BEST; ``metrics`` defaults to
+        ``("accuracy",)``. Other keyword arguments go to :class:`~nnx_es.trainer.Trainer`.
         """
         if val_loader is not None:
             trainer_kwargs.setdefault("monitor", "val_loss")
+        trainer_kwargs.setdefault("metrics", ("accuracy",))
         if optimizer is None:
             optimizer = torch.optim.Adam(self.net.parameters(), lr=1e-3)
         elif not isinstance(optimizer, Optimizer):

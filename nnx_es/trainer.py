@@ -66,7 +66,7 @@ from nnx_es.errors import ConfigError
 from nnx_es.finalize import finalize
 from nnx_es.logs import ensure_logging
 from nnx_es.monitor import Monitor, step_plateau
-from nnx_es.metrics import evaluate
+from nnx_es.metrics import evaluate, validate_metrics
 from nnx_es.objective import Objective
 from nnx_es.progress import Progress
 from nnx_es.recorder import Recorder
@@ -95,6 +95,8 @@ class Trainer:
         monitor: :class:`~nnx_es.monitor.Monitor` or a metric name (``"val_loss"``;
             mode ``max`` when the name contains ``acc``). One decision per
             validated epoch drives BEST, ReduceLROnPlateau and EarlyStopping.
+        metrics: declared metrics besides the loss, reported per epoch for training and
+            validation (``"accuracy"``: argmax of ``(B, C)`` outputs against ``(B,)`` class ids).
         schedulers: torch schedulers (epoch clock) or :class:`~nnx_es.schedulers.Scheduler`.
         callbacks: :class:`~nnx_es.callbacks.Callback` objects, dispatched in list order.
         hooks: stage hooks (``stage``, ``frequency``, ``__call__(ctx, stage)``, see
@@ -128,6 +130,7 @@ class Trainer:
         loss: Any,
         *,
         monitor: Monitor | str | None = None,
+        metrics: Sequence[str] = (),
         schedulers: Sequence[Any] = (),
         callbacks: Sequence[Callback] = (),
         hooks: Sequence[Any] = (),
@@ -189,7 +192,9 @@ class Trainer:
         self.progress_enabled = progress
         self.recipe = dict(recipe or {})
         self.world_size = 1
+        self.metrics = validate_metrics(metrics)
         self.engine = UpdateEngine(self, self.objective, train_step_fn=train_step_fn)
+        self.engine.metrics = self.metrics
         update_hooks, stage_hooks = collect(hooks)
         for kwarg, value, default, cls in (("accumulation", accumulation, 1, GradientAccumulation),
                                            ("clip_grad_norm", clip_grad_norm, None, GradientClipping),
@@ -463,7 +468,7 @@ class Trainer:
         With an :class:`~nnx_es.update_hooks.EMA` update hook, the averaged weights are evaluated.
         """
         net = self.engine.orchestrator.averaged_module() or self.net
-        return evaluate(net, loader, self.objective, self.eval_step_fn)
+        return evaluate(net, loader, self.objective, self.eval_step_fn, self.metrics)
 
     # --- checkpoints ----------------------------------------------------------------------
 

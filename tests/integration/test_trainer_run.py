@@ -272,3 +272,26 @@ def test_a_deferred_last_lands_where_declared_and_changes_nothing_committed(tmp_
     with pytest.raises(Exception, match="checkpoint_lag"):
         Trainer(small_net(), torch.optim.SGD(small_net().parameters(), lr=0.1), nn.CrossEntropyLoss(),
                 checkpoint_lag=-1)
+
+
+def test_declared_accuracy_is_the_exact_share_of_correct_rows_and_undeclared_costs_nothing(tmp_path):
+    from trainkit import blobs_data
+
+    x, y = blobs_data(72, seed=3)
+    train = [(x[i:i + 16], y[i:i + 16]) for i in range(0, 48, 16)]
+    val = [(x[48:], y[48:])]
+    net = small_net(4)
+    opt = torch.optim.SGD(net.parameters(), lr=0.0)  # the net never changes: a fixed reference
+    run = Trainer(net, opt, nn.CrossEntropyLoss(), metrics=["accuracy"], runs_root=tmp_path / "runs", run_id="acc",
+                  progress=False).fit(train, val, epochs=1)
+    with torch.no_grad():
+        train_hits = (net(x[:48]).argmax(-1) == y[:48]).sum().item()
+        val_hits = (net(x[48:]).argmax(-1) == y[48:]).sum().item()
+    (record,) = run.history
+    assert record.train["accuracy"] == train_hits / 48
+    assert record.val["val_accuracy"] == val_hits / 24
+    plain = Trainer(small_net(4), torch.optim.SGD(small_net(4).parameters(), lr=0.0), nn.CrossEntropyLoss(),
+                    runs_root=tmp_path / "runs", run_id="plain", progress=False).fit(train, val, epochs=1)
+    assert "accuracy" not in plain.history[0].train and "val_accuracy" not in plain.history[0].val
+    with pytest.raises(Exception, match="unknown metrics.*'f1'"):
+        Trainer(small_net(), torch.optim.SGD(small_net().parameters(), lr=0.1), nn.CrossEntropyLoss(), metrics=["f1"])
