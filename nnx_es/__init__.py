@@ -5,9 +5,8 @@ log (``runs/<id>/events.lmdb``); history, LAST/BEST, scheduler state and
 counters are projections of that log.
 """
 
-from nnx_es.callbacks import Callback, EarlyStopping, LambdaCallback
-from nnx_es.context import TrainContext
-from nnx_es.engine import default_forward, default_train_step, finalize_step
+from typing import TYPE_CHECKING, Any
+
 from nnx_es.errors import (
     CheckpointWriteError,
     ConfigError,
@@ -18,24 +17,65 @@ from nnx_es.errors import (
     ResumeError,
     UnsafePayloadError,
 )
-from nnx_es.model import NNModel
-from nnx_es.monitor import Monitor
-from nnx_es.objective import Objective, Term
-from nnx_es.result import RunResult, load_result
-from nnx_es.schedulers import Scheduler
-from nnx_es.trainer import Trainer
+
+if TYPE_CHECKING:
+    from nnx_es.callbacks import Callback, EarlyStopping, LambdaCallback
+    from nnx_es.context import TrainContext
+    from nnx_es.engine import default_forward, default_train_step, finalize_step
+    from nnx_es.model import NNModel
+    from nnx_es.monitor import Monitor
+    from nnx_es.objective import Objective, Term
+    from nnx_es.result import RunResult, load_result
+    from nnx_es.schedulers import Scheduler
+    from nnx_es.stages import TrainingStage
+    from nnx_es.trainer import Trainer
+    from nnx_es.update_hooks import EMA, GradientAccumulation, GradientClipping, MixedPrecision, UpdateHook
+
+# The runtime's public names load on first use (PEP 562), so the tools that only
+# read a run (tools/replay, tools/inspect) start without importing torch.
+_LAZY = {
+    "Callback": "nnx_es.callbacks", "EarlyStopping": "nnx_es.callbacks", "LambdaCallback": "nnx_es.callbacks",
+    "TrainContext": "nnx_es.context",
+    "default_forward": "nnx_es.engine", "default_train_step": "nnx_es.engine", "finalize_step": "nnx_es.engine",
+    "NNModel": "nnx_es.model", "Monitor": "nnx_es.monitor", "Objective": "nnx_es.objective",
+    "Term": "nnx_es.objective", "RunResult": "nnx_es.result", "load_result": "nnx_es.result",
+    "Scheduler": "nnx_es.schedulers", "TrainingStage": "nnx_es.stages", "Trainer": "nnx_es.trainer",
+    "EMA": "nnx_es.update_hooks", "GradientAccumulation": "nnx_es.update_hooks",
+    "GradientClipping": "nnx_es.update_hooks", "MixedPrecision": "nnx_es.update_hooks",
+    "UpdateHook": "nnx_es.update_hooks",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'nnx_es' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)
+
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "EMA",
     "Callback",
     "CheckpointWriteError",
     "ConfigError",
     "CorruptCheckpointError",
     "EarlyStopping",
+    "GradientAccumulation",
+    "GradientClipping",
     "InvalidRunIdError",
     "LambdaCallback",
     "LeaseHeldError",
+    "MixedPrecision",
     "Monitor",
     "NNModel",
     "NnxError",
@@ -46,7 +86,9 @@ __all__ = [
     "Term",
     "TrainContext",
     "Trainer",
+    "TrainingStage",
     "UnsafePayloadError",
+    "UpdateHook",
     "default_forward",
     "default_train_step",
     "finalize_step",

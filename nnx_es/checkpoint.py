@@ -19,7 +19,6 @@ import pickle
 from typing import Any
 
 import msgspec
-import torch
 
 from events.schema import Counters
 from nnx_es.errors import CorruptCheckpointError, UnsafePayloadError
@@ -62,6 +61,8 @@ _any_decoder = msgspec.msgpack.Decoder()
 
 def torch_bytes(obj: Any) -> bytes:
     """``torch.save`` ``obj`` (a state dict) to bytes."""
+    import torch
+
     buf = io.BytesIO()
     torch.save(obj, buf)
     return buf.getvalue()
@@ -143,6 +144,8 @@ def load_component(store: BlobStore, manifest: Manifest, name: str) -> Any:
         except msgspec.DecodeError as exc:
             raise CorruptCheckpointError(f"component {name!r} does not decode: {exc}") from None
     if comp.codec == "torch":
+        import torch  # here, so reading a run's manifests needs no torch
+
         try:
             return torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
         except pickle.UnpicklingError as exc:

@@ -8,6 +8,7 @@ is unusable (missing directory, not a run, unreadable log).
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -60,10 +61,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (NotARunError, EventLogError) as exc:
         print(f"replay: {exc}", file=sys.stderr)
         return EXIT_UNUSABLE
-    if args.json:
-        sys.stdout.write(msgspec.json.encode(report).decode() + "\n")
-    else:
-        print(render(report))
+    try:
+        if args.json:
+            sys.stdout.write(msgspec.json.encode(report).decode() + "\n")
+        else:
+            print(render(report))
+        sys.stdout.flush()
+    except BrokenPipeError:  # `replay ... | head`: the reader left; the verdict still stands
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
     return EXIT_OK if report.ok else EXIT_VIOLATIONS
 
 
