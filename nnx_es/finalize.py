@@ -49,7 +49,9 @@ def _run_failed(trainer: Trainer, exc: BaseException, with_traceback: bool) -> N
     rec, ctx = trainer.recorder, trainer.ctx
     if rec.accepts("run_failed"):
         rec.emit(RunFailed(
-            error_type=type(exc).__name__, message=str(exc), epoch=ctx.epoch, step=ctx.step_count,
+            error_type=type(exc).__name__, message=str(exc) or ("interrupted" if isinstance(exc, KeyboardInterrupt)
+                                                                else repr(exc)),
+            epoch=ctx.epoch, step=ctx.step_count,
             traceback="".join(traceback.format_exception(exc))[-4000:] if with_traceback else "",
         ))
 
@@ -101,7 +103,7 @@ def finalize(
         except BaseException as exc:  # noqa: BLE001 - the run fails; raised once finalized
             log.error("final LAST commit failed", run_id=trainer.run_id, error=f"{type(exc).__name__}: {exc}")
             closing_error = exc
-            _attempt(lambda: _run_failed(trainer, exc, True))
+            _attempt(lambda e=exc: _run_failed(trainer, e, True))
             status = "failed"
     for step in (
         lambda: rec.commit(RunFinalized(

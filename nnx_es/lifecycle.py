@@ -92,6 +92,8 @@ _BASE: tuple[dict[str, Any], ...] = (
     _t("monitor_decided", "summarized", "decided"),
     _t("scheduler_stepped", ["summarized", "decided", "scheduled"], "scheduled"),
     _t("stop_requested", _EPOCH_END, "scheduled"),
+    # a resumed run that had decided to stop records that it stops before any epoch
+    _t("stop_requested", "committed", "committed"),
     _t("history_appended", _EPOCH_END, "recorded"),
     _t("checkpoint_stored", ["recorded", "committed", "finalizing", "training"], "="),
     _t("last_committed", ["training", "recorded"], "committed"),

@@ -49,6 +49,13 @@ class Term:
 
     def per_row(self, outputs: Tensor, targets: Tensor) -> Tensor:
         losses = self.fn(outputs, targets)
+        if not isinstance(losses, Tensor):
+            raise ConfigError(f"a loss term must return a tensor of per-row losses, shape (B,), got {losses!r}")
+        if losses.dim() > 0 and losses.shape[0] != outputs.shape[0]:
+            raise ConfigError(
+                f"a loss term returned {losses.shape[0]} losses for a microbatch of {outputs.shape[0]} rows "
+                f"(shape {tuple(losses.shape)}); it must return one loss per row, shape (B,)"
+            )
         if losses.dim() == 0:
             raise ConfigError(
                 "a loss term returned a scalar; it must return one loss per row, shape (B,) "
@@ -86,6 +93,8 @@ class Objective:
     def __init__(self, terms: Mapping[str, Any] | LossFn | nn.Module) -> None:
         if callable(terms) and not isinstance(terms, Mapping):
             terms = {"loss": terms}
+        if not isinstance(terms, Mapping):
+            raise ConfigError(f"an objective is a loss callable or {{name: fn or (fn, weight)}}, got {terms!r}")
         if not terms:
             raise ConfigError("an objective needs at least one term, got none")
         self.terms: dict[str, Term] = {}

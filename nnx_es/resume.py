@@ -41,6 +41,7 @@ class ResumePoint(msgspec.Struct, kw_only=True):
     discard_to: int
     state: str
     projections: Projections
+    started: RunStarted | None = None
 
 
 def _read_whole(run_dir: Path, log: EventLog) -> list[tuple[int, Event]]:
@@ -69,14 +70,17 @@ def find_resume_point(run_dir: Path, log: EventLog, *, expect_run_id: str | None
     state = "new"
     run_id = expect_run_id
     last: tuple[int, LastCommitted] | None = None
+    started: RunStarted | None = None
     boundary = -1
     in_group = False
     proj = Projections()
     events = _read_whole(run_dir, log)
     for seq, event in events:
         state = table.get((state, event.KIND), state)
-        if isinstance(event, RunStarted) and run_id is None:
-            run_id = event.run_id
+        if isinstance(event, RunStarted):
+            started = started or event
+            if run_id is None:
+                run_id = event.run_id
         if isinstance(event, LastCommitted):
             in_group = True
             boundary = seq
@@ -112,4 +116,5 @@ def find_resume_point(run_dir: Path, log: EventLog, *, expect_run_id: str | None
         discard_to=log.next_seq,
         state=state,
         projections=proj,
+        started=started,
     )

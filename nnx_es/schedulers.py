@@ -44,6 +44,7 @@ class Scheduler:
             raise ConfigError(f"scheduler must wrap a torch optimizer, got {scheduler!r}")
         self.scheduler = scheduler
         self.clock = clock
+        self.named = name is not None
         self.name = name or type(scheduler).__name__.lower()
         self.steps = 0
         self.optimizer_name = ""
@@ -62,7 +63,15 @@ class Scheduler:
         )
 
     def lrs(self) -> list[float]:
-        return [float(g["lr"]) for g in self.optimizer.param_groups]
+        """This scheduler's learning rates after its last step (torch's ``get_last_lr``).
+
+        Its own view, not the optimizer's current one: with several schedulers on
+        one optimizer, each reports what its step set.
+        """
+        last = getattr(self.scheduler, "_last_lr", None)
+        if last is None:
+            return [float(g["lr"]) for g in self.optimizer.param_groups]
+        return [float(v) for v in last]
 
     def plateau_state(self) -> PlateauState | None:
         if not self.plateau:

@@ -86,7 +86,9 @@ def open_session(
             raise ResumeError(f"cannot resume {run_dir}: it has no event log")
         if not stateful and has_log:
             raise ConfigError(
-                f"run {run_id!r} already has an event log at {run_dir}; a continuation writes its own run"
+                f"run {run_id!r} already has an event log at {run_dir}; a new run or a weights_only "
+                f"continuation writes its own run: continue this one with fit(..., resume_from="
+                f"{str(run_dir)!r}) or choose another run_id"
             )
         removed = clean_stale_temporaries(run_dir)
         if removed:
@@ -96,7 +98,12 @@ def open_session(
             seed_everything(trainer.seed)
             if stateful:
                 point = find_resume_point(run_dir, event_log, expect_run_id=run_id)
+                _check_same_recipe(trainer, point.started)
                 apply_state(trainer, load_state(trainer.store, point.manifest))
+                stop = point.projections.status.stop_reason
+                if stop is not None and stop != "update_boundary":
+                    # the run had decided to stop (early stopping): resuming finishes it, trains nothing more
+                    trainer._request_stop(stop, "resume")
                 trainer.recorder = Recorder(event_log, Lifecycle(point.state), counters=point.manifest.counters)
                 trainer.committer.phases = list(point.projections.checkpoints.phases)
                 opening: RunStarted | RunResumed = RunResumed(
@@ -116,6 +123,25 @@ def open_session(
             yield opening, start_epoch
     finally:
         lease.release()
+
+
+def _check_same_recipe(trainer: Trainer, started: RunStarted | None) -> None:
+    """A stateful resume continues the same recipe: optimizers, schedulers, monitor and window.
+
+    Raises:
+        ResumeError: naming what differs from the run's ``run_started`` declaration.
+    """
+    if started is None:
+        return
+    mine = _run_started(trainer, None)
+    for field, label in (("optimizers", "optimizers"), ("schedulers", "schedulers"), ("monitor", "monitor"),
+                         ("accumulation", "accumulation window")):
+        theirs, ours = getattr(started, field), getattr(mine, field)
+        if theirs != ours:
+            raise ResumeError(
+                f"cannot resume run {started.run_id!r} statefully with a different {label}: the run declared "
+                f"{theirs!r}, this trainer has {ours!r} (use resume_mode='weights_only' to start a new run)"
+            )
 
 
 def _load_weights_from(trainer: Trainer, source: Path) -> SourceRef:

@@ -156,13 +156,31 @@ class Trainer:
         self.net = net
         if isinstance(optimizer, Optimizer):
             optimizer = {type(optimizer).__name__.lower(): optimizer}
-        if not optimizer or not all(isinstance(o, Optimizer) for o in optimizer.values()):
+        if (not isinstance(optimizer, Mapping) or not optimizer
+                or not all(isinstance(o, Optimizer) for o in optimizer.values())):
             raise ConfigError(f"optimizer must be a torch Optimizer or a non-empty {{name: Optimizer}}, got {optimizer!r}")
         self.optimizers: dict[str, Optimizer] = dict(optimizer)
+        own = {id(p) for p in net.parameters()}
+        for name, opt in self.optimizers.items():
+            foreign = sum(1 for g in opt.param_groups for p in g["params"] if id(p) not in own)
+            if foreign:
+                raise ConfigError(
+                    f"optimizer {name!r} holds {foreign} parameter(s) that are not the net's: build it over "
+                    "net.parameters(), or it would step nothing the net uses"
+                )
+        if not (isinstance(loss, (Objective, Mapping, nn.Module)) or callable(loss)):
+            raise ConfigError(f"loss must be a loss module, a callable, {{name: fn}} or an Objective, got {loss!r}")
         self.objective = loss if isinstance(loss, Objective) else Objective(loss)
         if isinstance(monitor, str):
             monitor = Monitor(monitor, mode="max" if "acc" in monitor else "min")
+        if monitor is not None and not isinstance(monitor, Monitor):
+            raise ConfigError(f"monitor must be a Monitor or a metric name, got {monitor!r}")
         self.monitor: Monitor | None = monitor
+        if isinstance(schedulers, (Scheduler, Callback)) or not isinstance(schedulers, Iterable):
+            raise ConfigError(f"schedulers must be a list, got {schedulers!r}")
+        if isinstance(callbacks, Callback) or not isinstance(callbacks, Iterable):
+            raise ConfigError(f"callbacks must be a list of Callback, got {callbacks!r}")
+        callbacks = list(callbacks)
         self.schedulers = self._wrap_schedulers(schedulers)
         for cb in callbacks:
             if not isinstance(cb, Callback):
@@ -177,6 +195,8 @@ class Trainer:
             raise ConfigError(f"phase_every must be >= 1 epoch or None, got {phase_every!r}")
         if keep_phases is not None and keep_phases < 1:
             raise ConfigError(f"keep_phases must be >= 1 or None, got {keep_phases!r}")
+        if keep_phases is not None and phase_every is None:
+            raise ConfigError("keep_phases needs phase_every (phase checkpoints every N epochs) to rotate anything")
         if validate_every_steps is not None and validate_every_steps < 1:
             raise ConfigError(f"validate_every_steps must be >= 1 or None, got {validate_every_steps!r}")
         self.validate_every = validate_every
@@ -188,11 +208,22 @@ class Trainer:
         self.custom_step = trainer_step_fn is not None
         self.runs_root = Path(runs_root)
         self.run_id = validate_run_id(run_id) if run_id is not None else None
-        self.seed = int(seed)
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise ConfigError(f"seed must be an int, got {seed!r}")
+        self.seed = seed
         self.progress_enabled = progress
         self.recipe = dict(recipe or {})
         self.world_size = 1
         self.metrics = validate_metrics(metrics)
+        if self.monitor is not None:
+            known = {"loss", *self.objective.terms, *self.metrics} if len(self.objective.terms) > 1 else {
+                "loss", *self.metrics}
+            base = self.monitor.name.removeprefix("val_")
+            if base not in known:
+                raise ConfigError(
+                    f"monitor {self.monitor.name!r} names no reported metric; this run reports "
+                    f"{sorted(known)} for training and the same with val_ for validation (declare metrics=[...])"
+                )
         self.engine = UpdateEngine(self, self.objective, train_step_fn=train_step_fn)
         self.engine.metrics = self.metrics
         update_hooks, stage_hooks = collect(hooks)
@@ -234,6 +265,9 @@ class Trainer:
         for s in schedulers:
             w = s if isinstance(s, Scheduler) else Scheduler(s)
             if w.name in seen:
+                if isinstance(s, Scheduler) and s.named:
+                    raise ConfigError(f"scheduler names must be unique (they key events and checkpoints), "
+                                      f"{w.name!r} is given twice")
                 w.name = f"{w.name}{len(out)}"
             seen.add(w.name)
             owner = [n for n, o in self.optimizers.items() if o is w.optimizer]
@@ -297,8 +331,10 @@ class Trainer:
             LeaseHeldError: another process writes this run.
             Exception: whatever training raised, after finalization.
         """
-        if not isinstance(epochs, int) or epochs < 0:
+        if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 0:
             raise ConfigError(f"epochs must be an int >= 0, got {epochs!r}")
+        if val_loader is None and self.monitor is not None and self.monitor.name.startswith("val_"):
+            raise ConfigError(f"monitor {self.monitor.name!r} needs a validation loader: fit(train, val, ...)")
         if resume_mode not in ("stateful", "weights_only"):
             raise ConfigError(f"resume_mode must be 'stateful' or 'weights_only', got {resume_mode!r}")
         ensure_logging()
@@ -331,8 +367,11 @@ class Trainer:
             rec.emit(TrainBegan(start_epoch=start_epoch, epochs=epochs, train_batches=n_batches))
             self._commit_last(epoch=start_epoch - 1)
             rec.flush()
+            if self._stop is not None:  # resumed after the run had decided to stop: finish it
+                rec.emit(StopRequested(epoch=start_epoch - 1, step=ctx.step_count, reason=self._stop[0],
+                                       by=self._stop[1]))
             self.stages(TrainingStage.BEFORE_TRAINING, ctx)
-            for epoch in range(start_epoch, epochs):
+            for epoch in range(start_epoch, epochs if self._stop is None else start_epoch):
                 outcome = self._run_epoch(epoch, train_loader, val_loader, last=epoch == epochs - 1)
                 if outcome == "update_boundary":
                     stopped_at_update = True

@@ -17,7 +17,8 @@ import pytest
 
 _ROOT = str(Path(__file__).resolve().parent.parent)
 _TESTS = str(Path(__file__).resolve().parent)
-for _p in (_ROOT, _TESTS):  # the repo's packages, and shared test helpers (trainkit, ...)
+_FAULTS = str(Path(__file__).resolve().parent / "faults")
+for _p in (_ROOT, _TESTS, _FAULTS):  # the repo's packages, and shared test helpers (trainkit, crashkit, ...)
     if _p not in sys.path:
         sys.path.insert(0, _p)
 

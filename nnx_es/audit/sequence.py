@@ -276,9 +276,10 @@ class FinalizationCheck:
                     self.final_last_seq = seq
             case MonitorDecided():
                 self.decision = event
-            case StopRequested(reason=reason, epoch=e):
+            case StopRequested(reason=reason, epoch=e, by=by):
                 self.stop = event
-                if reason == "early_stopping":
+                if reason == "early_stopping" and by != "resume":
+                    # a stop re-recorded by a resumed session follows the decision of the session before
                     self._early_stop(seq, e)
             case RunFailed():
                 self.failed = True

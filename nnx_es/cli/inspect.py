@@ -215,11 +215,31 @@ def _events(log: LmdbLog, args: argparse.Namespace, kinds: frozenset[str] | None
     while args.follow and not state["finalized"] and (args.end is None or next_seq <= args.end):
         if args.limit is not None and state["shown"] >= args.limit:
             break
+        alive = _writer_alive(args.run_dir)  # read before the log: a writer that dies after it flushed is seen
         time.sleep(args.poll_s)
         end = log.refresh() if args.end is None else min(args.end + 1, log.refresh())
         if end > next_seq:
             next_seq = _rows(log, args, kinds, next_seq, end, table, state)
+        elif not alive:
+            print(f"inspect: no process writes {args.run_dir} any more; stopped following", file=sys.stderr)
+            break
         out.flush()
+
+
+def _writer_alive(run_dir: Path) -> bool:
+    """Whether the process named in the run's writer lease is still running."""
+    lease = run_dir.parent / ".leases" / f"{run_dir.name}.lock"
+    try:
+        pid = int(lease.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _rows(log: LmdbLog, args: argparse.Namespace, kinds: frozenset[str] | None, start: int, stop: int,
@@ -398,12 +418,20 @@ def main(argv: Sequence[str] | None = None) -> int:
             from nnx_es.report import plot_run
 
             log.close()  # the report opens the log itself (LMDB allows one handle per process)
-            print(f"wrote {plot_run(args.run_dir, args.out)}")
+            try:
+                print(f"wrote {plot_run(args.run_dir, args.out)}")
+            except (OSError, ImportError) as exc:
+                print(f"inspect: cannot write the plot to {args.out}: {exc}", file=sys.stderr)
+                return EXIT_UNUSABLE
         elif args.command == "export":
             from nnx_es.report import export_tensorboard
 
             log.close()
-            n = export_tensorboard(args.run_dir, args.tensorboard)
+            try:
+                n = export_tensorboard(args.run_dir, args.tensorboard)
+            except (OSError, ImportError) as exc:
+                print(f"inspect: cannot export to {args.tensorboard}: {exc}", file=sys.stderr)
+                return EXIT_UNUSABLE
             print(f"wrote {n} scalars to {args.tensorboard}")
         elif args.at is not None:
             _at(log, args.at, args.json)

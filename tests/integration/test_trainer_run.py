@@ -270,8 +270,8 @@ def test_a_deferred_last_lands_where_declared_and_changes_nothing_committed(tmp_
             assert [e.KIND for _, e in events[last + 1: nxt]] == ["best_committed"] * (nxt - last - 1)
     assert audit_run(lagged.run_dir).ok
     with pytest.raises(Exception, match="checkpoint_lag"):
-        Trainer(small_net(), torch.optim.SGD(small_net().parameters(), lr=0.1), nn.CrossEntropyLoss(),
-                checkpoint_lag=-1)
+        net = small_net()
+        Trainer(net, torch.optim.SGD(net.parameters(), lr=0.1), nn.CrossEntropyLoss(), checkpoint_lag=-1)
 
 
 def test_declared_accuracy_is_the_exact_share_of_correct_rows_and_undeclared_costs_nothing(tmp_path):
@@ -290,8 +290,9 @@ def test_declared_accuracy_is_the_exact_share_of_correct_rows_and_undeclared_cos
     (record,) = run.history
     assert record.train["accuracy"] == train_hits / 48
     assert record.val["val_accuracy"] == val_hits / 24
-    plain = Trainer(small_net(4), torch.optim.SGD(small_net(4).parameters(), lr=0.0), nn.CrossEntropyLoss(),
+    net2 = small_net(4)
+    plain = Trainer(net2, torch.optim.SGD(net2.parameters(), lr=0.0), nn.CrossEntropyLoss(),
                     runs_root=tmp_path / "runs", run_id="plain", progress=False).fit(train, val, epochs=1)
     assert "accuracy" not in plain.history[0].train and "val_accuracy" not in plain.history[0].val
     with pytest.raises(Exception, match="unknown metrics.*'f1'"):
-        Trainer(small_net(), torch.optim.SGD(small_net().parameters(), lr=0.1), nn.CrossEntropyLoss(), metrics=["f1"])
+        Trainer(net2, torch.optim.SGD(net2.parameters(), lr=0.1), nn.CrossEntropyLoss(), metrics=["f1"])

@@ -1,0 +1,127 @@
+"""What a user gets wrong is refused with a clear error, before or instead of a broken run."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from crashkit import run_killed
+from nnx_es import Callback, EarlyStopping, Scheduler, Trainer
+from nnx_es.audit import audit_run
+from nnx_es.errors import ConfigError, ResumeError
+from trainkit import loaders, read_events, small_net
+
+torch.set_num_threads(1)
+
+
+def _net_opt():
+    net = small_net()
+    return net, torch.optim.SGD(net.parameters(), lr=0.1)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"loss": 42}, "loss must be"),
+        ({"optimizer": "adam"}, "optimizer must be"),
+        ({"seed": "a"}, "seed must be an int"),
+        ({"callbacks": EarlyStopping()}, "callbacks must be a list"),
+        ({"keep_phases": 2}, "keep_phases needs phase_every"),
+        ({"monitor": "val_accuracy"}, "monitor 'val_accuracy' names no reported metric"),
+        ({"monitor": 3}, "monitor must be"),
+    ],
+)
+def test_bad_trainer_arguments_are_refused_naming_the_value(kwargs, message):
+    net, opt = _net_opt()
+    args = {"optimizer": opt, "loss": nn.CrossEntropyLoss(), **kwargs}
+    with pytest.raises(ConfigError, match=message):
+        Trainer(net, args.pop("optimizer"), args.pop("loss"), **args)
+
+
+def test_an_optimizer_over_another_nets_parameters_is_refused():
+    with pytest.raises(ConfigError, match="not the net's"):
+        Trainer(small_net(), torch.optim.Adam(small_net().parameters()), nn.CrossEntropyLoss())
+
+
+@pytest.mark.parametrize("bad", [lambda o, y: nn.functional.cross_entropy(o, y, reduction="none")[:3],
+                                 lambda o, y: torch.cat([nn.functional.cross_entropy(o, y, reduction="none")] * 2),
+                                 lambda o, y: 42])
+def test_a_loss_without_one_value_per_row_is_refused(tmp_path, bad):
+    net, opt = _net_opt()
+    with pytest.raises(ConfigError, match="per row|per-row"):
+        Trainer(net, opt, bad, runs_root=tmp_path, run_id="r", progress=False).fit(*loaders(), epochs=1)
+
+
+def test_a_validation_monitor_without_a_validation_loader_is_refused_before_training(tmp_path):
+    net, opt = _net_opt()
+    with pytest.raises(ConfigError, match="needs a validation loader"):
+        Trainer(net, opt, nn.CrossEntropyLoss(), monitor="val_loss", runs_root=tmp_path, run_id="r").fit(
+            loaders()[0], epochs=1)
+    assert not (tmp_path / "r").exists()
+
+
+def test_duplicate_explicit_scheduler_names_are_refused():
+    net, opt = _net_opt()
+    a = Scheduler(torch.optim.lr_scheduler.StepLR(opt, 1), name="s")
+    b = Scheduler(torch.optim.lr_scheduler.StepLR(opt, 1), name="s")
+    with pytest.raises(ConfigError, match="'s' is given twice"):
+        Trainer(net, opt, nn.CrossEntropyLoss(), schedulers=[a, b])
+
+
+def test_two_schedulers_on_one_optimizer_each_record_their_own_rates_and_audit_clean(tmp_path):
+    net, opt = _net_opt()
+    a = Scheduler(torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5), name="a")
+    b = Scheduler(torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.1), name="b")
+    run = Trainer(net, opt, nn.CrossEntropyLoss(), schedulers=[a, b], runs_root=tmp_path, run_id="r",
+                  progress=False).fit(*loaders(), epochs=2)
+    report = audit_run(run.run_dir)
+    assert report.ok, report.violations
+    steps = [(e.name, e.lrs) for _, e in read_events(run.run_dir) if e.KIND == "scheduler_stepped"]
+    assert steps == [("a", [pytest.approx(0.05)]), ("b", [pytest.approx(0.005)]),
+                     ("a", [pytest.approx(0.0025)]), ("b", [pytest.approx(0.00025)])]
+
+
+def _recipe_trainer(tmp_path, *, plateau=True, monitor="val_loss", callbacks=()):
+    net, opt = _net_opt()
+    scheds = [Scheduler(torch.optim.lr_scheduler.ReduceLROnPlateau(opt), name="plateau")] if plateau else []
+    return Trainer(net, opt, nn.CrossEntropyLoss(), monitor=monitor, schedulers=scheds, metrics=["accuracy"],
+                   callbacks=list(callbacks), runs_root=tmp_path, run_id=None, progress=False)
+
+
+@pytest.mark.parametrize("change, what", [({"plateau": False}, "schedulers"), ({"monitor": "val_accuracy"}, "monitor")])
+def test_a_stateful_resume_with_a_changed_recipe_is_refused_naming_what_changed(tmp_path, change, what):
+    first = _recipe_trainer(tmp_path)
+    first.run_id = "r"
+    first.fit(*loaders(), epochs=1)
+    before = read_events(tmp_path / "r")
+    with pytest.raises(ResumeError, match=f"different {what}"):
+        _recipe_trainer(tmp_path, **change).fit(*loaders(), epochs=2, resume_from=tmp_path / "r")
+    assert read_events(tmp_path / "r") == before
+
+
+class _KillAfterStop(Callback):
+    """SIGKILL in finalization: the early-stop epoch's LAST is durable, the run never finalized."""
+
+    def on_train_end(self, ctx):
+        import os
+        import signal
+
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def test_resuming_a_run_that_had_decided_to_stop_trains_no_further_epoch(tmp_path):
+    def trainer(run_id, extra=()):
+        net = small_net()
+        opt = torch.optim.SGD(net.parameters(), lr=0.0)  # nothing improves after epoch 0
+        return Trainer(net, opt, nn.CrossEntropyLoss(), monitor="val_loss", callbacks=[EarlyStopping(patience=2), *extra],
+                       runs_root=tmp_path, run_id=run_id, progress=False)
+
+    reference = trainer("ref").fit(*loaders(), epochs=10)
+    assert reference.status == "stopped" and len(reference.history) == 3
+    assert run_killed(lambda: trainer("r", [_KillAfterStop()]).fit(*loaders(), epochs=10)) == "killed"
+    resumed = trainer(None, [_KillAfterStop.__base__()]).fit(*loaders(), epochs=10, resume_from=tmp_path / "r")
+    assert resumed.status == "stopped"
+    assert len(resumed.history) == len(reference.history)
+    assert resumed.counters == reference.counters
+    assert audit_run(tmp_path / "r").ok
