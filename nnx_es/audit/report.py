@@ -1,4 +1,4 @@
-"""What an audit returns: violations of DESIGN.md's ten invariants, and the error for unusable input."""
+"""What an audit returns: violations of the ten invariants of docs/INVARIANTS.md, and the error for unusable input."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from events.errors import NnxError
 
 __all__ = ["INVARIANTS", "AuditReport", "NotARunError", "Sink", "Violation", "show"]
 
-#: Invariant number -> one line of what it demands (DESIGN.md "Invariants that tools/replay checks").
+#: Invariant number -> one line of what it demands (docs/INVARIANTS.md).
 INVARIANTS: dict[int, str] = {
     1: "sequence numbers are contiguous from 0 and every value decodes",
     2: "the event sequence is a path through the lifecycle machine",
@@ -34,7 +34,7 @@ class Violation(msgspec.Struct, frozen=True, kw_only=True):
     """One broken invariant.
 
     seq: the 0-based sequence number of the event at fault (``None`` when the
-    violation is about a file or the log as a whole). invariant: 1-10 (DESIGN.md).
+    violation is about a file or the log as a whole). invariant: 1-10 (docs/INVARIANTS.md).
     expected / found: short renderings of what should be and what is, when meaningful.
     """
 

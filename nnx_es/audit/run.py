@@ -1,4 +1,4 @@
-"""Audit one run directory against DESIGN.md's ten invariants, in one streaming pass.
+"""Audit one run directory against the ten invariants of docs/INVARIANTS.md, in one streaming pass.
 
 The pass reads ``events.lmdb`` read-only (so it works beside a live writer) up
 to the length it had when opened:
@@ -106,7 +106,7 @@ class _Source:
 
 
 def audit_run(run_dir: Path) -> AuditReport:
-    """Check every invariant of DESIGN.md on ``run_dir`` (``runs/<id>``) and name each violation.
+    """Check every invariant of docs/INVARIANTS.md on ``run_dir`` (``runs/<id>``) and name each violation.
 
     Raises:
         NotARunError: the directory is missing or holds no ``events.lmdb``.

@@ -1,4 +1,4 @@
-"""``replay RUN_DIR [--json]``: audit a run against DESIGN.md's ten invariants.
+"""``replay RUN_DIR [--json]``: audit a run against the ten invariants of docs/INVARIANTS.md.
 
 Exit status: 0 when every invariant holds, 1 when any is violated (each
 violation is named: event seq, invariant, expected, found), 2 when the input
@@ -26,7 +26,7 @@ EXIT_OK, EXIT_VIOLATIONS, EXIT_UNUSABLE = 0, 1, 2
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="replay",
-        description="Replay a run's event log and check the invariants of DESIGN.md "
+        description="Replay a run's event log and check the invariants of docs/INVARIANTS.md "
         "(exit 0: all hold, 1: violations, 2: unusable input).",
     )
     parser.add_argument("run_dir", type=Path, metavar="RUN_DIR", help="the run directory, runs/<id>")
