@@ -435,6 +435,12 @@ class Trainer:
             val = self._validation_pass(val_loader)
         totals = engine.epoch
         train = totals.sums.metrics()
+        if totals.microbatches == 0:
+            log.warning("epoch had no microbatch: the train loader is empty or exhausted", run_id=self.run_id,
+                        epoch=epoch)
+        elif totals.updates == 0 and not self.custom_step:
+            log.warning("epoch committed no optimizer update: every window was skipped", run_id=self.run_id,
+                        epoch=epoch, skipped=totals.skipped)
         rec.emit(EpochSummarized(
             epoch=epoch, metrics=train, examples=totals.sums.den, microbatches=totals.microbatches,
             updates=totals.updates, skipped=totals.skipped, duration_s=time.time() - t_epoch,

@@ -80,10 +80,10 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _epochs(text: str) -> tuple[int, int]:
-    a, _, b = text.partition(":")
+    a, sep, b = text.partition(":")
     try:
         lo = int(a)
-        hi = int(b) if b else lo
+        hi = int(b) if sep else lo
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected EPOCH or FIRST:LAST (0-based), got {text!r}") from None
     if lo < 0 or hi < lo:
@@ -391,6 +391,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"inspect: {exc}", file=sys.stderr)
         return EXIT_UNUSABLE
     args.poll_s = 0.5
+    if args.end is not None and args.end < args.start:
+        print(f"inspect: --to {args.end} is before --from {args.start}", file=sys.stderr)
+        return EXIT_UNUSABLE
     if args.schema:
         _schema()
         return EXIT_OK
