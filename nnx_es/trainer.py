@@ -321,13 +321,17 @@ class Trainer:
                 schedulers, RNG streams (the loader's generator included),
                 counters, callback state and data position are restored, the
                 uncommitted tail is recorded as discarded, and training goes on
-                at the first uncommitted epoch. ``"weights_only"`` starts a new
-                run (this trainer's ``run_id``) from the weights alone and records
-                its source (run id, LAST seq, manifest hash).
+                at the first uncommitted epoch (a run that had decided to stop is
+                finished without training more). The trainer must declare the
+                run's recipe: the same optimizers, schedulers, monitor and window.
+                ``"weights_only"`` starts a new run (this trainer's ``run_id``)
+                from the weights alone and records its source (run id, LAST seq,
+                manifest hash). Semantics: spec 004 "Restart semantics".
 
         Raises:
             ConfigError: bad ``epochs``/``resume_mode``, or a run directory in the way.
-            ResumeError: the resume point is missing or does not verify (named reason).
+            ResumeError: the resume point is missing or does not verify, or the recipe
+                differs from the run's (the reason is named; nothing is restored or erased).
             LeaseHeldError: another process writes this run.
             Exception: whatever training raised, after finalization.
         """
