@@ -10,6 +10,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from events.log import LmdbLog
+from nnx_es.callbacks import Callback
 from events.schema import Event
 
 
@@ -124,3 +125,24 @@ class EpochCurve:
         like = net(x) if torch.is_grad_enabled() else None
         logits, targets = designed_outputs(float(value), len(x), like)
         return logits, targets, None
+
+
+class EpochCounter(Callback):
+    """A callback with checkpointed state (its epoch count); ``on_epoch_begin`` optionally calls a function."""
+
+    def __init__(self, on_epoch_begin: Any = None) -> None:
+        self.epochs = 0
+        self._begin = on_epoch_begin
+
+    def on_epoch_begin(self, ctx):
+        if self._begin is not None:
+            self._begin(ctx)
+
+    def on_epoch_end(self, ctx):
+        self.epochs += 1
+
+    def state_dict(self):
+        return {"epochs": self.epochs}
+
+    def load_state_dict(self, state):
+        self.epochs = state["epochs"]

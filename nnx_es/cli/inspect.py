@@ -43,12 +43,12 @@ from events.errors import CorruptEventError, EventLogError
 from events.log import LmdbLog
 from events.schema import Event, HistoryAppended, RunFinalized, RunStarted
 from nnx_es.audit import CommittedFold, NotARunError, decoded, open_run_log
+from nnx_es.cli._common import EXIT_OK, EXIT_UNUSABLE, reader_left
 from nnx_es.views import summary as summary_of
 
 __all__ = ["COMMANDS", "main"]
 
 COMMANDS: tuple[str, ...] = ("events", "summary", "plot", "export")
-EXIT_OK, EXIT_UNUSABLE = 0, 2
 _UNDECODABLE = "<undecodable>"
 _BULKY = frozenset({"recipe", "library_versions", "traceback", "components"})
 _VALUE_CHARS = 80
@@ -441,10 +441,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         else:
             _events(log, args, kinds)
         sys.stdout.flush()
-    except BrokenPipeError:  # `inspect ... | head`: the reader left; not an error
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
-        os.close(devnull)
+    except BrokenPipeError:
+        reader_left()
     except EventLogError as exc:
         print(f"inspect: {exc}", file=sys.stderr)
         return EXIT_UNUSABLE

@@ -8,7 +8,6 @@ is unusable (missing directory, not a run, unreadable log).
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -16,11 +15,11 @@ from pathlib import Path
 import msgspec
 
 from events.errors import EventLogError
+from nnx_es.cli._common import EXIT_OK, EXIT_UNUSABLE, EXIT_VIOLATIONS, reader_left
 from nnx_es.audit import INVARIANTS, AuditReport, NotARunError, audit_run
 
 __all__ = ["main", "render"]
 
-EXIT_OK, EXIT_VIOLATIONS, EXIT_UNUSABLE = 0, 1, 2
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -67,10 +66,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         else:
             print(render(report))
         sys.stdout.flush()
-    except BrokenPipeError:  # `replay ... | head`: the reader left; the verdict still stands
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
-        os.close(devnull)
+    except BrokenPipeError:
+        reader_left()
     return EXIT_OK if report.ok else EXIT_VIOLATIONS
 
 

@@ -29,10 +29,10 @@ from crashkit import run_in_child
 from events.codec import CURRENT_TYPES, decode
 from events.errors import CorruptEventError, EventLogError, NnxError
 from events.log import LmdbLog
-from nnx_es import Callback, Trainer, load_result
+from nnx_es import Trainer, load_result
 from nnx_es.audit import NotARunError, audit_run
 from nnx_es.errors import ResumeError
-from trainkit import loaders, small_net
+from trainkit import EpochCounter, loaders, small_net
 
 torch.set_num_threads(1)
 
@@ -40,18 +40,7 @@ EPOCHS = 2
 RUN_ID = "r"
 
 
-class Count(Callback):
-    def __init__(self) -> None:
-        self.epochs = 0
-
-    def on_epoch_end(self, ctx):
-        self.epochs += 1
-
-    def state_dict(self):
-        return {"epochs": self.epochs}
-
-    def load_state_dict(self, state):
-        self.epochs = state["epochs"]
+Count = EpochCounter
 
 
 def make_trainer(runs: Path, run_id: str | None) -> Trainer:

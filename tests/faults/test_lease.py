@@ -28,7 +28,7 @@ from nnx_es.audit import audit_run
 from nnx_es.errors import LeaseHeldError, NnxError
 from nnx_es.storage import Lease
 from projections import project
-from trainkit import loaders, read_events, small_net
+from trainkit import EpochCounter, loaders, read_events, small_net
 
 torch.set_num_threads(1)
 
@@ -36,23 +36,7 @@ EPOCHS = 3
 RUN_ID = "r"
 
 
-class Counter(Callback):
-    def __init__(self, on_epoch_begin: Any = None) -> None:
-        self.epochs = 0
-        self._begin = on_epoch_begin
-
-    def on_epoch_begin(self, ctx):
-        if self._begin is not None:
-            self._begin(ctx)
-
-    def on_epoch_end(self, ctx):
-        self.epochs += 1
-
-    def state_dict(self):
-        return {"epochs": self.epochs}
-
-    def load_state_dict(self, state):
-        self.epochs = state["epochs"]
+Counter = EpochCounter
 
 
 def make_trainer(runs: Path, run_id: str | None, callback: Callback | None = None) -> Trainer:
