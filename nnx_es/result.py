@@ -36,6 +36,11 @@ class RunResult(msgspec.Struct, frozen=True, kw_only=True):
     def best_epoch(self) -> int | None:
         return self.best.epoch if self.best is not None else None
 
+    def __repr__(self) -> str:
+        best = f"epoch {self.best.epoch}" if self.best is not None else "none"
+        return (f"RunResult(run_id={self.run_id!r}, status={self.status!r}, epochs={len(self.history)}, "
+                f"steps={self.counters.step}, best={best}, events={self.events}, run_dir={self.run_dir!r})")
+
 
 def open_projections(run_dir: str | Path) -> tuple[Projections, int]:
     """Fold a run's committed view read-only; return (projections, number of events)."""

@@ -118,6 +118,8 @@ class Trainer:
         run_id: ``[A-Za-z0-9._-]{1,128}``; default: a timestamp and random suffix.
         seed: seeds Python, numpy and torch before training.
         progress: show a progress display (default: when stderr is a terminal).
+        recipe: your run's configuration as JSON-like builtins (data set, hyperparameters, code
+            version); stored verbatim in ``run_started`` so ``tools/inspect`` shows what was run.
 
     Raises:
         ConfigError: a bad argument (named with the value received).
