@@ -27,6 +27,8 @@ The clean run (two callbacks, optimizer ``sgd``, an optimizer_update-clock
 
 from __future__ import annotations
 
+import pytest
+
 import math
 import shutil
 from dataclasses import dataclass, field
@@ -307,3 +309,16 @@ def find(events: list[Event], kind: str, n: int = 0, **fields: object) -> int:
         if e.KIND == kind and all(getattr(e, k) == v for k, v in fields.items())
     ]
     return hits[n]
+
+
+# fixtures shared by the audit and CLI tests (imported by name into those modules)
+@pytest.fixture(scope="module")
+def template(tmp_path_factory: pytest.TempPathFactory) -> Run:
+    """A clean, realistic 2-epoch run, built once per module."""
+    return build_clean_run(tmp_path_factory.mktemp("template"))
+
+
+@pytest.fixture
+def clean(template: Run, tmp_path: Path) -> Run:
+    """A private copy of the template run."""
+    return copy_run(template, tmp_path)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import msgspec
 import pytest
-from helpers_runs import RUN_ID, Run, RunBuilder, build_clean_run, copy_run, find, write_run
+from helpers_runs import RUN_ID, Run, RunBuilder, clean, copy_run, find, template, write_run  # noqa: F401 (fixtures)
 
 import nnx_es.audit.run as audit_run_module
 from events.schema import (
@@ -26,16 +26,6 @@ from nnx_es.audit import AuditReport, NotARunError, audit_run
 from nnx_es.checkpoint import read_manifest, write_checkpoint
 from nnx_es.errors import NnxError
 from projections import Projections, tail_length
-
-
-@pytest.fixture(scope="module")
-def template(tmp_path_factory: pytest.TempPathFactory) -> Run:
-    return build_clean_run(tmp_path_factory.mktemp("template"))
-
-
-@pytest.fixture
-def clean(template: Run, tmp_path: Path) -> Run:
-    return copy_run(template, tmp_path)
 
 
 def rewrite(template: Run, tmp_path: Path, events: list[Event]) -> Run:

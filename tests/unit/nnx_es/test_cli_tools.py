@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers_runs import RUN_ID, Run, build_clean_run, copy_run, find
+from helpers_runs import RUN_ID, Run, clean, find, template  # noqa: F401 (fixtures)
 
 from events.codec import KINDS
 from events.log import LmdbLog
@@ -18,16 +18,6 @@ from nnx_es.cli import inspect as inspect_cli
 from nnx_es.cli import replay as replay_cli
 
 REPO = Path(__file__).resolve().parents[3]
-
-
-@pytest.fixture(scope="module")
-def template(tmp_path_factory: pytest.TempPathFactory) -> Run:
-    return build_clean_run(tmp_path_factory.mktemp("template"))
-
-
-@pytest.fixture
-def clean(template: Run, tmp_path: Path) -> Run:
-    return copy_run(template, tmp_path)
 
 
 @pytest.fixture
