@@ -13,8 +13,10 @@ At the window's end (:meth:`UpdateEngine.finalize_step`), in this order
     W = sum of the window's denominators
     W == 0                      -> update_skipped(masked)     no step, no scheduler step
     a loss was not finite       -> update_skipped(nonfinite)
-    unscale (GradScaler) ; grad /= W ; norm = total L2 norm (before clipping)
-    norm not finite             -> update_skipped(nonfinite)  (the scaler lowers its scale)
+    unscale (GradScaler) ; grad /= W
+    a gradient not finite       -> update_skipped(nonfinite)  (the scaler lowers its scale)
+                                   (checked from the total L2 norm when it is computed -- with
+                                   clipping or ``track_grad_norm`` -- else by one fused check)
     an update hook vetoes       -> update_skipped(vetoed)
     clip (max_norm) -> optimizer.step() for every optimizer
     -> update_committed per optimizer (the step receipts)
@@ -110,6 +112,10 @@ class UpdateEngine:
         accumulation: microbatches per window (k >= 1).
         clip_grad_norm: max total L2 norm, or ``None`` for no clipping.
         precision: ``"fp32"``, ``"bf16"`` (autocast) or ``"fp16"`` (autocast + GradScaler).
+        track_grad_norm: compute the total L2 norm of every window's gradient (before
+            clipping) and record it in ``update_committed.grad_norm`` even without
+            clipping. Off by default: the norm costs a few small ops per update, and
+            without it the receipt's ``grad_norm`` is ``None`` (clipping always computes it).
     """
 
     def __init__(
@@ -121,6 +127,7 @@ class UpdateEngine:
         clip_grad_norm: float | None = None,
         precision: str = "fp32",
         train_step_fn: StepFn | None = None,
+        track_grad_norm: bool = False,
     ) -> None:
         if accumulation < 1:
             raise ConfigError(f"accumulation must be >= 1 microbatch, got {accumulation!r}")
@@ -131,6 +138,10 @@ class UpdateEngine:
         self.accumulation = int(accumulation)
         self.clip_grad_norm = clip_grad_norm
         self.train_step_fn = train_step_fn or default_forward
+        self.track_grad_norm = bool(track_grad_norm)
+        self._found_inf: dict[torch.device, tuple[Tensor, Tensor]] = {}
+        self._inverse_key: tuple[float, torch.dtype, torch.device] | None = None
+        self._inverse_t = torch.ones(())
         self._params = [p for p in trainer.net.parameters() if p.requires_grad]
         self.set_precision(precision)
         self.orchestrator = UpdateOrchestrator([])
@@ -196,7 +207,7 @@ class UpdateEngine:
                 stages(TrainingStage.AFTER_FORWARD, ctx)
                 stages(TrainingStage.BEFORE_LOSS, ctx)
             parts = self.objective(outputs, targets, weights)
-        num = float(parts.total.detach())
+        num = parts.total.item()
         den = parts.den
         ctx.loss = num / den if den > 0 else math.nan
         finite = math.isfinite(num)
@@ -208,8 +219,9 @@ class UpdateEngine:
             if owner is not None:
                 owner.backward(ctx, parts.total)
             elif self.accumulation == 1:
-                # a one-microbatch window: its W is this den, so the mean is taken here, not on the grads
-                (parts.total / den).backward()
+                # a one-microbatch window: its W is this den, so the mean is taken here, not on the
+                # grads: backward starts from d(total/den)/d(total) = 1/den (no division op in the graph)
+                parts.total.backward(self._inverse(den, parts.total))
                 self.w_divided = True
             else:
                 parts.total.backward()
@@ -238,6 +250,14 @@ class UpdateEngine:
             )
         )
 
+    def _inverse(self, den: float, like: Tensor) -> Tensor:
+        """``1/den`` as a 0-dim tensor like ``like`` (cached: a loader's microbatches share one size)."""
+        key = (den, like.dtype, like.device)
+        if self._inverse_key != key:
+            self._inverse_key = key
+            self._inverse_t = torch.full((), 1.0 / den, dtype=like.dtype, device=like.device)
+        return self._inverse_t
+
     # --- the window's end -----------------------------------------------------------------
 
     def finalize_step(self, ctx: TrainContext) -> bool:
@@ -264,16 +284,22 @@ class UpdateEngine:
             if W != 1.0 and not self.w_divided:
                 torch._foreach_div_(grads, W)
             self.stages(TrainingStage.BEFORE_OPTIMIZER_STEP, ctx)
-            # the total L2 norm before clipping (what torch.nn.utils.get_total_norm computes, minus its checks)
-            norm_t = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads))) if grads else torch.zeros(())
-            norm = float(norm_t)
-            if not math.isfinite(norm):
-                reason, detail = "nonfinite", "gradient norm is not finite"
+            norm_t = None
+            if self.clip_grad_norm is not None or self.track_grad_norm:
+                # the total L2 norm before clipping (what torch.nn.utils.get_total_norm computes, minus its checks)
+                norm_t = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads))) if grads else torch.zeros(())
+                norm = float(norm_t)
+                finite = math.isfinite(norm)
+            else:
+                finite = self._grads_finite(grads)
+            if not finite:
+                reason, detail = "nonfinite", "a gradient is not finite"
             elif self.orchestrator.vetoed(ctx):
                 reason, detail = "vetoed", "an update hook vetoed the step"
             else:
                 clipped = self.clip_grad_norm is not None and norm > self.clip_grad_norm
                 if clipped:
+                    assert norm_t is not None
                     torch.nn.utils.clip_grads_with_norm_(self._params, self.clip_grad_norm, norm_t)
                 lrs = {n: [float(g["lr"]) for g in trainer.optimizers[n].param_groups] for n in names}
                 owner = self.orchestrator.step_owner
@@ -304,6 +330,27 @@ class UpdateEngine:
                      clipped=clipped, lrs=lrs)
         self.stages(TrainingStage.AFTER_OPTIMIZER_STEP, ctx)
         return True
+
+    def _grads_finite(self, grads: list[Tensor]) -> bool:
+        """Whether every gradient is finite, in one fused op and one sync (no norm).
+
+        Uses the check behind ``GradScaler.unscale_`` with a scale of exactly 1.0
+        (the gradients are unchanged); gradients on several devices fall back to the norm.
+        """
+        if not grads:
+            return True
+        device = grads[0].device
+        bufs = self._found_inf.get(device)
+        if bufs is None:
+            bufs = self._found_inf[device] = (torch.zeros(1, device=device), torch.ones(1, device=device))
+        found, one = bufs
+        found.zero_()
+        try:
+            torch._amp_foreach_non_finite_check_and_unscale_(grads, found, one)
+        except RuntimeError:  # mixed devices or dtypes the fused check does not take
+            return math.isfinite(float(torch.linalg.vector_norm(torch.stack(
+                [torch.linalg.vector_norm(g).to(device) for g in grads]))))
+        return not found.item()
 
     def report_update(
         self,

@@ -71,7 +71,8 @@ class LossParts:
 
     total: ``sum_t weight_t * num_t`` (0-dim tensor, grad-carrying).
     den: the denominator (float). terms: per-term numerators (0-dim tensors,
-    detached; convert with ``float`` when needed, which syncs a device).
+    detached -- except a single term's, which is ``total`` itself; convert with
+    ``float`` when needed, which syncs a device).
     """
 
     __slots__ = ("total", "den", "terms")
@@ -105,6 +106,12 @@ class Objective:
                 self.terms[name] = Term(spec[0], spec[1])
             else:
                 self.terms[name] = Term(spec)
+        #: (name, summed loss) of an objective that is one unweighted term with a summed form
+        self._single: tuple[str, LossFn] | None = None
+        if len(self.terms) == 1:
+            name, term = next(iter(self.terms.items()))
+            if term.sum_fn is not None and term.weight == 1.0:
+                self._single = (name, term.sum_fn)
 
     def __call__(self, outputs: Tensor, targets: Tensor, weights: Tensor | None = None) -> LossParts:
         """Reduce one microbatch.
@@ -114,6 +121,10 @@ class Objective:
             targets: targets, shape ``(B, ...)``.
             weights: per-row weights or a 0/1 mask, shape ``(B,)``; ``None``: all 1.
         """
+        if weights is None and self._single is not None:  # one unweighted term: one fused reduction
+            name, sum_fn = self._single
+            total = sum_fn(outputs, targets)
+            return LossParts(total, float(outputs.shape[0]), {name: total})
         total: Tensor | None = None
         nums: dict[str, Tensor] = {}
         if weights is not None and isinstance(outputs, Tensor) and outputs.requires_grad:

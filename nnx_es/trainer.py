@@ -104,6 +104,8 @@ class Trainer:
         accumulation: microbatches per optimizer update (shortcut for ``GradientAccumulation``).
         clip_grad_norm: max total gradient L2 norm (shortcut for ``GradientClipping``).
         precision: ``"fp32"``, ``"bf16"`` or ``"fp16"`` (shortcut for ``MixedPrecision``).
+        track_grad_norm: record every update's total gradient L2 norm (before clipping) in
+            ``update_committed.grad_norm``; clipping always records it. Default off: ``None``.
         train_step_fn / eval_step_fn: ``fn(net, batch) -> (outputs, targets, weights|None)``.
         trainer_step_fn: ``fn(ctx, batch)`` replacing the whole microbatch+update
             path; it reports its updates with ``ctx.report_update(...)``.
@@ -139,6 +141,7 @@ class Trainer:
         accumulation: int = 1,
         clip_grad_norm: float | None = None,
         precision: str = "fp32",
+        track_grad_norm: bool = False,
         train_step_fn: Callable[..., Any] | None = None,
         eval_step_fn: Callable[..., Any] | None = None,
         trainer_step_fn: Callable[[TrainContext, Any], Any] | None = None,
@@ -226,7 +229,10 @@ class Trainer:
                     f"monitor {self.monitor.name!r} names no reported metric; this run reports "
                     f"{sorted(known)} for training and the same with val_ for validation (declare metrics=[...])"
                 )
-        self.engine = UpdateEngine(self, self.objective, train_step_fn=train_step_fn)
+        if not isinstance(track_grad_norm, bool):
+            raise ConfigError(f"track_grad_norm must be True or False, got {track_grad_norm!r}")
+        self.engine = UpdateEngine(self, self.objective, train_step_fn=train_step_fn,
+                                   track_grad_norm=track_grad_norm)
         self.engine.metrics = self.metrics
         update_hooks, stage_hooks = collect(hooks)
         for kwarg, value, default, cls in (("accumulation", accumulation, 1, GradientAccumulation),

@@ -246,7 +246,7 @@ def test_bf16_autocast_runs_and_receipts_record_the_precision(tmp_path):
         def __call__(self, ctx, stage):
             dtypes.append(ctx.predictions.dtype)
 
-    run = _trainer(tmp_path, small_net(4), precision="bf16", hooks=[Dtype()]).fit(
+    run = _trainer(tmp_path, small_net(4), precision="bf16", hooks=[Dtype()], track_grad_norm=True).fit(
         *loaders(batch_size=16, n_train=32), epochs=1)
     assert run.status == "completed"
     assert dtypes == [torch.bfloat16, torch.bfloat16]

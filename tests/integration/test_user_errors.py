@@ -30,6 +30,7 @@ def _net_opt():
         ({"keep_phases": 2}, "keep_phases needs phase_every"),
         ({"monitor": "val_accuracy"}, "monitor 'val_accuracy' names no reported metric"),
         ({"monitor": 3}, "monitor must be"),
+        ({"track_grad_norm": "yes"}, "track_grad_norm must be True or False, got 'yes'"),
     ],
 )
 def test_bad_trainer_arguments_are_refused_naming_the_value(kwargs, message):

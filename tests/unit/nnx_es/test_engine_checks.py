@@ -1,0 +1,51 @@
+"""The update engine's cheap paths agree with the plain computations they replace."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from nnx_es import Trainer
+from nnx_es.objective import Objective
+from trainkit import small_net
+
+
+def _engine(tmp_path):
+    net = small_net(0)
+    return Trainer(net, torch.optim.SGD(net.parameters(), lr=0.1), nn.CrossEntropyLoss(),
+                   runs_root=tmp_path, progress=False).engine
+
+
+@pytest.mark.parametrize("bad", [float("inf"), float("-inf"), float("nan")])
+def test_fused_finiteness_check_finds_any_nonfinite_value_and_leaves_gradients_unchanged(tmp_path, bad):
+    engine = _engine(tmp_path)
+    grads = [torch.randn(3, 4, generator=torch.Generator().manual_seed(1)), torch.randn(5)]
+    before = [g.clone() for g in grads]
+    assert engine._grads_finite(grads)
+    assert all(torch.equal(a, b) for a, b in zip(grads, before))
+    grads[1][2] = bad
+    assert not engine._grads_finite(grads)
+    grads[1][2] = 1.0
+    assert engine._grads_finite(grads)  # the found flag is reset between windows
+    assert engine._grads_finite([])
+
+
+def test_the_backward_seed_is_one_over_the_denominator_and_follows_its_changes(tmp_path):
+    engine = _engine(tmp_path)
+    like = torch.zeros((), dtype=torch.float64)
+    assert engine._inverse(32.0, like).item() == 1 / 32 and engine._inverse(32.0, like).dtype == torch.float64
+    assert engine._inverse(5.0, like).item() == 1 / 5  # a short last microbatch
+
+
+@pytest.mark.parametrize("loss", [nn.CrossEntropyLoss(), nn.CrossEntropyLoss(label_smoothing=0.1)])
+def test_a_single_unweighted_term_reduces_like_the_general_path(loss):
+    outputs = torch.randn(6, 4, generator=torch.Generator().manual_seed(2), requires_grad=True)
+    targets = torch.tensor([0, 1, 2, 3, 0, 1])
+    fast = Objective(loss)(outputs, targets)
+    general = Objective({"loss": (loss, 1.0), "zero": (loss, 0.0)})(outputs, targets)
+    assert Objective(loss)._single is not None and general.den == fast.den == 6.0
+    assert torch.allclose(fast.total, general.total) and set(fast.terms) == {"loss"}
+    weighted = Objective({"loss": (loss, 2.0)})
+    assert weighted._single is None
+    assert torch.allclose(weighted(outputs, targets).total, 2 * fast.total)
