@@ -3,8 +3,8 @@
 Order (spec 000, durable commit order; DESIGN.md "Performance budget")::
 
     history_appended                        (the epoch's record; the commit covers up to here)
-    capture the state in memory             (training thread: serialize model, optimizers, ...)
-    write every blob + manifest, fsync      (inline, or on a background thread when lag > 0)
+    capture the state in memory             (training thread: copies of the state dicts, RNG, ...)
+    serialize, write every blob + manifest, fsync   (inline, or on a background thread when lag > 0)
     checkpoint_stored -> last_committed -> best_committed? -> phase_committed? -> callback_checkpointed*
     one synced log write                    (LAST is the only thing readers trust)
 
@@ -33,7 +33,7 @@ from events.schema import (
 )
 from nnx_es.checkpoint import Manifest, write_checkpoint
 from nnx_es.errors import ConfigError
-from nnx_es.snapshot import capture
+from nnx_es.snapshot import capture, encode_parts
 
 if TYPE_CHECKING:
     from nnx_es.trainer import Trainer
@@ -94,8 +94,8 @@ class Committer:
 
         def persist() -> tuple[str, Manifest, list[tuple[str, str]]]:
             digest, manifest = write_checkpoint(
-                store, run_id=run_id, epoch=epoch, step=counters.step, counters=counters, parts=parts,
-                world_size=world,
+                store, run_id=run_id, epoch=epoch, step=counters.step, counters=counters,
+                parts=encode_parts(parts), world_size=world,
             )
             return digest, manifest, [(name, store.put(data)) for name, data in callbacks]
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 import msgspec
+from torch import Tensor
 
 from nnx_es.checkpoint import Manifest, load_component, torch_bytes
 from nnx_es.errors import ResumeError
@@ -24,23 +25,42 @@ from nnx_es.update_hooks import EMA
 if TYPE_CHECKING:
     from nnx_es.trainer import Trainer
 
-__all__ = ["apply_state", "capture", "load_state"]
+__all__ = ["apply_state", "capture", "detached_copy", "encode_parts", "load_state"]
 
 _msgpack = msgspec.msgpack.Encoder()
 
 
-def capture(trainer: Trainer, epoch: int) -> dict[str, tuple[str, bytes]]:
-    """Components of a checkpoint holding ``trainer`` after 0-based ``epoch`` (-1: before training)."""
-    parts: dict[str, tuple[str, bytes]] = {"model": ("torch", torch_bytes(trainer.net.state_dict()))}
+def detached_copy(obj: Any) -> Any:
+    """A copy of a state dict that later training cannot change: every tensor is
+    detached and cloned, every dict/list/tuple rebuilt (other leaves are shared)."""
+    if isinstance(obj, Tensor):
+        return obj.detach().clone()
+    if isinstance(obj, dict):
+        return {k: detached_copy(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [detached_copy(v) for v in obj]
+    if isinstance(obj, tuple):
+        return tuple(detached_copy(v) for v in obj)
+    return obj
+
+
+def capture(trainer: Trainer, epoch: int) -> dict[str, tuple[str, Any]]:
+    """Components of a checkpoint holding ``trainer`` after 0-based ``epoch`` (-1: before training).
+
+    Cheap, on the training thread: ``"torch"`` components are detached copies of the
+    state dicts (serialized later by :func:`encode_parts`, off the training thread
+    when the commit is deferred); ``"msgpack"`` components are encoded here.
+    """
+    parts: dict[str, tuple[str, Any]] = {"model": ("torch", detached_copy(trainer.net.state_dict()))}
     for n, o in trainer.optimizers.items():
-        parts[f"optimizer/{n}"] = ("torch", torch_bytes(o.state_dict()))
+        parts[f"optimizer/{n}"] = ("torch", detached_copy(o.state_dict()))
     for s in trainer.schedulers:
-        parts[f"scheduler/{s.name}"] = ("torch", torch_bytes(s.state_dict()))
+        parts[f"scheduler/{s.name}"] = ("torch", detached_copy(s.state_dict()))
     if trainer.engine.scaler is not None:
-        parts["scaler"] = ("torch", torch_bytes(trainer.engine.scaler.state_dict()))
+        parts["scaler"] = ("torch", detached_copy(trainer.engine.scaler.state_dict()))
     for h in trainer.update_hooks:
         if isinstance(h, EMA):
-            parts[f"update_hook/{h.name}"] = ("torch", torch_bytes(h.torch_state()))
+            parts[f"update_hook/{h.name}"] = ("torch", detached_copy(h.torch_state()))
     state = {
         "schedulers": {s.name: s.summary() for s in trainer.schedulers},
         "monitor": trainer.monitor.state_dict() if trainer.monitor else None,
@@ -59,6 +79,11 @@ def capture(trainer: Trainer, epoch: int) -> dict[str, tuple[str, bytes]]:
         if cb_state is not None:
             parts[f"callback/{cb.name}"] = ("msgpack", _msgpack.encode(cb_state))
     return parts
+
+
+def encode_parts(parts: dict[str, tuple[str, Any]]) -> dict[str, tuple[str, bytes]]:
+    """Serialize :func:`capture`'s components: ``torch.save`` bytes for ``"torch"`` ones."""
+    return {name: (codec, torch_bytes(value) if codec == "torch" else value) for name, (codec, value) in parts.items()}
 
 
 def load_state(store: BlobStore, manifest: Manifest) -> dict[str, Any]:
