@@ -10,10 +10,18 @@ A component is stored with one of two codecs:
 Nothing is unpickled on load. Component names: ``model``,
 ``optimizer/<name>``, ``scheduler/<name>``, ``rng``, ``counters``,
 ``monitor``, ``callback/<name>``, ``topology``.
+
+A small msgpack component (at most :data:`INLINE_MAX` bytes: RNG streams,
+counters, monitor, topology) is kept inside the manifest (``Component.data``)
+instead of a blob file of its own: the manifest's hash covers it, its
+``blob`` is still the SHA-256 of its bytes (verified on load), and a commit
+writes and fsyncs three files (model, optimizer, manifest) instead of eight.
+Manifests of format 1 (every component a blob) load unchanged.
 """
 
 from __future__ import annotations
 
+import hashlib
 import io
 import pickle
 from typing import Any
@@ -26,6 +34,7 @@ from nnx_es.storage import BlobStore
 
 __all__ = [
     "Component",
+    "component_bytes",
     "Manifest",
     "load_component",
     "read_manifest",
@@ -34,13 +43,22 @@ __all__ = [
     "write_checkpoint",
 ]
 
-MANIFEST_FORMAT = 1
+MANIFEST_FORMAT = 2
+
+#: msgpack components up to this many bytes are kept inside the manifest.
+INLINE_MAX = 4096
+
+_Payload = bytes  # the field ``bytes`` below shadows the builtin inside the class body
 
 
-class Component(msgspec.Struct, frozen=True, kw_only=True):
+class Component(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """One component: the SHA-256 of its bytes, its codec (``"torch"`` | ``"msgpack"``), its
+    size, and -- for a small msgpack component (format 2) -- the bytes themselves."""
+
     blob: str
-    codec: str  # "torch" | "msgpack"
+    codec: str
     bytes: int
+    data: _Payload | None = None
 
 
 class Manifest(msgspec.Struct, frozen=True, kw_only=True, tag="nnx_es.manifest"):
@@ -86,7 +104,10 @@ def write_checkpoint(
         CheckpointWriteError: a blob could not be written durably.
     """
     components = {
-        name: Component(blob=store.put(data), codec=codec, bytes=len(data)) for name, (codec, data) in parts.items()
+        name: Component(blob=hashlib.sha256(data).hexdigest(), codec=codec, bytes=len(data), data=data)
+        if codec == "msgpack" and len(data) <= INLINE_MAX
+        else Component(blob=store.put(data), codec=codec, bytes=len(data))
+        for name, (codec, data) in parts.items()
     }
     manifest = Manifest(
         run_id=run_id, epoch=epoch, step=step, counters=counters, components=components, world_size=world_size
@@ -122,10 +143,25 @@ def verify_checkpoint(store: BlobStore, digest: str, *, run_id: str | None = Non
             f"manifest {digest} is mixed: it belongs to run {manifest.run_id!r}, not {run_id!r}"
         )
     for name, comp in manifest.components.items():
-        data = store.get(comp.blob)
+        data = component_bytes(store, name, comp)
         if len(data) != comp.bytes:
             raise CorruptCheckpointError(f"component {name!r} blob {comp.blob} has {len(data)} bytes, expected {comp.bytes}")
     return manifest
+
+
+def component_bytes(store: BlobStore, name: str, comp: Component) -> bytes:
+    """A component's bytes, from the manifest (inline) or its blob, hash-verified either way.
+
+    Raises:
+        CorruptCheckpointError: the blob is missing or corrupt, or inline bytes do not hash to ``blob``.
+    """
+    if comp.data is None:
+        return store.get(comp.blob)
+    found = hashlib.sha256(comp.data).hexdigest()
+    if found != comp.blob:
+        raise CorruptCheckpointError(f"component {name!r} kept in the manifest is corrupt: its bytes hash to "
+                                     f"{found}, not {comp.blob}")
+    return comp.data
 
 
 def load_component(store: BlobStore, manifest: Manifest, name: str) -> Any:
@@ -137,7 +173,7 @@ def load_component(store: BlobStore, manifest: Manifest, name: str) -> Any:
         CorruptCheckpointError: the blob is missing, corrupt or does not decode.
     """
     comp = manifest.components[name]
-    data = store.get(comp.blob)
+    data = component_bytes(store, name, comp)
     if comp.codec == "msgpack":
         try:
             return _any_decoder.decode(data)

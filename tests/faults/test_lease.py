@@ -179,7 +179,7 @@ def test_stale_temporaries_of_a_hard_kill_are_cleaned_on_the_next_open_and_repor
     runs = tmp_path / "runs"
     run_dir = runs / RUN_ID
     # killed right after writing a blob's temporary (before its rename): one real leftover
-    assert run_killed(lambda: fit(make_trainer(runs, RUN_ID)), _kill_after_write(20)) == "killed"
+    assert run_killed(lambda: fit(make_trainer(runs, RUN_ID)), _kill_after_write(6)) == "killed"
     left = sorted(run_dir.rglob(".*.tmp"))
     assert len(left) == 1 and left[0].parent.parent.name == "sha256"
     # and more, as other hard kills would leave them

@@ -250,12 +250,12 @@ def test_a_pickle_payload_that_would_run_code_is_refused_on_resume(tmp_path):
     runs = tmp_path / "runs"
     fit(make_trainer(runs, "r"))
     store = BlobStore(runs / "r" / "blobs")
-    from nnx_es.checkpoint import read_manifest, write_checkpoint
+    from nnx_es.checkpoint import component_bytes, read_manifest, write_checkpoint
 
     m = read_manifest(store, _last_manifest(runs / "r"))
     parts = {}
     for name, comp in m.components.items():
-        parts[name] = (comp.codec, store.get(comp.blob))
+        parts[name] = (comp.codec, component_bytes(store, name, comp))
     buf = __import__("io").BytesIO()
     torch.save({"weight": _Evil()}, buf, _use_new_zipfile_serialization=True, pickle_module=pickle)
     parts["model"] = ("torch", buf.getvalue())

@@ -23,7 +23,7 @@ from events.schema import (
     ValidationDone,
 )
 from nnx_es.audit import AuditReport, NotARunError, audit_run
-from nnx_es.checkpoint import read_manifest, write_checkpoint
+from nnx_es.checkpoint import component_bytes, read_manifest, write_checkpoint
 from nnx_es.errors import NnxError
 from projections import Projections, tail_length
 
@@ -402,7 +402,7 @@ def _replace_manifest(events: list[Event], run: Run, epoch: int, **changes: obje
     """Point epoch's LAST (and its phase pointer) at a copy of its manifest with ``changes``; return LAST's seq."""
     seq = find(events, "last_committed", epoch=epoch, final=False)
     m = read_manifest(run.store, events[seq].manifest)
-    parts = {name: (c.codec, run.store.get(c.blob)) for name, c in m.components.items()}
+    parts = {name: (c.codec, component_bytes(run.store, name, c)) for name, c in m.components.items()}
     parts.update(changes.pop("parts", {}))  # type: ignore[arg-type]
     counters = changes.get("counters", m.counters)
     digest, _ = write_checkpoint(run.store, run_id=m.run_id, epoch=m.epoch, step=m.step,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import io
 import os
 import pickle
@@ -14,6 +15,7 @@ import torch
 
 from events import Counters
 from nnx_es.checkpoint import (
+    INLINE_MAX,
     Component,
     Manifest,
     load_component,
@@ -87,7 +89,40 @@ def test_identical_state_costs_nothing_twice(store: BlobStore) -> None:
     assert first == second
     assert m1.components["model"].blob == m2.components["model"].blob
     files = [p for p in store.root.rglob("*") if p.is_file()]
-    assert len(files) == 3  # model, counters, manifest
+    assert len(files) == 2  # model, manifest (the small counters component is kept in the manifest)
+
+
+def test_small_msgpack_components_live_in_the_manifest_and_big_ones_in_blobs(store: BlobStore) -> None:
+    big = msgspec.msgpack.encode(list(range(INLINE_MAX)))
+    assert len(big) > INLINE_MAX
+    digest, manifest = _write(store, big=("msgpack", big))
+    small = manifest.components["counters"]
+    assert small.data is not None and small.blob == hashlib.sha256(small.data).hexdigest()
+    assert not store.exists(small.blob)
+    assert manifest.components["big"].data is None and store.get(manifest.components["big"].blob) == big
+    assert manifest.components["model"].data is None
+    verified = verify_checkpoint(store, digest, run_id="run-1")
+    assert load_component(store, verified, "big") == list(range(INLINE_MAX))
+    assert load_component(store, verified, "counters") == {"step": 20, "epoch": 2, "lrs": [0.1, 0.01]}
+
+
+def test_a_format_1_manifest_with_every_component_in_a_blob_still_loads(store: BlobStore) -> None:
+    rng = msgspec.msgpack.encode({"seed": 3})
+    old = Manifest(format=1, run_id="run-1", epoch=0, step=0, counters=Counters(),
+                   components={"rng": Component(blob=store.put(rng), codec="msgpack", bytes=len(rng))})
+    digest = store.put(msgspec.msgpack.encode(old))
+    assert load_component(store, verify_checkpoint(store, digest), "rng") == {"seed": 3}
+
+
+def test_an_inline_component_whose_bytes_do_not_hash_to_its_name_is_refused(store: BlobStore) -> None:
+    good = msgspec.msgpack.encode({"seed": 3})
+    forged = Manifest(run_id="run-1", epoch=0, step=0, counters=Counters(), components={
+        "rng": Component(blob=hashlib.sha256(good).hexdigest(), codec="msgpack", bytes=len(good),
+                         data=msgspec.msgpack.encode({"seed": 4}))})
+    digest = store.put(msgspec.msgpack.encode(forged))
+    _refused(store, digest, "'rng'", "corrupt")
+    with pytest.raises(CorruptCheckpointError, match="rng"):
+        load_component(store, forged, "rng")
 
 
 # --- refusals ----------------------------------------------------------------------------
@@ -132,7 +167,7 @@ def test_component_with_a_flipped_byte_is_refused(store: BlobStore) -> None:
 
 def test_missing_component_is_refused(store: BlobStore) -> None:
     digest, manifest = _write(store)
-    blob = manifest.components["counters"].blob
+    blob = manifest.components["model"].blob
     store.path(blob).unlink()
     _refused(store, digest, blob, "missing")
 
