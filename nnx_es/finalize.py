@@ -37,12 +37,20 @@ __all__ = ["finalize"]
 log = structlog.get_logger("nnx_es")
 
 
+def _log_error(event: str, **fields: Any) -> None:
+    """Log an error; a broken log stream never masks the error being finalized."""
+    try:
+        log.error(event, **fields)
+    except Exception:  # noqa: BLE001 - logs are diagnostics only
+        pass
+
+
 def _attempt(fn: Callable[[], Any]) -> None:
     """Run one finalization step; its error is logged, never raised over the training error."""
     try:
         fn()
     except BaseException as exc:  # noqa: BLE001
-        log.error("finalization step failed", error=f"{type(exc).__name__}: {exc}")
+        _log_error("finalization step failed", error=f"{type(exc).__name__}: {exc}")
 
 
 def _run_failed(trainer: Trainer, exc: BaseException, with_traceback: bool) -> None:
@@ -74,7 +82,7 @@ def finalize(
     _attempt(trainer.committer.complete)
     _attempt(trainer.committer.close)
     if failure is not None:
-        log.error("training failed", run_id=trainer.run_id, error=repr(failure))
+        _log_error("training failed", run_id=trainer.run_id, error=repr(failure))
         _attempt(lambda: _run_failed(trainer, failure, True))
     cleanup_error: BaseException | None = None
     for index, cb in reversed(begun):
@@ -83,7 +91,7 @@ def finalize(
             cb.on_train_end(ctx)
         except BaseException as exc:  # noqa: BLE001 - every cleanup hook is attempted
             error = f"{type(exc).__name__}: {exc}"
-            log.error("callback cleanup failed", callback=cb.name, error=error)
+            _log_error("callback cleanup failed", callback=cb.name, error=error)
             cleanup_error = cleanup_error or exc
         _attempt(lambda cb=cb, i=index, e=error: rec.emit(CallbackFinalized(name=cb.name, index=i, error=e)))
     if failure is not None:
@@ -101,7 +109,7 @@ def finalize(
         try:
             trainer._commit_last(epoch=rec.counters.epoch - 1, final=True)
         except BaseException as exc:  # noqa: BLE001 - the run fails; raised once finalized
-            log.error("final LAST commit failed", run_id=trainer.run_id, error=f"{type(exc).__name__}: {exc}")
+            _log_error("final LAST commit failed", run_id=trainer.run_id, error=f"{type(exc).__name__}: {exc}")
             closing_error = exc
             _attempt(lambda e=exc: _run_failed(trainer, e, True))
             status = "failed"
@@ -114,7 +122,7 @@ def finalize(
         try:
             step()
         except BaseException as exc:  # noqa: BLE001 - never masks the training error
-            log.error("finalization step failed", run_id=trainer.run_id, error=f"{type(exc).__name__}: {exc}")
+            _log_error("finalization step failed", run_id=trainer.run_id, error=f"{type(exc).__name__}: {exc}")
             closing_error = closing_error or exc
     if failure is None and (cleanup_error or closing_error) is not None:
         raise cleanup_error or closing_error  # type: ignore[misc]

@@ -35,9 +35,15 @@ def configure_logging(level: str = "info", *, json: bool | None = None) -> None:
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(numeric),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        logger_factory=_stderr_logger,
         cache_logger_on_first_use=False,
     )
+
+
+def _stderr_logger(*_args: object) -> structlog.PrintLogger:
+    """A logger on the *current* ``sys.stderr`` (resolved per call: loggers are not cached),
+    so a stream swapped or closed since configuration is never written to."""
+    return structlog.PrintLogger(sys.stderr)
 
 
 def ensure_logging() -> None:

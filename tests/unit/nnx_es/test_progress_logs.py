@@ -44,3 +44,20 @@ def test_structlog_renders_json_lines_when_asked(capsys):
         assert doc["event"] == "epoch committed" and doc["epoch"] == 3 and doc["level"] == "info"
     finally:
         configure_logging("warning")
+
+
+def test_logs_follow_the_current_stderr_not_the_one_at_configuration(monkeypatch):
+    import io
+
+    configure_logging("info", json=True)
+    try:
+        first = io.StringIO()
+        monkeypatch.setattr("sys.stderr", first)
+        structlog.get_logger("nnx_es").info("one")
+        first.close()  # e.g. a test's captured stream, closed after it
+        second = io.StringIO()
+        monkeypatch.setattr("sys.stderr", second)
+        structlog.get_logger("nnx_es").info("two")  # no "I/O operation on closed file"
+        assert json.loads(second.getvalue())["event"] == "two"
+    finally:
+        configure_logging("warning")
