@@ -133,4 +133,7 @@ def _write_views(trainer: Trainer) -> None:
     from projections.view import project
 
     assert trainer.run_dir is not None
-    write_views(trainer.run_dir, project(trainer.recorder.log.read()))
+    log = trainer.recorder.log
+    p = project(log.read())
+    write_views(trainer.run_dir, p)
+    trainer.final_projection = (p, log.next_seq)  # fit() returns its RunResult without reading the log again

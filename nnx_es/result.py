@@ -11,7 +11,7 @@ from events.schema import Counters, HistoryRecord
 from projections.checkpoints import Pointer
 from projections.view import Projections, project
 
-__all__ = ["RunResult", "load_result", "open_projections"]
+__all__ = ["RunResult", "load_result", "open_projections", "result_of"]
 
 
 class RunResult(msgspec.Struct, frozen=True, kw_only=True):
@@ -51,6 +51,11 @@ def open_projections(run_dir: str | Path) -> tuple[Projections, int]:
 def load_result(run_dir: str | Path) -> RunResult:
     """Rebuild a :class:`RunResult` from ``runs/<id>/``."""
     p, n = open_projections(run_dir)
+    return result_of(p, run_dir, n)
+
+
+def result_of(p: Projections, run_dir: str | Path, n: int) -> RunResult:
+    """The :class:`RunResult` of projections ``p`` of a log of ``n`` events."""
     return RunResult(
         run_id=p.status.run_id or Path(run_dir).name,
         run_dir=str(run_dir),

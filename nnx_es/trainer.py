@@ -71,8 +71,9 @@ from nnx_es.objective import Objective
 from nnx_es.progress import Progress
 from nnx_es.recorder import Recorder
 from nnx_es.session import open_session
-from nnx_es.result import RunResult, load_result
+from nnx_es.result import RunResult, load_result, result_of
 from nnx_es.schedulers import Scheduler
+from projections.view import Projections
 from nnx_es.stages import TrainingStage
 from nnx_es.update_hooks import GradientAccumulation, GradientClipping, MixedPrecision, collect
 from nnx_es.storage import validate_run_id
@@ -264,6 +265,8 @@ class Trainer:
         self._unreported = 0  # microbatches a custom step recorded since its last reported update
         self.committer = Committer(self, checkpoint_lag)
         self.loader_generator: torch.Generator | None = None
+        #: the projections finalization wrote the views from, and the log's length then
+        self.final_projection: tuple[Projections, int] | None = None
 
     # --- configuration helpers ----------------------------------------------------------
 
@@ -351,9 +354,13 @@ class Trainer:
             raise ConfigError(f"resume_mode must be 'stateful' or 'weights_only', got {resume_mode!r}")
         ensure_logging()
         self.loader_generator = getattr(train_loader, "generator", None)
+        self.final_projection = None
         with open_session(self, resume_from, resume_mode) as (opening, start_epoch):
             self._run(train_loader, val_loader, epochs, opening, start_epoch)
         assert self.run_dir is not None
+        if self.final_projection is not None:  # the log as finalization projected it for the views
+            projections, n_events = self.final_projection
+            return result_of(projections, self.run_dir, n_events)
         return load_result(self.run_dir)
 
     def _run(self, train_loader: Iterable[Any], val_loader: Iterable[Any] | None, epochs: int,

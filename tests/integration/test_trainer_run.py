@@ -76,6 +76,8 @@ def test_two_epoch_run_writes_exactly_the_lifecycle_event_sequence(tmp_path):
     )
     assert kinds(run.run_dir) == expected
     assert seen == ["a.begin", "b.begin", "b.end", "a.end"]
+    # fit returns the run as finalization projected it: the same as rebuilding it from disk
+    assert run == load_result(run.run_dir) and run.events == len(expected) and len(run.history) == 2
 
 
 def test_commit_order_is_history_then_last_then_best_then_callback_checkpoints(tmp_path):
