@@ -103,16 +103,20 @@ def write_checkpoint(
     Raises:
         CheckpointWriteError: a blob could not be written durably.
     """
-    components = {
-        name: Component(blob=hashlib.sha256(data).hexdigest(), codec=codec, bytes=len(data), data=data)
-        if codec == "msgpack" and len(data) <= INLINE_MAX
-        else Component(blob=store.put(data), codec=codec, bytes=len(data))
-        for name, (codec, data) in parts.items()
-    }
+    blobs: list[bytes] = []
+    components = {}
+    for name, (codec, data) in parts.items():
+        inline = codec == "msgpack" and len(data) <= INLINE_MAX
+        if not inline:
+            blobs.append(data)
+        components[name] = Component(blob=hashlib.sha256(data).hexdigest(), codec=codec, bytes=len(data),
+                                     data=data if inline else None)
     manifest = Manifest(
         run_id=run_id, epoch=epoch, step=step, counters=counters, components=components, world_size=world_size
     )
-    return store.put(msgspec.msgpack.encode(manifest)), manifest
+    # one batch: the blobs and the manifest naming them are all durable before LAST can name the manifest
+    *_, digest = store.put_all([*blobs, msgspec.msgpack.encode(manifest)])
+    return digest, manifest
 
 
 def read_manifest(store: BlobStore, digest: str) -> Manifest:

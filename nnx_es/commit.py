@@ -97,7 +97,8 @@ class Committer:
                 store, run_id=run_id, epoch=epoch, step=counters.step, counters=counters,
                 parts=encode_parts(parts), world_size=world,
             )
-            return digest, manifest, [(name, store.put(data)) for name, data in callbacks]
+            blobs = store.put_all([data for _, data in callbacks])
+            return digest, manifest, [(name, blob) for (name, _), blob in zip(callbacks, blobs)]
 
         future: Future[Any] = Future()
         inline = self.lag == 0 or final or epoch < 0 or not group  # a session's opening LAST precedes its first epoch

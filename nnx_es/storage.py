@@ -3,7 +3,11 @@
 Every file goes through an owned temporary file (``.<name>.<pid>.<rand>.tmp``
 in the destination's directory), ``fsync``, atomic ``os.replace`` and a
 directory fsync; a failed write removes its temporary and leaves the
-destination's previous bytes (DESIGN.md "Failure semantics").
+destination's previous bytes (DESIGN.md "Failure semantics"). Files written
+together (a checkpoint's blobs and manifest, the two views) share the
+directory fsyncs: each temporary is written and synced, all are renamed, then
+each directory is synced once -- no file is ever visible with unsynced bytes,
+and all are durable before the caller goes on (to LAST, which names them).
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import hashlib
 import os
 import re
 import secrets
+from collections.abc import Sequence
 from pathlib import Path
 
 from nnx_es.errors import CheckpointWriteError, CorruptCheckpointError, InvalidRunIdError, LeaseHeldError
@@ -22,12 +27,14 @@ __all__ = [
     "BlobStore",
     "Lease",
     "atomic_write",
+    "atomic_write_all",
     "clean_stale_temporaries",
     "fsync_dir",
     "validate_run_id",
 ]
 
 _RUN_ID = re.compile(r"[A-Za-z0-9._-]{1,128}")
+_DIGEST = re.compile(r"[0-9a-f]{64}")
 TMP_SUFFIX = ".tmp"
 
 
@@ -61,28 +68,56 @@ def atomic_write(path: Path, data: bytes) -> None:
         CheckpointWriteError: any OS error (ENOSPC, EIO, ...); the temporary is
             removed and ``path`` keeps its previous bytes.
     """
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}{TMP_SUFFIX}")
+    atomic_write_all([(path, data)])
+
+
+def atomic_write_all(items: Sequence[tuple[Path, bytes]]) -> None:
+    """Durably replace each ``path`` with its ``data``, as one batch.
+
+    Each temporary is written and fsynced, then all are renamed, then each
+    directory holding them (and the parent of each directory created) is
+    fsynced once. When this returns every file is durable.
+
+    Raises:
+        CheckpointWriteError: any OS error (ENOSPC, EIO, ...), naming the file; every
+            temporary is removed. Files renamed before the error hold their complete,
+            synced bytes; the others keep their previous bytes.
+    """
+    staged: list[tuple[Path, Path]] = []  # (temporary, destination) written and synced
+    created: list[Path] = []
+    path = Path()
     try:
-        created = _make_dirs(path.parent)
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        try:
-            view = memoryview(data)
-            while view:
-                n = os.write(fd, view)
-                view = view[n:]
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, path)
-        fsync_dir(path.parent)
+        for path, data in items:
+            path = Path(path)
+            created += _make_dirs(path.parent)
+            tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}{TMP_SUFFIX}")
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            staged.append((tmp, path))
+            try:
+                view = memoryview(data)
+                while view:
+                    n = os.write(fd, view)
+                    view = view[n:]
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        dirs: dict[Path, None] = {}
+        while staged:
+            tmp, path = staged[0]
+            os.replace(tmp, path)
+            staged.pop(0)
+            dirs[path.parent] = None
         for d in created:  # a new directory's entry is durable once its parent is synced
-            fsync_dir(d.parent)
+            dirs.setdefault(d.parent)
+        for d in dirs:
+            path = d
+            fsync_dir(d)
     except OSError as exc:
-        try:
-            tmp.unlink()
-        except FileNotFoundError:
-            pass
+        for tmp, _ in staged:
+            try:
+                tmp.unlink()
+            except FileNotFoundError:
+                pass
         raise CheckpointWriteError(f"writing {path} failed: {exc.strerror or exc}") from exc
 
 
@@ -112,29 +147,50 @@ def clean_stale_temporaries(root: Path) -> list[Path]:
 
 
 class BlobStore:
-    """Immutable blobs named by their SHA-256 under ``<run>/blobs/sha256/ab/abcd...``.
+    """Immutable blobs named by their SHA-256 under ``<run>/blobs/sha256/<hex digest>``.
 
     Identical bytes are stored once, so BEST naming LAST's state costs nothing.
+    One directory (no ``ab/`` shards): a checkpoint's blobs share one directory
+    fsync. Blobs of the earlier sharded layout (``sha256/ab/abcd...``) are still read.
     """
 
     def __init__(self, root: Path) -> None:
         self.root = Path(root)
 
     def path(self, digest: str) -> Path:
-        if not re.fullmatch(r"[0-9a-f]{64}", digest):
+        if not _DIGEST.fullmatch(digest):
             raise CorruptCheckpointError(f"blob name must be 64 lowercase hex digits, got {digest!r}")
-        return self.root / "sha256" / digest[:2] / digest
+        return self.root / "sha256" / digest
+
+    def _existing(self, digest: str) -> Path:
+        p = self.path(digest)
+        if not p.exists():
+            sharded = self.root / "sha256" / digest[:2] / digest
+            if sharded.exists():
+                return sharded
+        return p
 
     def put(self, data: bytes) -> str:
         """Store ``data`` durably (no-op when present); return its SHA-256 hex."""
-        digest = hashlib.sha256(data).hexdigest()
-        p = self.path(digest)
-        if not p.exists():
-            atomic_write(p, data)
-        return digest
+        return self.put_all([data])[0]
+
+    def put_all(self, datas: Sequence[bytes]) -> list[str]:
+        """Store each of ``datas`` durably in one batch (see :func:`atomic_write_all`); return their SHA-256s.
+
+        Raises:
+            CheckpointWriteError: a blob could not be written durably.
+        """
+        digests = [hashlib.sha256(d).hexdigest() for d in datas]
+        new: dict[str, bytes] = {}
+        for digest, data in zip(digests, datas):
+            if digest not in new and not self.exists(digest):
+                new[digest] = data
+        if new:
+            atomic_write_all([(self.path(d), data) for d, data in new.items()])
+        return digests
 
     def exists(self, digest: str) -> bool:
-        return self.path(digest).exists()
+        return self._existing(digest).exists()
 
     def get(self, digest: str) -> bytes:
         """Read and verify a blob.
@@ -142,7 +198,7 @@ class BlobStore:
         Raises:
             CorruptCheckpointError: missing, or its bytes do not hash to ``digest``.
         """
-        p = self.path(digest)
+        p = self._existing(digest)
         try:
             data = p.read_bytes()
         except FileNotFoundError:

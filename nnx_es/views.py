@@ -27,7 +27,7 @@ from typing import Any
 import msgspec
 
 from events.schema import Counters, HistoryRecord
-from nnx_es.storage import atomic_write
+from nnx_es.storage import atomic_write_all
 from projections import Projections
 
 __all__ = ["HISTORY_CSV", "SUMMARY_JSON", "VIEW_FILES", "expected_views", "read_views", "summary", "write_views"]
@@ -132,8 +132,7 @@ def write_views(run_dir: Path, p: Projections) -> None:
     Raises:
         CheckpointWriteError: a file could not be made durable; it keeps its previous bytes.
     """
-    for rel, data in expected_views(p).items():
-        atomic_write(Path(run_dir) / rel, data)
+    atomic_write_all([(Path(run_dir) / rel, data) for rel, data in expected_views(p).items()])
 
 
 def read_views(run_dir: Path) -> dict[str, bytes]:

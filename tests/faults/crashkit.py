@@ -89,16 +89,16 @@ def kill_at_call(module: Any, name: str, n: int, *, after: bool = False) -> Call
 
 # --- storage I/O and commit-sync seams (crash matrix, write faults) ------------------------
 
-#: The os calls of :func:`nnx_es.storage.atomic_write` (and its directory fsync) that the
+#: The os calls of :func:`nnx_es.storage.atomic_write_all` (and its directory fsync) that the
 #: crash matrix and the write-fault suite count: the write of the temporary, its fsync,
 #: the rename, the directory fsync.
 STORAGE_OPS = ("write", "fsync", "replace")
-_STORAGE_CALLERS = frozenset({"atomic_write", "fsync_dir"})
+_STORAGE_CALLERS = frozenset({"atomic_write_all", "fsync_dir"})
 
 
 class _OsProxy:
     """Stands in for ``nnx_es.storage.os``: every attribute is the real one, except the
-    :data:`STORAGE_OPS` called from ``atomic_write``/``fsync_dir``, which go through
+    :data:`STORAGE_OPS` called from ``atomic_write_all``/``fsync_dir``, which go through
     ``hook(op, caller, index, when, args)`` (``when``: ``"before"`` then ``"after"``; ``args``:
     the call's positional arguments, e.g. ``(src, dst)`` of ``replace``).
 
@@ -149,7 +149,7 @@ def uninstall_storage_hook() -> None:
 
 def kill_in_storage_io(n: int, *, after: bool) -> Callable[[], None]:
     """A ``kill`` that SIGKILLs just before (or just after) the n-th (0-based) counted
-    os call of ``atomic_write``/``fsync_dir`` (write, fsync of the file or the directory, rename)."""
+    os call of ``atomic_write_all``/``fsync_dir`` (write, fsync of the file or the directory, rename)."""
 
     def install() -> None:
         when = "after" if after else "before"

@@ -371,14 +371,18 @@ def test_the_matrix_covers_every_point_of_the_reference_run(reference):
     kinds = [e.KIND for _, e in reference.events]
     # initial LAST, one per epoch, the final LAST after finalization, and run_finalized
     assert reference.syncs == 1 + EPOCHS + 1 + 1 == kinds.count("last_committed") + kinds.count("run_finalized")
-    # each atomic write is a write, an fsync, a rename and a directory fsync, then one
-    # parent-directory fsync for each directory it had to create (blobs/, blobs/sha256/ab/, views/)
-    code = {("write", "atomic_write"): "w", ("fsync", "atomic_write"): "f", ("replace", "atomic_write"): "r",
+    # each batch of atomic writes (a checkpoint's blobs + manifest, callback blobs, the two
+    # views) writes and fsyncs every temporary, renames them all, fsyncs their directory once,
+    # then the parent of each directory it had to create (blobs/, blobs/sha256/, views/)
+    code = {("write", "atomic_write_all"): "w", ("fsync", "atomic_write_all"): "f",
+            ("replace", "atomic_write_all"): "r",
             ("fsync", "fsync_dir"): "d"}
     ops = "".join(code[op] for op in reference.storage_ops)
-    assert re.fullmatch(r"(wfrdd*)+", ops), ops
+    batches = re.findall(r"((?:wf)+)(r+)(d+)", ops)
+    assert "".join("".join(b) for b in batches) == ops, ops
+    assert all(len(w) == 2 * len(r) for w, r, _ in batches), ops  # every temporary is renamed
     assert ops.count("w") == reference.writes
-    assert ops.count("d") - reference.writes == reference.created_dirs
+    assert ops.count("d") - len(batches) == reference.created_dirs
     # blobs written (new content only; small components live in their manifest) plus the two view files
     assert reference.writes == len(reference.blob_files) + 2
     expected = {

@@ -1,6 +1,6 @@
 """Write faults: ENOSPC and EIO at every kind of durable write a run makes.
 
-Sites: the write of a blob's temporary (``os.write`` in :func:`nnx_es.storage.atomic_write`),
+Sites: the write of a blob's temporary (``os.write`` in :func:`nnx_es.storage.atomic_write_all`),
 its fsync, the directory fsync (:func:`nnx_es.storage.fsync_dir`), the LMDB commit of the
 log (the write transaction, or the environment sync after it) and the rename of a view
 file. Each fault is injected once (the disk recovers) at a chosen moment of a 3-epoch run:
@@ -63,10 +63,10 @@ class Arm:
 
     # the storage seam: (op, caller) of the call that fails, and a path filter
     _STORAGE = {
-        "blob_write": ("write", "atomic_write"),
-        "file_fsync": ("fsync", "atomic_write"),
+        "blob_write": ("write", "atomic_write_all"),
+        "file_fsync": ("fsync", "atomic_write_all"),
         "dir_fsync": ("fsync", "fsync_dir"),
-        "view_replace": ("replace", "atomic_write"),
+        "view_replace": ("replace", "atomic_write_all"),
     }
 
     def storage_hook(self, op: str, caller: str, index: int, when: str, args: tuple[Any, ...]) -> None:

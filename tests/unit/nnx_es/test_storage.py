@@ -114,9 +114,56 @@ def test_blob_round_trip_and_content_addressing(tmp_path: Path) -> None:
     assert digest == hashlib.sha256(data).hexdigest()
     assert store.get(digest) == data
     assert store.exists(digest)
-    assert store.path(digest) == tmp_path / "blobs" / "sha256" / digest[:2] / digest
+    assert store.path(digest) == tmp_path / "blobs" / "sha256" / digest
     other = store.put(b"optimizer state bytes")
     assert other != digest and store.get(other) == b"optimizer state bytes"
+
+
+def test_a_blob_of_the_earlier_sharded_layout_is_still_read(tmp_path: Path) -> None:
+    store = BlobStore(tmp_path / "blobs")
+    data = b"written by an earlier version"
+    digest = hashlib.sha256(data).hexdigest()
+    old = tmp_path / "blobs" / "sha256" / digest[:2] / digest
+    old.parent.mkdir(parents=True)
+    old.write_bytes(data)
+    assert store.exists(digest) and store.get(digest) == data
+    assert store.put(data) == digest and not store.path(digest).exists()  # present: not written again
+
+
+def test_a_batch_is_written_with_one_directory_fsync(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import nnx_es.storage as storage
+
+    store = BlobStore(tmp_path / "blobs")
+    store.put(b"first")  # the directories exist
+    synced: list[str] = []
+    real = storage.fsync_dir
+    monkeypatch.setattr(storage, "fsync_dir", lambda d: (synced.append(str(d)), real(d))[1])
+    datas = [b"model", b"optimizer", b"manifest", b"model"]
+    digests = store.put_all(datas)
+    assert digests == [hashlib.sha256(d).hexdigest() for d in datas]
+    assert synced == [str(tmp_path / "blobs" / "sha256")]
+    assert all(store.get(d) == data for d, data in zip(digests, datas))
+    assert sorted(p.name for p in (tmp_path / "blobs" / "sha256").iterdir()) == sorted(set(digests) | {
+        hashlib.sha256(b"first").hexdigest()})
+
+
+def test_a_failed_batch_leaves_no_temporary_and_names_the_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import nnx_es.storage as storage
+
+    calls = [0]
+    real = os.fsync
+
+    def second_fails(fd: int) -> None:
+        calls[0] += 1
+        if calls[0] == 2:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        real(fd)
+
+    monkeypatch.setattr(storage.os, "fsync", second_fails)
+    with pytest.raises(CheckpointWriteError, match="b.bin"):
+        storage.atomic_write_all([(tmp_path / "a.bin", b"a"), (tmp_path / "b.bin", b"b")])
+    monkeypatch.undo()
+    assert list(tmp_path.iterdir()) == []  # nothing renamed: neither file is visible
 
 
 def test_identical_bytes_are_stored_once(tmp_path: Path) -> None:
