@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 import msgspec
 import pytest
@@ -23,6 +23,8 @@ from events import (
     kind_of,
     upcast,
 )
+from events.codec import TYPE_CODES, decode_many, partial_decoder, type_codes
+from events.schema import Event, MicrobatchDone
 
 
 def _tag(t: type) -> Any:
@@ -246,3 +248,116 @@ def test_decode_of_tagged_maps_with_random_fields(kind: str, fields: dict[str, A
         # whatever decodes is a current event that survives its own round trip
         assert type(event) in CURRENT_TYPES
         assert decode(encode(event)) == event
+
+
+# --- partial decoding ----------------------------------------------------------------
+
+
+class _Counted(Event, frozen=True, kw_only=True, tag="microbatch_done"):
+    KIND: ClassVar[str] = "microbatch_done"
+    epoch: int
+    batch: int
+    rows: int
+    examples: float
+    loss: float
+
+
+class _Steps(Event, frozen=True, kw_only=True, tag="update_committed@2"):
+    KIND: ClassVar[str] = "update_committed"
+    VERSION: ClassVar[int] = 2
+    step: int
+    epoch: int
+    microbatches: int
+    local_examples: float
+    global_examples: float
+    loss: float
+    data_parallel_size: int = 1
+
+
+_PARTIALS = {MicrobatchDone: _Counted, UpdateCommitted: _Steps}
+_decode_partially = partial_decoder(_PARTIALS)
+
+
+def _as_read(full: Any, part: Any) -> None:
+    """``part`` is what a partial decoder gave for the event ``full`` decodes to (an upcast one in full)."""
+    if type(part) is not type(full):
+        assert type(part) is _PARTIALS[type(full)]
+        assert msgspec.structs.asdict(part) == {
+            k: v for k, v in msgspec.structs.asdict(full).items() if k in part.__struct_fields__
+        }
+    else:
+        assert part == full
+
+
+def test_partial_decoding_reads_the_declared_fields_and_codes_every_event(sample_events: dict[type, Any]) -> None:
+    events = list(sample_events.values()) * 2
+    payloads = [encode(e) for e in events]
+    full = decode_many(payloads)
+    parts, codes = _decode_partially(payloads, 0)
+    assert len(parts) == len(full)
+    for f, p in zip(full, parts):
+        _as_read(f, p)
+    assert codes == type_codes(full)  # a legacy event is upcast, a partial one coded as its full type
+    assert {_Counted, _Steps, UpdateCommitted} <= set(map(type, parts))  # UpdateCommitted: the upcast v1
+    assert UpdateCommittedV1 in map(type, events) and UpdateCommittedV1 not in map(type, parts)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from(_ALL_TAGS + ["", "EpochBegan"]),
+            st.dictionaries(st.sampled_from(_FIELD_NAMES) | st.text(max_size=6), _value, max_size=8),
+        ),
+        min_size=1,
+        max_size=6,
+    )
+)
+def test_partial_decoding_accepts_what_the_full_decoder_accepts_and_names_the_same_seq(maps: Any) -> None:
+    payloads = [msgspec.msgpack.encode({**fields, "kind": kind}) for kind, fields in maps]
+    try:
+        full: list[Any] | None = decode_many(payloads, 10)
+    except CorruptEventError as exc:
+        full, bad = None, exc.seq
+    try:
+        parts, codes = _decode_partially(payloads, 10)
+    except CorruptEventError as exc:
+        assert full is None and exc.seq == bad  # refused: the first value the full decoder refuses
+        return
+    if full is not None:
+        for f, p in zip(full, parts, strict=True):
+            _as_read(f, p)
+        assert codes == type_codes(full)
+
+
+_REQUIRED = [(f.name, f.type) for f in msgspec.structs.fields(UpdateCommitted) if f.required]
+
+
+@pytest.mark.parametrize(
+    "fields, tag, reason",
+    [
+        ([("optimizer", int, "default")], "update_committed@2", "field 'optimizer' of"),  # another type
+        ([("data_parallel_size", int)], "update_committed@2", "field 'data_parallel_size' of"),  # required
+        ([("data_parallel_size", int, 2)], "update_committed@2", "field 'data_parallel_size' of"),  # other default
+        ([("rank", int, 0)], "update_committed@2", "field 'rank' of"),  # not a field of the full type
+        ([], "update_committed", "has tag 'update_committed'"),  # the legacy version's tag
+        ([("drop", None)], "update_committed@2", "leaves out UpdateCommitted's required field 'loss'"),
+    ],
+)
+def test_a_partial_type_that_accepts_or_refuses_otherwise_than_its_full_type_is_refused(
+    fields: Any, tag: str, reason: str
+) -> None:
+    declared = [f for f in _REQUIRED if f[0] != "loss"] if fields == [("drop", None)] else _REQUIRED + fields
+    part = msgspec.defstruct("Part", declared, bases=(Event,), tag=tag, kw_only=True, frozen=True,
+                             namespace={"KIND": "update_committed", "VERSION": 2})
+    with pytest.raises(TypeError, match=f"{reason}|partial type Part {reason}"):
+        partial_decoder({UpdateCommitted: part})
+    with pytest.raises(TypeError, match="expected a current event type"):
+        partial_decoder({UpdateCommittedV1: _Steps})
+
+
+def test_type_codes_are_one_distinct_byte_per_registered_type() -> None:
+    assert sorted(TYPE_CODES[t] for t in EVENT_TYPES) == list(range(1, len(EVENT_TYPES) + 1))
+    assert type_codes([]) == b""
+    assert type_codes([UpdateCommitted(step=1, epoch=0, microbatches=1, local_examples=1.0, global_examples=1.0,
+                                       loss=0.0), "not an event"]) == bytes([TYPE_CODES[UpdateCommitted], 0])
