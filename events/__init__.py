@@ -1,5 +1,6 @@
 """nnx_es's event vocabulary and its append-only log (no torch, no nnx_es imports)."""
 
+from events.chunks import RawChunk, StoredPairs
 from events.codec import CURRENT_TYPES, EVENT_TYPES, KINDS, AnyEvent, decode, encode, kind_of, upcast
 from events.errors import CorruptEventError, EventLogError, LogClosedError, NnxError, SequenceGapError
 from events.log import EventLog, LmdbLog, MemoryLog, seq_key
@@ -18,7 +19,9 @@ __all__ = [
     "LogClosedError",
     "MemoryLog",
     "NnxError",
+    "RawChunk",
     "SequenceGapError",
+    "StoredPairs",
     "decode",
     "encode",
     "kind_of",

@@ -6,8 +6,8 @@ Both keep one contract (``tests/contract/test_event_log.py``):
 * ``append`` only buffers; ``flush()`` writes the buffer in one transaction
   (no fsync); ``commit(event)`` appends, flushes and syncs, so a commit marker
   is durable before the call returns;
-* ``read``/``read_raw`` see flushed events only, by sequence range;
-  ``read(kinds=...)`` filters by kind;
+* ``read``/``read_raw``/``read_chunks`` see flushed events only, by sequence
+  range; ``read(kinds=...)`` filters by kind;
 * a value that does not decode raises :class:`CorruptEventError` naming its seq.
 
 The LMDB log stores key = 8-byte big-endian seq, value = msgpack
@@ -26,7 +26,8 @@ from typing import Protocol
 
 import lmdb
 
-from events.codec import decode, decode_many, encode
+from events.chunks import RawChunk, StoredPairs
+from events.codec import decode, encode
 from events.errors import EventLogError, LogClosedError
 from events.schema import Event
 
@@ -61,6 +62,8 @@ class EventLog(Protocol):
     def commit(self, event: Event) -> int: ...
 
     def read_raw(self, start: int = 0, stop: int | None = None) -> Iterator[tuple[int, bytes]]: ...
+
+    def read_chunks(self, start: int = 0, stop: int | None = None) -> Iterator[RawChunk]: ...
 
     def read(
         self, start: int = 0, stop: int | None = None, kinds: Iterable[str] | None = None
@@ -137,6 +140,13 @@ class _LogBase:
     def read_raw(self, start: int = 0, stop: int | None = None) -> Iterator[tuple[int, bytes]]:
         raise NotImplementedError
 
+    #: most values per chunk of :meth:`read_chunks`
+    read_chunk = 1024
+
+    def read_chunks(self, start: int = 0, stop: int | None = None) -> Iterator[RawChunk]:
+        """Yield :meth:`read_raw` as ``(first_seq, values)`` chunks of at most ``read_chunk`` consecutive seqs."""
+        return _runs(self.read_raw(start, stop), self.read_chunk)
+
     def __enter__(self) -> _LogBase:
         return self
 
@@ -191,9 +201,6 @@ class LmdbLog(_LogBase):
         EventLogError: the directory is missing (read-only), is not an LMDB log, or its
             ``data.mdb`` is truncated; reads raise it for a page LMDB finds corrupted.
     """
-
-    #: events decoded per msgspec call in :meth:`read`
-    read_chunk = 4096
 
     def __init__(
         self, path: str | os.PathLike[str], *, readonly: bool = False, map_size: int = _DEFAULT_MAP_SIZE
@@ -338,61 +345,68 @@ class LmdbLog(_LogBase):
         if self._closed:
             raise LogClosedError("read on a closed event log")
         with self._reading(), self._txn() as txn:
+            yield from self._stored(txn, start, stop)
+
+    def _stored(self, txn: lmdb.Transaction, start: int, stop: int | None) -> Iterator[tuple[int, bytes]]:
+        cur = txn.cursor(self._events)
+        if not cur.set_range(seq_key(max(start, 0))):
+            return
+        for key, value in cur:
+            seq = int.from_bytes(key, "big")
+            if stop is not None and seq >= stop:
+                return
+            yield seq, value
+
+    def read_chunks(self, start: int = 0, stop: int | None = None) -> Iterator[RawChunk]:
+        """Yield the stored values with ``start <= seq < stop`` as ``(first_seq, values)`` chunks.
+
+        Values are taken ``read_chunk`` at a time in one C-level pass over the cursor,
+        without their keys: a chunk's seqs follow from the key before it and its last
+        key. A chunk whose keys are not contiguous is read again with its keys and
+        split at each gap, so a gap shows as a jump in seq exactly as in :meth:`read_raw`.
+
+        Raises:
+            EventLogError: LMDB refused a read (a corrupted page).
+        """
+        if self._closed:
+            raise LogClosedError("read on a closed event log")
+        size = self.read_chunk
+        with self._reading(), self._txn() as txn:
             cur = txn.cursor(self._events)
+            if not cur.last():
+                return
+            final = int.from_bytes(cur.key(), "big")  # of this read's snapshot
+            end = final + 1 if stop is None else min(stop, final + 1)
             if not cur.set_range(seq_key(max(start, 0))):
                 return
-            for key, value in cur:
-                seq = int.from_bytes(key, "big")
-                if stop is not None and seq >= stop:
+            before = int.from_bytes(cur.key(), "big") - 1  # the key before the next chunk
+            values_of = cur.iternext(keys=False, values=True)
+            while before + 1 < end:
+                values = list(itertools.islice(values_of, size))
+                if not values:
                     return
-                yield seq, bytes(value)
+                # the cursor rests on the last value taken, unless the values ran out
+                last = int.from_bytes(cur.key(), "big") if len(values) == size else final
+                if last - before != len(values):  # a gap inside: read again with the keys
+                    yield from _runs(self._stored(txn, before + 1, min(last + 1, end)), size)
+                elif last >= end:
+                    yield before + 1, values[: end - before - 1]
+                else:
+                    yield before + 1, values
+                before = last
 
     def read(
         self, start: int = 0, stop: int | None = None, kinds: Iterable[str] | None = None
-    ) -> Iterator[tuple[int, Event]]:
-        """Yield ``(seq, event)`` for stored events with ``start <= seq < stop``.
+    ) -> StoredPairs:
+        """The ``(seq, event)`` pairs of stored events with ``start <= seq < stop``, in seq order.
 
-        Values are decoded a chunk at a time (one msgspec call per chunk); a
-        chunk whose keys are not contiguous is read one value at a time, so a
-        gap shows as a jump in seq exactly as in :meth:`read_raw`.
+        Values are read and decoded a chunk at a time (:meth:`read_chunks`, one msgspec
+        call per chunk); :func:`projections.view.project` takes the chunks undecoded.
 
         Raises:
             CorruptEventError: a value does not decode (names its seq).
         """
-        wanted = frozenset(kinds) if kinds is not None else None
-        if self._closed:
-            raise LogClosedError("read on a closed event log")
-        chunk = self.read_chunk
-        with self._reading(), self._txn() as txn:
-            cur = txn.cursor(self._events)
-            if not cur.set_range(seq_key(max(start, 0))):
-                return
-            items_of = cur.iternext(keys=True, values=True)
-            while True:
-                items = list(itertools.islice(items_of, chunk))  # one C-level pass per chunk
-                if not items:
-                    return
-                first = int.from_bytes(items[0][0], "big")
-                last_key = items[-1][0]
-                yield from self._chunk(first, [v for _, v in items], last_key, stop, wanted)
-                if len(items) < chunk or (stop is not None and int.from_bytes(last_key, "big") + 1 >= stop):
-                    return
-
-    def _chunk(
-        self, first: int, values: list[bytes], last_key: bytes, stop: int | None, wanted: frozenset[str] | None
-    ) -> Iterator[tuple[int, Event]]:
-        n = len(values)
-        last = int.from_bytes(last_key, "big")
-        if last != first + n - 1:  # a gap inside: take the exact path
-            end = last + 1 if stop is None else min(stop, last + 1)
-            return _LogBase.read(self, first, end, wanted)
-        if stop is not None and first + n > stop:
-            n = max(stop - first, 0)
-            values = values[:n]
-        pairs = zip(range(first, first + n), decode_many(values, first))  # iterated in C
-        if wanted is None:
-            return pairs
-        return ((seq, e) for seq, e in pairs if e.KIND in wanted)
+        return StoredPairs(self.read_chunks(start, stop), kinds)
 
     def put_raw(self, seq: int, raw: bytes) -> None:
         """Store ``raw`` under ``seq`` directly (tests use it to forge broken logs)."""
@@ -412,3 +426,17 @@ class LmdbLog(_LogBase):
         if not self._closed:
             self._env.close()
         super().close()
+
+
+def _runs(pairs: Iterable[tuple[int, bytes]], size: int) -> Iterator[RawChunk]:
+    """``(seq, value)`` pairs in seq order as chunks: runs of consecutive seqs, at most ``size`` values each."""
+    first, values = 0, list[bytes]()
+    for seq, value in pairs:
+        if values and (seq != first + len(values) or len(values) == size):
+            yield first, values
+            values = []
+        if not values:
+            first = seq
+        values.append(value)
+    if values:
+        yield first, values

@@ -185,6 +185,18 @@ class EventLogContract:
         assert list(log.read(start=50)) == []
         assert [s for s, _ in log.read_raw(4, 7)] == [4, 5, 6]
 
+    def test_read_chunks_are_the_raw_values_in_runs_of_consecutive_seqs(self, log: Any) -> None:
+        for e in _mixed(23):
+            log.append(e)
+        log.flush()
+        for size in range(1, 9):
+            log.read_chunk = size
+            for start, stop in [(0, None), (0, 23), (2, 9), (3, 8), (5, 6), (7, 7), (22, None), (23, None), (40, 50)]:
+                chunks = list(log.read_chunks(start, stop))
+                assert all(0 < len(values) <= size for _, values in chunks)
+                flat = [(first + i, raw) for first, values in chunks for i, raw in enumerate(values)]
+                assert flat == list(log.read_raw(start, stop)), (size, start, stop)
+
     def test_read_filters_by_kinds(self, log: Any) -> None:
         events = _mixed(10)
         for e in events:
@@ -247,6 +259,8 @@ class EventLogContract:
             lg.flush()
         with pytest.raises(LogClosedError):
             list(lg.read())
+        with pytest.raises(LogClosedError):
+            list(lg.read_chunks())
         assert issubclass(LogClosedError, EventLogError)
 
 
@@ -263,6 +277,22 @@ class TestLmdbLog(EventLogContract):
         return lambda: LmdbLog(tmp_path / f"log{next(counter)}" / "events.lmdb")
 
     # --- LMDB only --------------------------------------------------------------------
+
+    def test_a_gap_in_the_stored_seqs_starts_a_new_chunk(self, tmp_path: Path) -> None:
+        with LmdbLog(tmp_path / "events.lmdb") as lg:
+            for e in _mixed(20):
+                lg.append(e)
+            lg.flush()
+            for seq in (0, 5, 6, 13, 19):
+                lg.delete_raw(seq)
+            for size in (1, 2, 3, 4, 7, 64):
+                lg.read_chunk = size
+                for start, stop in [(0, None), (4, 14), (6, 13), (7, 13)]:
+                    chunks = list(lg.read_chunks(start, stop))
+                    flat = [(first + i, raw) for first, values in chunks for i, raw in enumerate(values)]
+                    assert flat == list(lg.read_raw(start, stop)), (size, start, stop)
+            lg.read_chunk = 64
+            assert [(first, len(values)) for first, values in lg.read_chunks()] == [(1, 4), (7, 6), (14, 5)]
 
     def test_reopen_sees_same_events_and_continues_sequence(self, tmp_path: Path) -> None:
         path = tmp_path / "events.lmdb"
