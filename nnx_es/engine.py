@@ -87,7 +87,7 @@ def default_train_step(ctx: TrainContext, batch: Any) -> None:
     """The default ``trainer_step_fn``: one microbatch, and the update when it fills the window."""
     engine = ctx.trainer.engine
     engine.microbatch(ctx, batch)
-    if engine.window_full:
+    if engine.w_microbatches >= engine.accumulation:  # the window is full
         engine.finalize_step(ctx)
 
 
@@ -233,8 +233,8 @@ class UpdateEngine:
         self.w_den += den
         self.w_num += num
         self.epoch.microbatches += 1
-        self.epoch.sums.add(parts, num, outputs, targets, weights)
         rows = int(targets.shape[0]) if hasattr(targets, "shape") and targets.dim() > 0 else 1
+        self.epoch.sums.add(parts, num, outputs, targets, weights, rows=rows)
         ctx.rows = rows
         self.trainer._microbatch_recorded = True
         self.trainer.recorder.emit(
@@ -343,14 +343,16 @@ class UpdateEngine:
         bufs = self._found_inf.get(device)
         if bufs is None:
             bufs = self._found_inf[device] = (torch.zeros(1, device=device), torch.ones(1, device=device))
-        found, one = bufs
-        found.zero_()
+        found, one = bufs  # found stays 0 until a check finds a non-finite value
         try:
             torch._amp_foreach_non_finite_check_and_unscale_(grads, found, one)
         except RuntimeError:  # mixed devices or dtypes the fused check does not take
             return math.isfinite(float(torch.linalg.vector_norm(torch.stack(
                 [torch.linalg.vector_norm(g).to(device) for g in grads]))))
-        return not found.item()
+        if found.item():
+            found.zero_()
+            return False
+        return True
 
     def report_update(
         self,
@@ -403,11 +405,14 @@ class UpdateEngine:
         for r in receipts:
             rec.emit(r)
         self.epoch.updates += 1
-        for r in receipts:
-            trainer._dispatch("on_optimizer_update", ctx, r)
+        if trainer._hooks["on_optimizer_update"]:
+            for r in receipts:
+                trainer._dispatch("on_optimizer_update", ctx, r)
+        if not trainer.update_clock:
+            return
         committed = set(names)
-        for s in trainer.schedulers:
-            if s.clock == "optimizer_update" and s.optimizer_name in committed:
+        for s in trainer.update_clock:
+            if s.optimizer_name in committed:
                 s.scheduler.step()
                 s.steps += 1
                 rec.emit(

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from nnx_es.data import iterate_batches
 from nnx_es.errors import ConfigError
 from nnx_es.objective import LossParts, Objective, accuracy
 
@@ -56,15 +57,18 @@ class MetricSums:
     def correct(self) -> float:
         return float(self._correct)
 
-    def add(self, parts: LossParts, num: float, outputs: Tensor, targets: Tensor, weights: Tensor | None) -> None:
-        """Add one microbatch (``num``: its total numerator as a float; non-finite ones are left out)."""
+    def add(self, parts: LossParts, num: float, outputs: Tensor, targets: Tensor, weights: Tensor | None,
+            *, rows: int | None = None) -> None:
+        """Add one microbatch (``num``: its total numerator as a float; non-finite ones are left out;
+        ``rows``: its row count, when the caller has it)."""
         if math.isfinite(num):
             self.num += num
             self.den += parts.den
             if len(parts.terms) > 1:
                 for name, v in parts.terms.items():
                     self.terms[name] = self.terms.get(name, 0.0) + float(v)
-        rows = int(targets.shape[0]) if targets.dim() > 0 else 1
+        if rows is None:
+            rows = int(targets.shape[0]) if targets.dim() > 0 else 1
         if self.with_accuracy and outputs.dim() == 2 and targets.dim() == 1:
             if weights is None:
                 self._correct = self._correct + (outputs.detach().argmax(dim=-1) == targets).sum()
@@ -93,13 +97,18 @@ def evaluate(
     objective: Objective,
     step_fn: Callable[[nn.Module, Any], tuple[Tensor, Tensor, Tensor | None]],
     metrics: tuple[str, ...] = (),
+    *,
+    gather: bool = True,
 ) -> tuple[dict[str, float], int]:
-    """One validation pass in eval mode: (``val_`` metrics, rows scored). The net's mode is restored."""
+    """One validation pass in eval mode: (``val_`` metrics, rows scored). The net's mode is restored.
+
+    ``gather``: iterate through :func:`nnx_es.data.iterate_batches` (same batches, gathered).
+    """
     was_training = net.training
     net.eval()
     sums = MetricSums(metrics)
     try:
-        for batch in loader:
+        for batch in iterate_batches(loader, gather=gather):
             outputs, targets, weights = step_fn(net, batch)
             parts = objective(outputs, targets, weights)
             sums.add(parts, float(parts.total), outputs, targets, weights)

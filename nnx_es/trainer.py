@@ -61,6 +61,7 @@ from events.schema import (
 from nnx_es.callbacks import Callback, LambdaCallback
 from nnx_es.commit import Committer
 from nnx_es.context import TrainContext
+from nnx_es.data import iterate_batches
 from nnx_es.engine import UpdateEngine, default_forward, default_train_step
 from nnx_es.errors import ConfigError
 from nnx_es.finalize import finalize
@@ -121,6 +122,9 @@ class Trainer:
         run_id: ``[A-Za-z0-9._-]{1,128}``; default: a timestamp and random suffix.
         seed: seeds Python, numpy and torch before training.
         progress: show a progress display (default: when stderr is a terminal).
+        batch_gather: fetch each batch of a ``DataLoader`` over an in-memory ``TensorDataset``
+            with one index per tensor instead of row by row -- the same batches, order and RNG
+            draws (see :mod:`nnx_es.data`); ``False`` iterates every loader as given.
         recipe: your run's configuration as JSON-like builtins (data set, hyperparameters, code
             version); stored verbatim in ``run_started`` so ``tools/inspect`` shows what was run.
 
@@ -155,6 +159,7 @@ class Trainer:
         run_id: str | None = None,
         seed: int = 0,
         progress: bool | None = None,
+        batch_gather: bool = True,
         recipe: Mapping[str, Any] | None = None,
     ) -> None:
         if not isinstance(net, nn.Module):
@@ -188,6 +193,8 @@ class Trainer:
             raise ConfigError(f"callbacks must be a list of Callback, got {callbacks!r}")
         callbacks = list(callbacks)
         self.schedulers = self._wrap_schedulers(schedulers)
+        #: the schedulers on the optimizer_update clock (stepped after each committed update)
+        self.update_clock = [s for s in self.schedulers if s.clock == "optimizer_update"]
         for cb in callbacks:
             if not isinstance(cb, Callback):
                 raise ConfigError(f"callbacks must be nnx_es.Callback instances, got {type(cb).__name__}")
@@ -218,6 +225,9 @@ class Trainer:
             raise ConfigError(f"seed must be an int, got {seed!r}")
         self.seed = seed
         self.progress_enabled = progress
+        if not isinstance(batch_gather, bool):
+            raise ConfigError(f"batch_gather must be True or False, got {batch_gather!r}")
+        self.batch_gather = batch_gather
         self.recipe = dict(recipe or {})
         self.world_size = 1
         self.metrics = validate_metrics(metrics)
@@ -417,22 +427,34 @@ class Trainer:
         self.stages(TrainingStage.BEFORE_EPOCH, ctx)
         self.progress.start_epoch(epoch, len(train_loader) if hasattr(train_loader, "__len__") else None)  # type: ignore[arg-type]
         step_fn = self.trainer_step_fn
-        for i, batch in enumerate(train_loader):
+        # the per-batch loop: what is absent (stage hooks, batch callbacks, progress, step
+        # validation) is decided once per epoch, not per batch
+        stages = self.stages if self.stages.by_stage else None
+        on_batch_end = self._hooks["on_batch_end"]
+        progress = self.progress if self.progress.enabled else None
+        validate_on_step = val_loader is not None and self.validate_every_steps is not None
+        committer = self.committer
+        for i, batch in enumerate(iterate_batches(train_loader, gather=self.batch_gather)):
             ctx.batch_index, ctx.batch = i, batch
             self._microbatch_recorded = False
             self._committed_update = False
-            self.stages(TrainingStage.BEFORE_BATCH, ctx)
+            if stages:
+                stages(TrainingStage.BEFORE_BATCH, ctx)
             out = step_fn(ctx, batch)
             if self.custom_step and not self._microbatch_recorded:
                 self._ensure_microbatch_recorded(ctx, loss=float(out) if out is not None else None, examples=0.0)
-            if self._committed_update:
+            if validate_on_step and self._committed_update:
                 self._maybe_validate_on_step(val_loader)
-            self._dispatch("on_batch_end", ctx)
-            self.stages(TrainingStage.AFTER_BATCH, ctx)
-            self.progress.advance(ctx.loss, ctx.step_count, ctx.rows)
+            for cb in on_batch_end:
+                cb.on_batch_end(ctx)
+            if stages:
+                stages(TrainingStage.AFTER_BATCH, ctx)
+            if progress:
+                progress.advance(ctx.loss, ctx.step_count, ctx.rows)
             if self._committed_update:
                 self._unreported = 0
-                self.committer.on_update()
+                if committer.pending is not None:
+                    committer.on_update()
                 rec.maybe_flush()
                 if ctx.stop_at_update_requested:
                     rec.emit(StopRequested(epoch=epoch, step=ctx.step_count, reason="update_boundary"))
@@ -532,7 +554,7 @@ class Trainer:
         With an :class:`~nnx_es.update_hooks.EMA` update hook, the averaged weights are evaluated.
         """
         net = self.engine.orchestrator.averaged_module() or self.net
-        return evaluate(net, loader, self.objective, self.eval_step_fn, self.metrics)
+        return evaluate(net, loader, self.objective, self.eval_step_fn, self.metrics, gather=self.batch_gather)
 
     # --- checkpoints ----------------------------------------------------------------------
 
