@@ -76,6 +76,8 @@ class Committer:
         self.trainer = trainer
         self.lag = lag
         self.pending: _Pending | None = None
+        #: (manifest hash, counters) of the last completed commit
+        self.last_done: tuple[str, Counters] | None = None
         self._executor: ThreadPoolExecutor | None = None
         self.phases: list[str] = []
 
@@ -157,7 +159,23 @@ class Committer:
                 rec.emit(CallbackCheckpointed(name=name, epoch=p.epoch, blob=blob))
         finally:
             rec.sync()  # LAST and its group: one synced write
+        self.last_done = (digest, p.counters)
         return digest
+
+    def recommit_final(self, *, epoch: int) -> bool:
+        """Append the final LAST naming the last commit's manifest, if the counters have not
+        moved since it (the caller vouches that nothing else changed the state); sync it.
+
+        Returns:
+            False when there is no such commit or the counters moved (nothing written).
+        """
+        rec = self.trainer.recorder
+        if self.pending is not None or self.last_done is None or self.last_done[1] != rec.counters:
+            return False
+        digest, counters = self.last_done
+        rec.emit(LastCommitted(manifest=digest, epoch=epoch, step=counters.step, counters=counters, final=True))
+        rec.sync()
+        return True
 
     def close(self) -> None:
         if self._executor is not None:

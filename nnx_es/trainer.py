@@ -524,7 +524,7 @@ class Trainer:
         self.committer.complete()  # the previous epoch's LAST precedes this epoch's history
         covers = rec.emit(HistoryAppended(record=record))
         self.committer.submit(epoch=epoch, covers=covers, decision=decision)
-        rec.flush()
+        rec.maybe_flush()  # with a lag the history is committed by the next epoch's LAST sync
         self.progress.end_epoch(epoch, record)
         log.info("epoch committed", run_id=self.run_id, epoch=epoch, **record.train, **record.val,
                  improved=record.improved)
@@ -559,8 +559,16 @@ class Trainer:
     # --- checkpoints ----------------------------------------------------------------------
 
     def _commit_last(self, *, epoch: int, final: bool = False) -> str | None:
-        """Commit LAST now (synchronously): the initial checkpoint and the refresh after finalization."""
+        """Commit LAST now (synchronously): the initial checkpoint and the refresh after finalization.
+
+        The final refresh names the last commit's manifest again, without capturing, when
+        nothing can have changed the state since: the counters are the same and no callback
+        ``on_train_end`` or ``AFTER_TRAINING`` stage hook ran.
+        """
         self.committer.complete()
+        if final and not self._hooks["on_train_end"] and not self.stages.has(TrainingStage.AFTER_TRAINING):
+            if self.committer.recommit_final(epoch=epoch):
+                return None
         self.committer.submit(epoch=epoch, final=final, group=False)
         return None
 

@@ -132,6 +132,40 @@ def test_finalization_runs_in_reverse_order_and_refreshes_last_after_it(tmp_path
     assert load_component(store, manifest, "callback/first") == {"epochs": 100}
 
 
+@pytest.mark.parametrize("finalizer", [None, "callback", "stage"])
+def test_the_final_last_is_captured_again_only_when_finalization_could_change_the_state(tmp_path, finalizer):
+    from nnx_es import LambdaCallback
+    from nnx_es.stages import TrainingStage
+
+    class AfterTraining:
+        stage = TrainingStage.AFTER_TRAINING
+        frequency = 1
+
+        def __call__(self, ctx, stage):
+            with torch.no_grad():
+                next(ctx.net.parameters()).add_(1.0)  # a change the final LAST must hold
+
+    callbacks = [LambdaCallback(on_train_end=lambda ctx: None)] if finalizer == "callback" else []
+    hooks = [AfterTraining()] if finalizer == "stage" else []
+    net = small_net(0)
+    trainer = Trainer(net, torch.optim.SGD(net.parameters(), lr=0.1), nn.CrossEntropyLoss(),
+                      callbacks=callbacks, hooks=hooks, runs_root=tmp_path / "runs", run_id="f", progress=False)
+    run = trainer.fit(loaders()[0], epochs=2)
+    events = [e for _, e in read_events(run.run_dir)]
+    lasts = [e for e in events if isinstance(e, LastCommitted)]
+    assert lasts[-1].final and lasts[-1].counters == lasts[-2].counters == run.counters
+    if finalizer is None:  # nothing ran after the epoch's commit: the same checkpoint, named again
+        assert lasts[-1].manifest == lasts[-2].manifest
+        assert [e.KIND for e in events[-3:]] == ["last_committed", "last_committed", "run_finalized"]
+    else:
+        assert [e.KIND for e in events[-3:]] == ["checkpoint_stored", "last_committed", "run_finalized"]
+    store = BlobStore(Path(run.run_dir) / "blobs")
+    from nnx_es.checkpoint import load_component
+
+    saved = load_component(store, verify_checkpoint(store, lasts[-1].manifest), "model")
+    assert all(torch.equal(saved[k], v) for k, v in net.state_dict().items())
+
+
 def test_a_cleanup_error_does_not_mask_the_training_error(tmp_path):
     seen: list[str] = []
 
