@@ -161,8 +161,9 @@ class UpdateEngine:
         self.precision = precision
         device_type = next((p.device.type for p in self.trainer.net.parameters()), "cpu")
         dtype = torch.bfloat16 if precision == "bf16" else torch.float16
+        _plain = nullcontext()  # reusable: fp32 enters no autocast region
         self._autocast: Callable[[], Any] = (
-            (lambda: torch.autocast(device_type, dtype=dtype)) if precision != "fp32" else nullcontext
+            (lambda: torch.autocast(device_type, dtype=dtype)) if precision != "fp32" else (lambda: _plain)
         )
         self.scaler = torch.amp.GradScaler(device_type, init_scale=init_scale) if precision == "fp16" else None
 
@@ -283,7 +284,8 @@ class UpdateEngine:
             grads = [p.grad for p in self._params if p.grad is not None]
             if W != 1.0 and not self.w_divided:
                 torch._foreach_div_(grads, W)
-            self.stages(TrainingStage.BEFORE_OPTIMIZER_STEP, ctx)
+            if self.stages.by_stage:
+                self.stages(TrainingStage.BEFORE_OPTIMIZER_STEP, ctx)
             norm_t = None
             if self.clip_grad_norm is not None or self.track_grad_norm:
                 # the total L2 norm before clipping (what torch.nn.utils.get_total_norm computes, minus its checks)
@@ -294,7 +296,7 @@ class UpdateEngine:
                 finite = self._grads_finite(grads)
             if not finite:
                 reason, detail = "nonfinite", "a gradient is not finite"
-            elif self.orchestrator.vetoed(ctx):
+            elif self.orchestrator.can_veto and self.orchestrator.vetoed(ctx):
                 reason, detail = "vetoed", "an update hook vetoed the step"
             else:
                 clipped = self.clip_grad_norm is not None and norm > self.clip_grad_norm
@@ -328,7 +330,8 @@ class UpdateEngine:
             return False
         self._commit(ctx, names, loss=loss, examples=W, microbatches=microbatches, grad_norm=norm,
                      clipped=clipped, lrs=lrs)
-        self.stages(TrainingStage.AFTER_OPTIMIZER_STEP, ctx)
+        if self.stages.by_stage:
+            self.stages(TrainingStage.AFTER_OPTIMIZER_STEP, ctx)
         return True
 
     def _grads_finite(self, grads: list[Tensor]) -> bool:

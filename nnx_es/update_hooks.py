@@ -86,6 +86,8 @@ class UpdateOrchestrator:
         self.backward_owner = owners.get(TrainingStage.DO_BACKWARD)
         self.step_owner = owners.get(TrainingStage.DO_OPTIMIZER_STEP)
         self._vetoers = [h for h in self.hooks if type(h).veto is not UpdateHook.veto]
+        #: whether any hook can veto a step (else :meth:`vetoed` need not be asked)
+        self.can_veto = bool(self._vetoers)
         self._after = [h for h in self.hooks if type(h).after_step is not UpdateHook.after_step]
 
     def vetoed(self, ctx: TrainContext) -> bool:
