@@ -8,6 +8,9 @@ Order (spec 000, durable commit order; DESIGN.md "Performance budget")::
     checkpoint_stored -> last_committed -> best_committed? -> phase_committed? -> callback_checkpointed*
     one synced log write                    (LAST is the only thing readers trust)
 
+A new run's opening checkpoint (epoch -1) follows the same rule: with a lag its
+LAST lands during the first epoch and ``covers`` the opening events only.
+
 With ``lag == 0`` the commit completes at the epoch's end. With ``lag = N > 0``
 the blobs are persisted on a background thread while the next epoch trains,
 and the training thread appends LAST after exactly N committed updates of the
@@ -82,8 +85,13 @@ class Committer:
         self.phases: list[str] = []
 
     def submit(self, *, epoch: int, covers: int = -1, decision: MonitorDecided | None = None,
-               final: bool = False, group: bool = True) -> None:
-        """Capture the trainer's state now and start persisting it (see the module docstring)."""
+               final: bool = False, group: bool = True, opening: bool = False) -> None:
+        """Capture the trainer's state now and start persisting it (see the module docstring).
+
+        ``opening``: a new run's first checkpoint, deferred like an epoch's when the lag is
+        > 0 (other group-less commits -- a resumed session's opening, the final refresh --
+        complete before this returns).
+        """
         self.complete()  # at most one commit in flight
         t = self.trainer
         counters = t.recorder.counters
@@ -103,7 +111,7 @@ class Committer:
             return digest, manifest, [(name, blob) for (name, _), blob in zip(callbacks, blobs)]
 
         future: Future[Any] = Future()
-        inline = self.lag == 0 or final or epoch < 0 or not group  # a session's opening LAST precedes its first epoch
+        inline = self.lag == 0 or final or (not group and not opening)
         if inline:
             try:
                 future.set_result(persist())

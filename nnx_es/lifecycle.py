@@ -13,6 +13,7 @@ Both use :func:`compiled_table`, a ``(state, kind) -> state`` dict built from
 agree on every (state, kind) pair. Order of one run (spec 000 "Lifecycle order")::
 
     run_started  callback_began*  train_began  checkpoint_stored?  last_committed(initial)
+      (with checkpoint_lag > 0 a new run's initial LAST is deferred into its first epoch, like any epoch's)
       ( epoch_began
           ( microbatch_done+  (update_committed+ scheduler_stepped* | update_skipped) )*
           validation_done?  epoch_summarized  monitor_decided?  scheduler_stepped*
@@ -146,6 +147,7 @@ def _deferred(base: tuple[dict[str, Any], ...]) -> list[dict[str, Any]]:
         rows.append(_t("last_committed", st + PENDING, st + JUST_COMMITTED))
         rows.extend(_t(kind, st + JUST_COMMITTED, st + JUST_COMMITTED) for kind in _GROUP)
     rows.append(_t("epoch_began", "recorded", "in_epoch" + PENDING))
+    rows.append(_t("epoch_began", "training", "in_epoch" + PENDING))  # a new run's opening LAST, deferred
     return rows
 
 

@@ -393,8 +393,13 @@ class Trainer:
                 rec.emit(CallbackBegan(name=cb.name, index=i))
                 begun.append((i, cb))
             n_batches = len(train_loader) if hasattr(train_loader, "__len__") else None  # type: ignore[arg-type]
-            rec.emit(TrainBegan(start_epoch=start_epoch, epochs=epochs, train_batches=n_batches))
-            self._commit_last(epoch=start_epoch - 1)
+            covers = rec.emit(TrainBegan(start_epoch=start_epoch, epochs=epochs, train_batches=n_batches))
+            if isinstance(opening, RunStarted) and self.committer.lag > 0:
+                # a new run's opening checkpoint persists while its first epoch trains; its LAST,
+                # appended like any deferred LAST, commits the opening events (up to train_began)
+                self.committer.submit(epoch=start_epoch - 1, covers=covers, group=False, opening=True)
+            else:
+                self._commit_last(epoch=start_epoch - 1)
             rec.flush()
             if self._stop is not None:  # resumed after the run had decided to stop: finish it
                 rec.emit(StopRequested(epoch=start_epoch - 1, step=ctx.step_count, reason=self._stop[0],

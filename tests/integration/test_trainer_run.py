@@ -296,14 +296,17 @@ def test_a_deferred_last_lands_where_declared_and_changes_nothing_committed(tmp_
     strip = [msgspec.structs.replace(r, wall_time_s=0.0) for r in sync.history]
     assert strip == [msgspec.structs.replace(r, wall_time_s=0.0) for r in lagged.history]
     events = read_events(lagged.run_dir)
-    for epoch in (0, 1):
+    # the opening LAST (epoch -1) is deferred into epoch 0 too and covers the opening events only
+    opening = next(e for _, e in events if e.KIND == "last_committed")
+    assert opening.epoch == -1 and opening.covers == next(s for s, e in events if e.KIND == "train_began")
+    for epoch in (-1, 0, 1):
         last = next(s for s, e in events if e.KIND == "last_committed" and e.epoch == epoch)
         began = next(s for s, e in events if e.KIND == "epoch_began" and e.epoch == epoch + 1)
         updates_between = sum(1 for s, e in events if began < s < last and e.KIND == "update_committed")
         assert updates_between == (3 if lag == 3 else 6)
         if lag == "epoch":  # right before the next epoch's history
             nxt = next(s for s, e in events if e.KIND == "history_appended" and e.record.epoch == epoch + 1)
-            assert [e.KIND for _, e in events[last + 1: nxt]] == ["best_committed"] * (nxt - last - 1)
+            assert [e.KIND for _, e in events[last + 1: nxt]] == ["best_committed"] * (nxt - last - 1) * (epoch >= 0)
     assert audit_run(lagged.run_dir).ok
     with pytest.raises(Exception, match="checkpoint_lag"):
         net = small_net()

@@ -182,11 +182,17 @@ def test_stop_at_update_boundary() -> None:
     assert lc.state == "finalized"
 
 
-def test_epoch_cannot_begin_before_the_initial_last() -> None:
-    lc = _walk(["run_started", "callback_began", "train_began"])
+def test_the_first_epoch_may_begin_before_the_initial_last_but_not_record_its_history() -> None:
+    # a new run's initial LAST may be deferred into its first epoch (checkpoint_lag > 0)
+    lc = _walk(["run_started", "callback_began", "train_began", "epoch_began", "microbatch_done",
+                "update_committed", "epoch_summarized"])
+    assert lc.state == "summarized~"
     with pytest.raises(IllegalTransitionError):
-        lc.advance("epoch_began")
-    assert lc.state == "training"
+        lc.advance("history_appended")  # the first epoch's history waits for the initial LAST
+    lc = _walk(["checkpoint_stored", "last_committed", "history_appended"], lc.state)
+    assert lc.state == "recorded"
+    with pytest.raises(IllegalTransitionError):  # and nothing but an epoch follows train_began
+        _walk(["run_started", "train_began"]).advance("epoch_summarized")
 
 
 @pytest.mark.parametrize(
