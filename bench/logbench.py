@@ -1,7 +1,8 @@
-"""Benchmarks 2 and 3: event append cost, fsyncs per epoch, and replay throughput."""
+"""Benchmarks 2 and 3: event append cost, fsyncs per epoch, and replay throughput; long logs for the tools."""
 
 from __future__ import annotations
 
+import math
 import os
 import shutil
 import tempfile
@@ -9,12 +10,31 @@ import time
 from pathlib import Path
 
 from events.log import LmdbLog
-from events.schema import Counters, EpochBegan, LastCommitted, MicrobatchDone, UpdateCommitted
+from events.schema import (
+    BestCommitted,
+    CheckpointStored,
+    Counters,
+    EpochBegan,
+    EpochSummarized,
+    HistoryAppended,
+    HistoryRecord,
+    LastCommitted,
+    MicrobatchDone,
+    MonitorDecided,
+    MonitorSpec,
+    RunFinalized,
+    RunStarted,
+    SchedulerDecl,
+    SchedulerStepped,
+    TrainBegan,
+    UpdateCommitted,
+    ValidationDone,
+)
 from nnx_es.lifecycle import Lifecycle
 from nnx_es.recorder import Recorder
 from projections.view import project
 
-__all__ = ["append_us_per_event", "fsyncs_per_epoch", "replay_events_per_s", "synthetic_log"]
+__all__ = ["append_us_per_event", "fsyncs_per_epoch", "long_run_log", "replay_events_per_s", "synthetic_log"]
 
 
 def _epoch_events(epoch: int, batches: int, step0: int) -> list:
@@ -110,6 +130,69 @@ def synthetic_log(path: Path, n_events: int, batches: int = 250) -> int:
                                      counters=Counters(batch=step, step=step, global_step=step, epoch=epoch + 1)))
             log.flush()
             epoch += 1
+        return log.next_seq
+
+
+def long_run_log(path: Path, n_events: int, batches: int = 2000) -> int:
+    """Write the log of a long finished run of at least ``n_events`` events; return the count.
+
+    Shaped like the trainer's: ``run_started``, ``train_began``, the opening LAST, then
+    per epoch ``epoch_began``, ``batches`` pairs of ``microbatch_done`` and
+    ``update_committed`` (loss and grad norm varying with the step), ``validation_done``,
+    ``epoch_summarized``, ``monitor_decided``, a plateau ``scheduler_stepped``,
+    ``history_appended``, ``checkpoint_stored``, ``last_committed`` covering the history
+    record, ``best_committed`` when the monitor improved; the final LAST and
+    ``run_finalized`` close it. No blob is stored: the audit reports every manifest missing.
+    """
+    epochs = max(1, math.ceil((n_events - 6) / (2 * batches + 8)))
+    lr = 1e-3
+    with LmdbLog(path) as log:
+        log.append(RunStarted(run_id=Path(path).parent.name or "long", seed=0, optimizers=["adam"],
+                              schedulers=[SchedulerDecl(name="plateau", clock="epoch", cls="ReduceLROnPlateau",
+                                                        optimizer="adam", plateau=True)],
+                              monitor=MonitorSpec(name="val_loss")))
+        log.append(TrainBegan(start_epoch=0, epochs=epochs, train_batches=batches))
+        manifest = f"{0:064x}"
+        log.append(CheckpointStored(manifest=manifest, epoch=-1, step=0, components={"model": manifest}))
+        log.append(LastCommitted(manifest=manifest, epoch=-1, step=0, counters=Counters()))
+        step, best, best_epoch, bad = 0, math.inf, 0, 0
+        for epoch in range(epochs):
+            total = 0.0
+            log.append(EpochBegan(epoch=epoch, wall_time_s=float(epoch)))
+            for b in range(batches):
+                step += 1
+                loss = 2.0 / math.sqrt(step) + 0.05 * math.sin(step / 97.0)
+                total += loss
+                log.append(MicrobatchDone(epoch=epoch, batch=b, rows=32, examples=32.0, loss=loss))
+                log.append(UpdateCommitted(step=step, epoch=epoch, microbatches=1, local_examples=32.0,
+                                           global_examples=32.0, loss=loss, grad_norm=10 * loss, lrs=[lr],
+                                           optimizer="adam"))
+            val = total / batches * 1.1 + 0.01 * math.cos(epoch)
+            improved = val < best
+            if improved:
+                best, best_epoch, bad = val, epoch, 0
+            else:
+                bad += 1
+            counters = Counters(batch=step, step=step, global_step=step, epoch=epoch + 1, epoch_step=batches)
+            log.append(ValidationDone(epoch=epoch, metrics={"val_loss": val}, examples=1000, step=step))
+            log.append(EpochSummarized(epoch=epoch, metrics={"loss": total / batches}, examples=32.0 * batches,
+                                       microbatches=batches, updates=batches, duration_s=1.0))
+            log.append(MonitorDecided(epoch=epoch, monitor="val_loss", mode="min", value=val, improved=improved,
+                                      best=best, best_epoch=best_epoch, bad_epochs=bad))
+            log.append(SchedulerStepped(name="plateau", clock="epoch", epoch=epoch, step=step, steps=epoch + 1,
+                                        lrs=[lr]))
+            covers = log.append(HistoryAppended(record=HistoryRecord(
+                epoch=epoch, train={"loss": total / batches}, val={"val_loss": val}, monitor_value=val,
+                improved=improved, lrs={"adam": [lr]}, counters=counters, wall_time_s=1.0)))
+            manifest = f"{epoch + 1:064x}"
+            log.append(CheckpointStored(manifest=manifest, epoch=epoch, step=step, components={"model": manifest}))
+            log.append(LastCommitted(manifest=manifest, epoch=epoch, step=step, counters=counters, covers=covers))
+            if improved:
+                log.append(BestCommitted(manifest=manifest, epoch=epoch, monitor="val_loss", value=val))
+            log.flush()
+        log.append(LastCommitted(manifest=manifest, epoch=epochs - 1, step=step, counters=counters, final=True))
+        log.append(RunFinalized(status="completed", epochs=epochs, steps=step, wall_time_s=float(epochs)))
+        log.flush()
         return log.next_seq
 
 
