@@ -4,12 +4,14 @@ Modules: :mod:`~nnx_es.audit.report` (what an audit returns),
 :mod:`~nnx_es.audit.sequence` (checks over the whole sequence: 2, 3, 7's early
 stopping, 8), :mod:`~nnx_es.audit.committed` (checks over the committed view:
 4, 6, 7, 10), :mod:`~nnx_es.audit.fold` (the committed view folded in one pass, with
-its tail), :mod:`~nnx_es.audit.run` (the streaming pass, 1, 5 and 9).
+its tail), :mod:`~nnx_es.audit.run` (the streaming pass, 1, 5 and 9), :mod:`~nnx_es.audit.reading`
+(the log opened read-only, its decodable events, its uncommitted tail read from the end).
 """
 
 from nnx_es.audit.fold import CommittedFold
 from nnx_es.audit.report import INVARIANTS, AuditReport, NotARunError, Violation
-from nnx_es.audit.run import audit_run, decoded, open_run_log
+from nnx_es.audit.reading import committed_tail, decoded, open_run_log
+from nnx_es.audit.run import audit_run
 
 __all__ = [
     "INVARIANTS",
@@ -18,6 +20,7 @@ __all__ = [
     "NotARunError",
     "Violation",
     "audit_run",
+    "committed_tail",
     "decoded",
     "open_run_log",
 ]

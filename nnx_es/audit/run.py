@@ -36,40 +36,16 @@ from events.log import LmdbLog
 from events.schema import Event, RunStarted
 from nnx_es.audit.committed import CommittedCheck
 from nnx_es.audit.fold import CommittedFold
-from nnx_es.audit.report import AuditReport, NotARunError, Sink
+from nnx_es.audit.reading import decoded, open_run_log
+from nnx_es.audit.report import AuditReport, Sink
 from nnx_es.audit.sequence import CommitOrderCheck, FinalizationCheck, LifecycleCheck
 from nnx_es.storage import BlobStore
 from nnx_es.views import expected_views, read_views
 from projections import Projections, project, tail_length
 
-__all__ = ["audit_run", "decoded", "open_run_log"]
+__all__ = ["audit_run"]
 
 _FIELDS = ("history", "checkpoints", "schedulers", "counters", "status")
-
-
-def open_run_log(run_dir: Path) -> LmdbLog:
-    """Open ``run_dir/events.lmdb`` read-only.
-
-    Raises:
-        NotARunError: ``run_dir`` does not exist, is not a directory, or holds no event log.
-        EventLogError: the log exists but LMDB cannot open it.
-    """
-    run_dir = Path(run_dir)
-    if not run_dir.is_dir():
-        raise NotARunError(f"run directory {str(run_dir)!r} does not exist or is not a directory")
-    path = run_dir / "events.lmdb"
-    if not (path / "data.mdb").is_file():
-        raise NotARunError(f"{str(run_dir)!r} is not a run: expected an event log at {path}")
-    return LmdbLog(path, readonly=True)
-
-
-def decoded(log: LmdbLog, start: int = 0, stop: int | None = None) -> Iterator[tuple[int, Event]]:
-    """``(seq, event)`` of the decodable values in ``[start, stop)``; the others are skipped."""
-    for seq, raw in log.read_raw(start, stop):
-        try:
-            yield seq, decode(raw, seq)
-        except CorruptEventError:
-            continue
 
 
 class _Source:
