@@ -42,9 +42,10 @@ from events.codec import KINDS, decode
 from events.errors import CorruptEventError, EventLogError
 from events.log import LmdbLog
 from events.schema import Event, HistoryAppended, RunFinalized, RunStarted
-from nnx_es.audit import CommittedFold, NotARunError, decoded, open_run_log
+from nnx_es.audit import NotARunError, committed_tail, decoded, open_run_log
 from nnx_es.cli._common import EXIT_OK, EXIT_UNUSABLE, reader_left
 from nnx_es.views import summary as summary_of
+from projections import Projections, project
 
 __all__ = ["COMMANDS", "main"]
 
@@ -280,13 +281,25 @@ def _rows(log: LmdbLog, args: argparse.Namespace, kinds: frozenset[str] | None, 
     return seq + 1
 
 
+def _projected(log: LmdbLog, stop: int) -> tuple[Projections, int]:
+    """The projections of the events in ``[0, stop)`` and their uncommitted tail.
+
+    One pass a chunk at a time, decoding the frequent kinds partially, as the runtime
+    projects (:func:`projections.project`); a log holding a value that does not decode
+    is projected again without it. The tail is read back from the end
+    (:func:`nnx_es.audit.committed_tail`, about one epoch).
+    """
+    try:
+        p = project(log.read(0, stop))
+    except CorruptEventError:
+        p = project(decoded(log, 0, stop))
+    return p, committed_tail(log, stop)
+
+
 def _at(log: LmdbLog, seq: int, as_json: bool) -> None:
     """Every projection after folding the committed view of the log up to ``seq`` (time travel)."""
-    from projections.view import project, tail_length
-
     stop = min(seq + 1, log.next_seq)
-    p = project(log.read(0, stop))
-    tail = tail_length(log.read(0, stop))
+    p, tail = _projected(log, stop)
     last = p.checkpoints.last
     doc = {
         "at": seq,
@@ -317,11 +330,9 @@ def _schema() -> None:
 
 
 def _summary(log: LmdbLog, run_dir: Path, as_json: bool) -> None:
-    folded = CommittedFold(decoded(log, 0, log.next_seq))
-    for _ in folded:
-        pass
-    p = folded.p
-    doc = {**summary_of(p), "events": log.next_seq, "tail": folded.tail}
+    stop = log.next_seq
+    p, tail = _projected(log, stop)
+    doc = {**summary_of(p), "events": stop, "tail": tail}
     if p.history.records:
         doc["lrs"] = {opt: list(lrs) for opt, lrs in p.history.records[-1].lrs.items()}
     if as_json:

@@ -13,11 +13,12 @@ import pytest
 import torch
 from torch import nn
 
-from bench.logbench import synthetic_log
+from bench.logbench import long_run_log
 from events.codec import CURRENT_TYPES
+from events.log import LmdbLog
 from nnx_es import EarlyStopping, Trainer
 from nnx_es.cli.inspect import main
-from projections import project
+from projections import project, tail_length
 from trainkit import loaders, read_events, small_net
 
 torch.set_num_threads(1)
@@ -122,7 +123,7 @@ def test_follow_tails_a_live_run_until_it_finalizes(tmp_path, capsys):
 
 def test_inspect_streams_a_long_run_without_loading_it(tmp_path, capsys):
     run = tmp_path / "long"
-    n = synthetic_log(run / "events.lmdb", 120_000)
+    n = long_run_log(run / "events.lmdb", 120_000, batches=250)
     tracemalloc.start()
     try:
         assert main([str(run), "--kind", "last_committed", "--json"]) == 0
@@ -133,9 +134,36 @@ def test_inspect_streams_a_long_run_without_loading_it(tmp_path, capsys):
         tracemalloc.stop()
     out = capsys.readouterr().out.splitlines()
     summary = json.loads(out[-2])
-    assert summary["events"] == n
+    assert summary["events"] == n and summary["epochs"] == summary["counters"]["epoch"] > 200
     # 120k decoded events would take well over 60 MB; streaming stays at one chunk and one epoch
     assert peak < 30 * 2**20, peak
+
+
+def test_summary_and_at_read_a_long_log_once_and_its_tail_from_the_end(tmp_path, capsys, monkeypatch):
+    run = tmp_path / "long"
+    n = long_run_log(run / "events.lmdb", 150_000, batches=250)  # epochs of 509 events
+    read = [0]
+    chunks, raw = LmdbLog.read_chunks, LmdbLog.read_raw
+
+    def counted_chunks(self, start=0, stop=None):
+        for first, values in chunks(self, start, stop):
+            read[0] += len(values)
+            yield first, values
+
+    def counted_raw(self, start=0, stop=None):
+        for pair in raw(self, start, stop):
+            read[0] += 1
+            yield pair
+
+    monkeypatch.setattr(LmdbLog, "read_chunks", counted_chunks)
+    monkeypatch.setattr(LmdbLog, "read_raw", counted_raw)
+    for argv, stop in (([str(run), "summary", "--json"], n), ([str(run), "--at", "100000", "--json"], 100_001)):
+        read[0] = 0
+        assert main(argv) == 0
+        doc = json.loads(capsys.readouterr().out)
+        assert doc["events"] == stop
+        assert stop <= read[0] <= stop + 4 * 1024, (argv, read[0])  # the log once, then a few epochs back
+    assert doc["tail"] == tail_length(read_events(run)[:100_001]) > 0
 
 
 def test_follow_stops_when_the_writer_was_killed(tmp_path, capsys):
