@@ -5,8 +5,10 @@ per-epoch curves and the committed step receipts for per-update curves —
 never from log lines, in one pass over the log that holds a chunk of it at a
 time: the plot keeps the per-update loss as a min/max envelope over at most
 :data:`PLOT_BUCKETS` buckets of steps (exact while the run has fewer updates),
-the export writes every receipt. The plot needs matplotlib (the ``plots`` extra);
-the export writes TensorBoard's file format itself (:mod:`nnx_es.tfevents`).
+the export writes every receipt. The plot needs matplotlib, the export
+TensorBoard's ``SummaryWriter`` as torch ships it (the ``plots`` extra). The
+writer checksums each scalar in Python (tens of µs each): a run of ten million
+events exports in minutes, with a progress display on a terminal.
 """
 
 from __future__ import annotations
@@ -31,7 +33,6 @@ from events.schema import (
     RunResumed,
     UpdateCommitted,
 )
-from nnx_es.tfevents import ScalarFileWriter
 from projections.view import committed
 
 __all__ = ["PLOT_BUCKETS", "Envelope", "export_tensorboard", "plot_run", "run_curves"]
@@ -241,11 +242,32 @@ def plot_run(run_dir: str | Path, out: str | Path) -> Path:
     return out
 
 
+class _Scalars:
+    """TensorBoard's ``SummaryWriter`` fed a column of scalars at a time."""
+
+    def __init__(self, out_dir: Path) -> None:
+        from torch.utils.tensorboard import SummaryWriter  # the plots extra; torch ships the writer
+
+        self._writer = SummaryWriter(log_dir=str(out_dir))
+
+    def add_scalars(self, tag: str, steps: np.ndarray, values: np.ndarray) -> int:
+        add = self._writer.add_scalar
+        for step, value in zip(steps.tolist(), values.tolist()):
+            add(tag, value, step)
+        return len(steps)
+
+    def __enter__(self) -> _Scalars:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._writer.close()
+
+
 class _ReceiptScalars:
     """Writes ``update/loss/<opt>``, ``update/grad_norm/<opt>`` (when computed) and ``update/lr/<opt>``
     (the first group's rate) of each receipt, a batch at a time; counts them in ``written``."""
 
-    def __init__(self, writer: ScalarFileWriter) -> None:
+    def __init__(self, writer: _Scalars) -> None:
         self.writer = writer
         self.written = 0
 
@@ -273,7 +295,7 @@ def export_tensorboard(run_dir: str | Path, out_dir: str | Path) -> int:
     Raises:
         OSError: ``out_dir`` cannot be written.
     """
-    with _open(Path(run_dir)) as log, ScalarFileWriter(out_dir) as writer:
+    with _open(Path(run_dir)) as log, _Scalars(Path(out_dir)) as writer:
         receipts = _ReceiptScalars(writer)
         history = _committed_curves(log, receipts)
         series: dict[str, tuple[list[int], list[float]]] = {}
