@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import sys
 from collections.abc import Callable, Iterator
 from operator import attrgetter, itemgetter
 from pathlib import Path
@@ -250,16 +251,30 @@ class _Scalars:
 
         self._writer = SummaryWriter(log_dir=str(out_dir))
 
+        self._progress: Any = None
+        if sys.stderr.isatty():  # long exports show how far they got; none off a terminal
+            from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+            self._progress = Progress(SpinnerColumn(), TextColumn("exporting scalars: {task.completed:,}"),
+                                      TimeElapsedColumn(), transient=True)
+            self._task = self._progress.add_task("export", total=None)
+
     def add_scalars(self, tag: str, steps: np.ndarray, values: np.ndarray) -> int:
         add = self._writer.add_scalar
         for step, value in zip(steps.tolist(), values.tolist()):
             add(tag, value, step)
+        if self._progress is not None:
+            self._progress.advance(self._task, len(steps))
         return len(steps)
 
     def __enter__(self) -> _Scalars:
+        if self._progress is not None:
+            self._progress.start()
         return self
 
     def __exit__(self, *exc: object) -> None:
+        if self._progress is not None:
+            self._progress.stop()
         self._writer.close()
 
 
