@@ -11,11 +11,12 @@ Nothing is unpickled on load. Component names: ``model``,
 ``optimizer/<name>``, ``scheduler/<name>``, ``rng``, ``counters``,
 ``monitor``, ``callback/<name>``, ``topology``.
 
-A small msgpack component (at most :data:`INLINE_MAX` bytes: RNG streams,
-counters, monitor, topology) is kept inside the manifest (``Component.data``)
-instead of a blob file of its own: the manifest's hash covers it, its
-``blob`` is still the SHA-256 of its bytes (verified on load), and a commit
-writes and fsyncs three files (model, optimizer, manifest) instead of eight.
+A msgpack component of at most :data:`INLINE_MAX` bytes (RNG streams, monitor,
+schedulers' summaries, topology, small callback states) is kept inside the
+manifest (``Component.data``) instead of a blob file of its own: the manifest's
+hash covers it, its ``blob`` is still the SHA-256 of its bytes (verified on
+load), and a commit of one model and one optimizer writes and fsyncs three
+files (model, optimizer, manifest) instead of eight.
 Manifests of format 1 (every component a blob) load unchanged.
 """
 
@@ -46,7 +47,7 @@ __all__ = [
 MANIFEST_FORMAT = 2
 
 #: msgpack components up to this many bytes are kept inside the manifest.
-INLINE_MAX = 4096
+INLINE_MAX = 64 * 1024
 
 _Payload = bytes  # the field ``bytes`` below shadows the builtin inside the class body
 

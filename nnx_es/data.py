@@ -7,13 +7,16 @@ tensor. :func:`iterate_batches` yields the *same* batches -- the indices come
 from the loader's own ``batch_sampler``, and each tensor is indexed once
 (``tensor[indices]``) -- which costs one gather per tensor instead.
 
-Exactness (tested against the ``DataLoader`` itself): each epoch first calls
-``iter(loader)``, which draws what ``DataLoader`` draws from
-``loader.generator`` when an epoch starts; the sampler then draws its
-permutation from the same generator, in the same order. The batches are equal
-(values, dtypes, shapes), a ``list`` of tensors as ``default_collate`` returns
-for tuple rows, and the generator ends each epoch in the same state, so a run
-and its resume see the same data either way.
+Exactness (tested against the ``DataLoader`` itself): each epoch starts the
+loader's own iterator, which makes the RNG draws a ``DataLoader`` epoch makes,
+in its order, and takes each batch's indices from that iterator's sampler
+iterator, so the batch sampler runs exactly once, as the ``DataLoader`` runs
+it. The batches are equal (values, dtypes, shapes, contiguous like
+``default_collate``'s stack), a ``list`` of tensors as ``default_collate``
+returns for tuple rows, and the generators end each epoch in the same state,
+so a run and its resume see the same data either way. A batch of indices that
+is not a non-empty list of ints goes through ``dataset[i]`` and
+``default_collate``, as the ``DataLoader`` would (errors included).
 
 Any other loader -- a ``DataLoader`` subclass, another dataset type (a
 ``TensorDataset`` subclass included), a custom ``collate_fn``, workers,
@@ -53,9 +56,19 @@ def iterate_batches(loader: Iterable[Any], *, gather: bool = True) -> Iterator[A
     if not (gather and gatherable(loader)):
         yield from loader
         return
-    assert isinstance(loader, DataLoader) and loader.batch_sampler is not None
-    tensors = loader.dataset.tensors  # type: ignore[attr-defined]
-    iter(loader)  # what starting an epoch of the DataLoader draws from its generator
-    for indices in loader.batch_sampler:
-        index = torch.as_tensor(indices, dtype=torch.long)
-        yield [t[index] for t in tensors]
+    assert isinstance(loader, DataLoader)
+    dataset = loader.dataset
+    tensors = dataset.tensors  # type: ignore[attr-defined]
+    # the DataLoader's own iterator starts the epoch (its RNG draws, in its order); its sampler
+    # iterator then gives each batch's indices, so a sampler runs exactly as the DataLoader runs it
+    indices_of = getattr(iter(loader), "_sampler_iter", None)
+    if indices_of is None:  # a torch whose iterator keeps them elsewhere: iterate as given
+        yield from loader
+        return
+    for indices in indices_of:
+        index = torch.as_tensor(indices)
+        if index.dtype != torch.long or index.dim() != 1 or index.numel() == 0:
+            yield default_collate([dataset[i] for i in indices])  # exactly what the DataLoader does
+            continue
+        # default_collate stacks rows into a new contiguous tensor: so does this
+        yield [t[index].contiguous() for t in tensors]

@@ -88,7 +88,8 @@ def open_session(
             raise ConfigError(
                 f"run {run_id!r} already has an event log at {run_dir}; a new run or a weights_only "
                 f"continuation writes its own run: continue this one with fit(..., resume_from="
-                f"{str(run_dir)!r}) or choose another run_id"
+                f"{str(run_dir)!r}), choose another run_id, or delete {str(run_dir)!r} to start it over "
+                "(a run has nothing to resume until its first LAST commit)"
             )
         removed = clean_stale_temporaries(run_dir)
         if removed:

@@ -571,11 +571,25 @@ class Trainer:
         ``on_train_end`` or ``AFTER_TRAINING`` stage hook ran.
         """
         self.committer.complete()
-        if final and not self._hooks["on_train_end"] and not self.stages.has(TrainingStage.AFTER_TRAINING):
+        if final and not self._finalization_hooks():
             if self.committer.recommit_final(epoch=epoch):
                 return None
         self.committer.submit(epoch=epoch, final=final, group=False)
         return None
+
+    def _finalization_hooks(self) -> bool:
+        """Whether anything ran at finalization that could change the state: an ``AFTER_TRAINING``
+        stage hook, or a callback's ``on_train_end`` other than the base no-op (overridden in its
+        class, given to a LambdaCallback, or assigned on the instance)."""
+        if self.stages.has(TrainingStage.AFTER_TRAINING):
+            return True
+        for cb in self.callbacks:
+            if isinstance(cb, LambdaCallback):
+                if cb.has("on_train_end"):
+                    return True
+            elif getattr(cb.on_train_end, "__func__", None) is not Callback.on_train_end:
+                return True
+        return False
 
     # --- finalization ---------------------------------------------------------------------
 

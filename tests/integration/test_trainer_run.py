@@ -132,7 +132,7 @@ def test_finalization_runs_in_reverse_order_and_refreshes_last_after_it(tmp_path
     assert load_component(store, manifest, "callback/first") == {"epochs": 100}
 
 
-@pytest.mark.parametrize("finalizer", [None, "callback", "stage"])
+@pytest.mark.parametrize("finalizer", [None, "callback", "stage", "instance", "subclass"])
 def test_the_final_last_is_captured_again_only_when_finalization_could_change_the_state(tmp_path, finalizer):
     from nnx_es import LambdaCallback
     from nnx_es.stages import TrainingStage
@@ -145,7 +145,18 @@ def test_the_final_last_is_captured_again_only_when_finalization_could_change_th
             with torch.no_grad():
                 next(ctx.net.parameters()).add_(1.0)  # a change the final LAST must hold
 
-    callbacks = [LambdaCallback(on_train_end=lambda ctx: None)] if finalizer == "callback" else []
+    def mutate(ctx):
+        with torch.no_grad():
+            next(ctx.net.parameters()).add_(1.0)  # a change the final LAST must hold
+
+    class Subclassed(Callback):
+        def on_train_end(self, ctx):
+            mutate(ctx)
+
+    on_instance = Callback()
+    on_instance.on_train_end = mutate  # assigned on the instance: still run at finalization
+    callbacks = {"callback": [LambdaCallback(on_train_end=mutate)], "instance": [on_instance],
+                 "subclass": [Subclassed()]}.get(finalizer, [])
     hooks = [AfterTraining()] if finalizer == "stage" else []
     net = small_net(0)
     trainer = Trainer(net, torch.optim.SGD(net.parameters(), lr=0.1), nn.CrossEntropyLoss(),

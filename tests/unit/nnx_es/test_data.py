@@ -125,3 +125,54 @@ def test_batch_gather_must_be_a_bool(tmp_path):
     net = small_net(0)
     with pytest.raises(ConfigError, match="batch_gather must be True or False, got 'no'"):
         Trainer(net, torch.optim.SGD(net.parameters(), lr=0.1), nn.CrossEntropyLoss(), batch_gather="no")
+
+
+class _EagerBatches:
+    """A batch sampler that shuffles as soon as it is iterated (not a generator function)."""
+
+    def __init__(self, n: int, size: int, gen: torch.Generator) -> None:
+        self.n, self.size, self.gen = n, size, gen
+
+    def __iter__(self):
+        perm = torch.randperm(self.n, generator=self.gen).tolist()
+        return iter([perm[i:i + self.size] for i in range(0, self.n, self.size)])
+
+    def __len__(self) -> int:
+        return -(-self.n // self.size)
+
+
+def test_an_eager_batch_sampler_is_iterated_once_per_epoch_as_the_dataloader_does():
+    ds = _dataset(20, 1)
+    runs = []
+    for gather in (True, False):
+        gen = torch.Generator().manual_seed(5)
+        loader = DataLoader(ds, batch_sampler=_EagerBatches(20, 6, gen), generator=gen)
+        assert gatherable(loader)
+        runs.append(_epochs(loader, 3, gather=gather, global_seed=0))
+    (got, got_states), (expected, expected_states) = runs
+    for eg, ee in zip(got, expected):
+        assert all(torch.equal(a, b) for bg, be in zip(eg, ee) for a, b in zip(bg, be))
+    assert all(torch.equal(g[0], e[0]) for g, e in zip(got_states, expected_states))
+
+
+def test_gathered_batches_are_contiguous_like_the_stacked_ones():
+    images = torch.randn(10, 3, 5, 5).to(memory_format=torch.channels_last)
+    ds = TensorDataset(images, torch.arange(10))
+    (got,) = list(iterate_batches(DataLoader(ds, batch_size=10)))
+    (expected,) = list(DataLoader(ds, batch_size=10))
+    assert got[0].stride() == expected[0].stride() and torch.equal(got[0], expected[0])
+
+
+@pytest.mark.parametrize("indices", [[0.0, 1.0], [True, False, True], [], [[0, 1]]], ids=["floats", "bools", "empty", "nested"])
+def test_odd_indices_take_the_dataloaders_own_path(indices):
+    ds = _dataset(6, 2)
+    loader = DataLoader(ds, batch_sampler=[indices])
+    try:
+        expected = list(loader)
+    except Exception as exc:  # the DataLoader refuses: so must the gathered path, the same way
+        with pytest.raises(type(exc)):
+            list(iterate_batches(loader))
+        return
+    got = list(iterate_batches(loader))
+    assert len(got) == len(expected)
+    assert all(torch.equal(a, b) for g, e in zip(got, expected) for a, b in zip(g, e))
