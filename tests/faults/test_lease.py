@@ -178,9 +178,9 @@ def _kill_after_write(n: int):
 def test_stale_temporaries_of_a_hard_kill_are_cleaned_on_the_next_open_and_reported(tmp_path, clean):
     runs = tmp_path / "runs"
     run_dir = runs / RUN_ID
-    # a checkpoint's batch writes 4 temporaries before renaming them: killed right after the
+    # a checkpoint's batch writes 3 temporaries before renaming them: killed right after the
     # second one of the third batch (epoch 1's checkpoint), two real leftovers
-    assert run_killed(lambda: fit(make_trainer(runs, RUN_ID)), _kill_after_write(9)) == "killed"
+    assert run_killed(lambda: fit(make_trainer(runs, RUN_ID)), _kill_after_write(7)) == "killed"
     left = sorted(run_dir.rglob(".*.tmp"))
     assert len(left) == 2 and all(p.parent.name == "sha256" for p in left)
     # and more, as other hard kills would leave them
