@@ -160,9 +160,11 @@ class RunStarted(Event, frozen=True, kw_only=True, tag="run_started"):
 class RunResumed(Event, frozen=True, kw_only=True, tag="run_resumed"):
     """A stateful resume from LAST.
 
-    The events in ``[discard_from, discard_to)`` (sequence numbers) are the
-    uncommitted tail the resume abandons: they stay in the log for audit and
-    out of every projection.
+    ``[discard_from, discard_to)`` (sequence numbers) holds the uncommitted tail
+    the resume abandons: those events stay in the log for audit and out of every
+    projection. With a deferred LAST the range starts at the first event it left
+    pending (after its ``covers``); that LAST and its group inside the range stay
+    committed.
     """
 
     KIND: ClassVar[str] = "run_resumed"

@@ -90,9 +90,11 @@ def find_resume_point(run_dir: Path, log: EventLog, *, expect_run_id: str | None
             in_group = False
         if event.KIND == "run_resumed":
             boundary = seq
+    kept: set[int] = set()
     for seq, event in committed(events):
         if seq > boundary:
             break
+        kept.add(seq)
         proj = fold(proj, seq, event)
         if isinstance(event, LastCommitted):
             last = (seq, event)
@@ -107,12 +109,16 @@ def find_resume_point(run_dir: Path, log: EventLog, *, expect_run_id: str | None
             f"LAST (seq {seq}, manifest {event.manifest}) is refused: {exc}; "
             "the run's history is kept, nothing was restored"
         ) from exc
+    # the first event the committed view leaves out: after the boundary, or earlier when a
+    # deferred LAST left the events between its ``covers`` and itself pending
+    session = max((s for s, e in events if e.KIND == "run_resumed" and s <= boundary), default=-1)
+    discard_from = next((s for s, _ in events if session < s <= boundary and s not in kept), boundary + 1)
     return ResumePoint(
         run_id=run_id or Path(run_dir).name,
         manifest_hash=event.manifest,
         manifest=manifest,
         last_seq=seq,
-        discard_from=boundary + 1,
+        discard_from=discard_from,
         discard_to=log.next_seq,
         state=state,
         projections=proj,

@@ -125,6 +125,11 @@ def test_resume_after_sigkill_is_bitwise_identical_to_the_uninterrupted_run(case
     last_seqs = [s for s, e in before if isinstance(e, LastCommitted)]
     assert r.last_seq in last_seqs
     assert r.discard_to == len(before) and r.discard_from <= r.discard_to
+    # the range starts at the first event the committed view left out, and holds all of them
+    kept = {s for s, _ in committed(before)}
+    left_out = [s for s, _ in before if s not in kept]
+    assert left_out == [s for s in range(r.discard_from, r.discard_to) if s not in kept]
+    assert not left_out or left_out[0] == r.discard_from
     # the resumed session trained only the remaining epochs
     trained = sorted(batch_log.batches)
     assert trained == list(range(r.epoch + 1, EPOCHS))

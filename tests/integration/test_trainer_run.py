@@ -346,3 +346,32 @@ def test_declared_accuracy_is_the_exact_share_of_correct_rows_and_undeclared_cos
     assert "accuracy" not in plain.history[0].train and "val_accuracy" not in plain.history[0].val
     with pytest.raises(Exception, match="unknown metrics.*'f1'"):
         Trainer(net2, torch.optim.SGD(net2.parameters(), lr=0.1), nn.CrossEntropyLoss(), metrics=["f1"])
+
+
+def test_a_resume_after_a_deferred_last_records_the_pending_events_it_abandons(tmp_path):
+    from nnx_es import LambdaCallback
+    from projections import committed
+
+    def boom(ctx):
+        if ctx.epoch == 1 and ctx.batch_index == 4:
+            raise RuntimeError("injected")
+
+    def trainer(callbacks=()):
+        net = small_net(2)
+        return Trainer(net, torch.optim.SGD(net.parameters(), lr=0.05), nn.CrossEntropyLoss(),
+                       callbacks=list(callbacks), runs_root=tmp_path / "runs", run_id=None if not callbacks else "d",
+                       progress=False, checkpoint_lag=2)
+
+    with pytest.raises(RuntimeError, match="injected"):
+        trainer([LambdaCallback(name="boom", on_batch_end=boom)]).fit(loaders(batch_size=8)[0], epochs=3)
+    run_dir = tmp_path / "runs" / "d"
+    before = read_events(run_dir)
+    last0 = next(s for s, e in before if e.KIND == "last_committed" and e.epoch == 0)
+    began1 = next(s for s, e in before if e.KIND == "epoch_began" and e.epoch == 1)
+    assert began1 < last0  # LAST(0) landed two updates into epoch 1, leaving them pending
+    resumed = trainer([LambdaCallback(name="boom", on_batch_end=lambda ctx: None)])
+    resumed.fit(loaders(batch_size=8)[0], epochs=3, resume_from=run_dir)
+    (r,) = [e for _, e in read_events(run_dir) if e.KIND == "run_resumed"]
+    kept = {s for s, _ in committed(before)}
+    assert r.discard_from == began1 == min(s for s, _ in before if s not in kept)
+    assert r.discard_to == len(before)
