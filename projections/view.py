@@ -38,6 +38,7 @@ from events.schema import (
     EpochBegan,
     EpochSummarized,
     Event,
+    HistoryRecord,
     LastCommitted,
     MicrobatchDone,
     RunFinalized,
@@ -219,10 +220,12 @@ class _Projector:
     counting, the other projections event by event over the few events they react to.
     """
 
-    __slots__ = ("states", "counters", "last", "pending", "in_group")
+    __slots__ = ("states", "records", "counters", "last", "pending", "in_group")
 
     def __init__(self, start: Projections) -> None:
         self.states: list[Any] = [start.history, start.checkpoints, start.schedulers, start.status]
+        #: the history projection's records, appended in place (a tuple per record would be O(epochs²))
+        self.records: list[HistoryRecord] = list(start.history.records)
         self.counters = CountersAccumulator(start.counters)
         self.last = start.seq
         self.pending: list[_Segment] = []
@@ -302,10 +305,13 @@ class _Projector:
             acc.global_step += added
         others = codes.translate(_IS_OTHER)
         if 1 in others:
-            states, by_type = self.states, _BY_TYPE
+            states, by_type, records = self.states, _BY_TYPE, self.records
             for event in itertools.compress(events, others):
                 for index, fn in by_type[type(event)]:
-                    states[index] = fn(states[index], event)
+                    if index == 0:  # fold_history: append its record
+                        records.append(event.record)
+                    else:
+                        states[index] = fn(states[index], event)
 
     def finish(self) -> Projections:
         """Fold the closing events of a tail that ends in ``RunFinalized``; return the aggregate."""
@@ -317,8 +323,8 @@ class _Projector:
                     self.fold(*_select(segment, closing))
         s = self.states
         return Projections(
-            history=s[0], checkpoints=s[1], schedulers=s[2], counters=self.counters.freeze(), status=s[3],
-            seq=self.last,
+            history=HistoryState(records=tuple(self.records)), checkpoints=s[1], schedulers=s[2],
+            counters=self.counters.freeze(), status=s[3], seq=self.last,
         )
 
 
