@@ -64,7 +64,7 @@ def capture(trainer: Trainer, epoch: int) -> dict[str, tuple[str, Any]]:
     state = {
         "schedulers": {s.name: s.summary() for s in trainer.schedulers},
         "monitor": trainer.monitor.state_dict() if trainer.monitor else None,
-        "rng": capture_rng(trainer.loader_generator),
+        "rng": capture_rng(trainer.loader_generator, trainer.sampler_generators),
         "data": {"next_epoch": epoch + 1},
         "topology": {
             "module": type(trainer.net).__qualname__,
@@ -104,6 +104,12 @@ def apply_state(trainer: Trainer, state: dict[str, Any], *, weights_only: bool =
         raise ResumeError(f"the checkpoint's model does not fit this net: {exc}") from None
     if weights_only:
         return
+    saved = len(state["rng"].get("samplers", []))
+    if saved != len(trainer.sampler_generators):  # checked before anything but the weights is applied
+        raise ResumeError(
+            f"cannot restore the data order: the train loader's samplers draw from "
+            f"{len(trainer.sampler_generators)} generator(s) of their own, the checkpoint holds {saved}"
+        )
     for n, o in trainer.optimizers.items():
         key = f"optimizer/{n}"
         if key not in state:
@@ -127,4 +133,4 @@ def apply_state(trainer: Trainer, state: dict[str, Any], *, weights_only: bool =
             cb.load_state_dict(state[key])
         elif cb.state_dict() is not None:
             raise ResumeError(f"the checkpoint has no state for callback {cb.name!r}")
-    restore_rng(state["rng"], trainer.loader_generator)
+    restore_rng(state["rng"], trainer.loader_generator, trainer.sampler_generators)

@@ -73,6 +73,7 @@ from nnx_es.progress import Progress
 from nnx_es.recorder import Recorder
 from nnx_es.session import open_session
 from nnx_es.result import RunResult, load_result, result_of
+from nnx_es.rng import loader_generators
 from nnx_es.schedulers import Scheduler
 from projections.view import Projections
 from nnx_es.stages import TrainingStage
@@ -275,6 +276,7 @@ class Trainer:
         self._unreported = 0  # microbatches a custom step recorded since its last reported update
         self.committer = Committer(self, checkpoint_lag)
         self.loader_generator: torch.Generator | None = None
+        self.sampler_generators: list[torch.Generator] = []
         #: the projections finalization wrote the views from, and the log's length then
         self.final_projection: tuple[Projections, int] | None = None
 
@@ -363,7 +365,10 @@ class Trainer:
         if resume_mode not in ("stateful", "weights_only"):
             raise ConfigError(f"resume_mode must be 'stateful' or 'weights_only', got {resume_mode!r}")
         ensure_logging()
+        generators = loader_generators(train_loader)
         self.loader_generator = getattr(train_loader, "generator", None)
+        #: the train loader's other generators (a sampler's own), checkpointed with the RNG streams
+        self.sampler_generators = [g for g in generators if g is not self.loader_generator]
         self.final_projection = None
         with open_session(self, resume_from, resume_mode) as (opening, start_epoch):
             self._run(train_loader, val_loader, epochs, opening, start_epoch)

@@ -375,3 +375,38 @@ def test_a_resume_after_a_deferred_last_records_the_pending_events_it_abandons(t
     kept = {s for s, _ in committed(before)}
     assert r.discard_from == began1 == min(s for s, _ in before if s not in kept)
     assert r.discard_to == len(before)
+
+
+def test_a_samplers_own_generator_is_checkpointed_and_a_resume_is_exact(tmp_path):
+    from torch.utils.data import DataLoader, RandomSampler, TensorDataset
+
+    from nnx_es import LambdaCallback
+    from nnx_es.errors import ResumeError
+    from trainkit import blobs_data
+
+    x, y = blobs_data(40, seed=5)
+    ds = TensorDataset(x, y)
+
+    def loader(own_generator: bool = True):
+        sampler = RandomSampler(ds, generator=torch.Generator().manual_seed(9) if own_generator else None)
+        return DataLoader(ds, batch_size=8, sampler=sampler)
+
+    def trainer(run_id, fail=False):
+        def boom(ctx):
+            if fail and ctx.epoch == 2 and ctx.batch_index == 1:
+                raise RuntimeError("injected")
+        net = small_net(1)
+        return Trainer(net, torch.optim.SGD(net.parameters(), lr=0.1), nn.CrossEntropyLoss(),
+                       callbacks=[LambdaCallback(name="boom", on_batch_end=boom)],
+                       runs_root=tmp_path / "runs", run_id=run_id, progress=False)
+
+    reference = trainer("ref")
+    reference.fit(loader(), epochs=4)
+    with pytest.raises(RuntimeError, match="injected"):
+        trainer("cut", fail=True).fit(loader(), epochs=4)
+    with pytest.raises(ResumeError, match="draw from 0 generator.*holds 1"):  # a loader without the sampler's generator
+        trainer(None).fit(loader(own_generator=False), epochs=4, resume_from=tmp_path / "runs" / "cut")
+    resumed = trainer(None)
+    resumed.fit(loader(), epochs=4, resume_from=tmp_path / "runs" / "cut")  # a fresh loader, same seeds
+    for k, v in reference.net.state_dict().items():
+        assert torch.equal(v, resumed.net.state_dict()[k]), k
