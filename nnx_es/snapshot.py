@@ -91,6 +91,24 @@ def load_state(store: BlobStore, manifest: Manifest) -> dict[str, Any]:
     return {name: load_component(store, manifest, name) for name in manifest.components}
 
 
+def _check_same_generators(trainer: Trainer, rng: dict[str, Any]) -> None:
+    """Refuse a train loader whose generators differ from the run's (their states, not seeds, are restored).
+
+    Raises:
+        ResumeError: the loader has, or lacks, a ``generator``, or its samplers have another
+            number of generators of their own than the checkpoint holds.
+    """
+    saved = (rng.get("loader") is not None, len(rng.get("samplers", [])))
+    now = (trainer.loader_generator is not None, len(trainer.sampler_generators))
+    if saved != now:
+        def say(has_loader: bool, samplers: int) -> str:
+            return f"{'a' if has_loader else 'no'} DataLoader generator and {samplers} sampler generator(s)"
+        raise ResumeError(
+            f"cannot restore the data order: the run's train loader had {say(*saved)}, this one has {say(*now)}; "
+            "build it with the same generators (any seed: their states are restored)"
+        )
+
+
 def apply_state(trainer: Trainer, state: dict[str, Any], *, weights_only: bool = False) -> None:
     """Restore ``trainer`` from :func:`load_state`'s result.
 
@@ -98,18 +116,14 @@ def apply_state(trainer: Trainer, state: dict[str, Any], *, weights_only: bool =
         ResumeError: the checkpoint does not match the trainer (a missing
             optimizer, scheduler, callback state or a different model topology).
     """
+    if not weights_only:
+        _check_same_generators(trainer, state["rng"])  # before anything is applied
     try:
         trainer.net.load_state_dict(state["model"])
     except RuntimeError as exc:
         raise ResumeError(f"the checkpoint's model does not fit this net: {exc}") from None
     if weights_only:
         return
-    saved = len(state["rng"].get("samplers", []))
-    if saved != len(trainer.sampler_generators):  # checked before anything but the weights is applied
-        raise ResumeError(
-            f"cannot restore the data order: the train loader's samplers draw from "
-            f"{len(trainer.sampler_generators)} generator(s) of their own, the checkpoint holds {saved}"
-        )
     for n, o in trainer.optimizers.items():
         key = f"optimizer/{n}"
         if key not in state:

@@ -404,8 +404,14 @@ def test_a_samplers_own_generator_is_checkpointed_and_a_resume_is_exact(tmp_path
     reference.fit(loader(), epochs=4)
     with pytest.raises(RuntimeError, match="injected"):
         trainer("cut", fail=True).fit(loader(), epochs=4)
-    with pytest.raises(ResumeError, match="draw from 0 generator.*holds 1"):  # a loader without the sampler's generator
-        trainer(None).fit(loader(own_generator=False), epochs=4, resume_from=tmp_path / "runs" / "cut")
+    for other in (loader(own_generator=False),  # without the sampler's generator
+                  DataLoader(ds, batch_size=8, sampler=RandomSampler(ds, generator=torch.Generator()),
+                             generator=torch.Generator())):  # with a DataLoader generator the run had not
+        refused = trainer(None)
+        before = {k: v.clone() for k, v in refused.net.state_dict().items()}
+        with pytest.raises(ResumeError, match="cannot restore the data order"):
+            refused.fit(other, epochs=4, resume_from=tmp_path / "runs" / "cut")
+        assert all(torch.equal(v, refused.net.state_dict()[k]) for k, v in before.items())  # nothing applied
     resumed = trainer(None)
     resumed.fit(loader(), epochs=4, resume_from=tmp_path / "runs" / "cut")  # a fresh loader, same seeds
     for k, v in reference.net.state_dict().items():
