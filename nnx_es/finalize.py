@@ -27,12 +27,13 @@ from typing import TYPE_CHECKING, Any
 import structlog
 
 from events.schema import CallbackFinalized, RunFailed, RunFinalized
+from nnx_es.callbacks import Callback, LambdaCallback
+from nnx_es.stages import TrainingStage
 
 if TYPE_CHECKING:
-    from nnx_es.callbacks import Callback
     from nnx_es.trainer import Trainer
 
-__all__ = ["finalize"]
+__all__ = ["finalization_may_change_state", "finalize"]
 
 log = structlog.get_logger("nnx_es")
 
@@ -62,6 +63,21 @@ def _run_failed(trainer: Trainer, exc: BaseException, with_traceback: bool) -> N
             epoch=ctx.epoch, step=ctx.step_count,
             traceback="".join(traceback.format_exception(exc))[-4000:] if with_traceback else "",
         ))
+
+
+def finalization_may_change_state(trainer: Trainer) -> bool:
+    """Whether anything that runs at finalization could change the state a checkpoint holds: an
+    ``AFTER_TRAINING`` stage hook, or a callback's ``on_train_end`` other than the base no-op
+    (overridden in its class, given to a LambdaCallback, or assigned on the instance)."""
+    if trainer.stages.has(TrainingStage.AFTER_TRAINING):
+        return True
+    for cb in trainer.callbacks:
+        if isinstance(cb, LambdaCallback):
+            if cb.has("on_train_end"):
+                return True
+        elif getattr(cb.on_train_end, "__func__", None) is not Callback.on_train_end:
+            return True
+    return False
 
 
 def finalize(

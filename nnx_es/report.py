@@ -34,7 +34,7 @@ from events.schema import (
     RunResumed,
     UpdateCommitted,
 )
-from projections.view import committed
+from projections.view import MicrobatchRequired, committed
 
 __all__ = ["PLOT_BUCKETS", "Envelope", "export_tensorboard", "plot_run", "run_curves"]
 
@@ -62,18 +62,7 @@ class _Receipt(Event, frozen=True, kw_only=True, tag="update_committed@2"):
     optimizer: str = "default"
 
 
-class _Microbatch(Event, frozen=True, kw_only=True, tag="microbatch_done"):
-    """A ``microbatch_done`` as the curves read it: not at all (its required fields checked, ``terms`` skipped)."""
-
-    KIND: ClassVar[str] = "microbatch_done"
-    epoch: int
-    batch: int
-    rows: int
-    examples: float
-    loss: float
-
-
-_decode = partial_decoder({UpdateCommitted: _Receipt, MicrobatchDone: _Microbatch})
+_decode = partial_decoder({UpdateCommitted: _Receipt, MicrobatchDone: MicrobatchRequired})
 _KEPT_CODES = {TYPE_CODES[t] for t in (UpdateCommitted, HistoryAppended, LastCommitted, RunResumed)}
 _KEPT = bytes(int(code in _KEPT_CODES) for code in range(256))  # a translate table of type codes
 

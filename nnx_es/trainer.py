@@ -64,7 +64,7 @@ from nnx_es.context import TrainContext
 from nnx_es.data import iterate_batches
 from nnx_es.engine import UpdateEngine, default_forward, default_train_step
 from nnx_es.errors import ConfigError
-from nnx_es.finalize import finalize
+from nnx_es.finalize import finalization_may_change_state, finalize
 from nnx_es.logs import ensure_logging
 from nnx_es.monitor import Monitor, step_plateau
 from nnx_es.metrics import evaluate, validate_metrics
@@ -576,25 +576,11 @@ class Trainer:
         ``on_train_end`` or ``AFTER_TRAINING`` stage hook ran.
         """
         self.committer.complete()
-        if final and not self._finalization_hooks():
+        if final and not finalization_may_change_state(self):
             if self.committer.recommit_final(epoch=epoch):
                 return None
         self.committer.submit(epoch=epoch, final=final, group=False)
         return None
-
-    def _finalization_hooks(self) -> bool:
-        """Whether anything ran at finalization that could change the state: an ``AFTER_TRAINING``
-        stage hook, or a callback's ``on_train_end`` other than the base no-op (overridden in its
-        class, given to a LambdaCallback, or assigned on the instance)."""
-        if self.stages.has(TrainingStage.AFTER_TRAINING):
-            return True
-        for cb in self.callbacks:
-            if isinstance(cb, LambdaCallback):
-                if cb.has("on_train_end"):
-                    return True
-            elif getattr(cb.on_train_end, "__func__", None) is not Callback.on_train_end:
-                return True
-        return False
 
     # --- finalization ---------------------------------------------------------------------
 

@@ -55,7 +55,8 @@ from projections.history import HistoryState, fold_history
 from projections.schedulers import SchedulersState, fold_schedulers
 from projections.status import StatusState, fold_status
 
-__all__ = ["CLOSING_KINDS", "GROUP_KINDS", "Projections", "committed", "fold", "project", "tail_length"]
+__all__ = ["CLOSING_KINDS", "GROUP_KINDS", "MicrobatchRequired", "Projections", "committed", "fold", "project",
+           "tail_length"]
 
 #: Kinds folded from a tail that ends in a durable ``RunFinalized``.
 CLOSING_KINDS = frozenset({"stop_requested", "run_failed", "callback_finalized", "run_finalized"})
@@ -152,8 +153,9 @@ for _i, (_name, _fn, _types) in enumerate(_FOLDS):
         _BY_TYPE[_t] = (*_BY_TYPE.get(_t, ()), (_i, _fn))
 
 
-class _MicrobatchCounted(Event, frozen=True, kw_only=True, tag="microbatch_done"):
-    """A ``microbatch_done`` as the projections read it: counted (its required fields checked, ``terms`` skipped)."""
+class MicrobatchRequired(Event, frozen=True, kw_only=True, tag="microbatch_done"):
+    """A ``microbatch_done`` as a fold that only counts it reads it: its required fields checked,
+    ``terms`` skipped (for :func:`events.codec.partial_decoder`; the projections and the curves use it)."""
 
     KIND: ClassVar[str] = "microbatch_done"
     epoch: int
@@ -181,7 +183,7 @@ class _StepReceipt(Event, frozen=True, kw_only=True, tag="update_committed@2"):
 
 
 #: decodes a stored chunk for :func:`project`: the frequent kinds to what the folds read
-_decode_for_folds = partial_decoder({MicrobatchDone: _MicrobatchCounted, UpdateCommitted: _StepReceipt})
+_decode_for_folds = partial_decoder({MicrobatchDone: MicrobatchRequired, UpdateCommitted: _StepReceipt})
 
 
 _MICROBATCH, _RECEIPT, _EPOCH_BEGAN, _EPOCH_SUMMARIZED, _RESUMED, _FINALIZED = (
