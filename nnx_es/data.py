@@ -35,6 +35,9 @@ from torch.utils.data._utils.collate import default_collate
 
 __all__ = ["gatherable", "iterate_batches"]
 
+#: the attribute of a DataLoader iterator holding its batch sampler's iterator (torch <= 2.13)
+_SAMPLER_ITER = "_sampler_iter"
+
 
 def gatherable(loader: Iterable[Any]) -> bool:
     """Whether ``loader``'s batches can be gathered exactly (see the module docstring)."""
@@ -61,9 +64,10 @@ def iterate_batches(loader: Iterable[Any], *, gather: bool = True) -> Iterator[A
     tensors = dataset.tensors  # type: ignore[attr-defined]
     # the DataLoader's own iterator starts the epoch (its RNG draws, in its order); its sampler
     # iterator then gives each batch's indices, so a sampler runs exactly as the DataLoader runs it
-    indices_of = getattr(iter(loader), "_sampler_iter", None)
-    if indices_of is None:  # a torch whose iterator keeps them elsewhere: iterate as given
-        yield from loader
+    epoch = iter(loader)
+    indices_of = getattr(epoch, _SAMPLER_ITER, None)
+    if indices_of is None:  # a torch whose iterator keeps them elsewhere: this epoch as given
+        yield from epoch
         return
     for indices in indices_of:
         index = torch.as_tensor(indices)

@@ -176,3 +176,14 @@ def test_odd_indices_take_the_dataloaders_own_path(indices):
     got = list(iterate_batches(loader))
     assert len(got) == len(expected)
     assert all(torch.equal(a, b) for g, e in zip(got, expected) for a, b in zip(g, e))
+
+
+def test_without_the_iterators_sampler_iterator_the_epoch_is_the_dataloaders_own(monkeypatch):
+    import nnx_es.data
+
+    ds = _dataset(12, 3)
+    expected, expected_states = _epochs(_loader(ds, "shuffle", 5, False, 3), 2, gather=False, global_seed=0)
+    monkeypatch.setattr(nnx_es.data, "_SAMPLER_ITER", "_kept_elsewhere")  # a torch that keeps it elsewhere
+    got, got_states = _epochs(_loader(ds, "shuffle", 5, False, 3), 2, gather=True, global_seed=0)
+    assert all(torch.equal(a, b) for eg, ee in zip(got, expected) for bg, be in zip(eg, ee) for a, b in zip(bg, be))
+    assert all(torch.equal(g[0], e[0]) and torch.equal(g[1], e[1]) for g, e in zip(got_states, expected_states))
