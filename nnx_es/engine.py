@@ -87,7 +87,7 @@ def default_train_step(ctx: TrainContext, batch: Any) -> None:
     """The default ``trainer_step_fn``: one microbatch, and the update when it fills the window."""
     engine = ctx.trainer.engine
     engine.microbatch(ctx, batch)
-    if engine.w_microbatches >= engine.accumulation:  # the window is full
+    if engine.window_full:
         engine.finalize_step(ctx)
 
 

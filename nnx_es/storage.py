@@ -162,13 +162,12 @@ class BlobStore:
             raise CorruptCheckpointError(f"blob name must be 64 lowercase hex digits, got {digest!r}")
         return self.root / "sha256" / digest
 
-    def _existing(self, digest: str) -> Path:
-        p = self.path(digest)
-        if not p.exists():
-            sharded = self.root / "sha256" / digest[:2] / digest
-            if sharded.exists():
-                return sharded
-        return p
+    def _existing(self, digest: str) -> Path | None:
+        """Where the blob is stored: this layout's path or the sharded one; ``None`` when absent."""
+        for p in (self.path(digest), self.root / "sha256" / digest[:2] / digest):
+            if p.exists():
+                return p
+        return None
 
     def put(self, data: bytes) -> str:
         """Store ``data`` durably (no-op when present); return its SHA-256 hex."""
@@ -190,7 +189,7 @@ class BlobStore:
         return digests
 
     def exists(self, digest: str) -> bool:
-        return self._existing(digest).exists()
+        return self._existing(digest) is not None
 
     def get(self, digest: str) -> bytes:
         """Read and verify a blob.
@@ -198,7 +197,7 @@ class BlobStore:
         Raises:
             CorruptCheckpointError: missing, or its bytes do not hash to ``digest``.
         """
-        p = self._existing(digest)
+        p = self._existing(digest) or self.path(digest)
         try:
             data = p.read_bytes()
         except FileNotFoundError:
