@@ -1,23 +1,27 @@
 """Checkpoints: a msgspec manifest naming content-addressed component blobs.
 
-A component is stored with one of two codecs:
+A component is stored with one of three codecs:
 
-* ``"torch"``: ``torch.save`` bytes of a state dict, loaded back only with
-  ``torch.load(weights_only=True)`` (tensors and plain containers; a pickle
-  that would import or call anything is refused);
+* ``"tensors"``: a state dict as msgpack with raw tensor bytes
+  (:mod:`nnx_es.state_codec`; format 3) -- what model, optimizer, scheduler and
+  scaler states use when it can hold them exactly;
+* ``"torch"``: ``torch.save`` bytes of a state dict ``"tensors"`` cannot hold,
+  loaded back only with ``torch.load(weights_only=True)`` (tensors and plain
+  containers; a pickle that would import or call anything is refused);
 * ``"msgpack"``: everything else (counters, RNG streams, callback states).
 
-Nothing is unpickled on load. Component names: ``model``,
+Nothing is unpickled on load, except by that safe loader. Component names: ``model``,
 ``optimizer/<name>``, ``scheduler/<name>``, ``rng``, ``counters``,
 ``monitor``, ``callback/<name>``, ``topology``.
 
-A msgpack component of at most :data:`INLINE_MAX` bytes (RNG streams, monitor,
-schedulers' summaries, topology, small callback states) is kept inside the
-manifest (``Component.data``) instead of a blob file of its own: the manifest's
-hash covers it, its ``blob`` is still the SHA-256 of its bytes (verified on
-load), and a commit of one model and one optimizer writes and fsyncs three
-files (model, optimizer, manifest) instead of eight.
-Manifests of format 1 (every component a blob) load unchanged.
+A ``"msgpack"`` or ``"tensors"`` component of at most :data:`INLINE_MAX` bytes
+(RNG streams, monitor, schedulers, topology, small callback states, a small
+model and its optimizer) is kept inside the manifest (``Component.data``)
+instead of a blob file of its own: the manifest's hash covers it, its ``blob``
+is still the SHA-256 of its bytes (verified on load), and a commit of a small
+model writes and fsyncs one file, the manifest, instead of eight.
+Manifests of formats 1 (every component a blob) and 2 (``"torch"`` state
+dicts, inline msgpack up to 64 KiB) load unchanged.
 """
 
 from __future__ import annotations
@@ -44,17 +48,17 @@ __all__ = [
     "write_checkpoint",
 ]
 
-MANIFEST_FORMAT = 2
+MANIFEST_FORMAT = 3
 
-#: msgpack components up to this many bytes are kept inside the manifest.
-INLINE_MAX = 64 * 1024
+#: msgpack and tensors components up to this many bytes are kept inside the manifest.
+INLINE_MAX = 256 * 1024
 
 _Payload = bytes  # the field ``bytes`` below shadows the builtin inside the class body
 
 
 class Component(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
-    """One component: the SHA-256 of its bytes, its codec (``"torch"`` | ``"msgpack"``), its
-    size, and -- for a small msgpack component (format 2) -- the bytes themselves."""
+    """One component: the SHA-256 of its bytes, its codec (``"tensors"`` | ``"torch"`` |
+    ``"msgpack"``), its size, and -- for a small component kept inline -- the bytes themselves."""
 
     blob: str
     codec: str
@@ -107,7 +111,7 @@ def write_checkpoint(
     blobs: list[bytes] = []
     components = {}
     for name, (codec, data) in parts.items():
-        inline = codec == "msgpack" and len(data) <= INLINE_MAX
+        inline = codec != "torch" and len(data) <= INLINE_MAX
         if not inline:
             blobs.append(data)
         components[name] = Component(blob=hashlib.sha256(data).hexdigest(), codec=codec, bytes=len(data),
@@ -170,7 +174,7 @@ def component_bytes(store: BlobStore, name: str, comp: Component) -> bytes:
 
 
 def load_component(store: BlobStore, manifest: Manifest, name: str) -> Any:
-    """Load one component safely (``weights_only`` torch load, or msgpack).
+    """Load one component safely (the tensors codec, msgpack, or a ``weights_only`` torch load).
 
     Raises:
         KeyError: the manifest has no such component.
@@ -183,6 +187,13 @@ def load_component(store: BlobStore, manifest: Manifest, name: str) -> Any:
         try:
             return _any_decoder.decode(data)
         except msgspec.DecodeError as exc:
+            raise CorruptCheckpointError(f"component {name!r} does not decode: {exc}") from None
+    if comp.codec == "tensors":
+        from nnx_es.state_codec import decode_state  # here, so reading a run's manifests needs no torch
+
+        try:
+            return decode_state(data)
+        except ValueError as exc:
             raise CorruptCheckpointError(f"component {name!r} does not decode: {exc}") from None
     if comp.codec == "torch":
         import torch  # here, so reading a run's manifests needs no torch

@@ -5,7 +5,7 @@
 loaders (nothing is applied until all of them loaded); :func:`apply_state`
 puts them into a trainer. Components (see :mod:`nnx_es.checkpoint`)::
 
-    model, optimizer/<name>, scheduler/<name>, scaler, update_hook/<name>   torch (weights_only)
+    model, optimizer/<name>, scheduler/<name>, scaler, update_hook/<name>   tensors (or torch)
     schedulers, monitor, rng, data, topology, callback/<name>               msgpack
 """
 
@@ -19,6 +19,7 @@ from torch import Tensor
 from nnx_es.checkpoint import Manifest, load_component, torch_bytes
 from nnx_es.errors import ResumeError
 from nnx_es.rng import capture_rng, restore_rng
+from nnx_es.state_codec import encode_state
 from nnx_es.storage import BlobStore
 from nnx_es.update_hooks import EMA
 
@@ -44,23 +45,32 @@ def detached_copy(obj: Any) -> Any:
     return obj
 
 
+def _state_part(state: Any) -> tuple[str, Any]:
+    """A state dict as a ``"tensors"`` component (encoded now: raw bytes, a snapshot), or, when that
+    codec cannot hold it, a ``"torch"`` one (a detached copy, ``torch.save``-d by :func:`encode_parts`)."""
+    data = encode_state(state)
+    return ("tensors", data) if data is not None else ("torch", detached_copy(state))
+
+
 def capture(trainer: Trainer, epoch: int) -> dict[str, tuple[str, Any]]:
     """Components of a checkpoint holding ``trainer`` after 0-based ``epoch`` (-1: before training).
 
-    Cheap, on the training thread: ``"torch"`` components are detached copies of the
-    state dicts (serialized later by :func:`encode_parts`, off the training thread
-    when the commit is deferred); ``"msgpack"`` components are encoded here.
+    Cheap, on the training thread: state dicts are encoded with the ``"tensors"`` codec
+    (:mod:`nnx_es.state_codec`: raw tensor bytes, microseconds for a small model), or kept
+    as detached copies for ``torch.save`` by :func:`encode_parts` (off the training thread
+    when the commit is deferred) when that codec cannot hold them; ``"msgpack"``
+    components are encoded here.
     """
-    parts: dict[str, tuple[str, Any]] = {"model": ("torch", detached_copy(trainer.net.state_dict()))}
+    parts: dict[str, tuple[str, Any]] = {"model": _state_part(trainer.net.state_dict())}
     for n, o in trainer.optimizers.items():
-        parts[f"optimizer/{n}"] = ("torch", detached_copy(o.state_dict()))
+        parts[f"optimizer/{n}"] = _state_part(o.state_dict())
     for s in trainer.schedulers:
-        parts[f"scheduler/{s.name}"] = ("torch", detached_copy(s.state_dict()))
+        parts[f"scheduler/{s.name}"] = _state_part(s.state_dict())
     if trainer.engine.scaler is not None:
-        parts["scaler"] = ("torch", detached_copy(trainer.engine.scaler.state_dict()))
+        parts["scaler"] = _state_part(trainer.engine.scaler.state_dict())
     for h in trainer.update_hooks:
         if isinstance(h, EMA):
-            parts[f"update_hook/{h.name}"] = ("torch", detached_copy(h.torch_state()))
+            parts[f"update_hook/{h.name}"] = _state_part(h.torch_state())
     state = {
         "schedulers": {s.name: s.summary() for s in trainer.schedulers},
         "monitor": trainer.monitor.state_dict() if trainer.monitor else None,

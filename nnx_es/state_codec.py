@@ -1,0 +1,138 @@
+"""The ``"tensors"`` checkpoint codec: a state dict as msgpack, each tensor as raw bytes.
+
+A model's, optimizer's or scheduler's ``state_dict()`` is plain containers
+(``dict``/``OrderedDict`` with ``str``/``int`` keys, ``list``, ``tuple``),
+plain leaves (``None``, ``bool``, ``int``, ``float``, ``str``, ``bytes``) and
+dense tensors. :func:`encode_state` writes such a tree as msgpack with three
+extension types::
+
+    1  tensor     msgpack [dtype name, shape, raw bytes (C order, native byte order)]
+    2  tuple      msgpack array of the items (a plain array decodes as a list)
+    3  state dict msgpack [items map, ``_metadata`` map]   (an OrderedDict carrying
+                  ``nn.Module`` version metadata, as ``nn.Module.state_dict`` returns)
+
+Encoding copies every tensor's bytes, so the result is a snapshot that later
+training cannot change, taken in microseconds for small models, where
+``torch.save`` (a zip of pickles) takes hundreds (DESIGN.md "Performance
+budget"). Decoding unpickles nothing, and the only things it builds are the
+containers above and tensors of the dtypes in :data:`DTYPES`.
+
+A tree with anything else -- a tensor subclass, a sparse, quantized or meta
+tensor, a dtype outside :data:`DTYPES`, a NumPy scalar, a key that is not a
+``str``/``int``, an int beyond 64 bits -- is not encoded (:func:`encode_state`
+returns ``None``) and the checkpoint keeps it with the ``"torch"`` codec.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Any
+
+import msgspec
+import torch
+from torch import Tensor
+
+__all__ = ["DTYPES", "decode_state", "encode_state"]
+
+_TENSOR, _TUPLE, _STATE_DICT = 1, 2, 3
+
+#: dtypes the codec stores (by name); any other dtype falls back to ``torch.save``
+DTYPES: dict[str, torch.dtype] = {
+    str(d).removeprefix("torch."): d
+    for d in (
+        torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.complex64, torch.complex128,
+        torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool,
+    )
+}
+_NAMES = {d: n for n, d in DTYPES.items()}
+_LEAVES = (type(None), bool, int, float, str, bytes)
+
+_plain = msgspec.msgpack.Encoder()
+_plain_decoder = msgspec.msgpack.Decoder()
+
+
+class _Unsupported(Exception):
+    pass
+
+
+def _tensor(t: Tensor) -> msgspec.msgpack.Ext:
+    name = _NAMES.get(t.dtype)
+    if name is None or t.layout != torch.strided or t.is_quantized or t.is_meta:
+        raise _Unsupported
+    flat = t.detach().resolve_conj().resolve_neg().cpu().contiguous().reshape(-1)
+    raw = flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b""
+    return msgspec.msgpack.Ext(_TENSOR, _plain.encode([name, list(t.shape), raw]))
+
+
+def _pack(obj: Any) -> Any:
+    t = type(obj)
+    if t in _LEAVES:
+        return obj
+    if t is Tensor:
+        return _tensor(obj)
+    if t is dict or t is OrderedDict:
+        items = {}
+        for k, v in obj.items():
+            if type(k) is not str and type(k) is not int:
+                raise _Unsupported
+            items[k] = _pack(v)
+        metadata = getattr(obj, "_metadata", None)
+        if metadata is None:
+            return items
+        return msgspec.msgpack.Ext(_STATE_DICT, _encoder.encode([items, _pack(dict(metadata))]))
+    if t is list:
+        return [_pack(v) for v in obj]
+    if t is tuple:
+        return msgspec.msgpack.Ext(_TUPLE, _encoder.encode([_pack(v) for v in obj]))
+    raise _Unsupported
+
+
+_encoder = msgspec.msgpack.Encoder()
+
+
+def encode_state(state: Any) -> bytes | None:
+    """``state`` (a state dict) as ``"tensors"`` codec bytes, or ``None`` when the codec cannot
+    hold it exactly (see the module docstring; the caller then uses ``torch.save``)."""
+    try:
+        return _encoder.encode(_pack(state))
+    except (_Unsupported, OverflowError, TypeError):
+        return None
+
+
+def _ext_hook(code: int, data: memoryview) -> Any:
+    if code == _TENSOR:
+        name, shape, raw = _plain_decoder.decode(data)
+        dtype = DTYPES.get(name)
+        if dtype is None:
+            raise ValueError(f"unknown tensor dtype {name!r}")
+        numel = 1
+        for n in shape:
+            numel *= n
+        if len(raw) != numel * dtype.itemsize:
+            raise ValueError(f"a {name} tensor of shape {shape} needs {numel * dtype.itemsize} bytes, has {len(raw)}")
+        if not raw:
+            return torch.empty(shape, dtype=dtype)
+        return torch.frombuffer(bytearray(raw), dtype=dtype).reshape(shape)
+    if code == _TUPLE:
+        return tuple(_decoder.decode(data))
+    if code == _STATE_DICT:
+        items, metadata = _decoder.decode(data)
+        out = OrderedDict(items)
+        out._metadata = metadata  # type: ignore[attr-defined]
+        return out
+    raise ValueError(f"unknown msgpack extension type {code}")
+
+
+_decoder = msgspec.msgpack.Decoder(ext_hook=_ext_hook)
+
+
+def decode_state(data: bytes) -> Any:
+    """The state :func:`encode_state` encoded (tensors on the CPU, writable, not sharing memory).
+
+    Raises:
+        ValueError: the bytes do not decode (torn, or not this codec).
+    """
+    try:
+        return _decoder.decode(data)
+    except msgspec.DecodeError as exc:
+        raise ValueError(str(exc)) from None
