@@ -34,7 +34,8 @@ from nnx_es.lifecycle import Lifecycle
 from nnx_es.recorder import Recorder
 from projections.view import project
 
-__all__ = ["append_us_per_event", "fsyncs_per_epoch", "long_run_log", "replay_events_per_s", "synthetic_log"]
+__all__ = ["append_us_per_event", "durable_commit_ms", "fsyncs_per_epoch", "long_run_log", "replay_events_per_s",
+           "synthetic_log"]
 
 
 def _epoch_events(epoch: int, batches: int, step0: int) -> list:
@@ -63,6 +64,30 @@ def append_us_per_event(n_epochs: int = 40, batches: int = 250) -> float:
                 n += len(epoch_events)
                 log.flush()
             return (time.perf_counter() - t0) / n * 1e6
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def durable_commit_ms(manifest_bytes: int = 120_000, reps: int = 30) -> float:
+    """Median ms of the durable part of one epoch's commit, by the runtime's own storage calls:
+    one checkpoint file (``BlobStore.put_all``: temporary, fsync, rename, directory fsync) and one
+    synced log write (LAST) -- the floor a commit at every epoch's end costs on this disk."""
+    from nnx_es.storage import BlobStore
+
+    root = Path(tempfile.mkdtemp(prefix="nnx_bench_commit_"))
+    try:
+        store = BlobStore(root / "blobs")
+        with LmdbLog(root / "events.lmdb") as log:
+            times = []
+            for i in range(reps):
+                data = i.to_bytes(8, "big") + os.urandom(manifest_bytes)  # unique: never deduplicated
+                t0 = time.perf_counter()
+                store.put_all([data])
+                log.append(EpochBegan(epoch=i))
+                log.flush(sync=True)
+                times.append(time.perf_counter() - t0)
+        times.sort()
+        return times[len(times) // 2] * 1e3
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
