@@ -18,7 +18,7 @@ from torch import Tensor
 
 from nnx_es.checkpoint import Manifest, load_component, torch_bytes
 from nnx_es.errors import ResumeError
-from nnx_es.rng import capture_rng, restore_rng
+from nnx_es.rng import capture_rng, generators_mismatch, restore_rng
 from nnx_es.state_codec import encode_state
 from nnx_es.storage import BlobStore
 from nnx_es.update_hooks import EMA
@@ -74,7 +74,7 @@ def capture(trainer: Trainer, epoch: int) -> dict[str, tuple[str, Any]]:
     state = {
         "schedulers": {s.name: s.summary() for s in trainer.schedulers},
         "monitor": trainer.monitor.state_dict() if trainer.monitor else None,
-        "rng": capture_rng(trainer.loader_generator, trainer.sampler_generators),
+        "rng": capture_rng(trainer.generators),
         "data": {"next_epoch": epoch + 1},
         "topology": {
             "module": type(trainer.net).__qualname__,
@@ -102,29 +102,31 @@ def load_state(store: BlobStore, manifest: Manifest) -> dict[str, Any]:
 
 
 def _check_same_generators(trainer: Trainer, rng: dict[str, Any]) -> None:
-    """Refuse a train loader whose generators differ from the run's (their states, not seeds, are restored).
+    """Refuse loaders whose own generators differ from the run's (their states, not seeds, are restored).
+
+    One rule for the train and the validation loader (:func:`nnx_es.rng.generators_mismatch`);
+    a checkpoint from before the validation loader's were kept reads as "none".
 
     Raises:
-        ResumeError: the loader has, or lacks, a ``generator``, or its samplers have another
-            number of generators of their own than the checkpoint holds.
+        ResumeError: a loader has, or lacks, a DataLoader ``generator``, or its samplers have
+            another number of generators of their own than the checkpoint holds (named).
     """
-    saved = (rng.get("loader") is not None, len(rng.get("samplers", [])))
-    now = (trainer.loader_generator is not None, len(trainer.sampler_generators))
-    if saved != now:
-        def say(has_loader: bool, samplers: int) -> str:
-            return f"{'a' if has_loader else 'no'} DataLoader generator and {samplers} sampler generator(s)"
-        raise ResumeError(
-            f"cannot restore the data order: the run's train loader had {say(*saved)}, this one has {say(*now)}; "
-            "build it with the same generators (any seed: their states are restored)"
-        )
+    why = generators_mismatch(rng, trainer.generators)
+    if why is not None:
+        raise ResumeError(f"cannot restore the data order: {why}; "
+                          "build it with the same generators (any seed: their states are restored)")
 
 
 def apply_state(trainer: Trainer, state: dict[str, Any], *, weights_only: bool = False) -> None:
     """Restore ``trainer`` from :func:`load_state`'s result.
 
+    A stateful restore (not ``weights_only``) first checks that the train and validation
+    loaders have the run's generators, then restores every RNG stream last.
+
     Raises:
         ResumeError: the checkpoint does not match the trainer (a missing
-            optimizer, scheduler, callback state or a different model topology).
+            optimizer, scheduler, callback state, a different model topology, or
+            loaders whose own generators differ from the run's).
     """
     if not weights_only:
         _check_same_generators(trainer, state["rng"])  # before anything is applied
@@ -157,4 +159,4 @@ def apply_state(trainer: Trainer, state: dict[str, Any], *, weights_only: bool =
             cb.load_state_dict(state[key])
         elif cb.state_dict() is not None:
             raise ResumeError(f"the checkpoint has no state for callback {cb.name!r}")
-    restore_rng(state["rng"], trainer.loader_generator, trainer.sampler_generators)
+    restore_rng(state["rng"], trainer.generators)

@@ -39,7 +39,6 @@ from typing import Any
 
 import msgspec
 import structlog
-import torch
 from torch import nn
 from torch.optim import Optimizer
 
@@ -73,7 +72,7 @@ from nnx_es.progress import Progress
 from nnx_es.recorder import Recorder
 from nnx_es.session import open_session
 from nnx_es.result import RunResult, load_result, result_of
-from nnx_es.rng import loader_generators
+from nnx_es.rng import LoaderGenerators
 from nnx_es.schedulers import Scheduler
 from projections.view import Projections
 from nnx_es.stages import TrainingStage
@@ -275,8 +274,8 @@ class Trainer:
         self._committed_update = False
         self._unreported = 0  # microbatches a custom step recorded since its last reported update
         self.committer = Committer(self, checkpoint_lag)
-        self.loader_generator: torch.Generator | None = None
-        self.sampler_generators: list[torch.Generator] = []
+        #: the train and validation loaders' own generators ("train", "val"), checkpointed with the RNG streams
+        self.generators: dict[str, LoaderGenerators] = {}
         #: the projections finalization wrote the views from, and the log's length then
         self.final_projection: tuple[Projections, int] | None = None
 
@@ -341,11 +340,12 @@ class Trainer:
         Args:
             resume_from: a run directory (``runs/<id>``). ``resume_mode="stateful"``
                 continues that run from its LAST commit: model, optimizers,
-                schedulers, RNG streams (the loader's generator included),
-                counters, callback state and data position are restored, the
-                uncommitted tail is recorded as discarded, and training goes on
-                at the first uncommitted epoch (a run that had decided to stop is
-                finished without training more). The trainer must declare the
+                schedulers, RNG streams (the train and validation loaders' own
+                generators included: their states, not seeds), counters, callback
+                state and data position are restored, the uncommitted tail is
+                recorded as discarded, and training goes on at the first
+                uncommitted epoch (a run that had decided to stop is finished
+                without training more). The trainer must declare the
                 run's recipe: the same optimizers, schedulers, monitor and window.
                 ``"weights_only"`` starts a new run (this trainer's ``run_id``)
                 from the weights alone and records its source (run id, LAST seq,
@@ -353,8 +353,9 @@ class Trainer:
 
         Raises:
             ConfigError: bad ``epochs``/``resume_mode``, or a run directory in the way.
-            ResumeError: the resume point is missing or does not verify, or the recipe
-                differs from the run's (the reason is named; nothing is restored or erased).
+            ResumeError: the resume point is missing or does not verify, the recipe
+                differs from the run's, or a loader has or lacks a generator of its own
+                the run's had (the reason is named; nothing is restored or erased).
             LeaseHeldError: another process writes this run.
             Exception: whatever training raised, after finalization.
         """
@@ -365,10 +366,7 @@ class Trainer:
         if resume_mode not in ("stateful", "weights_only"):
             raise ConfigError(f"resume_mode must be 'stateful' or 'weights_only', got {resume_mode!r}")
         ensure_logging()
-        generators = loader_generators(train_loader)
-        self.loader_generator = getattr(train_loader, "generator", None)
-        #: the train loader's other generators (a sampler's own), checkpointed with the RNG streams
-        self.sampler_generators = [g for g in generators if g is not self.loader_generator]
+        self.generators = {"train": LoaderGenerators.of(train_loader), "val": LoaderGenerators.of(val_loader)}
         self.final_projection = None
         with open_session(self, resume_from, resume_mode) as (opening, start_epoch):
             self._run(train_loader, val_loader, epochs, opening, start_epoch)
