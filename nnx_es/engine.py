@@ -13,7 +13,7 @@ At the window's end (:meth:`UpdateEngine.finalize_step`), in this order
     W = sum of the window's denominators
     W == 0                      -> update_skipped(masked)     no step, no scheduler step
     a loss was not finite       -> update_skipped(nonfinite)
-    unscale (GradScaler) ; grad /= W
+    unscale (GradScaler) ; coalesce sparse grads ; grad /= W
     a gradient not finite       -> update_skipped(nonfinite)  (the scaler lowers its scale)
                                    (checked from the total L2 norm when it is computed -- with
                                    clipping or ``track_grad_norm`` -- else by one fused check)
@@ -26,6 +26,19 @@ At the window's end (:meth:`UpdateEngine.finalize_step`), in this order
 
 Dividing the accumulated gradient by W makes the update the gradient of the
 mean loss over the whole window, with unequal microbatch sizes and masks.
+
+Sparse gradients (``torch.sparse_coo``, e.g. from ``nn.Embedding(sparse=True)``)
+take the same steps with the same results as the dense gradient they stand for:
+each is coalesced in place (``p.grad = p.grad.coalesce()``: duplicate indices
+summed, as the dense gradient sums them), and the division, the finiteness
+check and the norm run on its values (an implicit zero adds nothing to a norm
+and stays zero when divided); clipping scales them through
+``torch.nn.utils.clip_grads_with_norm_``. Whether a model has sparse gradients
+is decided once per parameter, at the first window its gradient is seen (a
+gradient keeps that layout unless the model changes, e.g. an embedding's
+``sparse`` flag flipped mid-run); a model without them keeps the dense path,
+which tests no layout per step. With fp16 the GradScaler unscales sparse
+gradients itself (``GradScaler.unscale_`` works on their values, CPU and CUDA).
 """
 
 from __future__ import annotations
@@ -143,6 +156,8 @@ class UpdateEngine:
         self._inverse_key: tuple[float, torch.dtype, torch.device] | None = None
         self._inverse_t = torch.ones(())
         self._params = [p for p in trainer.net.parameters() if p.requires_grad]
+        self._unseen = list(self._params)  # parameters whose gradient's layout no window has shown yet
+        self._sparse = False  # some parameter's gradient is sparse COO (see _window_grads)
         self.set_precision(precision)
         self.orchestrator = UpdateOrchestrator([])
         self.stages = StageDispatcher([])
@@ -281,7 +296,10 @@ class UpdateEngine:
                 for opt in trainer.optimizers.values():
                     self.scaler.unscale_(opt)
                 unscaled = True
-            grads = [p.grad for p in self._params if p.grad is not None]
+            if self._sparse or self._unseen:
+                grads = self._window_grads()
+            else:
+                grads = [p.grad for p in self._params if p.grad is not None]
             if W != 1.0 and not self.w_divided:
                 torch._foreach_div_(grads, W)
             if self.stages.by_stage:
@@ -334,8 +352,40 @@ class UpdateEngine:
             self.stages(TrainingStage.AFTER_OPTIMIZER_STEP, ctx)
         return True
 
+    def _window_grads(self) -> list[Tensor]:
+        """The window's gradients as strided tensors: a dense gradient itself, a sparse COO one's values.
+
+        A sparse gradient is first coalesced in place (``p.grad`` is replaced), so its values
+        ``(nnz, *dense dims)`` hold each index once: dividing them divides the gradient, and
+        their L2 norm is the norm of the dense gradient (duplicates summed before squaring).
+        Parameters whose gradient appears for the first time are looked at once here, and
+        set ``_sparse`` if their gradient is sparse; after that a dense model does not come here
+        (a parameter that never gets a gradient stays watched: ~0.2 us a window for a few of them).
+        """
+        if self._unseen:
+            for p in self._unseen:
+                if p.grad is not None:  # a first gradient (rare after the first window)
+                    self._sparse = self._sparse or any(p.grad.is_sparse for p in self._unseen if p.grad is not None)
+                    self._unseen = [p for p in self._unseen if p.grad is None]
+                    break
+            if not self._sparse:
+                return [p.grad for p in self._params if p.grad is not None]
+        grads = []
+        for p in self._params:
+            g = p.grad
+            if g is None:
+                continue
+            if g.is_sparse:
+                if not g.is_coalesced():
+                    g = p.grad = g.coalesce()
+                g = g._values()
+            grads.append(g)
+        return grads
+
     def _grads_finite(self, grads: list[Tensor]) -> bool:
         """Whether every gradient is finite, in one fused op and one sync (no norm).
+
+        ``grads``: strided tensors (a sparse gradient's values, see :meth:`_window_grads`).
 
         Uses the check behind ``GradScaler.unscale_`` with a scale of exactly 1.0
         (the gradients are unchanged); gradients on several devices fall back to the norm.
