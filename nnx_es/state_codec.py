@@ -1,21 +1,26 @@
-"""The ``"tensors"`` checkpoint codec: a state dict as msgpack, each tensor as raw bytes.
+"""The ``"tensors"`` checkpoint codec: a state dict as msgpack, each tensor's bytes after it.
 
 A model's, optimizer's or scheduler's ``state_dict()`` is plain containers
 (``dict``/``OrderedDict`` with ``str``/``int`` keys, ``list``, ``tuple``),
 plain leaves (``None``, ``bool``, ``int``, ``float``, ``str``, ``bytes``) and
-dense tensors. :func:`encode_state` writes such a tree as msgpack with three
-extension types::
+dense tensors. :func:`encode_state` writes such a tree as::
 
-    1  tensor     msgpack [dtype name, shape, raw bytes (C order, native byte order)]
+    length of the tree (8 bytes, little-endian) | the tree (msgpack) | data section
+
+The tree is msgpack with three extension types::
+
+    1  tensor     msgpack [dtype name, shape, offset, nbytes]: its bytes (C order, native
+                  byte order) at ``offset`` in the data section
     2  tuple      msgpack array of the items (a plain array decodes as a list)
     3  state dict msgpack [items map, ``_metadata`` map]   (an OrderedDict carrying
                   ``nn.Module`` version metadata, as ``nn.Module.state_dict`` returns)
 
-Encoding copies every tensor's bytes, so the result is a snapshot that later
-training cannot change, taken in microseconds for small models, where
-``torch.save`` (a zip of pickles) takes hundreds (DESIGN.md "Performance
-budget"). Decoding unpickles nothing, and the only things it builds are the
-containers above and tensors of the dtypes in :data:`DTYPES`.
+Like safetensors' header-then-data layout, each tensor's bytes are copied once
+(into the result), so the result is a snapshot that later training cannot change,
+taken in microseconds for a small model where ``torch.save`` (a zip of pickles)
+takes hundreds (DESIGN.md "Performance budget"), and in one memory copy of the
+state for a big one. Decoding unpickles nothing, and the only things it builds
+are the containers above and tensors of the dtypes in :data:`DTYPES`.
 
 A tree with anything else -- a tensor subclass, a sparse, quantized or meta
 tensor, a dtype outside :data:`DTYPES`, a NumPy scalar, a key that is not a
@@ -49,81 +54,64 @@ _LEAVES = (type(None), bool, int, float, str, bytes)
 
 _plain = msgspec.msgpack.Encoder()
 _plain_decoder = msgspec.msgpack.Decoder()
+_encoder = msgspec.msgpack.Encoder()
+_LENGTH = 8  # bytes of the tree's length
 
 
 class _Unsupported(Exception):
     pass
 
 
-def _tensor(t: Tensor) -> msgspec.msgpack.Ext:
-    name = _NAMES.get(t.dtype)
-    if name is None or t.layout != torch.strided or t.is_quantized or t.is_meta:
+class _Packer:
+    """Builds the msgpack-able tree of one state and collects its tensors' bytes (uncopied views)."""
+
+    def __init__(self) -> None:
+        self.section: list[Any] = []  # buffers (NumPy views of the tensors' storage), in offset order
+        self.offset = 0
+
+    def tensor(self, t: Tensor) -> msgspec.msgpack.Ext:
+        name = _NAMES.get(t.dtype)
+        if name is None or t.layout != torch.strided or t.is_quantized or t.is_meta:
+            raise _Unsupported
+        flat = t.detach().resolve_conj().resolve_neg().cpu().contiguous().reshape(-1)
+        raw = flat.view(torch.uint8).numpy()  # shares the tensor's memory: copied once, by encode_state's join
+        header = [name, list(t.shape), self.offset, raw.nbytes]
+        self.section.append(raw)
+        self.offset += raw.nbytes
+        return msgspec.msgpack.Ext(_TENSOR, _plain.encode(header))
+
+    def pack(self, obj: Any) -> Any:
+        t = type(obj)
+        if t in _LEAVES:
+            return obj
+        if t is Tensor:
+            return self.tensor(obj)
+        if t is dict or t is OrderedDict:
+            items = {}
+            for k, v in obj.items():
+                if type(k) is not str and type(k) is not int:
+                    raise _Unsupported
+                items[k] = self.pack(v)
+            metadata = getattr(obj, "_metadata", None)
+            if metadata is None:
+                return items
+            return msgspec.msgpack.Ext(_STATE_DICT, _encoder.encode([items, self.pack(dict(metadata))]))
+        if t is list:
+            return [self.pack(v) for v in obj]
+        if t is tuple:
+            return msgspec.msgpack.Ext(_TUPLE, _encoder.encode([self.pack(v) for v in obj]))
         raise _Unsupported
-    flat = t.detach().resolve_conj().resolve_neg().cpu().contiguous().reshape(-1)
-    raw = flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b""
-    return msgspec.msgpack.Ext(_TENSOR, _plain.encode([name, list(t.shape), raw]))
-
-
-def _pack(obj: Any) -> Any:
-    t = type(obj)
-    if t in _LEAVES:
-        return obj
-    if t is Tensor:
-        return _tensor(obj)
-    if t is dict or t is OrderedDict:
-        items = {}
-        for k, v in obj.items():
-            if type(k) is not str and type(k) is not int:
-                raise _Unsupported
-            items[k] = _pack(v)
-        metadata = getattr(obj, "_metadata", None)
-        if metadata is None:
-            return items
-        return msgspec.msgpack.Ext(_STATE_DICT, _encoder.encode([items, _pack(dict(metadata))]))
-    if t is list:
-        return [_pack(v) for v in obj]
-    if t is tuple:
-        return msgspec.msgpack.Ext(_TUPLE, _encoder.encode([_pack(v) for v in obj]))
-    raise _Unsupported
-
-
-_encoder = msgspec.msgpack.Encoder()
 
 
 def encode_state(state: Any) -> bytes | None:
     """``state`` (a state dict) as ``"tensors"`` codec bytes, or ``None`` when the codec cannot
     hold it exactly (see the module docstring; the caller then uses ``torch.save``)."""
+    packer = _Packer()
     try:
-        return _encoder.encode(_pack(state))
+        tree = _encoder.encode(packer.pack(state))
     except (_Unsupported, OverflowError, TypeError):
         return None
-
-
-def _ext_hook(code: int, data: memoryview) -> Any:
-    if code == _TENSOR:
-        name, shape, raw = _plain_decoder.decode(data)
-        dtype = DTYPES.get(name)
-        if dtype is None:
-            raise ValueError(f"unknown tensor dtype {name!r}")
-        numel = 1
-        for n in shape:
-            numel *= n
-        if len(raw) != numel * dtype.itemsize:
-            raise ValueError(f"a {name} tensor of shape {shape} needs {numel * dtype.itemsize} bytes, has {len(raw)}")
-        if not raw:
-            return torch.empty(shape, dtype=dtype)
-        return torch.frombuffer(bytearray(raw), dtype=dtype).reshape(shape)
-    if code == _TUPLE:
-        return tuple(_decoder.decode(data))
-    if code == _STATE_DICT:
-        items, metadata = _decoder.decode(data)
-        out = OrderedDict(items)
-        out._metadata = metadata  # type: ignore[attr-defined]
-        return out
-    raise ValueError(f"unknown msgpack extension type {code}")
-
-
-_decoder = msgspec.msgpack.Decoder(ext_hook=_ext_hook)
+    return b"".join([len(tree).to_bytes(_LENGTH, "little"), tree, *packer.section])
 
 
 def decode_state(data: bytes) -> Any:
@@ -132,7 +120,38 @@ def decode_state(data: bytes) -> Any:
     Raises:
         ValueError: the bytes do not decode (torn, or not this codec).
     """
+    view = memoryview(data)
+    n = int.from_bytes(view[:_LENGTH], "little")
+    if len(view) < _LENGTH or _LENGTH + n > len(view):
+        raise ValueError(f"the tree's length {n} does not fit in {len(view)} bytes")
+    section = view[_LENGTH + n:]
+
+    def ext_hook(code: int, payload: memoryview) -> Any:
+        if code == _TENSOR:
+            name, shape, offset, nbytes = _plain_decoder.decode(payload)
+            dtype = DTYPES.get(name)
+            if dtype is None:
+                raise ValueError(f"unknown tensor dtype {name!r}")
+            numel = 1
+            for d in shape:
+                numel *= d
+            if nbytes != numel * dtype.itemsize or offset < 0 or offset + nbytes > len(section):
+                raise ValueError(f"a {name} tensor of shape {shape} needs {numel * dtype.itemsize} bytes; "
+                                 f"{nbytes} at offset {offset} of a {len(section)}-byte data section")
+            if not nbytes:
+                return torch.empty(shape, dtype=dtype)
+            return torch.frombuffer(bytearray(section[offset:offset + nbytes]), dtype=dtype).reshape(shape)
+        if code == _TUPLE:
+            return tuple(decoder.decode(payload))
+        if code == _STATE_DICT:
+            items, metadata = decoder.decode(payload)
+            out = OrderedDict(items)
+            out._metadata = metadata  # type: ignore[attr-defined]
+            return out
+        raise ValueError(f"unknown msgpack extension type {code}")
+
+    decoder = msgspec.msgpack.Decoder(ext_hook=ext_hook)
     try:
-        return _decoder.decode(data)
+        return decoder.decode(view[_LENGTH:_LENGTH + n])
     except msgspec.DecodeError as exc:
         raise ValueError(str(exc)) from None

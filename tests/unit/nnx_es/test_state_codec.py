@@ -151,17 +151,28 @@ def test_what_the_codec_cannot_hold_exactly_is_refused_for_torch_save(state):
     assert encode_state(state) is None
 
 
-@pytest.mark.parametrize("damage", ["truncate", "dtype", "size"])
+@pytest.mark.parametrize("damage", ["truncate", "dtype", "size", "offset", "length"])
 def test_damaged_bytes_do_not_decode(damage):
     data = encode_state({"w": torch.zeros(4)})
-    if damage == "truncate":
-        data = data[:-3]
-    else:
-        header = msgspec.msgpack.encode(["float32", [4], b"\0" * 16])
-        bad = msgspec.msgpack.encode(["float99", [4], b"\0" * 16] if damage == "dtype" else ["float32", [5], b"\0" * 16])
-        data = data.replace(header, bad)
+    header = msgspec.msgpack.encode(["float32", [4], 0, 16])
+    assert header in data
+    bad = {
+        "truncate": data[:-3],  # the data section ends early
+        "dtype": data.replace(header, msgspec.msgpack.encode(["float99", [4], 0, 16])),
+        "size": data.replace(header, msgspec.msgpack.encode(["float32", [5], 0, 16])),
+        "offset": data.replace(header, msgspec.msgpack.encode(["float32", [4], 9, 16])),
+        "length": (2**40).to_bytes(8, "little") + data[8:],  # the tree's length runs past the end
+    }[damage]
     with pytest.raises(ValueError):
-        decode_state(data)
+        decode_state(bad)
+
+
+def test_each_tensor_is_one_slice_of_the_data_section():
+    w, b = torch.arange(6.0).reshape(2, 3), torch.tensor([7, 8], dtype=torch.int16)
+    data = encode_state({"w": w, "b": b})
+    tail = w.numpy().tobytes() + b.numpy().tobytes()
+    assert data.endswith(tail)  # the bytes follow the tree, in order, uncompressed, once
+    assert len(data) == 8 + int.from_bytes(data[:8], "little") + len(tail)
 
 
 def test_a_checkpoint_keeps_small_states_inline_and_big_ones_in_blobs(tmp_path: Path):
