@@ -11,13 +11,16 @@ puts them into a trainer. Components (see :mod:`nnx_es.checkpoint`)::
 
 from __future__ import annotations
 
+import io
+import pickle
 from typing import TYPE_CHECKING, Any
 
 import msgspec
+import torch
 from torch import Tensor
 
 from nnx_es.checkpoint import Manifest, load_component, torch_bytes
-from nnx_es.errors import ResumeError
+from nnx_es.errors import ConfigError, ResumeError
 from nnx_es.rng import capture_rng, generators_mismatch, restore_rng
 from nnx_es.state_codec import encode_state
 from nnx_es.storage import BlobStore
@@ -91,9 +94,30 @@ def capture(trainer: Trainer, epoch: int) -> dict[str, tuple[str, Any]]:
     return parts
 
 
+def _safe_torch_bytes(name: str, value: Any) -> bytes:
+    """``torch.save`` bytes of ``value`` that the safe loader reads back (checked now, not at resume).
+
+    Raises:
+        ConfigError: the state holds an object ``torch.load(weights_only=True)`` refuses (a
+            custom class, say): a checkpoint that could never be resumed is not written.
+    """
+    data = torch_bytes(value)
+    try:
+        torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
+    except pickle.UnpicklingError as exc:
+        why = next((line.strip() for line in str(exc).splitlines() if "Unsupported global" in line), str(exc))
+        raise ConfigError(
+            f"checkpoint component {name!r} holds a value no safe loader can read back ({why}); "
+            "keep state dicts to tensors, NumPy numbers and plain Python values"
+        ) from None
+    return data
+
+
 def encode_parts(parts: dict[str, tuple[str, Any]]) -> dict[str, tuple[str, bytes]]:
-    """Serialize :func:`capture`'s components: ``torch.save`` bytes for ``"torch"`` ones."""
-    return {name: (codec, torch_bytes(value) if codec == "torch" else value) for name, (codec, value) in parts.items()}
+    """Serialize :func:`capture`'s components: ``torch.save`` bytes for ``"torch"`` ones, each
+    checked to load back with ``weights_only=True`` (:func:`_safe_torch_bytes`)."""
+    return {name: (codec, _safe_torch_bytes(name, value) if codec == "torch" else value)
+            for name, (codec, value) in parts.items()}
 
 
 def load_state(store: BlobStore, manifest: Manifest) -> dict[str, Any]:

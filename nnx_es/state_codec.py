@@ -2,8 +2,9 @@
 
 A model's, optimizer's or scheduler's ``state_dict()`` is plain containers
 (``dict``/``OrderedDict`` with ``str``/``int`` keys, ``list``, ``tuple``),
-plain leaves (``None``, ``bool``, ``int``, ``float``, ``str``, ``bytes``) and
-dense tensors. :func:`encode_state` writes such a tree as::
+plain leaves (``None``, ``bool``, ``int``, ``float``, ``str``, ``bytes``),
+dense tensors, and at times NumPy numbers (a learning rate drawn with
+``np.logspace`` is an ``np.float64``). :func:`encode_state` writes such a tree as::
 
     length of the tree (8 bytes, little-endian) | the tree (msgpack) | data section
 
@@ -14,6 +15,9 @@ The tree is msgpack with three extension types::
     2  tuple      msgpack array of the items (a plain array decodes as a list)
     3  state dict msgpack [items map, ``_metadata`` map]   (an OrderedDict carrying
                   ``nn.Module`` version metadata, as ``nn.Module.state_dict`` returns)
+    4  NumPy      msgpack [dtype name, shape or None (a scalar), offset, nbytes]: a NumPy
+                  number or array of a dtype in :data:`NUMPY_DTYPES`, its bytes in the
+                  data section (its type is kept: ``np.float32`` arithmetic differs from ``float``'s)
 
 Like safetensors' header-then-data layout, each tensor's bytes are copied once
 (into the result), so the result is a snapshot that later training cannot change,
@@ -23,7 +27,7 @@ state for a big one. Decoding unpickles nothing, and the only things it builds
 are the containers above and tensors of the dtypes in :data:`DTYPES`.
 
 A tree with anything else -- a tensor subclass, a sparse, quantized or meta
-tensor, a dtype outside :data:`DTYPES`, a NumPy scalar, a key that is not a
+tensor, a dtype outside :data:`DTYPES`, an object array, a key that is not a
 ``str``/``int``, an int beyond 64 bits -- is not encoded (:func:`encode_state`
 returns ``None``) and the checkpoint keeps it with the ``"torch"`` codec.
 """
@@ -34,12 +38,13 @@ from collections import OrderedDict
 from typing import Any
 
 import msgspec
+import numpy as np
 import torch
 from torch import Tensor
 
-__all__ = ["DTYPES", "decode_state", "encode_state"]
+__all__ = ["DTYPES", "NUMPY_DTYPES", "decode_state", "encode_state"]
 
-_TENSOR, _TUPLE, _STATE_DICT = 1, 2, 3
+_TENSOR, _TUPLE, _STATE_DICT, _NUMPY = 1, 2, 3, 4
 
 #: dtypes the codec stores (by name); any other dtype falls back to ``torch.save``
 DTYPES: dict[str, torch.dtype] = {
@@ -50,7 +55,14 @@ DTYPES: dict[str, torch.dtype] = {
     )
 }
 _NAMES = {d: n for n, d in DTYPES.items()}
+#: NumPy dtypes (numbers and bools, native byte order) the codec stores, by name
+NUMPY_DTYPES: dict[str, np.dtype] = {
+    d.name: d for d in map(np.dtype, (np.bool_, np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32,
+                                      np.uint64, np.float16, np.float32, np.float64, np.complex64, np.complex128))
+}
 _LEAVES = (type(None), bool, int, float, str, bytes)
+
+_NUMPY_SCALARS = frozenset(d.type for d in NUMPY_DTYPES.values())
 
 _plain = msgspec.msgpack.Encoder()
 _plain_decoder = msgspec.msgpack.Decoder()
@@ -74,11 +86,24 @@ class _Packer:
         if name is None or t.layout != torch.strided or t.is_quantized or t.is_meta:
             raise _Unsupported
         flat = t.detach().resolve_conj().resolve_neg().cpu().contiguous().reshape(-1)
-        raw = flat.view(torch.uint8).numpy()  # shares the tensor's memory: copied once, by encode_state's join
-        header = [name, list(t.shape), self.offset, raw.nbytes]
+        # a view of the tensor's memory: copied once, by encode_state's join
+        offset, nbytes = self._section(flat.view(torch.uint8).numpy())
+        return msgspec.msgpack.Ext(_TENSOR, _plain.encode([name, list(t.shape), offset, nbytes]))
+
+    def _section(self, raw: Any) -> tuple[int, int]:
+        """Put ``raw`` (a buffer) in the data section; return (its offset, its size)."""
+        offset, nbytes = self.offset, memoryview(raw).nbytes
         self.section.append(raw)
-        self.offset += raw.nbytes
-        return msgspec.msgpack.Ext(_TENSOR, _plain.encode(header))
+        self.offset += nbytes
+        return offset, nbytes
+
+    def numpy(self, obj: np.generic | np.ndarray) -> msgspec.msgpack.Ext:
+        dtype = obj.dtype
+        if NUMPY_DTYPES.get(dtype.name) != dtype:  # also refuses a non-native byte order
+            raise _Unsupported
+        shape = list(obj.shape) if isinstance(obj, np.ndarray) else None
+        offset, nbytes = self._section(np.ascontiguousarray(obj).reshape(-1).view(np.uint8))
+        return msgspec.msgpack.Ext(_NUMPY, _plain.encode([dtype.name, shape, offset, nbytes]))
 
     def pack(self, obj: Any) -> Any:
         t = type(obj)
@@ -86,6 +111,8 @@ class _Packer:
             return obj
         if t is Tensor:
             return self.tensor(obj)
+        if isinstance(obj, (np.generic, np.ndarray)) and (t is np.ndarray or t in _NUMPY_SCALARS):
+            return self.numpy(obj)
         if t is dict or t is OrderedDict:
             items = {}
             for k, v in obj.items():
@@ -126,21 +153,33 @@ def decode_state(data: bytes) -> Any:
         raise ValueError(f"the tree's length {n} does not fit in {len(view)} bytes")
     section = view[_LENGTH + n:]
 
+    def raw(kind: str, name: str, shape: list[int], itemsize: int, offset: int, nbytes: int) -> memoryview:
+        numel = 1
+        for d in shape:
+            numel *= d
+        if nbytes != numel * itemsize or offset < 0 or offset + nbytes > len(section):
+            raise ValueError(f"a {name} {kind} of shape {shape} needs {numel * itemsize} bytes; "
+                             f"{nbytes} at offset {offset} of a {len(section)}-byte data section")
+        return section[offset:offset + nbytes]
+
     def ext_hook(code: int, payload: memoryview) -> Any:
         if code == _TENSOR:
             name, shape, offset, nbytes = _plain_decoder.decode(payload)
             dtype = DTYPES.get(name)
             if dtype is None:
                 raise ValueError(f"unknown tensor dtype {name!r}")
-            numel = 1
-            for d in shape:
-                numel *= d
-            if nbytes != numel * dtype.itemsize or offset < 0 or offset + nbytes > len(section):
-                raise ValueError(f"a {name} tensor of shape {shape} needs {numel * dtype.itemsize} bytes; "
-                                 f"{nbytes} at offset {offset} of a {len(section)}-byte data section")
+            data = raw("tensor", name, shape, dtype.itemsize, offset, nbytes)
             if not nbytes:
                 return torch.empty(shape, dtype=dtype)
-            return torch.frombuffer(bytearray(section[offset:offset + nbytes]), dtype=dtype).reshape(shape)
+            return torch.frombuffer(bytearray(data), dtype=dtype).reshape(shape)
+        if code == _NUMPY:
+            name, shape, offset, nbytes = _plain_decoder.decode(payload)
+            np_dtype = NUMPY_DTYPES.get(name)
+            if np_dtype is None:
+                raise ValueError(f"unknown NumPy dtype {name!r}")
+            data = raw("NumPy value", name, shape if shape is not None else [], np_dtype.itemsize, offset, nbytes)
+            array = np.frombuffer(bytearray(data), dtype=np_dtype)
+            return array.reshape(shape) if shape is not None else array[0]
         if code == _TUPLE:
             return tuple(decoder.decode(payload))
         if code == _STATE_DICT:

@@ -7,6 +7,7 @@ import pickle
 from pathlib import Path
 
 import msgspec
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -16,7 +17,7 @@ from events.log import LmdbLog
 from events.schema import LastCommitted, RunResumed, RunStarted, UpdateCommitted
 from nnx_es import Callback, EarlyStopping, Trainer, checkpoint, snapshot
 from nnx_es.checkpoint import read_manifest
-from nnx_es.errors import ResumeError
+from nnx_es.errors import ConfigError, ResumeError
 from nnx_es.storage import BlobStore
 from projections import committed, project
 from trainkit import loaders, read_events, small_net
@@ -274,6 +275,42 @@ def test_a_pickle_payload_that_would_run_code_is_refused_on_resume(tmp_path):
     with pytest.raises(Exception, match="safe loader|refuses|Unsafe|weights_only"):
         fit(make_trainer(runs, None), resume_from=runs / "r")
     assert not marker.exists()
+
+
+def test_a_numpy_learning_rate_resumes_exactly(tmp_path):
+    """np.float32 arithmetic differs from float's: the optimizer's lr must come back as it was."""
+
+    def trainer(runs: Path, run_id: str | None) -> Trainer:
+        net = small_net(0)
+        opt = torch.optim.Adam(net.parameters(), lr=np.float32(0.02))
+        return Trainer(net, opt, nn.CrossEntropyLoss(), runs_root=runs, run_id=run_id, seed=0, progress=False)
+
+    clean = trainer(tmp_path / "clean", "r")
+    fit(clean)
+    runs = tmp_path / "runs"
+    assert run_killed(lambda: fit(trainer(runs, "r")), kill_at_event(40)) == "killed"
+    resumed = trainer(runs, None)
+    fit(resumed, resume_from=runs / "r")
+    lr = next(iter(resumed.optimizers.values())).param_groups[0]["lr"]
+    assert type(lr) is np.float32
+    for k, v in clean.net.state_dict().items():
+        assert torch.equal(v, resumed.net.state_dict()[k]), k
+
+
+class Tag:
+    """A custom object in a param group: torch.save pickles it, weights_only refuses it."""
+
+
+def test_a_state_no_safe_loader_can_read_is_refused_when_written_not_at_resume(tmp_path):
+    net = small_net(0)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    opt.param_groups[0]["tag"] = Tag()
+    trainer = Trainer(net, opt, nn.CrossEntropyLoss(), runs_root=tmp_path, run_id="r", progress=False)
+    before = [p.detach().clone() for p in net.parameters()]
+    with pytest.raises(ConfigError, match=r"component 'optimizer/sgd' holds a value no safe loader can read back.*Tag"):
+        fit(trainer)
+    assert all(torch.equal(a, b) for a, b in zip(before, net.parameters()))  # refused before any update
+    assert not [e for _, e in read_events(tmp_path / "r") if isinstance(e, LastCommitted)]
 
 
 @pytest.mark.parametrize("codec", ["tensors", "torch"])

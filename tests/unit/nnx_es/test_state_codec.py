@@ -18,7 +18,7 @@ from torch import nn
 from events import Counters
 from nnx_es.checkpoint import INLINE_MAX, load_component, read_manifest, verify_checkpoint, write_checkpoint
 from nnx_es.errors import CorruptCheckpointError
-from nnx_es.state_codec import DTYPES, decode_state, encode_state
+from nnx_es.state_codec import DTYPES, NUMPY_DTYPES, decode_state, encode_state
 from nnx_es.storage import BlobStore
 
 
@@ -137,12 +137,30 @@ def test_encoding_is_a_snapshot_that_later_training_cannot_change():
     assert torch.equal(decode_state(data)["w"], torch.zeros(3))
 
 
+@pytest.mark.parametrize("name", sorted(NUMPY_DTYPES))
+def test_numpy_numbers_and_arrays_keep_their_type_and_bytes(name):
+    dtype = NUMPY_DTYPES[name]
+    values = np.arange(6).astype(dtype)
+    state = {"lr": values[3], "array": values.reshape(2, 3), "strided": values.reshape(2, 3).T,
+             "empty": np.zeros((0, 2), dtype=dtype), "group": [{"lr": values[1], "betas": (values[2], 0.5)}]}
+    decoded = decode_state(encode_state(state))
+    assert type(decoded["lr"]) is type(state["lr"]) and decoded["lr"].tobytes() == state["lr"].tobytes()
+    for key in ("array", "strided", "empty"):
+        got, want = decoded[key], state[key]
+        assert type(got) is np.ndarray and got.dtype == want.dtype and got.shape == want.shape
+        assert got.tobytes() == np.ascontiguousarray(want).tobytes() and got.flags.writeable
+    assert type(decoded["group"][0]["betas"]) is tuple
+    assert type(decoded["group"][0]["betas"][0]) is type(values[2])
+
+
 @pytest.mark.parametrize("state", [
     {"w": torch.zeros(2, 2).to_sparse()},  # sparse
     {"w": nn.Parameter(torch.zeros(2))},  # a tensor subclass
     {"w": torch.zeros(2, dtype=torch.float8_e4m3fn)},  # a dtype outside DTYPES
     {"w": torch.empty(2, device="meta")},  # a meta tensor (no data)
-    {"w": np.float64(1.0)},  # a NumPy scalar (a float subclass)
+    {"w": np.array([object()])},  # an object array
+    {"w": np.array([1.0], dtype=">f8")},  # a non-native byte order
+    {"w": np.str_("x")},  # a NumPy string
     {(1, 2): 3},  # a tuple key
     {"big": 2**70},  # an int beyond 64 bits
     {"s": {1, 2}},  # a set
