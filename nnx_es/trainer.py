@@ -39,6 +39,7 @@ from typing import Any
 
 import msgspec
 import structlog
+import torch
 from torch import nn
 from torch.optim import Optimizer
 
@@ -219,6 +220,11 @@ class Trainer:
         self.eval_step_fn = eval_step_fn or default_forward
         self.trainer_step_fn = trainer_step_fn or default_train_step
         self.custom_step = trainer_step_fn is not None
+        closure = [n for n, o in self.optimizers.items() if isinstance(o, torch.optim.LBFGS)]
+        if closure and not self.custom_step:
+            raise ConfigError(f"optimizer {closure[0]!r} is LBFGS, whose step() re-evaluates the loss through a "
+                              "closure; the update engine steps once per window without one: pass a trainer_step_fn "
+                              "that calls opt.step(closure) and ctx.report_update(...)")
         self.runs_root = Path(runs_root)
         self.run_id = validate_run_id(run_id) if run_id is not None else None
         if isinstance(seed, bool) or not isinstance(seed, int):

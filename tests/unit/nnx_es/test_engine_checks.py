@@ -49,3 +49,34 @@ def test_a_single_unweighted_term_reduces_like_the_general_path(loss):
     weighted = Objective({"loss": (loss, 2.0)})
     assert weighted._single is None
     assert torch.allclose(weighted(outputs, targets).total, 2 * fast.total)
+
+
+def test_lbfgs_is_refused_up_front_and_trains_through_a_custom_step(tmp_path):
+    from nnx_es.errors import ConfigError
+    from trainkit import loaders
+
+    net = small_net(0)
+    opt = torch.optim.LBFGS(net.parameters(), lr=0.5, max_iter=4)
+    with pytest.raises(ConfigError, match="optimizer 'lbfgs' is LBFGS.*closure.*trainer_step_fn"):
+        Trainer(net, opt, nn.CrossEntropyLoss(), runs_root=tmp_path, progress=False)
+
+    loss_fn = nn.CrossEntropyLoss()
+
+    def lbfgs_step(ctx, batch):
+        x, y = batch
+
+        def closure():
+            opt.zero_grad()
+            loss = loss_fn(net(x), y)
+            loss.backward()
+            return loss
+
+        loss = float(opt.step(closure).detach())
+        ctx.report_update(loss=loss, examples=float(len(y)))
+        return loss
+
+    trainer = Trainer(net, opt, loss_fn, runs_root=tmp_path, run_id="lbfgs", progress=False,
+                      trainer_step_fn=lbfgs_step)
+    run = trainer.fit(*loaders(batch_size=8, n_train=48), epochs=3)
+    assert run.status == "completed" and len(run.history) == 3
+    assert run.history[-1].train["loss"] < run.history[0].train["loss"]
