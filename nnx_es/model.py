@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
@@ -10,13 +11,33 @@ import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from nnx_es.checkpoint import load_component, verify_checkpoint
+from nnx_es.checkpoint import Manifest, load_component, verify_checkpoint
 from nnx_es.errors import ConfigError, ResumeError
 from nnx_es.result import RunResult, load_result
 from nnx_es.storage import BlobStore
 from nnx_es.trainer import Trainer
+from nnx_es.update_hooks import EMA
 
 __all__ = ["NNModel"]
+
+#: the keyword arguments :meth:`NNModel.train` passes on to :class:`~nnx_es.trainer.Trainer`
+_TRAINER_KEYWORDS = frozenset(
+    name for name, p in inspect.signature(Trainer.__init__).parameters.items() if p.kind is p.KEYWORD_ONLY
+)
+
+#: ``NNModel.load(weights=...)``: which weights of a checkpoint are loaded
+_WEIGHTS = ("evaluated", "raw", "averaged")
+
+
+def _averaged_state(store: BlobStore, manifest: Manifest) -> dict[str, Any] | None:
+    """The averaged weights a checkpoint holds (its first ``update_hook/<name>`` component that
+    is an :class:`~nnx_es.update_hooks.EMA` state: the hook validation evaluated), or None."""
+    for name in manifest.components:
+        if name.startswith("update_hook/"):
+            weights = EMA.module_state(load_component(store, manifest, name))
+            if weights is not None:
+                return weights
+    return None
 
 
 class NNModel:
@@ -43,6 +64,8 @@ class NNModel:
         epochs: int,
         optimizer: Optimizer | Callable[[Iterable[nn.Parameter]], Optimizer] | None = None,
         loss: Any = None,
+        resume_from: str | Path | None = None,
+        resume_mode: str = "stateful",
         **trainer_kwargs: Any,
     ) -> RunResult:
         """Train with a :class:`~nnx_es.trainer.Trainer` and return the run.
@@ -51,8 +74,26 @@ class NNModel:
         with them; default ``Adam(lr=1e-3)``. loss: default ``CrossEntropyLoss``.
         With a ``val_loader`` and no ``monitor``, the monitor is ``val_loss``
         (mode min), so the run has a BEST; ``metrics`` defaults to
-        ``("accuracy",)``. Other keyword arguments go to :class:`~nnx_es.trainer.Trainer`.
+        ``("accuracy",)``. ``resume_from`` (a run directory ``runs/<id>``) and
+        ``resume_mode`` (``"stateful"``: continue that run exactly from its LAST;
+        ``"weights_only"``: a new run from its weights) go to
+        :meth:`~nnx_es.trainer.Trainer.fit`, which documents them: a stateful resume
+        needs the run's recipe again (loaders with the same generators, the same optimizer,
+        hooks, monitor...), and ``epochs`` counts from the run's start. The other keyword
+        arguments go to :class:`~nnx_es.trainer.Trainer`.
+
+        Raises:
+            ConfigError: a keyword argument neither this method nor the Trainer takes
+                (named, with the accepted ones), or a bad value (see the Trainer).
+            ResumeError / LeaseHeldError: see :meth:`~nnx_es.trainer.Trainer.fit`.
         """
+        unknown = sorted(set(trainer_kwargs) - _TRAINER_KEYWORDS)
+        if unknown:
+            raise ConfigError(
+                f"NNModel.train got unknown keyword argument(s) {', '.join(map(repr, unknown))}; it takes "
+                "epochs, optimizer, loss, resume_from, resume_mode and the Trainer's "
+                f"{', '.join(sorted(_TRAINER_KEYWORDS))}"
+            )
         if val_loader is not None:
             trainer_kwargs.setdefault("monitor", "val_loss")
         trainer_kwargs.setdefault("metrics", ("accuracy",))
@@ -61,25 +102,46 @@ class NNModel:
         elif not isinstance(optimizer, Optimizer):
             optimizer = optimizer(self.net.parameters())
         trainer = Trainer(self.net, optimizer, loss if loss is not None else nn.CrossEntropyLoss(), **trainer_kwargs)
-        self.run = trainer.fit(train_loader, val_loader, epochs=epochs)
+        self.run = trainer.fit(train_loader, val_loader, epochs=epochs, resume_from=resume_from,
+                               resume_mode=resume_mode)
         return self.run
 
-    def load(self, run_dir: str | Path, which: str = "best") -> int:
-        """Load the weights of the run's BEST or LAST checkpoint (hash-verified); return its epoch.
+    def load(self, run_dir: str | Path, which: str = "best", *, weights: str = "evaluated") -> int:
+        """Load the weights of the run's BEST or LAST checkpoint (hash-verified); return its 0-based epoch.
+
+        Args:
+            which: ``"best"`` or ``"last"``.
+            weights: which of the checkpoint's weights go into ``self.net``:
+                ``"evaluated"`` (default): the ones validation scored -- the averaged
+                weights when the run had an averaging update hook
+                (:class:`~nnx_es.update_hooks.EMA`: validation, and so BEST, used them,
+                spec 004 "Validation"), else the net's own; evaluated in eval mode on the
+                same loader they reproduce the epoch's recorded validation metrics exactly.
+                ``"raw"``: the net's own trained weights (component ``model``: what a
+                stateful resume restores into the net, the averaged ones going back into
+                the hook). ``"averaged"``: the averaged weights, refused when there are none.
 
         Raises:
-            ResumeError: the run has no such checkpoint.
+            ConfigError: ``which`` or ``weights`` is not one of the values above.
+            ResumeError: the run has no such checkpoint, or ``weights="averaged"`` and
+                the checkpoint holds no averaged weights.
             CorruptCheckpointError: a manifest or blob does not verify.
         """
-        result = load_result(run_dir)
-        pointer = {"best": result.best, "last": result.last}.get(which)
         if which not in ("best", "last"):
             raise ConfigError(f"which must be 'best' or 'last', got {which!r}")
+        if weights not in _WEIGHTS:
+            raise ConfigError(f"weights must be one of {', '.join(map(repr, _WEIGHTS))}, got {weights!r}")
+        result = load_result(run_dir)
+        pointer = result.best if which == "best" else result.last
         if pointer is None:
             raise ResumeError(f"run {result.run_id!r} has no committed {which.upper()} checkpoint")
         store = BlobStore(Path(run_dir) / "blobs")
         manifest = verify_checkpoint(store, pointer.manifest)
-        self.net.load_state_dict(load_component(store, manifest, "model"))
+        state = _averaged_state(store, manifest) if weights != "raw" else None
+        if state is None and weights == "averaged":
+            raise ResumeError(f"the {which.upper()} checkpoint of run {result.run_id!r} (epoch {pointer.epoch}) "
+                              "holds no averaged weights: the run had no EMA update hook")
+        self.net.load_state_dict(state if state is not None else load_component(store, manifest, "model"))
         return pointer.epoch
 
     @torch.no_grad()

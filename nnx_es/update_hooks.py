@@ -67,7 +67,8 @@ class UpdateOrchestrator:
     """Folds update hooks into one owner of ``DO_BACKWARD`` and ``DO_OPTIMIZER_STEP``.
 
     Raises:
-        ConfigError: two hooks own the same replacement stage, or a hook is not an UpdateHook.
+        ConfigError: two hooks own the same replacement stage, a hook is not an UpdateHook, or
+            two :class:`EMA` hooks have the same name (their checkpoint components would collide).
     """
 
     def __init__(self, hooks: Sequence[UpdateHook]) -> None:
@@ -83,6 +84,9 @@ class UpdateOrchestrator:
                         "may own a replacement stage"
                     )
                 owners[stage] = h
+        averaging = [h.name for h in self.hooks if isinstance(h, EMA)]
+        if len(set(averaging)) != len(averaging):
+            raise ConfigError(f"averaging hook names must be unique (they key checkpoint state), got {averaging}")
         self.backward_owner = owners.get(TrainingStage.DO_BACKWARD)
         self.step_owner = owners.get(TrainingStage.DO_OPTIMIZER_STEP)
         self._vetoers = [h for h in self.hooks if type(h).veto is not UpdateHook.veto]
@@ -162,7 +166,15 @@ class MixedPrecision(UpdateHook):
 class EMA(UpdateHook):
     """An exponential moving average of the weights (``torch.optim.swa_utils.AveragedModel``).
 
-    Updated after every committed update; validation uses the averaged weights.
+    Updated after every committed update (``AFTER_OPTIMIZER_STEP``). Validation evaluates
+    the averaged weights (spec 004, "Validation"), so the monitor, BEST, the plateau
+    scheduler and early stopping decide on them. Each checkpoint holds them as the
+    component ``update_hook/<name>`` (this ``AveragedModel``'s state dict) beside the raw
+    weights in ``model``: a stateful resume restores the raw weights into the net and the
+    averaged ones into this hook (spec 004: EMA weights are hook state; a ``weights_only``
+    continuation, which restores no hook state, starts from the raw ones), while
+    :meth:`nnx_es.model.NNModel.load` gives the averaged ones by default -- the weights
+    that were scored -- and the raw ones with ``weights="raw"``.
     """
 
     def __init__(self, decay: float = 0.999) -> None:
@@ -185,6 +197,16 @@ class EMA(UpdateHook):
     def load_torch_state(self, state: dict[str, Any]) -> None:
         assert self.averaged is not None
         self.averaged.load_state_dict(state)
+
+    @staticmethod
+    def module_state(state: Any) -> dict[str, Any] | None:
+        """The averaged net's own state dict (the net's keys; tensors as stored, on CPU when
+        loaded from a checkpoint) inside ``state``, a :meth:`torch_state` (``AveragedModel``
+        state dict: ``module.<key>`` entries and the ``n_averaged`` count); None when
+        ``state`` is not one."""
+        if not isinstance(state, dict) or "n_averaged" not in state:
+            return None
+        return {k.removeprefix("module."): v for k, v in state.items() if k.startswith("module.")}
 
 
 def collect(hooks: Iterable[Any]) -> tuple[list[UpdateHook], list[Any]]:
