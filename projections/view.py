@@ -23,6 +23,7 @@ segment instead of Python work per event.
 
 from __future__ import annotations
 
+import bisect
 import itertools
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from operator import or_
@@ -268,7 +269,7 @@ class _Projector:
         pending = self.pending
         if not pending:
             return
-        if covers < 0 or pending[-1][0][-1] <= covers:
+        if covers < 0 or pending[-1][0][-1] <= covers or self._only_checkpoints_after(covers):
             for segment in pending:
                 self.fold(*segment)
             pending.clear()
@@ -285,6 +286,18 @@ class _Projector:
             if 0 in done:
                 keep.append(_select(segment, done.translate(_NOT)))
         self.pending = keep
+
+    def _only_checkpoints_after(self, covers: int) -> bool:
+        """Whether every pending event after seq ``covers`` is a ``checkpoint_stored`` -- a LAST's own
+        checkpoint after the history it covers, as every epoch's commit writes it: then the LAST
+        commits all that is pending, in order."""
+        for seqs, _, codes in reversed(self.pending):
+            after = codes[bisect.bisect_right(seqs, covers):]
+            if 0 in after.translate(_IS_CHECKPOINT):
+                return False
+            if len(after) < len(codes):  # this segment reaches back to covers: nothing earlier is after it
+                return True
+        return True
 
     def fold(self, seqs: Sequence[int], events: Sequence[Any], codes: bytes) -> None:
         """Fold committed events, in order, into every projection."""
