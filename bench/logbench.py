@@ -221,12 +221,18 @@ def long_run_log(path: Path, n_events: int, batches: int = 2000) -> int:
         return log.next_seq
 
 
-def replay_events_per_s(n_events: int = 500_000) -> float:
-    """Events per second to rebuild every projection from an LMDB log (read, decode, committed view, fold)."""
+def replay_events_per_s(n_events: int = 500_000, batches: int | None = None) -> float:
+    """Events per second to rebuild every projection from an LMDB log (read, decode, committed view, fold).
+
+    ``batches=None``: the :func:`synthetic_log` (microbatches, receipts and a LAST per 250 of
+    them); else a :func:`long_run_log` with ``batches`` microbatches an epoch (validation,
+    summary, monitor decision, scheduler step, history, checkpoint, LAST, BEST each epoch).
+    """
     root = Path(tempfile.mkdtemp(prefix="nnx_bench_replay_"))
     try:
-        n = synthetic_log(root / "events.lmdb", n_events)
-        with LmdbLog(root / "events.lmdb", readonly=True) as log:
+        path = root / "run" / "events.lmdb"
+        n = synthetic_log(path, n_events) if batches is None else long_run_log(path, n_events, batches)
+        with LmdbLog(path, readonly=True) as log:
             t0 = time.perf_counter()
             p = project(log.read())
             dt = time.perf_counter() - t0

@@ -7,7 +7,8 @@
 2. event append: amortized µs per event (target <= 2) and fsyncs per epoch on
    the training thread (target <= 2, counted with a wrapped ``os.fsync`` and log
    sync), for both checkpoint lags, and the cost of one durable commit on this disk;
-3. replay: events per second to rebuild every projection (target >= 1.5 M/s).
+3. replay: events per second to rebuild every projection (target >= 1.5 M/s), on a
+   synthetic log and on a log shaped like a finished digits run.
 
 Timings are wall-clock on a shared machine: they belong here, never in tests.
 """
@@ -75,13 +76,40 @@ def main(argv: list[str] | None = None) -> int:
            NNX_LAGGED: med[NNX_LAGGED] / med[HAND_GATHERED]}
     epoch_ms = med[HAND_GATHERED] / args.epochs * 1e3  # one hand-written epoch
 
+    steps = len(overhead.digits_loader())  # microbatches (= updates) an epoch
+    own_epoch_ms = (med[NNX_ROWS] - base) / args.epochs * 1e3  # like for like, row by row
+
     appends = [logbench.append_us_per_event() for _ in range(args.reps)]
     fsyncs = {lag: logbench.fsyncs_per_epoch(lag=lag) for lag in (0, "epoch")}
     commit_ms = logbench.durable_commit_ms()
-    replays = [logbench.replay_events_per_s(args.replay_events) for _ in range(max(3, args.reps // 2))]
+    per_microbatch_us = (own_epoch_ms - commit_ms) / steps * 1e3
+    reps = max(3, args.reps // 2)
+    replays = {shape: [logbench.replay_events_per_s(args.replay_events, batches) for _ in range(reps)]
+               for shape, batches in (("synthetic", None), ("digits-shaped", steps))}
+    replay_min = min(statistics.median(v) for v in replays.values())
+
+    def verdict(ok: bool) -> str:
+        return "met" if ok else "**missed**"
+
+    summary = [
+        "| target (issue 5) | measured | |",
+        "|---|---|---|",
+        f"| nnx_es at most 1.05x the hand-written loop | {ratio:.3f}x (every default) | {verdict(ratio <= 1.05)} |",
+        f"| the same, read as the trainer's own overhead (each nnx_es row against a loop fetching batches alike) "
+        f"| {min(own.values()):.2f}-{max(own.values()):.2f}x | {verdict(max(own.values()) <= 1.05)} |",
+        f"| event append at most 2 µs per event | {statistics.median(appends):.2f} µs | "
+        f"{verdict(statistics.median(appends) <= 2)} |",
+        f"| at most 2 fsyncs per epoch on the training thread | {fsyncs[0][1]:.0f} (checkpoint_lag=0, the default) "
+        f"/ {fsyncs['epoch'][1]:.0f} (checkpoint_lag='epoch') | {verdict(fsyncs[0][1] <= 2)} / "
+        f"{verdict(fsyncs['epoch'][1] <= 2)} |",
+        f"| replay at least 1.5 M events/s | {replay_min / 1e6:.2f} M (the slower of two logs, section 3) | "
+        f"{verdict(replay_min >= 1.5e6)} |",
+    ]
 
     lines = [
         f"Measured {time.strftime('%Y-%m-%d')} on: {_machine()}",
+        "",
+        *summary,
         "",
         f"1. Overhead: digits MLP 64-128-10, batch 32, Adam, 1 thread, {args.epochs} epochs, {args.reps} interleaved reps",
         "",
@@ -93,24 +121,35 @@ def main(argv: list[str] | None = None) -> int:
         lines.append(f"| {name} | {m:.3f} | {_spread(xs)} | {m / base:.3f}x |")
     if missing:
         lines.append(f"| {', '.join(missing)} | not installed | | |")
+    peers = ""
+    if "pytorch-ignite" in med and "pytorch-lightning" in med:
+        peers = (f" Like for like, nnx_es (`batch_gather=False`, {med[NNX_ROWS] / base:.2f}x) is slower than Ignite "
+                 f"({med['pytorch-ignite'] / base:.2f}x) and faster than Lightning "
+                 f"({med['pytorch-lightning'] / base:.2f}x); neither peer writes events or checkpoints here "
+                 "(Ignite's create_supervised_trainer saves nothing; Lightning runs with enable_checkpointing=False).")
     lines += [
         "",
-        "nnx_es events every microbatch and commits LAST every epoch. The `nnx_es` row is every default "
+        "Every nnx_es row events every microbatch and commits LAST every epoch. The `nnx_es` row is every default "
         "(checkpoint_lag=0: the checkpoint written and LAST synced at each epoch's end, on the training thread): "
-        f"{ratio:.3f}x the hand-written loop, {'within' if ratio <= 1.05 else 'missing'} the 1.05x target. Its "
-        "default batch_gather fetches each batch of the in-memory TensorDataset with one gather per tensor (the "
-        "same batches as the DataLoader), which is faster than the DataLoader's row-by-row fetch.",
+        f"{ratio:.3f}x the hand-written loop. It owes that to its default batch_gather, which fetches each batch "
+        "of the in-memory TensorDataset with one gather per tensor (the same batches as the DataLoader) instead "
+        "of the DataLoader's row-by-row fetch; the plain hand-written loop does not get that shortcut.",
         "",
         "The trainer's own overhead, each nnx_es row against a hand-written loop that fetches batches the same "
         f"way: `nnx_es` {own[NNX]:.2f}x (vs the gathered loop), `nnx_es, batch_gather=False` {own[NNX_ROWS]:.2f}x "
-        f"(vs the plain loop), `nnx_es, checkpoint_lag='epoch'` {own[NNX_LAGGED]:.2f}x (vs the gathered loop). "
-        "These stay above 1.05x on this workload: a hand-written epoch here takes "
-        f"{epoch_ms:.1f} ms, and one durable commit on this disk (a checkpoint file fsynced and renamed, its "
-        f"directory fsynced, one synced log write; section 2) costs {commit_ms:.2f} ms, "
-        f"{commit_ms / epoch_ms * 100:.1f}% of an epoch, before any per-microbatch bookkeeping (two events, "
-        "the loss read back, one fused finiteness check of the gradients per update). checkpoint_lag='epoch' moves "
-        "the checkpoint's write off the training thread, but a crash can then lose up to one more epoch and a "
-        "run has no resume point during its first epoch.",
+        f"(vs the plain loop), `nnx_es, checkpoint_lag='epoch'` {own[NNX_LAGGED]:.2f}x (vs the gathered loop)."
+        + peers,
+        "",
+        f"Where the own overhead goes, per epoch of {steps} microbatches ({own_epoch_ms:.2f} ms over a "
+        f"{base / args.epochs * 1e3:.1f} ms hand-written epoch, like for like): one durable commit "
+        f"({commit_ms:.2f} ms on this disk: a checkpoint file fsynced and renamed, its directory fsynced, one "
+        f"synced log write; section 2), and the rest, {per_microbatch_us:.0f} µs per microbatch: two events "
+        "through the lifecycle machine, the counters and the log buffer, the loss read back (one sync), one fused "
+        "finiteness check of the gradients per update, the engine's own Python, and the run's fixed start and "
+        f"finish (opening the log, the final LAST, the views) spread over its {args.epochs} epochs. "
+        "checkpoint_lag='epoch' moves the "
+        "checkpoint's write off the training thread but gains nothing measurable here (a crash can then lose up "
+        "to one more epoch, and a run has no resume point during its first epoch).",
         "",
         "2. Event log",
         "",
@@ -127,10 +166,15 @@ def main(argv: list[str] | None = None) -> int:
         "",
         "3. Replay",
         "",
-        "| measure | median | spread | target |",
+        "| log | median events/s | spread | target |",
         "|---|---|---|---|",
-        f"| events/s to rebuild every projection ({args.replay_events:,} events) | "
-        f"{statistics.median(replays):,.0f} | {min(replays):,.0f}-{max(replays):,.0f} | >= 1,500,000 |",
+        f"| synthetic: microbatches, receipts, a LAST every 250 ({args.replay_events:,} events) | "
+        f"{statistics.median(replays['synthetic']):,.0f} | {min(replays['synthetic']):,.0f}-"
+        f"{max(replays['synthetic']):,.0f} | >= 1,500,000 |",
+        f"| a finished run shaped like the digits job: {steps} microbatches an epoch, then validation, summary, "
+        f"monitor, scheduler, history, checkpoint, LAST, BEST ({args.replay_events:,} events) | "
+        f"{statistics.median(replays['digits-shaped']):,.0f} | {min(replays['digits-shaped']):,.0f}-"
+        f"{max(replays['digits-shaped']):,.0f} | >= 1,500,000 |",
     ]
     text = "\n".join(lines)
     print(text)
