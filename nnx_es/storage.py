@@ -204,7 +204,8 @@ class BlobStore:
             raise CorruptCheckpointError(f"blob {digest} is missing (expected at {p})") from None
         found = hashlib.sha256(data).hexdigest()
         if found != digest:
-            raise CorruptCheckpointError(f"blob {digest} is corrupt: its bytes hash to {found}")
+            what = "empty (a truncated write?)" if not data else f"corrupt: its {len(data)} bytes hash to {found}"
+            raise CorruptCheckpointError(f"blob {digest} at {p} is {what}")
         return data
 
 

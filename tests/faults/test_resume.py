@@ -189,7 +189,7 @@ def _last_manifest(run_dir: Path) -> str:
 
 def _break_empty(store: BlobStore, digest: str) -> str:
     store.path(digest).write_bytes(b"")
-    return "corrupt"
+    return "is empty"
 
 
 def _break_torn(store: BlobStore, digest: str) -> str:

@@ -119,6 +119,20 @@ def test_blob_round_trip_and_content_addressing(tmp_path: Path) -> None:
     assert other != digest and store.get(other) == b"optimizer state bytes"
 
 
+@pytest.mark.parametrize("damage", ["truncated to nothing", "one bit flipped"])
+def test_a_damaged_blob_is_refused_saying_where_and_how(tmp_path: Path, damage: str) -> None:
+    store = BlobStore(tmp_path / "blobs")
+    digest = store.put(b"model state bytes")
+    path = store.path(digest)
+    data = b"" if damage == "truncated to nothing" else bytes([path.read_bytes()[0] ^ 1]) + path.read_bytes()[1:]
+    path.write_bytes(data)
+    words = ["empty (a truncated write?)"] if not data else ["corrupt: its 17 bytes hash to",
+                                                             hashlib.sha256(data).hexdigest()]
+    with pytest.raises(CorruptCheckpointError) as info:
+        store.get(digest)
+    assert all(w in str(info.value) for w in [digest, str(path), *words]), str(info.value)
+
+
 def test_a_blob_of_the_earlier_sharded_layout_is_still_read(tmp_path: Path) -> None:
     store = BlobStore(tmp_path / "blobs")
     data = b"written by an earlier version"
