@@ -5,6 +5,7 @@ from events.codec import CURRENT_TYPES, EVENT_TYPES, KINDS, AnyEvent, decode, en
 from events.errors import CorruptEventError, EventLogError, LogClosedError, NnxError, SequenceGapError
 from events.log import EventLog, LmdbLog, MemoryLog, seq_key
 from events.schema import *  # noqa: F403
+from events.sums import SumProblem, SumRecord
 from events.schema import __all__ as _schema_all
 
 __all__ = [
@@ -22,6 +23,8 @@ __all__ = [
     "RawChunk",
     "SequenceGapError",
     "StoredPairs",
+    "SumProblem",
+    "SumRecord",
     "decode",
     "encode",
     "kind_of",

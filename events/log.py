@@ -8,11 +8,13 @@ Both keep one contract (``tests/contract/test_event_log.py``):
   is durable before the call returns;
 * ``read``/``read_raw``/``read_chunks`` see flushed events only, by sequence
   range; ``read(kinds=...)`` filters by kind;
-* a value that does not decode raises :class:`CorruptEventError` naming its seq.
+* a value that does not decode raises :class:`CorruptEventError` naming its seq;
+* ``verify_sums`` yields the ranges of stored values whose checksum does not verify.
 
 The LMDB log stores key = 8-byte big-endian seq, value = msgpack
 (:mod:`events.codec`); the map doubles on ``MapFullError`` and the buffered
-batch is retried, so a full map never loses an event.
+batch is retried, so a full map never loses an event. Each flush also stores the
+batch's CRC-32 in the same transaction (:mod:`events.sums`).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from events.chunks import RawChunk, StoredPairs
 from events.codec import decode, encode
 from events.errors import EventLogError, LogClosedError
 from events.schema import Event
+from events.sums import SUMS_DB, SumProblem, SumRecord, batch_crc, pack_sum, unpack_sum, verify
 
 __all__ = ["EventLog", "LmdbLog", "MemoryLog", "seq_key"]
 
@@ -68,6 +71,8 @@ class EventLog(Protocol):
     def read(
         self, start: int = 0, stop: int | None = None, kinds: Iterable[str] | None = None
     ) -> Iterator[tuple[int, Event]]: ...
+
+    def verify_sums(self, stop: int | None = None) -> Iterator[SumProblem]: ...
 
     def close(self) -> None: ...
 
@@ -180,6 +185,10 @@ class MemoryLog(_LogBase):
         for seq in range(max(start, 0), end):
             yield seq, self._stored[seq]
 
+    def verify_sums(self, stop: int | None = None) -> Iterator[SumProblem]:
+        """Nothing: a memory log keeps no checksums (nothing on a disk can rot under it)."""
+        return iter(())
+
     def put_raw(self, seq: int, raw: bytes) -> None:
         """Overwrite or add a stored value (tests use it to forge broken logs)."""
         if seq == len(self._stored):
@@ -224,11 +233,14 @@ class LmdbLog(_LogBase):
                 readahead=False,
             )
             self._check_size()
-            if readonly:
+            self._sums: lmdb._Database | None = None
+            if readonly:  # creates nothing: a log older than checksums has no sums database
                 self._events = self._env.open_db(_EVENTS_DB, create=False)
+                self._open_sums()
             else:
                 self._events = self._env.open_db(_EVENTS_DB)
                 self._env.open_db(_SNAPSHOTS_DB)
+                self._sums = self._env.open_db(SUMS_DB)
         except (lmdb.Error, OSError) as exc:
             if hasattr(self, "_env"):
                 self._env.close()
@@ -236,6 +248,16 @@ class LmdbLog(_LogBase):
                 raise
             raise EventLogError(f"cannot open event log at {self.path}: {exc}") from None
         super().__init__(self._count_stored())
+
+    def _open_sums(self) -> None:
+        """Open the sums database of a read-only log when it exists (a writer may create it later)."""
+        if self._sums is None:
+            try:
+                with self._reading():
+                    self._sums = self._env.open_db(SUMS_DB, create=False)
+            except EventLogError as exc:
+                if not isinstance(exc.__cause__, lmdb.NotFoundError):
+                    raise
 
     def _check_size(self) -> None:
         """Refuse a data file shorter than the pages its environment says are in use.
@@ -282,7 +304,7 @@ class LmdbLog(_LogBase):
         return n
 
     def flush(self, *, sync: bool = False) -> None:
-        """Write the buffer in one transaction; with ``sync`` also fsync the environment.
+        """Write the buffer and its sum record (:mod:`events.sums`) in one transaction; with ``sync`` also fsync.
 
         Raises:
             EventLogError: the write or its sync failed; the buffer is kept and nothing
@@ -294,6 +316,8 @@ class LmdbLog(_LogBase):
         if self.readonly:
             raise EventLogError(f"event log at {self.path} is open read-only")
         if self._buffer:
+            first, last = self._buffer[0][0], self._buffer[-1][0]
+            total = pack_sum(last, batch_crc([raw for _, raw in self._buffer]))
             while True:
                 try:
                     with self._env.begin(write=True, db=self._events) as txn:
@@ -305,6 +329,7 @@ class LmdbLog(_LogBase):
                                     f"write to {self.path} refused: seq {seq} is already stored "
                                     "(another writer appended to this log)"
                                 )
+                        txn.put(seq_key(first), total, db=self._sums)  # the batch's checksum, atomic with it
                     break
                 except lmdb.MapFullError:
                     self._env.set_mapsize(self._env.info()["map_size"] * 2)
@@ -331,6 +356,7 @@ class LmdbLog(_LogBase):
             with self._env.begin(write=True, db=self._events) as txn:
                 for seq, _ in batch:
                     txn.delete(seq_key(seq))
+                txn.delete(seq_key(first), db=self._sums)  # its sum record goes with it
         except lmdb.Error as exc:
             return f"; taking back its unsynced events {first}..{last} failed too: {exc}"
         self._buffer[:0] = batch
@@ -370,30 +396,33 @@ class LmdbLog(_LogBase):
         """
         if self._closed:
             raise LogClosedError("read on a closed event log")
-        size = self.read_chunk
         with self._reading(), self._txn() as txn:
-            cur = txn.cursor(self._events)
-            if not cur.last():
+            yield from self._chunks(txn, start, stop)
+
+    def _chunks(self, txn: lmdb.Transaction, start: int, stop: int | None) -> Iterator[RawChunk]:
+        size = self.read_chunk
+        cur = txn.cursor(self._events)
+        if not cur.last():
+            return
+        final = int.from_bytes(cur.key(), "big")  # of this read's snapshot
+        end = final + 1 if stop is None else min(stop, final + 1)
+        if not cur.set_range(seq_key(max(start, 0))):
+            return
+        before = int.from_bytes(cur.key(), "big") - 1  # the key before the next chunk
+        values_of = cur.iternext(keys=False, values=True)
+        while before + 1 < end:
+            values = list(itertools.islice(values_of, size))
+            if not values:
                 return
-            final = int.from_bytes(cur.key(), "big")  # of this read's snapshot
-            end = final + 1 if stop is None else min(stop, final + 1)
-            if not cur.set_range(seq_key(max(start, 0))):
-                return
-            before = int.from_bytes(cur.key(), "big") - 1  # the key before the next chunk
-            values_of = cur.iternext(keys=False, values=True)
-            while before + 1 < end:
-                values = list(itertools.islice(values_of, size))
-                if not values:
-                    return
-                # the cursor rests on the last value taken, unless the values ran out
-                last = int.from_bytes(cur.key(), "big") if len(values) == size else final
-                if last - before != len(values):  # a gap inside: read again with the keys
-                    yield from _runs(self._stored(txn, before + 1, min(last + 1, end)), size)
-                elif last >= end:
-                    yield before + 1, values[: end - before - 1]
-                else:
-                    yield before + 1, values
-                before = last
+            # the cursor rests on the last value taken, unless the values ran out
+            last = int.from_bytes(cur.key(), "big") if len(values) == size else final
+            if last - before != len(values):  # a gap inside: read again with the keys
+                yield from _runs(self._stored(txn, before + 1, min(last + 1, end)), size)
+            elif last >= end:
+                yield before + 1, values[: end - before - 1]
+            else:
+                yield before + 1, values
+            before = last
 
     def read(
         self, start: int = 0, stop: int | None = None, kinds: Iterable[str] | None = None
@@ -408,10 +437,61 @@ class LmdbLog(_LogBase):
         """
         return StoredPairs(self.read_chunks(start, stop), kinds)
 
+    def read_sums(self, start: int = 0, stop: int | None = None) -> Iterator[SumRecord]:
+        """Yield the sum records (:mod:`events.sums`) whose first seq is in ``[start, stop)``, in seq order.
+
+        None for a log written before checksums existed.
+        """
+        if self._closed:
+            raise LogClosedError("read on a closed event log")
+        self._open_sums()  # before the transaction: a database opened during one is not valid in it
+        with self._reading(), self._txn() as txn:
+            yield from self._sum_records(txn, start, stop)
+
+    def _sum_records(self, txn: lmdb.Transaction, start: int, stop: int | None) -> Iterator[SumRecord]:
+        if self._sums is None:
+            return
+        cur = txn.cursor(self._sums)
+        if not cur.set_range(seq_key(max(start, 0))):
+            return
+        for key, value in cur:
+            record = unpack_sum(key, value)
+            if stop is not None and record.first >= stop:
+                return
+            yield record
+
+    def verify_sums(self, stop: int | None = None) -> Iterator[SumProblem]:
+        """Yield the ranges of stored values with seq < ``stop`` that do not verify (:func:`events.sums.verify`).
+
+        One read transaction: the sum records and the values (:meth:`read_chunks`' reading)
+        are one snapshot, so a live writer's batches are seen whole or not at all.
+
+        Raises:
+            EventLogError: LMDB refused a read (a corrupted page).
+        """
+        if self._closed:
+            raise LogClosedError("read on a closed event log")
+        self._open_sums()  # before the transaction: a database opened during one is not valid in it
+        with self._reading(), self._txn() as txn:
+            yield from verify(self._sum_records(txn, 0, stop), self._chunks(txn, 0, stop), stop)
+
     def put_raw(self, seq: int, raw: bytes) -> None:
-        """Store ``raw`` under ``seq`` directly (tests use it to forge broken logs)."""
+        """Store ``raw`` under ``seq`` directly (tests use it to forge broken logs).
+
+        The log is forged as its writer would have written it: the sum record covering
+        ``seq`` is recomputed, and a value stored past every record gets one of its own
+        (to forge a changed byte on disk, change ``data.mdb`` itself).
+        """
         with self._env.begin(write=True, db=self._events) as txn:
             txn.put(seq_key(seq), raw)
+            cur = txn.cursor(self._sums)
+            if not (cur.prev() if cur.set_range(seq_key(seq + 1)) else cur.last()):
+                return  # before every record (written before checksums): stays uncovered
+            first, last, _ = unpack_sum(cur.key(), cur.value())
+            if last < seq:
+                first = last = seq
+            values = [v for _, v in self._stored(txn, first, last + 1)]
+            txn.put(seq_key(first), pack_sum(last, batch_crc(values)), db=self._sums)
 
     def delete_raw(self, seq: int) -> None:
         """Delete the value under ``seq`` (tests use it to forge a sequence gap)."""

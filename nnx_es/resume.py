@@ -4,7 +4,9 @@ The resume point is read from the log's committed view; the manifest and every
 blob it names are SHA-256-verified before anything is restored. An empty,
 torn, corrupt or mixed LAST is refused with a named reason: it is never read as
 "no history", so a bad resume point can never erase a run (spec 000, failure
-semantics).
+semantics). The log's checksums (:mod:`events.sums`) are verified first: a run
+whose stored bytes changed on disk is refused, never continued (one more read of
+the log and one CRC-32 pass over its bytes, once per resume).
 """
 
 from __future__ import annotations
@@ -54,7 +56,20 @@ def _read_whole(run_dir: Path, log: EventLog) -> list[tuple[int, Event]]:
         if seq != expected:
             gap = SequenceGapError(expected, seq)
             raise ResumeError(f"cannot resume {run_dir}: its event log has a {gap}; nothing was restored or written") from gap
+    for first, last, problem, _, _ in log.verify_sums(len(events)):
+        if problem != "uncovered":  # values of a log older than checksums are read unverified
+            why = _SUM_PROBLEMS[problem]
+            raise ResumeError(f"cannot resume {run_dir}: its event log's values seq {first}..{last} {why}; "
+                              "nothing was restored or written")
     return events
+
+
+_SUM_PROBLEMS = {
+    "mismatch": "do not match their checksum (a byte changed on disk)",
+    "missing": "were written together and some are missing",
+    "stray": "are covered by no checksum record",
+    "malformed": "have a malformed checksum record",
+}
 
 
 def find_resume_point(run_dir: Path, log: EventLog, *, expect_run_id: str | None = None) -> ResumePoint:

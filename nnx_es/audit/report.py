@@ -13,7 +13,7 @@ __all__ = ["INVARIANTS", "AuditReport", "NotARunError", "Sink", "Violation", "sh
 
 #: Invariant number -> one line of what it demands (docs/INVARIANTS.md).
 INVARIANTS: dict[int, str] = {
-    1: "sequence numbers are contiguous from 0 and every value decodes",
+    1: "sequence numbers are contiguous from 0, every value decodes and matches its checksum",
     2: "the event sequence is a path through the lifecycle machine",
     3: "commit order per epoch: history -> LAST -> BEST/phase -> callback checkpoints",
     4: "every manifest LAST/BEST/phase name, and every callback blob, exists and verifies",
@@ -61,7 +61,9 @@ class AuditReport(msgspec.Struct, kw_only=True):
 
     events: values stored in the log (decodable or not). committed_epoch: the
     0-based epoch LAST names (``None`` when no epoch is committed). tail: events
-    after the committed view that readers ignore. ok: no violation.
+    after the committed view that readers ignore. ok: no violation. notes: what
+    the audit could not check and is not a violation (values of a log written
+    before checksums existed).
     """
 
     ok: bool
@@ -71,6 +73,7 @@ class AuditReport(msgspec.Struct, kw_only=True):
     committed_epoch: int | None
     tail: int
     violations: list[Violation]
+    notes: list[str] = msgspec.field(default_factory=list)
 
 
 def show(value: Any, limit: int = 200) -> str:

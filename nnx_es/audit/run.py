@@ -4,6 +4,7 @@ The pass reads ``events.lmdb`` read-only (so it works beside a live writer) up
 to the length it had when opened:
 
 1. ``read_raw`` checks contiguity and decodes each value (invariant 1);
+   the checksums are verified in a second read (:meth:`~events.log.LmdbLog.verify_sums`);
 2. each decodable event feeds the sequence checks (invariants 2, 3, 8 and
    the early-stopping rule of 7, :mod:`nnx_es.audit.sequence`);
 3. the same stream goes through :func:`projections.committed`; each committed
@@ -34,6 +35,7 @@ from events.codec import KINDS, decode
 from events.errors import CorruptEventError
 from events.log import LmdbLog
 from events.schema import Event, RunStarted
+from events.sums import SumProblem
 from nnx_es.audit.committed import CommittedCheck
 from nnx_es.audit.fold import CommittedFold
 from nnx_es.audit.reading import decoded, open_run_log
@@ -109,6 +111,7 @@ def _audit(run_dir: Path, log: LmdbLog) -> AuditReport:
     check.finish()
     p = folded.p
     tail = _check_tail(log, sink, folded, stop)
+    notes = _check_sums(log.verify_sums(stop), sink, stop)
     _check_views(run_dir, sink, p)
     last = p.checkpoints.last
     violations = sink.sorted()
@@ -120,7 +123,39 @@ def _audit(run_dir: Path, log: LmdbLog) -> AuditReport:
         committed_epoch=last.epoch if last is not None and last.epoch >= 0 else None,
         tail=tail,
         violations=violations,
+        notes=notes,
     )
+
+
+def _check_sums(problems: Iterator[SumProblem], sink: Sink, stop: int) -> list[str]:
+    """Invariant 1's checksums: every stored value is covered by a sum record whose CRC-32 matches.
+
+    Returns the notes: values before the first sum record were written before
+    checksums existed (not verified, not a violation). Values a record names but the
+    log does not hold are a violation only past the log's end (it lost its last
+    events): a hole inside is already a sequence gap.
+    """
+    notes = []
+    for first, last, problem, expected, found in problems:
+        span = f"values seq {first}..{last}"
+        match problem:
+            case "mismatch":
+                sink.add(first, 1, f"{span} do not match their checksum: a byte changed on disk",
+                         expected=f"CRC-32 {expected:08x}", found=f"CRC-32 {found:08x}")
+            case "missing" if last >= stop:
+                sink.add(stop, 1, f"{span} were written together, the log ends at seq {stop - 1}: "
+                         "it lost its last events", expected=f"{expected} values", found=f"{found}")
+            case "stray":
+                sink.add(first, 1, f"{span} are covered by no checksum record (a lost record, or "
+                         "values written outside the log's writer)", expected="a sum record",
+                         found=f"{found} values without one")
+            case "malformed":
+                sink.add(first, 1, f"the checksum record at seq {first} ends before it starts or "
+                         "overlaps the one before it: a byte of it changed on disk")
+            case "uncovered":
+                notes.append(f"{span} ({found} events) were written before checksums existed: "
+                             "not verified against bit rot")
+    return notes
 
 
 def _encoded(p: Projections) -> dict[str, bytes]:

@@ -46,6 +46,7 @@ def render(report: AuditReport) -> str:
         broken = sorted({v.invariant for v in report.violations})
         lines.append("violated: " + "; ".join(f"{k}. {INVARIANTS[k]}" for k in broken if k in INVARIANTS))
         lines.extend(v.line() for v in report.violations)
+    lines.extend(f"note: {note}" for note in report.notes)
     return "\n".join(lines)
 
 
