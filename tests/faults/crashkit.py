@@ -3,16 +3,35 @@
 ``run_killed(target, kill)`` forks; the child installs ``kill`` (a function
 that monkeypatches a seam to SIGKILL the process at the chosen moment), runs
 ``target`` and exits. The parent waits and reports how the child ended.
+
+``copy_run`` and ``raw_values``: a private copy of a template run to damage, and the
+stored values of a run's log as written.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
+from events.log import LmdbLog
 from nnx_es.recorder import Recorder
+
+
+def copy_run(template: Path, dest: Path) -> Path:
+    """Copy the run directory ``template`` to ``dest/<its name>`` (without LMDB's lock file)."""
+    run_dir = dest / template.name
+    shutil.copytree(template, run_dir, ignore=shutil.ignore_patterns("lock.mdb"))
+    return run_dir
+
+
+def raw_values(run_dir: Path) -> list[tuple[int, bytes]]:
+    """``(seq, stored bytes)`` of every value of ``run_dir``'s event log."""
+    with LmdbLog(run_dir / "events.lmdb", readonly=True) as log:
+        return list(log.read_raw())
 
 
 def sigkill() -> None:

@@ -19,6 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
+from crashkit import copy_run, raw_values
 from events.log import LmdbLog
 from events.sums import SUMS_DB
 from nnx_es import Trainer
@@ -48,17 +49,6 @@ def template(tmp_path_factory: pytest.TempPathFactory) -> Path:
     runs = tmp_path_factory.mktemp("template")
     _fit(runs, 2)
     return runs / RUN_ID
-
-
-def _copy(template: Path, dest: Path) -> Path:
-    run_dir = dest / RUN_ID
-    shutil.copytree(template, run_dir, ignore=shutil.ignore_patterns("lock.mdb"))
-    return run_dir
-
-
-def _values(run_dir: Path) -> list[tuple[int, bytes]]:
-    with LmdbLog(run_dir / "events.lmdb", readonly=True) as log:
-        return list(log.read_raw())
 
 
 def _flip_bit(run_dir: Path, raw: bytes, bit: int) -> None:
@@ -102,8 +92,8 @@ def test_a_clean_run_is_covered_end_to_end_and_audits_clean(template: Path) -> N
 
 def test_a_flipped_float_digit_that_still_decodes_is_a_checksum_violation(template: Path, tmp_path: Path,
                                                                          capsys: pytest.CaptureFixture[str]) -> None:
-    run_dir = _copy(template, tmp_path)
-    seq, raw = next((s, r) for s, r in _values(run_dir) if b"microbatch_done" in r)
+    run_dir = copy_run(template, tmp_path)
+    seq, raw = next((s, r) for s, r in raw_values(run_dir) if b"microbatch_done" in r)
     _flip_bit(run_dir, raw, 8 * (len(raw) - 2) + 3)  # a mantissa bit of the trailing float (the loss)
     report = audit_run(run_dir)
     (rng,) = _checksum_ranges(report)
@@ -119,7 +109,7 @@ def test_a_flipped_float_digit_that_still_decodes_is_a_checksum_violation(templa
 
 
 def test_every_bit_flip_inside_a_stored_value_is_named_by_the_audit(template: Path, tmp_path_factory) -> None:
-    values = _values(template)
+    values = raw_values(template)
 
     @settings(max_examples=40, deadline=None, derandomize=True,
               suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
@@ -127,7 +117,7 @@ def test_every_bit_flip_inside_a_stored_value_is_named_by_the_audit(template: Pa
     def check(index: int, data: Any) -> None:
         seq, raw = values[index]
         bit = data.draw(st.integers(0, 8 * len(raw) - 1))
-        run_dir = _copy(template, tmp_path_factory.mktemp("flip"))
+        run_dir = copy_run(template, tmp_path_factory.mktemp("flip"))
         _flip_bit(run_dir, raw, bit)
         report = audit_run(run_dir)
         assert not report.ok
@@ -139,9 +129,9 @@ def test_every_bit_flip_inside_a_stored_value_is_named_by_the_audit(template: Pa
 
 def test_a_log_written_before_checksums_audits_with_a_note_and_is_continued_covered(
         template: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    run_dir = _copy(template, tmp_path)
+    run_dir = copy_run(template, tmp_path)
     _strip_sums(run_dir)
-    n = len(_values(run_dir))
+    n = len(raw_values(run_dir))
     before = (run_dir / "events.lmdb" / "data.mdb").read_bytes()
     report = audit_run(run_dir)
     assert report.ok and report.violations == []

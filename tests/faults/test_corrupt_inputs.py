@@ -25,7 +25,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from crashkit import run_in_child
+from crashkit import copy_run, raw_values, run_in_child
 from events.codec import CURRENT_TYPES, decode
 from events.errors import CorruptEventError, EventLogError, NnxError
 from events.log import LmdbLog
@@ -60,17 +60,6 @@ def template(tmp_path_factory) -> Path:
     runs = tmp_path_factory.mktemp("template")
     fit(make_trainer(runs, RUN_ID))
     return runs / RUN_ID
-
-
-def copy_run(template: Path, dest: Path) -> Path:
-    run_dir = dest / RUN_ID
-    shutil.copytree(template, run_dir, ignore=shutil.ignore_patterns("lock.mdb"))
-    return run_dir
-
-
-def raw_values(run_dir: Path) -> list[tuple[int, bytes]]:
-    with LmdbLog(run_dir / "events.lmdb", readonly=True) as log:
-        return list(log.read_raw())
 
 
 def data_file(run_dir: Path) -> Path:

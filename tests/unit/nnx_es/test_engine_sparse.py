@@ -186,22 +186,28 @@ class Planted:
         return planted if self.sparse else planted.to_dense()
 
 
-def test_the_grad_norm_sums_duplicate_indices_before_squaring_and_follows_the_division_by_w(tmp_path):
-    # each of two microbatches (2 and 3 rows: W = 5) plants row 1: [3, 0, 0, 0] and [4, 0, 0, 0];
-    # the window's gradient is row 1 = (3 + 4 + 3 + 4) / 5 = 2.8, its norm 2.8 (not the norm of the
-    # uncoalesced values, sqrt(50) / 5, nor the undivided 14)
-    rows, values = [1, 1], [[3.0, 0, 0, 0], [4.0, 0, 0, 0]]
-    data = index_batches([2, 3], seed=5)
+def _planted_runs(tmp_path, rows, values, data, **trainer_kw):
+    """Train one epoch of SGD on the embedding alone, its gradient replaced by the planted one
+    (sparse, then dense); yield (sparse, the weight change, the update's receipt)."""
     for sparse in (True, False):
         net = EmbedNet(sparse)
         before = net.e.weight.detach().clone()
         net.e.weight.register_hook(Planted(rows, values, sparse))
         net.l.requires_grad_(False)
-        trainer = Trainer(net, torch.optim.SGD(net.e.parameters(), lr=LR), nn.CrossEntropyLoss(), accumulation=2,
-                          track_grad_norm=True, runs_root=tmp_path / str(sparse), progress=False)
+        trainer = Trainer(net, torch.optim.SGD(net.e.parameters(), lr=LR), nn.CrossEntropyLoss(),
+                          runs_root=tmp_path / str(sparse), progress=False, **trainer_kw)
         run = trainer.fit(data, epochs=1)
         (receipt,) = of_kind(run.run_dir, "update_committed")
-        delta = before - net.e.weight.detach()
+        yield sparse, before - net.e.weight.detach(), receipt
+
+
+def test_the_grad_norm_sums_duplicate_indices_before_squaring_and_follows_the_division_by_w(tmp_path):
+    # each of two microbatches (2 and 3 rows: W = 5) plants row 1: [3, 0, 0, 0] and [4, 0, 0, 0];
+    # the window's gradient is row 1 = (3 + 4 + 3 + 4) / 5 = 2.8, its norm 2.8 (not the norm of the
+    # uncoalesced values, sqrt(50) / 5, nor the undivided 14)
+    rows, values = [1, 1], [[3.0, 0, 0, 0], [4.0, 0, 0, 0]]
+    for sparse, delta, receipt in _planted_runs(tmp_path, rows, values, index_batches([2, 3], seed=5),
+                                                accumulation=2, track_grad_norm=True):
         expected = torch.zeros(VOCAB, DIM)
         expected[1, 0] = LR * 2.8
         assert torch.allclose(delta, expected, atol=1e-6), sparse
@@ -210,20 +216,12 @@ def test_the_grad_norm_sums_duplicate_indices_before_squaring_and_follows_the_di
 
 def test_clipping_scales_a_sparse_gradient_to_max_norm_like_a_dense_one(tmp_path):
     rows, values = [2, 2, 4], [[1.0, 2.0, 0, 0], [2.0, 2.0, 0, 0], [0, 0, 5.0, 0]]
-    data = index_batches([3], seed=6)
     steps = {}
-    for sparse in (True, False):
-        net = EmbedNet(sparse)
-        before = net.e.weight.detach().clone()
-        net.e.weight.register_hook(Planted(rows, values, sparse))
-        net.l.requires_grad_(False)
-        trainer = Trainer(net, torch.optim.SGD(net.e.parameters(), lr=LR), nn.CrossEntropyLoss(), clip_grad_norm=1.0,
-                          runs_root=tmp_path / str(sparse), progress=False)
-        run = trainer.fit(data, epochs=1)
-        (receipt,) = of_kind(run.run_dir, "update_committed")
+    for sparse, delta, receipt in _planted_runs(tmp_path, rows, values, index_batches([3], seed=6),
+                                                clip_grad_norm=1.0):
         # the planted gradient, coalesced: row 2 = [3, 4], row 4 = [0, 0, 5]: norm sqrt(50)
         assert receipt.clipped and receipt.grad_norm == pytest.approx(math.sqrt(50.0), rel=1e-6)
-        steps[sparse] = (before - net.e.weight.detach()) / LR
+        steps[sparse] = delta / LR
     assert torch.linalg.vector_norm(steps[True]).item() == pytest.approx(1.0, rel=1e-5)
     assert torch.allclose(steps[True], steps[False], atol=1e-7)
 
