@@ -122,7 +122,9 @@ class NNModel:
                 the hook). ``"averaged"``: the averaged weights, refused when there are none.
 
         Raises:
-            ConfigError: ``which`` or ``weights`` is not one of the values above.
+            ConfigError: ``which`` or ``weights`` is not one of the values above, or the
+                checkpoint's weights do not fit ``self.net`` (another architecture; torch's
+                message names the keys and shapes).
             ResumeError: the run has no such checkpoint, or ``weights="averaged"`` and
                 the checkpoint holds no averaged weights.
             CorruptCheckpointError: a manifest or blob does not verify.
@@ -141,7 +143,17 @@ class NNModel:
         if state is None and weights == "averaged":
             raise ResumeError(f"the {which.upper()} checkpoint of run {result.run_id!r} (epoch {pointer.epoch}) "
                               "holds no averaged weights: the run had no EMA update hook")
-        self.net.load_state_dict(state if state is not None else load_component(store, manifest, "model"))
+        state = state if state is not None else load_component(store, manifest, "model")
+        own = self.net.state_dict()
+        misfits = sorted(set(own) ^ set(state)) + [
+            f"{k}: {tuple(state[k].shape)} in the checkpoint, {tuple(v.shape)} here"
+            for k, v in own.items() if k in state and tuple(state[k].shape) != tuple(v.shape)
+        ]
+        if misfits:  # checked before loading: torch would copy what fits, then raise
+            raise ConfigError(f"the {which.upper()} checkpoint of run {result.run_id!r} (epoch {pointer.epoch}) "
+                              f"does not fit this net (another architecture?): {'; '.join(misfits[:6])}"
+                              + (f"; and {len(misfits) - 6} more" if len(misfits) > 6 else ""))
+        self.net.load_state_dict(state)
         return pointer.epoch
 
     @torch.no_grad()

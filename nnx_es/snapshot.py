@@ -98,18 +98,24 @@ def _safe_torch_bytes(name: str, value: Any) -> bytes:
     """``torch.save`` bytes of ``value`` that the safe loader reads back (checked now, not at resume).
 
     Raises:
-        ConfigError: the state holds an object ``torch.load(weights_only=True)`` refuses (a
-            custom class, say): a checkpoint that could never be resumed is not written.
+        ConfigError: the state holds an object ``torch.save`` cannot pickle (a lambda, say) or
+            ``torch.load(weights_only=True)`` refuses (a custom class): a checkpoint that
+            could never be resumed is not written.
     """
-    data = torch_bytes(value)
+    advice = ("keep state dicts to tensors, NumPy numbers and arrays of native byte order, and plain "
+              "Python values (or drop the value before training)")
+    try:
+        data = torch_bytes(value)
+    except (pickle.PicklingError, AttributeError, TypeError) as exc:
+        raise ConfigError(f"checkpoint component {name!r} holds a value that cannot be saved ({exc}); "
+                          f"{advice}") from None
     try:
         torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
     except pickle.UnpicklingError as exc:
-        why = next((line.strip() for line in str(exc).splitlines() if "Unsupported global" in line), str(exc))
-        raise ConfigError(
-            f"checkpoint component {name!r} holds a value no safe loader can read back ({why}); "
-            "keep state dicts to tensors, NumPy numbers and plain Python values"
-        ) from None
+        found = [line.strip() for line in str(exc).splitlines() if "Unsupported global" in line]
+        why = found[0].split(" was not an allowed global")[0] if found else str(exc).splitlines()[0]
+        raise ConfigError(f"checkpoint component {name!r} holds a value no safe loader can read back ({why}); "
+                          f"{advice}") from None
     return data
 
 

@@ -301,13 +301,24 @@ class Tag:
     """A custom object in a param group: torch.save pickles it, weights_only refuses it."""
 
 
-def test_a_state_no_safe_loader_can_read_is_refused_when_written_not_at_resume(tmp_path):
+def _unpicklable(x):
+    return x
+
+
+_unpicklable.__qualname__ = "<lambda>"  # as a lambda is: pickle cannot look it up by name
+
+
+@pytest.mark.parametrize("value, why", [
+    (Tag(), r"holds a value no safe loader can read back \(.*Tag\)"),
+    (_unpicklable, r"holds a value that cannot be saved \(Can't pickle"),
+])
+def test_a_state_no_safe_loader_can_read_is_refused_when_written_not_at_resume(tmp_path, value, why):
     net = small_net(0)
     opt = torch.optim.SGD(net.parameters(), lr=0.1)
-    opt.param_groups[0]["tag"] = Tag()
+    opt.param_groups[0]["extra"] = value
     trainer = Trainer(net, opt, nn.CrossEntropyLoss(), runs_root=tmp_path, run_id="r", progress=False)
     before = [p.detach().clone() for p in net.parameters()]
-    with pytest.raises(ConfigError, match=r"component 'optimizer/sgd' holds a value no safe loader can read back.*Tag"):
+    with pytest.raises(ConfigError, match=r"component 'optimizer/sgd' " + why):
         fit(trainer)
     assert all(torch.equal(a, b) for a, b in zip(before, net.parameters()))  # refused before any update
     assert not [e for _, e in read_events(tmp_path / "r") if isinstance(e, LastCommitted)]

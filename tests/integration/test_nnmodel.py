@@ -94,3 +94,17 @@ def test_two_averaging_hooks_of_one_name_are_refused():
     net = small_net()
     with pytest.raises(ConfigError, match="averaging hook names must be unique"):
         Trainer(net, torch.optim.SGD(net.parameters(), lr=0.1), nn.CrossEntropyLoss(), hooks=[EMA(0.9), EMA(0.99)])
+
+
+@pytest.mark.parametrize("other, misfit", [
+    (lambda: nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2)), r"2\.weight: \(3, 8\) in the checkpoint, \(2, 8\) here"),
+    (lambda: nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3), nn.Linear(3, 3)), r"3\.bias; 3\.weight"),
+])
+def test_load_into_a_net_of_another_architecture_is_refused_before_any_weight_changes(tmp_path, other, misfit):
+    model = NNModel(small_net(0))
+    run = model.train(*loaders(batch_size=8, n_train=32), epochs=1, runs_root=tmp_path, run_id="r", progress=False)
+    target = NNModel(other())  # the first layer fits: torch alone would overwrite it, then raise
+    before = [p.detach().clone() for p in target.net.parameters()]
+    with pytest.raises(ConfigError, match=r"the BEST checkpoint of run 'r' \(epoch 0\) does not fit this net.*" + misfit):
+        target.load(run.run_dir, "best")
+    assert all(torch.equal(a, b) for a, b in zip(before, target.net.parameters()))
