@@ -3,11 +3,15 @@
 The writer lease is held for the whole session; stale temporaries a hard kill
 left are cleaned and reported; a stateful resume verifies its LAST before
 anything is restored (:mod:`nnx_es.resume`) and records the discarded tail.
+An opening refused before the session begins (a bad source, another recipe)
+removes the run directory it created itself, so a retry is not blocked by an
+empty log; a run directory that existed before is never touched.
 """
 
 from __future__ import annotations
 
 import secrets
+import shutil
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -20,6 +24,7 @@ import torch
 
 from events.log import LmdbLog
 from events.schema import RunResumed, RunStarted, SourceRef
+from nnx_es.checkpoint import Manifest
 from nnx_es.errors import ConfigError, ResumeError
 from nnx_es.lifecycle import Lifecycle
 from nnx_es.recorder import Recorder
@@ -27,6 +32,7 @@ from nnx_es.resume import find_resume_point
 from nnx_es.rng import seed_everything
 from nnx_es.snapshot import apply_state, load_state
 from nnx_es.storage import BlobStore, Lease, clean_stale_temporaries, validate_run_id
+from nnx_es.update_hooks import EMA
 
 if TYPE_CHECKING:
     from nnx_es.trainer import Trainer
@@ -66,6 +72,8 @@ def open_session(
     if resume_mode not in ("stateful", "weights_only"):
         raise ConfigError(f"resume_mode must be 'stateful' or 'weights_only', got {resume_mode!r}")
     stateful = resume_from is not None and resume_mode == "stateful"
+    if resume_from is not None:
+        _require_run_dir(Path(resume_from))
     if stateful:
         source = Path(resume_from)  # type: ignore[arg-type]
         if trainer.run_id not in (None, source.name):
@@ -80,6 +88,8 @@ def open_session(
     run_dir = trainer.runs_root / run_id
     trainer.run_dir = run_dir
     lease = Lease(trainer.runs_root, run_id).acquire()
+    created = not run_dir.exists()  # under the lease: what appears in it now is this call's
+    began = False
     try:
         has_log = (run_dir / "events.lmdb" / "data.mdb").exists()
         if stateful and not has_log:
@@ -99,7 +109,7 @@ def open_session(
             seed_everything(trainer.seed)
             if stateful:
                 point = find_resume_point(run_dir, event_log, expect_run_id=run_id)
-                _check_same_recipe(trainer, point.started)
+                _check_same_recipe(trainer, point.started, point.manifest)
                 apply_state(trainer, load_state(trainer.store, point.manifest))
                 stop = point.projections.status.stop_reason
                 if stop is not None and stop != "update_boundary":
@@ -121,17 +131,56 @@ def open_session(
                 trainer.recorder = Recorder(event_log)
                 opening = _run_started(trainer, src)
                 start_epoch = 0
+            began = True
             yield opening, start_epoch
+    except BaseException:
+        if created and not began:  # refused before the run began: leave no empty run to block a retry
+            shutil.rmtree(run_dir, ignore_errors=True)
+        raise
     finally:
         lease.release()
 
 
-def _check_same_recipe(trainer: Trainer, started: RunStarted | None) -> None:
-    """A stateful resume continues the same recipe: optimizers, schedulers, monitor and window.
+def _require_run_dir(source: Path) -> None:
+    """Refuse a ``resume_from`` that is not a run directory (a runs root, a file, a typo).
 
     Raises:
-        ResumeError: naming what differs from the run's ``run_started`` declaration.
+        ResumeError: ``source`` has no ``events.lmdb`` directory (named, with the runs it
+            holds when it is a runs root).
     """
+    if (source / "events.lmdb").is_dir():
+        return
+    what = "does not exist" if not source.exists() else "is not a directory" if not source.is_dir() else ""
+    runs = sorted(p for p in source.iterdir() if (p / "events.lmdb").is_dir()) if source.is_dir() else []
+    hint = f"; it looks like a runs root: pass one of its runs, e.g. {str(runs[0])!r}" if runs else ""
+    raise ResumeError(
+        f"resume_from={str(source)!r} is not a run directory: it has no event log (no events.lmdb there"
+        f"{', it ' + what if what else ''}){hint}; nothing was restored or written"
+    )
+
+
+def _check_same_recipe(trainer: Trainer, started: RunStarted | None, manifest: Manifest) -> None:
+    """A stateful resume continues the same recipe: optimizers, schedulers, monitor, window and
+    averaging update hooks.
+
+    The averaging hooks (:class:`~nnx_es.update_hooks.EMA`) are not declared in ``run_started``:
+    they are read from the LAST ``manifest``'s ``update_hook/<name>`` components, in order (the
+    first is the one validation evaluates). Another set would drop or restart the averaged
+    weights and let BEST compare averaged against raw scores. Their ``decay`` is recorded
+    nowhere and is not checked.
+
+    Raises:
+        ResumeError: naming what differs from the run's ``run_started`` declaration or its LAST.
+    """
+    theirs = [n.removeprefix("update_hook/") for n in manifest.components if n.startswith("update_hook/")]
+    ours = [h.name for h in trainer.update_hooks if isinstance(h, EMA)]
+    if theirs != ours:
+        raise ResumeError(
+            f"cannot resume run {manifest.run_id!r} statefully with other averaging update hooks: its LAST "
+            f"holds EMA state {theirs}, this trainer has EMA hooks named {ours} (the averaged weights would be "
+            "dropped or restarted); pass the run's EMA hooks (EMA(decay, name=...)) in the same order, or use "
+            "resume_mode='weights_only' to start a new run; nothing was restored or written"
+        )
     if started is None:
         return
     mine = _run_started(trainer, None)
@@ -150,7 +199,7 @@ def _load_weights_from(trainer: Trainer, source: Path) -> SourceRef:
     if source.resolve() == (trainer.runs_root / (trainer.run_id or "")).resolve():
         raise ConfigError(f"a weights_only continuation must write its own run, not its source {source}")
     if not (source / "events.lmdb" / "data.mdb").exists():
-        raise ResumeError(f"cannot start from {source}: it has no event log")
+        raise ResumeError(f"cannot start from {source}: it has no event log; nothing was restored or written")
     with LmdbLog(source / "events.lmdb", readonly=True) as src_log:
         point = find_resume_point(source, src_log)
     apply_state(trainer, load_state(BlobStore(source / "blobs"), point.manifest), weights_only=True)

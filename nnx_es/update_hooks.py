@@ -14,6 +14,7 @@ weights while an EMA is present).
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -23,6 +24,9 @@ from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
 from nnx_es.errors import ConfigError
 from nnx_es.stages import TrainingStage
+
+#: an averaging hook's name: it keys the checkpoint component ``update_hook/<name>``
+_HOOK_NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")
 
 if TYPE_CHECKING:
     from nnx_es.context import TrainContext
@@ -86,7 +90,10 @@ class UpdateOrchestrator:
                 owners[stage] = h
         averaging = [h.name for h in self.hooks if isinstance(h, EMA)]
         if len(set(averaging)) != len(averaging):
-            raise ConfigError(f"averaging hook names must be unique (they key checkpoint state), got {averaging}")
+            raise ConfigError(
+                f"averaging hook names must be unique (they key checkpoint state), got {averaging}; give each "
+                "EMA its own name, e.g. EMA(0.9, name='ema_fast'), EMA(0.999, name='ema_slow')"
+            )
         self.backward_owner = owners.get(TrainingStage.DO_BACKWARD)
         self.step_owner = owners.get(TrainingStage.DO_OPTIMIZER_STEP)
         self._vetoers = [h for h in self.hooks if type(h).veto is not UpdateHook.veto]
@@ -175,13 +182,30 @@ class EMA(UpdateHook):
     continuation, which restores no hook state, starts from the raw ones), while
     :meth:`nnx_es.model.NNModel.load` gives the averaged ones by default -- the weights
     that were scored -- and the raw ones with ``weights="raw"``.
+
+    Several averages (``EMA(0.9, name="fast"), EMA(0.999, name="slow")``) need distinct
+    ``name``s; the first one listed is the one validation evaluates. A stateful resume
+    needs the run's averages: the same names in the same order (:mod:`nnx_es.session`).
+
+    Raises:
+        ConfigError: ``decay`` is not in (0, 1), or ``name`` is not 1-64 characters of
+            ``[A-Za-z0-9._-]``.
     """
 
-    def __init__(self, decay: float = 0.999) -> None:
+    def __init__(self, decay: float = 0.999, *, name: str = "EMA") -> None:
         if not 0.0 < decay < 1.0:
             raise ConfigError(f"EMA decay must be in (0, 1), got {decay!r}")
+        if not isinstance(name, str) or not _HOOK_NAME.fullmatch(name):
+            raise ConfigError(f"EMA name must be 1-64 characters of [A-Za-z0-9._-], got {name!r}")
         self.decay = float(decay)
+        self._name = name
         self.averaged: AveragedModel | None = None
+
+    @property
+    def name(self) -> str:
+        """Keys the checkpoint component ``update_hook/<name>`` (default ``"EMA"``, the name of
+        runs written before ``name=`` existed, so they resume unchanged)."""
+        return self._name
 
     def configure(self, engine: UpdateEngine) -> None:
         self.averaged = AveragedModel(engine.trainer.net, multi_avg_fn=get_ema_multi_avg_fn(self.decay), use_buffers=True)

@@ -1,0 +1,155 @@
+"""Resumes that must be refused up front: another averaging set-up, a source that is not a run.
+
+A refusal restores nothing and writes nothing: the run's log is unchanged, and a run
+directory the refused call created itself is gone, so a retry with the right source works.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from nnx_es import EMA, NNModel, Trainer
+from nnx_es.errors import ConfigError, ResumeError
+from trainkit import loaders, read_events, small_net
+
+torch.set_num_threads(1)
+
+
+def train(runs: Path, epochs: int, hooks: list, *, run_id: str | None = "r", **kw):
+    model = NNModel(small_net(0))
+    return model.train(*loaders(batch_size=8), epochs=epochs,
+                       optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1), hooks=hooks,
+                       runs_root=runs, run_id=run_id, seed=0, progress=False, **kw)
+
+
+def _tree(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*"))
+            if p.is_file() and p.name != "lock.mdb"}
+
+
+@pytest.fixture(scope="module")
+def ema_run(tmp_path_factory):
+    """A two-epoch run with one default-named EMA (its LAST holds ``update_hook/EMA``)."""
+    runs = tmp_path_factory.mktemp("ema")
+    train(runs, 2, [EMA(0.9)])
+    return runs
+
+
+@pytest.mark.parametrize("hooks, names", [
+    ([], "EMA hooks named []"),
+    ([EMA(0.9, name="other")], "EMA hooks named ['other']"),
+    ([EMA(0.9), EMA(0.9, name="second")], "EMA hooks named ['EMA', 'second']"),
+], ids=["left_out", "renamed", "one_added"])
+def test_a_stateful_resume_with_another_ema_setup_is_refused_and_writes_nothing(ema_run, tmp_path, hooks, names):
+    runs = tmp_path / "runs"
+    shutil.copytree(ema_run, runs)
+    before = _tree(runs / "r")
+    with pytest.raises(ResumeError, match=r"other averaging update hooks.*holds EMA state \['EMA'\]") as err:
+        train(runs, 4, hooks, resume_from=runs / "r")
+    assert names in str(err.value)
+    assert _tree(runs / "r") == before
+
+
+def test_a_stateful_resume_without_ema_of_a_run_that_had_none_is_refused(tmp_path):
+    runs = tmp_path / "runs"
+    train(runs, 1, [])
+    with pytest.raises(ResumeError, match=r"holds EMA state \[\], this trainer has EMA hooks named \['EMA'\]"):
+        train(runs, 2, [EMA(0.9)], resume_from=runs / "r")
+
+
+def test_a_stateful_resume_with_the_runs_ema_setup_continues(ema_run, tmp_path):
+    runs = tmp_path / "runs"
+    shutil.copytree(ema_run, runs)
+    run = train(runs, 3, [EMA(0.9)], resume_from=runs / "r")
+    assert run.status == "completed" and len(run.history) == 3
+
+
+def test_a_weights_only_continuation_takes_any_averaging_hooks(ema_run, tmp_path):
+    run = train(tmp_path / "runs", 1, [EMA(0.5, name="fresh")], run_id="child", resume_from=ema_run / "r",
+                resume_mode="weights_only")
+    assert run.status == "completed"
+
+
+@pytest.mark.parametrize("mode", ["weights_only", "stateful"])
+def test_a_refused_continuation_leaves_no_run_directory_and_the_retry_succeeds(tmp_path, mode):
+    runs = tmp_path / "runs"
+    train(runs, 1, [], run_id="src")
+    kw = {"resume_mode": "weights_only", "run_id": "child"} if mode == "weights_only" else {"run_id": None}
+    with pytest.raises(ResumeError, match="nothing was restored or written"):
+        train(runs, 1, [], resume_from=runs / "typo", **kw)
+    assert not (runs / "child").exists() and not (runs / "typo").exists()
+    retried = train(runs, 1, [], resume_from=runs / "src", **kw)
+    assert retried.status == "completed"
+
+
+def test_a_weights_only_continuation_from_a_corrupt_source_leaves_no_run_and_the_retry_succeeds(tmp_path):
+    runs = tmp_path / "runs"
+    train(runs, 1, [], run_id="src")
+    train(runs, 1, [], run_id="bad")
+    for blob in (runs / "bad" / "blobs").rglob("*"):
+        if blob.is_file():
+            blob.write_bytes(b"")
+    with pytest.raises(ResumeError, match="refused"):
+        train(runs, 1, [], run_id="child", resume_from=runs / "bad", resume_mode="weights_only")
+    assert not (runs / "child").exists()
+    child = train(runs, 1, [], run_id="child", resume_from=runs / "src", resume_mode="weights_only")
+    assert child.status == "completed"
+
+
+def test_a_refusal_after_the_log_opened_never_removes_a_run_that_existed(ema_run, tmp_path):
+    runs = tmp_path / "runs"
+    shutil.copytree(ema_run, runs)
+    with pytest.raises(ResumeError):
+        train(runs, 4, [], resume_from=runs / "r")
+    assert [e.KIND for _, e in read_events(runs / "r")][0] == "run_started"
+
+
+@pytest.mark.parametrize("mode", ["stateful", "weights_only"])
+@pytest.mark.parametrize("what", ["runs_root", "file"])
+def test_resume_from_a_path_that_is_not_a_run_directory_says_so(tmp_path, mode, what):
+    runs = tmp_path / "runs"
+    train(runs, 1, [], run_id="base")
+    target = runs if what == "runs_root" else next(p for p in (runs / "base" / "views").rglob("*") if p.is_file())
+    with pytest.raises(ResumeError, match="is not a run directory: it has no event log") as err:
+        train(runs, 1, [], run_id="base2" if mode == "weights_only" else "base", resume_from=target,
+              resume_mode=mode)
+    assert str(target) in str(err.value) and "another run" not in str(err.value)
+    if what == "runs_root":
+        assert "runs root" in str(err.value)
+
+
+def test_two_emas_with_their_own_names_train_and_resume(tmp_path):
+    runs = tmp_path / "runs"
+    train(runs, 1, [EMA(0.9, name="fast"), EMA(0.99, name="slow")])
+    names = [n for n in read_last_components(runs / "r") if n.startswith("update_hook/")]
+    assert names == ["update_hook/fast", "update_hook/slow"]
+    run = train(runs, 2, [EMA(0.9, name="fast"), EMA(0.99, name="slow")], resume_from=runs / "r")
+    assert len(run.history) == 2
+    with pytest.raises(ResumeError, match=r"\['fast', 'slow'\].*\['slow', 'fast'\]"):
+        train(runs, 3, [EMA(0.99, name="slow"), EMA(0.9, name="fast")], resume_from=runs / "r")
+
+
+def read_last_components(run_dir: Path) -> list[str]:
+    from events.schema import LastCommitted
+    from nnx_es.checkpoint import read_manifest
+    from nnx_es.storage import BlobStore
+
+    digest = [e for _, e in read_events(run_dir) if isinstance(e, LastCommitted)][-1].manifest
+    return list(read_manifest(BlobStore(run_dir / "blobs"), digest).components)
+
+
+def test_two_emas_of_one_name_are_refused_with_how_to_name_them():
+    net = small_net()
+    with pytest.raises(ConfigError, match=r"give each EMA its own name, e.g. EMA\(0.9, name="):
+        Trainer(net, torch.optim.SGD(net.parameters(), lr=0.1), torch.nn.CrossEntropyLoss(),
+                hooks=[EMA(0.9), EMA(0.99)])
+
+
+@pytest.mark.parametrize("name", ["", "a/b", 3, "x" * 65])
+def test_an_ema_name_that_cannot_key_a_checkpoint_component_is_refused(name):
+    with pytest.raises(ConfigError, match="EMA name must be"):
+        EMA(0.9, name=name)
