@@ -13,6 +13,7 @@ __all__ = [
     "LogClosedError",
     "NnxError",
     "SequenceGapError",
+    "TruncatedLogError",
 ]
 
 
@@ -22,6 +23,10 @@ class NnxError(Exception):
 
 class EventLogError(NnxError, OSError):
     """The event log could not be opened, read or written."""
+
+
+class TruncatedLogError(EventLogError):
+    """The log's ``data.mdb`` is shorter than its pages need, or empty (0 bytes): a truncated write or copy."""
 
 
 class LogClosedError(EventLogError):
@@ -45,9 +50,46 @@ class CorruptEventError(NnxError, ValueError):
 
 
 class SequenceGapError(NnxError, ValueError):
-    """The log's sequence numbers are not contiguous from 0."""
+    """The log's stored keys are not the seqs 0, 1, 2, ... in stored order.
 
-    def __init__(self, expected: int, found: int) -> None:
-        super().__init__(f"sequence gap: expected seq {expected}, found seq {found}")
+    The key at some position is not the seq due there (``kind``):
+
+    * ``"changed"``: the key after it is the seq due after this position, so this one
+      key changed (bit rot in a key: the value stored there is most likely seq ``expected``);
+    * ``"gap"``: a higher key (the seqs between are missing);
+    * ``"duplicate"``: the key before it again;
+    * ``"out of order"``: a lower key;
+    * ``"malformed"``: a key that is not 8 bytes long.
+
+    Attributes:
+        expected: the seq due at that position.
+        found: the key stored there, as a seq.
+        previous: the key stored just before it (``None``: it is the first key).
+        following: the key stored just after it (``None``: it is the last, or unknown).
+        kind: one of the five above.
+    """
+
+    def __init__(self, expected: int, found: int, previous: int | None = None, following: int | None = None) -> None:
+        after = f"key {found} follows key {previous}" if previous is not None else f"the first key is {found}"
+        if found == expected:  # the right number in a key of another length
+            kind = "malformed"
+            message = f"malformed key: the key in the place of seq {expected} is not 8 bytes long"
+        elif following == expected + 1:
+            kind = "changed"
+            message = f"changed key: {after} and precedes key {following}, in the place of seq {expected}"
+        elif found > expected:
+            kind = "gap"
+            missing = f"seq {expected} is" if found == expected + 1 else f"seqs {expected}..{found - 1} are"
+            message = f"sequence gap: expected seq {expected}, found seq {found} ({after}; {missing} missing)"
+        elif found == previous:
+            kind = "duplicate"
+            message = f"duplicate key: {after} (expected seq {expected})"
+        else:
+            kind = "out of order"
+            message = f"key out of order: {after} (expected seq {expected})"
+        super().__init__(message)
         self.expected = expected
         self.found = found
+        self.previous = previous
+        self.following = following
+        self.kind = kind

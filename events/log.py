@@ -9,6 +9,8 @@ Both keep one contract (``tests/contract/test_event_log.py``):
 * ``read``/``read_raw``/``read_chunks`` see flushed events only, by sequence
   range; ``read(kinds=...)`` filters by kind;
 * a value that does not decode raises :class:`CorruptEventError` naming its seq;
+* ``check_keys`` reads the stored keys themselves and raises :class:`SequenceGapError`
+  unless they are 0, 1, 2, ... in stored order (``read_chunks`` may not see a changed key);
 * ``verify_sums`` yields the ranges of stored values whose checksum does not verify.
 
 The LMDB log stores key = 8-byte big-endian seq, value = msgpack
@@ -30,7 +32,8 @@ import lmdb
 
 from events.chunks import RawChunk, StoredPairs
 from events.codec import decode, encode
-from events.errors import EventLogError, LogClosedError
+from events.errors import EventLogError, LogClosedError, TruncatedLogError
+from events.keys import check_keys
 from events.schema import Event
 from events.sums import SUMS_DB, SumProblem, SumRecord, batch_crc, pack_sum, unpack_sum, verify
 
@@ -73,6 +76,8 @@ class EventLog(Protocol):
     ) -> Iterator[tuple[int, Event]]: ...
 
     def verify_sums(self, stop: int | None = None) -> Iterator[SumProblem]: ...
+
+    def check_keys(self) -> int: ...
 
     def close(self) -> None: ...
 
@@ -189,6 +194,10 @@ class MemoryLog(_LogBase):
         """Nothing: a memory log keeps no checksums (nothing on a disk can rot under it)."""
         return iter(())
 
+    def check_keys(self) -> int:
+        """The number of stored values: a list's positions are its keys, always 0, 1, 2, ..."""
+        return len(self._stored)
+
     def put_raw(self, seq: int, raw: bytes) -> None:
         """Overwrite or add a stored value (tests use it to forge broken logs)."""
         if seq == len(self._stored):
@@ -207,8 +216,10 @@ class LmdbLog(_LogBase):
         map_size: initial map size in bytes; doubled whenever a write finds it full.
 
     Raises:
-        EventLogError: the directory is missing (read-only), is not an LMDB log, or its
-            ``data.mdb`` is truncated; reads raise it for a page LMDB finds corrupted.
+        EventLogError: the directory is missing (read-only) or is not an LMDB log; reads
+            raise it for a page LMDB finds corrupted.
+        TruncatedLogError: its ``data.mdb`` is shorter than its pages need, or exists and is
+            empty (0 bytes; refused before LMDB opens it: a writer would make it a new log).
     """
 
     def __init__(
@@ -216,8 +227,12 @@ class LmdbLog(_LogBase):
     ) -> None:
         self.path = Path(path)
         self.readonly = readonly
-        if readonly and not (self.path / "data.mdb").exists():
-            raise EventLogError(f"no event log at {self.path}: expected {self.path / 'data.mdb'}")
+        data = self.path / "data.mdb"
+        if readonly and not data.exists():
+            raise EventLogError(f"no event log at {self.path}: expected {data}")
+        if data.is_file() and data.stat().st_size == 0:
+            raise TruncatedLogError(f"event log at {self.path} is truncated: {data} is empty (0 bytes; a truncated "
+                                    "write or copy?): not opened, nothing was written")
         try:
             if not readonly:
                 self.path.mkdir(parents=True, exist_ok=True)
@@ -266,12 +281,12 @@ class LmdbLog(_LogBase):
         ``data.mdb`` would kill the process with SIGBUS instead of raising.
 
         Raises:
-            EventLogError: the file is truncated (sizes named).
+            TruncatedLogError: the file is truncated (sizes named).
         """
         used = (self._env.info()["last_pgno"] + 1) * self._env.stat()["psize"]
         size = (self.path / "data.mdb").stat().st_size
         if size < used:
-            raise EventLogError(
+            raise TruncatedLogError(
                 f"event log at {self.path} is truncated: data.mdb has {size} bytes, its pages need {used}"
             )
 
@@ -388,8 +403,12 @@ class LmdbLog(_LogBase):
 
         Values are taken ``read_chunk`` at a time in one C-level pass over the cursor,
         without their keys: a chunk's seqs follow from the key before it and its last
-        key. A chunk whose keys are not contiguous is read again with its keys and
-        split at each gap, so a gap shows as a jump in seq exactly as in :meth:`read_raw`.
+        key. A chunk whose last key is not that many past the one before it (a gap, a
+        duplicate or a key out of order at its end) gets the keys of its own entries
+        (the cursor walks back over them) and is split where they do not run on, as
+        :meth:`read_raw` yields them: no value is dropped or repeated. A changed key
+        inside a chunk whose ends still agree is not seen (its values get the seqs of
+        their positions): :meth:`check_keys` reads every key.
 
         Raises:
             EventLogError: LMDB refused a read (a corrupted page).
@@ -405,24 +424,48 @@ class LmdbLog(_LogBase):
         if not cur.last():
             return
         final = int.from_bytes(cur.key(), "big")  # of this read's snapshot
-        end = final + 1 if stop is None else min(stop, final + 1)
+        end = 1 << 64 if stop is None else stop  # not final + 1: a changed key past it must not end the read
         if not cur.set_range(seq_key(max(start, 0))):
             return
         before = int.from_bytes(cur.key(), "big") - 1  # the key before the next chunk
         values_of = cur.iternext(keys=False, values=True)
-        while before + 1 < end:
+        suspect = False  # a chunk's keys did not run on: read on to a key at or past ``end``, as read_raw does
+        while suspect or before + 1 < end:
             values = list(itertools.islice(values_of, size))
             if not values:
                 return
             # the cursor rests on the last value taken, unless the values ran out
             last = int.from_bytes(cur.key(), "big") if len(values) == size else final
-            if last - before != len(values):  # a gap inside: read again with the keys
-                yield from _runs(self._stored(txn, before + 1, min(last + 1, end)), size)
+            if last - before != len(values):  # a gap, or keys out of order: split at the keys
+                suspect = True
+                pairs = list(zip(_keys_back(cur, len(values), len(values) == size), values))
+                below = list(itertools.takewhile(lambda pair: pair[0] < end, pairs))
+                yield from _runs(below, size)
+                if len(below) < len(pairs):  # a key at or past ``end``: read_raw stops there too
+                    return
             elif last >= end:
-                yield before + 1, values[: end - before - 1]
+                if end - before > 1:
+                    yield before + 1, values[: end - before - 1]
+                return
             else:
                 yield before + 1, values
             before = last
+
+    def check_keys(self) -> int:
+        """Check that the stored keys are 0, 1, 2, ... in stored order; return how many there are.
+
+        One key-only pass of the cursor (no value is read; ``events.keys``): about
+        0.1 µs a key.
+
+        Raises:
+            SequenceGapError: naming the first key out of place, the seq due there and the
+                key before it (a gap, a duplicate, a key out of order).
+            EventLogError: LMDB refused a read (a corrupted page).
+        """
+        if self._closed:
+            raise LogClosedError("read on a closed event log")
+        with self._reading(), self._txn() as txn:
+            return check_keys(txn.cursor(self._events).iternext(keys=True, values=False))
 
     def read(
         self, start: int = 0, stop: int | None = None, kinds: Iterable[str] | None = None
@@ -506,6 +549,24 @@ class LmdbLog(_LogBase):
         if not self._closed:
             self._env.close()
         super().close()
+
+
+def _keys_back(cur: lmdb.Cursor, n: int, resting: bool) -> list[int]:
+    """The seqs of the ``n`` entries up to the cursor's, in stored order, read by walking back and forth.
+
+    ``resting``: the cursor rests on the last of them; else it ran past the end and the
+    last of them is the log's last entry. The cursor is left on that entry. Positional:
+    correct whatever the keys are (``set_range`` would search a tree whose order broke).
+    """
+    if not resting:
+        cur.last()
+    keys = [cur.key()]
+    for _ in range(n - 1):
+        cur.prev()
+        keys.append(cur.key())
+    for _ in range(n - 1):
+        cur.next()
+    return [int.from_bytes(key, "big") for key in reversed(keys)]
 
 
 def _runs(pairs: Iterable[tuple[int, bytes]], size: int) -> Iterator[RawChunk]:

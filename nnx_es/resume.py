@@ -47,15 +47,20 @@ class ResumePoint(msgspec.Struct, kw_only=True):
 
 
 def _read_whole(run_dir: Path, log: EventLog) -> list[tuple[int, Event]]:
-    """Every event of ``log``; a log that breaks invariant 1 is refused, never continued."""
+    """Every event of ``log``; a log that breaks invariant 1 is refused, never continued.
+
+    The keys are checked first, by themselves (``check_keys``: the chunked read derives
+    seqs from chunk boundaries, and the checksums cover values only, so a changed key
+    is seen by neither).
+    """
+    try:
+        log.check_keys()
+    except SequenceGapError as exc:
+        raise ResumeError(f"cannot resume {run_dir}: its event log has a {exc}; nothing was restored or written") from exc
     try:
         events = list(log.read())
     except CorruptEventError as exc:
         raise ResumeError(f"cannot resume {run_dir}: {exc}; nothing was restored or written") from exc
-    for expected, (seq, _) in enumerate(events):
-        if seq != expected:
-            gap = SequenceGapError(expected, seq)
-            raise ResumeError(f"cannot resume {run_dir}: its event log has a {gap}; nothing was restored or written") from gap
     for first, last, problem, _, _ in log.verify_sums(len(events)):
         if problem != "uncovered":  # values of a log older than checksums are read unverified
             why = _SUM_PROBLEMS[problem]
@@ -76,8 +81,8 @@ def find_resume_point(run_dir: Path, log: EventLog, *, expect_run_id: str | None
     """Locate and verify the LAST commit of the run whose log is ``log``.
 
     Raises:
-        ResumeError: the log has a sequence gap or a value that does not decode
-            (invariant 1: the seq is named), no LAST commit, or the LAST checkpoint
+        ResumeError: the log's keys are not 0, 1, 2, ... (a gap, a duplicate or a key out
+            of order) or a value does not decode (invariant 1: the seq is named), no LAST commit, or the LAST checkpoint
             is missing, empty, torn, corrupt or mixed (the reason is named).
         EventLogError: LMDB cannot read the log.
     """

@@ -3,7 +3,10 @@
 The pass reads ``events.lmdb`` read-only (so it works beside a live writer) up
 to the length it had when opened:
 
-1. ``read_raw`` checks contiguity and decodes each value (invariant 1);
+1. ``read_raw`` checks that the keys run 0, 1, 2, ... and decodes each value (invariant 1):
+   a key out of place is named as a changed key when the key after it is back in sequence
+   (its value is then read as the seq of its place), else as a gap, a duplicate or a key out
+   of order, and the sequence goes on from the key found (one damaged key, one violation);
    the checksums are verified in a second read (:meth:`~events.log.LmdbLog.verify_sums`);
 2. each decodable event feeds the sequence checks (invariants 2, 3, 8 and
    the early-stopping rule of 7, :mod:`nnx_es.audit.sequence`);
@@ -26,13 +29,14 @@ writer rewrote since may then be newer than that log (an invariant 9 report).
 from __future__ import annotations
 
 import difflib
+import itertools
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import msgspec
 
 from events.codec import KINDS, decode
-from events.errors import CorruptEventError
+from events.errors import CorruptEventError, SequenceGapError
 from events.log import LmdbLog
 from events.schema import Event, RunStarted
 from events.sums import SumProblem
@@ -60,16 +64,22 @@ class _Source:
         self.checks = (LifecycleCheck(sink), CommitOrderCheck(sink), FinalizationCheck(sink))
 
     def __iter__(self) -> Iterator[tuple[int, Event]]:
-        expected = 0
+        expected, previous = 0, None  # the seq due next, the key before
         routes: dict[str, list[Callable[[int, Event], None]]] = {
             kind: [c.feed for c in self.checks if kind in c.KINDS] for kind in KINDS
         }
-        for seq, raw in self.log.read_raw(0, self.stop):
+        # the first ``stop`` entries, by position: a changed key past ``stop`` must not end the pass
+        stored = itertools.chain(itertools.islice(self.log.read_raw(0), self.stop), [(None, b"")])
+        for (key, raw), (following, _) in itertools.pairwise(stored):
             self.events += 1
-            if seq != expected:
-                self.sink.add(seq, 1, f"sequence gap: seqs {expected}..{seq - 1} are missing",
-                              expected=f"seq {expected}", found=f"seq {seq}")
-            expected = seq + 1
+            seq = key
+            if key != expected:
+                problem = SequenceGapError(expected, key, previous, following)
+                self.sink.add(expected if problem.kind == "changed" else key, 1, str(problem),
+                              expected=f"seq {expected}", found=f"seq {key}")
+                if problem.kind == "changed":  # one key changed: its value is read as the seq of its place
+                    seq = expected
+            expected, previous = seq + 1, key
             try:
                 event = decode(raw, seq)
             except CorruptEventError as exc:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
@@ -25,8 +26,12 @@ from events import (
     MemoryLog,
     MicrobatchDone,
     RunStarted,
+    SequenceGapError,
     UpdateCommitted,
 )
+from events.errors import TruncatedLogError
+
+from crashkit import change_key  # noqa: E402 (tests/faults is put on sys.path by conftest)
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -197,6 +202,14 @@ class EventLogContract:
                 flat = [(first + i, raw) for first, values in chunks for i, raw in enumerate(values)]
                 assert flat == list(log.read_raw(start, stop)), (size, start, stop)
 
+    def test_check_keys_counts_the_stored_keys(self, log: Any) -> None:
+        assert log.check_keys() == 0
+        for e in _mixed(9):
+            log.append(e)
+        assert log.check_keys() == 0  # buffered, not stored
+        log.flush()
+        assert log.check_keys() == 9
+
     def test_read_filters_by_kinds(self, log: Any) -> None:
         events = _mixed(10)
         for e in events:
@@ -294,6 +307,29 @@ class TestLmdbLog(EventLogContract):
             lg.read_chunk = 64
             assert [(first, len(values)) for first, values in lg.read_chunks()] == [(1, 4), (7, 6), (14, 5)]
 
+    @pytest.mark.parametrize("new", [11, 8, 9, 3, 1 << 40], ids=lambda k: f"key 10 -> {k}")
+    def test_a_changed_key_loses_no_value_in_read_chunks_and_fails_check_keys(self, tmp_path: Path, new: int) -> None:
+        """A key changed on disk (LMDB's order broken): every chunk boundary that sees it splits the chunk
+        at the keys themselves, positionally: no value is dropped or read twice."""
+        path = tmp_path / "events.lmdb"
+        with LmdbLog(path) as lg:
+            for e in _mixed(20):
+                lg.append(e)
+            lg.flush()
+        change_key(path, 10, new)
+        with LmdbLog(path, readonly=True) as lg:
+            raw = list(lg.read_raw())
+            assert [s for s, _ in raw] == [*range(10), new, *range(11, 20)]
+            for size in (1, 2, 3, 4, 7, 64):
+                lg.read_chunk = size
+                assert [v for _, values in lg.read_chunks() for v in values] == [v for _, v in raw], size
+            lg.read_chunk = 1  # every key a chunk boundary: the seqs are the keys, as read_raw yields them
+            for start, stop in [(0, None), (0, 20), (4, 14), (9, 12), (11, None)]:
+                flat = [(first + i, v) for first, values in lg.read_chunks(start, stop) for i, v in enumerate(values)]
+                assert flat == list(lg.read_raw(start, stop)), (start, stop)
+            with pytest.raises(SequenceGapError, match=f"changed key: key {new} follows key 9 and precedes key 11"):
+                lg.check_keys()
+
     def test_reopen_sees_same_events_and_continues_sequence(self, tmp_path: Path) -> None:
         path = tmp_path / "events.lmdb"
         events = _mixed(6)
@@ -375,6 +411,17 @@ class TestLmdbLog(EventLogContract):
             LmdbLog(missing, readonly=True)
         assert str(missing) in str(info.value)
         assert not missing.exists(), "a read-only open must not create the log"
+
+    def test_an_empty_data_file_is_refused_as_truncated_and_left_empty(self, tmp_path: Path) -> None:
+        path = tmp_path / "events.lmdb"
+        path.mkdir()
+        (path / "data.mdb").write_bytes(b"")
+        for readonly in (True, False):  # a writer would initialize it as a new, empty log
+            with pytest.raises(TruncatedLogError, match=rf"is truncated: {re.escape(str(path / 'data.mdb'))} is empty"):
+                LmdbLog(path, readonly=readonly)
+        assert (path / "data.mdb").stat().st_size == 0 and sorted(p.name for p in path.iterdir()) == ["data.mdb"]
+        with LmdbLog(tmp_path / "new" / "events.lmdb") as lg:  # a new log (no data.mdb yet) is created as before
+            assert lg.next_seq == 0 and lg.check_keys() == 0
 
     def test_open_of_something_that_is_not_a_log_raises(self, tmp_path: Path) -> None:
         garbage = tmp_path / "garbage.lmdb"

@@ -4,8 +4,8 @@
 that monkeypatches a seam to SIGKILL the process at the chosen moment), runs
 ``target`` and exits. The parent waits and reports how the child ended.
 
-``copy_run`` and ``raw_values``: a private copy of a template run to damage, and the
-stored values of a run's log as written.
+``copy_run``, ``raw_values`` and ``change_key``: a private copy of a template run to
+damage, the stored values of a run's log as written, a key changed in ``data.mdb``.
 """
 
 from __future__ import annotations
@@ -32,6 +32,25 @@ def raw_values(run_dir: Path) -> list[tuple[int, bytes]]:
     """``(seq, stored bytes)`` of every value of ``run_dir``'s event log."""
     with LmdbLog(run_dir / "events.lmdb", readonly=True) as log:
         return list(log.read_raw())
+
+
+def change_key(log_dir: Path, seq: int, new_seq: int) -> int:
+    """Store the value of ``seq`` under the key ``new_seq`` in ``log_dir/data.mdb`` itself (a changed key on disk).
+
+    LMDB's API cannot store keys out of order: the bytes of the key are changed where
+    the entry lies (key then value, in a leaf page), in every copy copy-on-write left,
+    so the live one is changed whichever it is. The value and its checksum are
+    untouched. Returns the number of copies changed.
+    """
+    with LmdbLog(log_dir, readonly=True) as log:
+        raw = dict(log.read_raw())[seq]
+    path = Path(log_dir) / "data.mdb"
+    data = path.read_bytes()
+    entry = seq.to_bytes(8, "big") + raw
+    copies = data.count(entry)
+    assert copies, f"the entry of seq {seq} must be stored contiguously in {path}"
+    path.write_bytes(data.replace(entry, new_seq.to_bytes(8, "big") + raw))
+    return copies
 
 
 def sigkill() -> None:

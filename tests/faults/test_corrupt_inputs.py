@@ -25,12 +25,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from crashkit import copy_run, raw_values, run_in_child
+from crashkit import change_key, copy_run, raw_values, run_in_child
 from events.codec import CURRENT_TYPES, decode
-from events.errors import CorruptEventError, EventLogError, NnxError
+from events.errors import CorruptEventError, EventLogError, NnxError, SequenceGapError, TruncatedLogError
 from events.log import LmdbLog
 from nnx_es import Trainer, load_result
 from nnx_es.audit import NotARunError, audit_run
+from nnx_es.cli import inspect as inspect_cli
+from nnx_es.cli import replay as replay_cli
 from nnx_es.errors import ResumeError
 from trainkit import EpochCounter, loaders, small_net
 
@@ -212,18 +214,25 @@ def test_a_truncated_data_file_is_refused_with_a_named_reason_never_a_crash(temp
     # in a forked child each: a regression here is a SIGBUS, which would kill the test run
     for what, target in (("read", read), ("audit", lambda: audit_run(run_dir)), ("resume", lambda: _resume(run_dir))):
         outcome = run_in_child(target)
-        assert re.fullmatch(rf"raised EventLogError: .*({reason}).*", outcome), f"{what}: {outcome}"
+        error = "TruncatedLogError" if "is truncated" in reason else "EventLogError"
+        assert re.fullmatch(rf"raised {error}: .*({reason}).*", outcome), f"{what}: {outcome}"
     assert data_file(run_dir).read_bytes() == before
 
 
-def test_an_empty_data_file_is_refused_by_readers_and_never_resumed(template, tmp_path):
+def test_an_empty_data_file_is_refused_by_readers_and_never_resumed(template, tmp_path, capsys):
     run_dir = copy_run(template, tmp_path)
     data_file(run_dir).write_bytes(b"")
-    with pytest.raises(EventLogError, match="cannot open event log"):
+    empty = rf"event log at .* is truncated: {re.escape(str(data_file(run_dir)))} is empty \(0 bytes"
+    with pytest.raises(TruncatedLogError, match=empty):
         audit_run(run_dir)
-    # a writer opening an empty file finds an empty log: nothing to resume from
-    with pytest.raises(ResumeError, match="no committed LAST"):
-        _resume(run_dir)
+    with pytest.raises(TruncatedLogError, match=empty):
+        load_result(run_dir)
+    for tool, argv in ((replay_cli, [str(run_dir)]), (inspect_cli, [str(run_dir), "summary"])):
+        assert tool.main(argv) == 2
+        assert re.search(empty, capsys.readouterr().err)
+    # a writer would make the empty file a new, empty log: refused before LMDB opens it
+    _assert_refused_untouched(run_dir, TruncatedLogError, empty)
+    assert data_file(run_dir).stat().st_size == 0 and not (run_dir / "events.lmdb" / "lock.mdb").exists()
 
 
 def test_a_run_without_its_event_log_is_refused(template, tmp_path):
@@ -298,6 +307,50 @@ def test_a_sequence_gap_is_refused_by_the_resume_and_named_by_the_audit(template
     assert len(gap) == 1 and gap[0].seq == seq + 1 and "sequence gap" in gap[0].message
     # never continued: a resume would append behind a hole in the run's record
     _assert_refused_untouched(run_dir, ResumeError, rf"sequence gap: expected seq {seq}, found seq {seq + 1}")
+
+
+# --- changed keys: the checksums cover values only ------------------------------------------------
+
+KEY_CHANGES = {
+    # name -> the key the entry of seq 20 is stored under
+    "to the next key (a duplicate)": 21,  # bit 0: 0x14 -> 0x15
+    "to an earlier key": 16,  # bit 2
+    "past the log's end": 20 | 1 << 40,  # a high bit
+}
+
+
+@pytest.mark.parametrize("name", list(KEY_CHANGES))
+def test_a_changed_key_is_named_by_the_audit_and_refused_by_the_resume(template, tmp_path, name):
+    run_dir = copy_run(template, tmp_path)
+    n, new = len(raw_values(run_dir)), KEY_CHANGES[name]
+    assert n > 30
+    change_key(run_dir / "events.lmdb", 20, new)
+    with LmdbLog(run_dir / "events.lmdb", readonly=True) as log:
+        assert [s for s, _ in log.read_raw()] == [*range(20), new, *range(21, n)]
+        with pytest.raises(SequenceGapError) as info:
+            log.check_keys()
+    assert (info.value.kind, info.value.expected, info.value.found) == ("changed", 20, new)
+    named = f"changed key: key {new} follows key 19 and precedes key 21, in the place of seq 20"
+    report = audit_run(run_dir)
+    assert report.events == n
+    assert [(v.seq, v.message) for v in report.violations if v.invariant == 1] == [(20, named)]
+    # never continued: the values (and their checksums) are intact, the key is not
+    _assert_refused_untouched(run_dir, ResumeError, rf"cannot resume .*: its event log has a {re.escape(named)}; "
+                                                    "nothing was restored or written")
+
+
+def test_two_changed_keys_in_a_row_are_named_without_a_cascade(template, tmp_path):
+    """Keys 0..19, 16, 17, 22, ...: the key after an out-of-place key does not explain it."""
+    run_dir = copy_run(template, tmp_path)
+    change_key(run_dir / "events.lmdb", 20, 16)
+    change_key(run_dir / "events.lmdb", 21, 17)
+    messages = [(v.seq, v.message) for v in audit_run(run_dir).violations if v.invariant == 1]
+    # the pass goes on from the key found: one violation where the keys jump back, one where they jump ahead
+    assert messages == [
+        (16, "key out of order: key 16 follows key 19 (expected seq 20)"),
+        (22, "sequence gap: expected seq 18, found seq 22 (key 22 follows key 17; seqs 18..21 are missing)"),
+    ]
+    _assert_refused_untouched(run_dir, ResumeError, r"its event log has a key out of order: key 16 follows key 19")
 
 
 # --- fuzzing: mutations of real stored events ----------------------------------------------------
