@@ -351,8 +351,8 @@ class Trainer:
                 state and data position are restored, the uncommitted tail is
                 recorded as discarded, and training goes on at the first
                 uncommitted epoch (a run that had decided to stop is finished
-                without training more). The trainer must declare the
-                run's recipe: the same optimizers, schedulers, monitor and window.
+                without training more). The trainer must declare the run's recipe:
+                the same optimizers, schedulers, monitor, window and EMA hooks.
                 ``"weights_only"`` starts a new run (this trainer's ``run_id``)
                 from the weights alone and records its source (run id, LAST seq,
                 manifest hash). Semantics: spec 004 "Restart semantics".
