@@ -51,6 +51,7 @@ __all__ = [
     "encode",
     "kind_of",
     "partial_decoder",
+    "partial_type",
     "type_codes",
     "upcast",
 ]
@@ -223,7 +224,7 @@ def partial_decoder(
 ) -> Callable[[list[Any], int], tuple[list[Any], bytes]]:
     """A :func:`decode_many` that decodes the kinds of ``partials`` to lighter structs, and codes the events.
 
-    A partial type stands for one current type: the same tag, every required field
+    A partial type (build it with :func:`partial_type`) stands for one current type: the same tag, every required field
     and some optional ones, with the same types and defaults. It accepts every value
     the full type accepts and refuses those lacking or mistyping a required field; the
     optional fields it leaves out are skipped, neither built nor validated. So a
@@ -241,6 +242,37 @@ def partial_decoder(
         TypeError: a partial type is not such a subset of the type it stands for.
     """
     return _PartialDecoder(partials)
+
+
+def partial_type(full: type[Event], *optional: str) -> type[Event]:
+    """A partial type of the current event type ``full`` for :func:`partial_decoder`: its tag,
+    every required field and the ``optional`` ones named, with the same types and defaults,
+    derived from ``full`` (nothing copied by hand, so it cannot drift from the schema).
+
+    Raises:
+        TypeError: ``full`` is not a current event type, or an ``optional`` name is not one of
+            its optional fields.
+    """
+    known = {f.name: f for f in msgspec.structs.fields(full)}
+    wrong = [n for n in optional if n not in known or known[n].required]
+    if wrong:
+        raise TypeError(f"{full.__name__} has no optional field(s) {wrong}")
+    fields: list[Any] = []
+    for f in known.values():
+        if f.required:
+            fields.append((f.name, f.type))
+        elif f.name in optional:
+            default = (msgspec.field(default_factory=f.default_factory) if f.default is msgspec.NODEFAULT
+                       else f.default)
+            fields.append((f.name, f.type, default))
+    config = full.__struct_config__  # type: ignore[attr-defined]
+    part = msgspec.defstruct(
+        f"{full.__name__}Partial", fields, bases=(Event,), module=__name__, tag=config.tag, frozen=True,
+        kw_only=True, rename={f.name: f.encode_name for f in known.values()},
+        namespace={"KIND": full.KIND, "VERSION": full.VERSION},
+    )
+    _check_partial(full, part)
+    return part
 
 
 def _check_partial(full: type[Event], part: type[Event]) -> None:

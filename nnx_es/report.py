@@ -19,14 +19,13 @@ import sys
 from collections.abc import Callable, Iterator
 from operator import attrgetter, itemgetter
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 import numpy as np
 
-from events.codec import TYPE_CODES, partial_decoder
+from events.codec import TYPE_CODES, partial_decoder, partial_type
 from events.log import LmdbLog
 from events.schema import (
-    Event,
     HistoryAppended,
     HistoryRecord,
     LastCommitted,
@@ -46,20 +45,8 @@ _BATCH = 2048
 _STEP, _LOSS = attrgetter("step"), attrgetter("loss")
 
 
-class _Receipt(Event, frozen=True, kw_only=True, tag="update_committed@2"):
-    """An ``update_committed`` as the curves read it (its required fields checked; ``clipped`` and others skipped)."""
-
-    KIND: ClassVar[str] = "update_committed"
-    VERSION: ClassVar[int] = 2
-    step: int
-    epoch: int
-    microbatches: int
-    local_examples: float
-    global_examples: float
-    loss: float
-    grad_norm: float | None = None
-    lrs: list[float] = []
-    optimizer: str = "default"
+#: an ``update_committed`` as the curves read it (its required fields checked; ``clipped`` and others skipped)
+_Receipt = partial_type(UpdateCommitted, "grad_norm", "lrs", "optimizer")
 
 
 _decode = partial_decoder({UpdateCommitted: _Receipt, MicrobatchDone: MicrobatchRequired})

@@ -27,12 +27,12 @@ import bisect
 import itertools
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from operator import or_
-from typing import Any, ClassVar
+from typing import Any
 
 import msgspec
 
 from events.chunks import StoredPairs
-from events.codec import EVENT_TYPES, TYPE_CODES, partial_decoder, type_codes
+from events.codec import EVENT_TYPES, TYPE_CODES, partial_decoder, partial_type, type_codes
 from events.schema import (
     CheckpointStored,
     Counters,
@@ -154,33 +154,13 @@ for _i, (_name, _fn, _types) in enumerate(_FOLDS):
         _BY_TYPE[_t] = (*_BY_TYPE.get(_t, ()), (_i, _fn))
 
 
-class MicrobatchRequired(Event, frozen=True, kw_only=True, tag="microbatch_done"):
-    """A ``microbatch_done`` as a fold that only counts it reads it: its required fields checked,
-    ``terms`` skipped (for :func:`events.codec.partial_decoder`; the projections and the curves use it)."""
+#: a ``microbatch_done`` as a fold that only counts it reads it: its required fields checked,
+#: ``terms`` skipped (for :func:`events.codec.partial_decoder`; the projections and the curves use it)
+MicrobatchRequired = partial_type(MicrobatchDone)
 
-    KIND: ClassVar[str] = "microbatch_done"
-    epoch: int
-    batch: int
-    rows: int
-    examples: float
-    loss: float
-
-
-class _StepReceipt(Event, frozen=True, kw_only=True, tag="update_committed@2"):
-    """An ``update_committed`` as the projections read it: step and data-parallel size.
-
-    Its required fields are checked; its other optional ones (``lrs``, ``grad_norm``, ...) skipped.
-    """
-
-    KIND: ClassVar[str] = "update_committed"
-    VERSION: ClassVar[int] = 2
-    step: int
-    epoch: int
-    microbatches: int
-    local_examples: float
-    global_examples: float
-    loss: float
-    data_parallel_size: int = 1
+#: an ``update_committed`` as the projections read it: its required fields checked, the step and
+#: the data-parallel size kept, its other optional ones (``lrs``, ``grad_norm``, ...) skipped
+_StepReceipt = partial_type(UpdateCommitted, "data_parallel_size")
 
 
 #: decodes a stored chunk for :func:`project`: the frequent kinds to what the folds read

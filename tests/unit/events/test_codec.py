@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import Any
 
 import msgspec
 import pytest
@@ -23,7 +23,7 @@ from events import (
     kind_of,
     upcast,
 )
-from events.codec import TYPE_CODES, decode_many, partial_decoder, type_codes
+from events.codec import TYPE_CODES, decode_many, partial_decoder, partial_type, type_codes
 from events.schema import Event, MicrobatchDone
 
 
@@ -253,25 +253,8 @@ def test_decode_of_tagged_maps_with_random_fields(kind: str, fields: dict[str, A
 # --- partial decoding ----------------------------------------------------------------
 
 
-class _Counted(Event, frozen=True, kw_only=True, tag="microbatch_done"):
-    KIND: ClassVar[str] = "microbatch_done"
-    epoch: int
-    batch: int
-    rows: int
-    examples: float
-    loss: float
-
-
-class _Steps(Event, frozen=True, kw_only=True, tag="update_committed@2"):
-    KIND: ClassVar[str] = "update_committed"
-    VERSION: ClassVar[int] = 2
-    step: int
-    epoch: int
-    microbatches: int
-    local_examples: float
-    global_examples: float
-    loss: float
-    data_parallel_size: int = 1
+_Counted = partial_type(MicrobatchDone)
+_Steps = partial_type(UpdateCommitted, "data_parallel_size")
 
 
 _PARTIALS = {MicrobatchDone: _Counted, UpdateCommitted: _Steps}
@@ -361,3 +344,21 @@ def test_type_codes_are_one_distinct_byte_per_registered_type() -> None:
     assert type_codes([]) == b""
     assert type_codes([UpdateCommitted(step=1, epoch=0, microbatches=1, local_examples=1.0, global_examples=1.0,
                                        loss=0.0), "not an event"]) == bytes([TYPE_CODES[UpdateCommitted], 0])
+
+
+def test_partial_type_keeps_every_required_field_and_only_the_optional_ones_named() -> None:
+    part = partial_type(UpdateCommitted, "lrs")
+    full = {f.name: f for f in msgspec.structs.fields(UpdateCommitted)}
+    kept = {f.name: f for f in msgspec.structs.fields(part)}
+    assert set(kept) == {n for n, f in full.items() if f.required} | {"lrs"}
+    assert all((f.type, f.default, f.default_factory) == (full[n].type, full[n].default, full[n].default_factory)
+               for n, f in kept.items())
+    assert (part.KIND, part.VERSION) == (UpdateCommitted.KIND, UpdateCommitted.VERSION)
+    receipt = UpdateCommitted(step=3, epoch=0, microbatches=1, local_examples=2.0, global_examples=2.0, loss=0.5,
+                              lrs=[0.1], grad_norm=1.5)
+    (got,), codes = partial_decoder({UpdateCommitted: part})([encode(receipt)])
+    assert type(got) is part and (got.step, got.lrs) == (3, [0.1]) and not hasattr(got, "grad_norm")
+    with pytest.raises(TypeError, match=r"no optional field\(s\) \['step', 'rank'\]"):
+        partial_type(UpdateCommitted, "step", "rank")  # required, and not a field
+    with pytest.raises(TypeError, match="expected a current event type"):
+        partial_type(UpdateCommittedV1)
