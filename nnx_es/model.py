@@ -14,6 +14,7 @@ from torch.optim import Optimizer
 from nnx_es.checkpoint import Manifest, load_component, verify_checkpoint
 from nnx_es.errors import ConfigError, ResumeError
 from nnx_es.result import RunResult, load_result
+from nnx_es.snapshot import weight_misfits
 from nnx_es.storage import BlobStore
 from nnx_es.trainer import Trainer
 from nnx_es.update_hooks import EMA
@@ -144,15 +145,10 @@ class NNModel:
             raise ResumeError(f"the {which.upper()} checkpoint of run {result.run_id!r} (epoch {pointer.epoch}) "
                               "holds no averaged weights: the run had no EMA update hook")
         state = state if state is not None else load_component(store, manifest, "model")
-        own = self.net.state_dict()
-        misfits = sorted(set(own) ^ set(state)) + [
-            f"{k}: {tuple(state[k].shape)} in the checkpoint, {tuple(v.shape)} here"
-            for k, v in own.items() if k in state and tuple(state[k].shape) != tuple(v.shape)
-        ]
-        if misfits:  # checked before loading: torch would copy what fits, then raise
+        misfits = weight_misfits(self.net, state)
+        if misfits:
             raise ConfigError(f"the {which.upper()} checkpoint of run {result.run_id!r} (epoch {pointer.epoch}) "
-                              f"does not fit this net (another architecture?): {'; '.join(misfits[:6])}"
-                              + (f"; and {len(misfits) - 6} more" if len(misfits) > 6 else ""))
+                              f"does not fit this net (another architecture?): {misfits}")
         self.net.load_state_dict(state)
         return pointer.epoch
 

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from nnx_es.checkpoint import Manifest, load_component, torch_bytes
 from nnx_es.errors import ConfigError, ResumeError
@@ -29,7 +29,7 @@ from nnx_es.update_hooks import EMA
 if TYPE_CHECKING:
     from nnx_es.trainer import Trainer
 
-__all__ = ["apply_state", "capture", "detached_copy", "encode_parts", "load_state"]
+__all__ = ["apply_state", "capture", "detached_copy", "encode_parts", "load_state", "weight_misfits"]
 
 _msgpack = msgspec.msgpack.Encoder()
 
@@ -147,6 +147,18 @@ def _check_same_generators(trainer: Trainer, rng: dict[str, Any]) -> None:
                           "build it with the same generators (any seed: their states are restored)")
 
 
+def weight_misfits(net: nn.Module, weights: dict[str, Any]) -> str:
+    """How ``weights`` (a model state dict) does not fit ``net``: keys either lacks and shapes
+    that differ, the first six named; ``""`` when it fits. Checked before loading, because
+    ``load_state_dict`` copies what fits and then raises."""
+    own = net.state_dict()
+    misfits = sorted(set(own) ^ set(weights)) + [
+        f"{k}: {tuple(weights[k].shape)} in the checkpoint, {tuple(v.shape)} here"
+        for k, v in own.items() if k in weights and tuple(weights[k].shape) != tuple(v.shape)
+    ]
+    return "; ".join(misfits[:6]) + (f"; and {len(misfits) - 6} more" if len(misfits) > 6 else "")
+
+
 def apply_state(trainer: Trainer, state: dict[str, Any], *, weights_only: bool = False) -> None:
     """Restore ``trainer`` from :func:`load_state`'s result.
 
@@ -158,24 +170,26 @@ def apply_state(trainer: Trainer, state: dict[str, Any], *, weights_only: bool =
             optimizer, scheduler, callback state, a different model topology, or
             loaders whose own generators differ from the run's).
     """
+    # everything that can refuse is checked before anything is applied
+    misfits = weight_misfits(trainer.net, state["model"])
+    if misfits:
+        raise ResumeError(f"the checkpoint's model does not fit this net (another architecture?): {misfits}")
     if not weights_only:
-        _check_same_generators(trainer, state["rng"])  # before anything is applied
-    try:
-        trainer.net.load_state_dict(state["model"])
-    except RuntimeError as exc:
-        raise ResumeError(f"the checkpoint's model does not fit this net: {exc}") from None
+        _check_same_generators(trainer, state["rng"])
+        wanted = [("optimizer", f"optimizer/{n}") for n in trainer.optimizers]
+        wanted += [("scheduler", f"scheduler/{s.name}") for s in trainer.schedulers]
+        wanted += [("callback", f"callback/{cb.name}") for cb in trainer.callbacks if cb.state_dict() is not None]
+        for what, key in wanted:
+            if key not in state:
+                raise ResumeError(f"the checkpoint has no state for {what} {key.split('/', 1)[1]!r}; "
+                                  f"it has {sorted(state)}")
+    trainer.net.load_state_dict(state["model"])
     if weights_only:
         return
     for n, o in trainer.optimizers.items():
-        key = f"optimizer/{n}"
-        if key not in state:
-            raise ResumeError(f"the checkpoint has no state for optimizer {n!r}; it has {sorted(state)}")
-        o.load_state_dict(state[key])
+        o.load_state_dict(state[f"optimizer/{n}"])
     for s in trainer.schedulers:
-        key = f"scheduler/{s.name}"
-        if key not in state:
-            raise ResumeError(f"the checkpoint has no state for scheduler {s.name!r}; it has {sorted(state)}")
-        s.load_state_dict(state[key])
+        s.load_state_dict(state[f"scheduler/{s.name}"])
     if trainer.engine.scaler is not None and "scaler" in state:
         trainer.engine.scaler.load_state_dict(state["scaler"])
     for h in trainer.update_hooks:
@@ -187,6 +201,4 @@ def apply_state(trainer: Trainer, state: dict[str, Any], *, weights_only: bool =
         key = f"callback/{cb.name}"
         if key in state:
             cb.load_state_dict(state[key])
-        elif cb.state_dict() is not None:
-            raise ResumeError(f"the checkpoint has no state for callback {cb.name!r}")
     restore_rng(state["rng"], trainer.generators)

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from nnx_es import EMA, NNModel, Trainer
+from nnx_es import EMA, Callback, NNModel, Trainer
 from nnx_es.errors import ConfigError, ResumeError
 from trainkit import loaders, read_events, small_net
 
@@ -153,3 +153,33 @@ def test_two_emas_of_one_name_are_refused_with_how_to_name_them():
 def test_an_ema_name_that_cannot_key_a_checkpoint_component_is_refused(name):
     with pytest.raises(ConfigError, match="EMA name must be"):
         EMA(0.9, name=name)
+
+
+class _Tally(Callback):
+    """A stateful callback the run did not have: its state is missing from the checkpoint."""
+
+    def state_dict(self):
+        return {"seen": 0}
+
+    def load_state_dict(self, state):
+        pass
+
+
+@pytest.mark.parametrize("change", ["another architecture", "a stateful callback the run lacked"])
+def test_a_refused_apply_leaves_the_trainers_net_as_it_was(ema_run, tmp_path, change):
+    """Every refusal is decided before any state is applied: load_state_dict alone would copy
+    the weights that fit and then raise, or a later missing component would refuse a half-restored net."""
+    runs = tmp_path / "runs"
+    shutil.copytree(ema_run, runs)
+    torch.manual_seed(1)
+    net = small_net(0) if change != "another architecture" else torch.nn.Sequential(
+        torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))  # the first layer fits
+    callbacks = [_Tally()] if change != "another architecture" else []
+    trainer = Trainer(net, torch.optim.SGD(net.parameters(), lr=0.1), torch.nn.CrossEntropyLoss(), hooks=[EMA(0.9)],
+                      callbacks=callbacks, monitor="val_loss", metrics=("accuracy",), runs_root=runs, seed=0,
+                      progress=False)  # the run's recipe, as NNModel.train declared it
+    before = {k: v.clone() for k, v in net.state_dict().items()}
+    expected = "does not fit this net.*2.weight" if change == "another architecture" else "no state for callback"
+    with pytest.raises(ResumeError, match=expected):
+        trainer.fit(*loaders(batch_size=8), epochs=3, resume_from=runs / "r")
+    assert all(torch.equal(v, before[k]) for k, v in net.state_dict().items())
