@@ -11,12 +11,15 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from events.codec import decode_many
 from events.schema import Event
 
-__all__ = ["RawChunk", "StoredPairs"]
+if TYPE_CHECKING:
+    import lmdb
+
+__all__ = ["RawChunk", "StoredPairs", "cursor_chunks", "keys_back", "runs"]
 
 #: ``(first_seq, values)``: ``values[i]`` is the stored msgpack value of seq ``first_seq + i``.
 RawChunk = tuple[int, list[Any]]
@@ -67,3 +70,69 @@ class StoredPairs(Iterator[tuple[int, Event]]):
         if self._pairs is not None or self._wanted is not None:
             return None
         return self._chunks
+
+
+def keys_back(cur: lmdb.Cursor, n: int, resting: bool) -> list[int]:
+    """The seqs of the ``n`` entries up to the cursor's, in stored order, read by walking back and forth.
+
+    ``resting``: the cursor rests on the last of them; else it ran past the end and the
+    last of them is the log's last entry. The cursor is left on that entry. Positional:
+    correct whatever the keys are (``set_range`` would search a tree whose order broke).
+    """
+    if not resting:
+        cur.last()
+    keys = [cur.key()]
+    for _ in range(n - 1):
+        cur.prev()
+        keys.append(cur.key())
+    for _ in range(n - 1):
+        cur.next()
+    return [int.from_bytes(key, "big") for key in reversed(keys)]
+
+
+def runs(pairs: Iterable[tuple[int, bytes]], size: int) -> Iterator[RawChunk]:
+    """``(seq, value)`` pairs in seq order as chunks: runs of consecutive seqs, at most ``size`` values each."""
+    first, values = 0, list[bytes]()
+    for seq, value in pairs:
+        if values and (seq != first + len(values) or len(values) == size):
+            yield first, values
+            values = []
+        if not values:
+            first = seq
+        values.append(value)
+    if values:
+        yield first, values
+
+
+def cursor_chunks(cur: lmdb.Cursor, start: int, stop: int | None, size: int) -> Iterator[RawChunk]:
+    """The values of an event database's cursor with ``start <= seq < stop`` as chunks of at most
+    ``size`` (see ``LmdbLog.read_chunks``: keys are read only where a chunk's do not run on)."""
+    if not cur.last():
+        return
+    final = int.from_bytes(cur.key(), "big")  # of this read's snapshot
+    end = 1 << 64 if stop is None else stop  # not final + 1: a changed key past it must not end the read
+    if not cur.set_range(max(start, 0).to_bytes(8, "big")):
+        return
+    before = int.from_bytes(cur.key(), "big") - 1  # the key before the next chunk
+    values_of = cur.iternext(keys=False, values=True)
+    suspect = False  # a chunk's keys did not run on: read on to a key at or past ``end``, as read_raw does
+    while suspect or before + 1 < end:
+        values = list(itertools.islice(values_of, size))
+        if not values:
+            return
+        # the cursor rests on the last value taken, unless the values ran out
+        last = int.from_bytes(cur.key(), "big") if len(values) == size else final
+        if last - before != len(values):  # a gap, or keys out of order: split at the keys
+            suspect = True
+            pairs = list(zip(keys_back(cur, len(values), len(values) == size), values))
+            below = list(itertools.takewhile(lambda pair: pair[0] < end, pairs))
+            yield from runs(below, size)
+            if len(below) < len(pairs):  # a key at or past ``end``: read_raw stops there too
+                return
+        elif last >= end:
+            if end - before > 1:
+                yield before + 1, values[: end - before - 1]
+            return
+        else:
+            yield before + 1, values
+        before = last

@@ -17,11 +17,17 @@ The LMDB log stores key = 8-byte big-endian seq, value = msgpack
 (:mod:`events.codec`); the map doubles on ``MapFullError`` and the buffered
 batch is retried, so a full map never loses an event. Each flush also stores the
 batch's CRC-32 in the same transaction (:mod:`events.sums`).
+
+Beside the events, a log keeps *blobs*: immutable byte values under a caller's
+key (nnx_es stores small checkpoint manifests there, keyed by their SHA-256).
+``stage_blob`` buffers one; the next flush writes it in the same transaction as
+the buffered events, so a blob staged before a commit marker is durable with
+it, in one sync. A key is written once (a second stage of it changes nothing);
+blobs carry no checksum record: the caller's key (a hash) verifies them.
 """
 
 from __future__ import annotations
 
-import itertools
 import os
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
@@ -30,7 +36,7 @@ from typing import Protocol
 
 import lmdb
 
-from events.chunks import RawChunk, StoredPairs
+from events.chunks import RawChunk, StoredPairs, cursor_chunks, runs
 from events.codec import decode, encode
 from events.errors import EventLogError, LogClosedError, TruncatedLogError
 from events.keys import check_keys
@@ -41,6 +47,7 @@ __all__ = ["EventLog", "LmdbLog", "MemoryLog", "seq_key"]
 
 _EVENTS_DB = b"events"
 _SNAPSHOTS_DB = b"snapshots"
+_BLOBS_DB = b"blobs"
 _DEFAULT_MAP_SIZE = 32 << 20  # bytes; doubled on demand
 
 
@@ -67,6 +74,10 @@ class EventLog(Protocol):
 
     def commit(self, event: Event) -> int: ...
 
+    def stage_blob(self, key: bytes, value: bytes) -> None: ...
+
+    def get_blob(self, key: bytes) -> bytes | None: ...
+
     def read_raw(self, start: int = 0, stop: int | None = None) -> Iterator[tuple[int, bytes]]: ...
 
     def read_chunks(self, start: int = 0, stop: int | None = None) -> Iterator[RawChunk]: ...
@@ -89,6 +100,7 @@ class _LogBase:
 
     def __init__(self, next_seq: int) -> None:
         self._buffer: list[tuple[int, bytes]] = []
+        self._staged: dict[bytes, bytes] = {}  # blobs written with the next flush
         self._flushed = next_seq
         self._next = next_seq
         self._syncs = 0
@@ -120,6 +132,15 @@ class _LogBase:
         self._next = seq + 1
         return seq
 
+    def stage_blob(self, key: bytes, value: bytes) -> None:
+        """Buffer blob ``value`` under ``key``: the next flush writes it with the buffered events
+        (durable with the next sync). A key already stored or staged keeps its first value."""
+        if self._closed:
+            raise LogClosedError("stage_blob on a closed event log")
+        if self.readonly:
+            raise EventLogError("stage_blob on an event log opened read-only")
+        self._staged.setdefault(bytes(key), value)
+
     def commit(self, event: Event) -> int:
         """Append ``event`` and make it and everything before it durable (synced)."""
         seq = self.append(event)
@@ -130,6 +151,7 @@ class _LogBase:
         """Drop unflushed events (what a crash does); return how many were dropped."""
         n = len(self._buffer)
         self._buffer.clear()
+        self._staged.clear()
         self._next = self._flushed
         return n
 
@@ -155,7 +177,7 @@ class _LogBase:
 
     def read_chunks(self, start: int = 0, stop: int | None = None) -> Iterator[RawChunk]:
         """Yield :meth:`read_raw` as ``(first_seq, values)`` chunks of at most ``read_chunk`` consecutive seqs."""
-        return _runs(self.read_raw(start, stop), self.read_chunk)
+        return runs(self.read_raw(start, stop), self.read_chunk)
 
     def __enter__(self) -> _LogBase:
         return self
@@ -173,12 +195,16 @@ class MemoryLog(_LogBase):
     def __init__(self) -> None:
         super().__init__(0)
         self._stored: list[bytes] = []
+        self._blobs: dict[bytes, bytes] = {}
 
     def flush(self, *, sync: bool = False) -> None:
         if self._closed:
             raise LogClosedError("flush on a closed event log")
         self._stored.extend(raw for _, raw in self._buffer)
         self._buffer.clear()
+        for key, value in self._staged.items():
+            self._blobs.setdefault(key, value)
+        self._staged.clear()
         self._flushed = self._next
         if sync:
             self._syncs += 1
@@ -189,6 +215,10 @@ class MemoryLog(_LogBase):
         end = len(self._stored) if stop is None else min(stop, len(self._stored))
         for seq in range(max(start, 0), end):
             yield seq, self._stored[seq]
+
+    def get_blob(self, key: bytes) -> bytes | None:
+        """The stored (flushed) blob under ``key``, or None."""
+        return self._blobs.get(bytes(key))
 
     def verify_sums(self, stop: int | None = None) -> Iterator[SumProblem]:
         """Nothing: a memory log keeps no checksums (nothing on a disk can rot under it)."""
@@ -241,7 +271,7 @@ class LmdbLog(_LogBase):
                 map_size=map_size,
                 subdir=True,
                 readonly=readonly,
-                max_dbs=4,
+                max_dbs=8,
                 sync=False,  # commit() syncs explicitly; plain flushes never fsync
                 metasync=True,
                 lock=True,
@@ -249,13 +279,15 @@ class LmdbLog(_LogBase):
             )
             self._check_size()
             self._sums: lmdb._Database | None = None
-            if readonly:  # creates nothing: a log older than checksums has no sums database
+            self._blobs: lmdb._Database | None = None
+            if readonly:  # creates nothing: an older log has no sums (or blobs) database
                 self._events = self._env.open_db(_EVENTS_DB, create=False)
                 self._open_sums()
             else:
                 self._events = self._env.open_db(_EVENTS_DB)
                 self._env.open_db(_SNAPSHOTS_DB)
                 self._sums = self._env.open_db(SUMS_DB)
+                self._blobs = self._env.open_db(_BLOBS_DB)
         except (lmdb.Error, OSError) as exc:
             if hasattr(self, "_env"):
                 self._env.close()
@@ -267,12 +299,17 @@ class LmdbLog(_LogBase):
     def _open_sums(self) -> None:
         """Open the sums database of a read-only log when it exists (a writer may create it later)."""
         if self._sums is None:
-            try:
-                with self._reading():
-                    self._sums = self._env.open_db(SUMS_DB, create=False)
-            except EventLogError as exc:
-                if not isinstance(exc.__cause__, lmdb.NotFoundError):
-                    raise
+            self._sums = self._existing_db(SUMS_DB)
+
+    def _existing_db(self, name: bytes) -> lmdb._Database | None:
+        """A named database of a read-only log, or None while no writer has created it."""
+        try:
+            with self._reading():
+                return self._env.open_db(name, create=False)
+        except EventLogError as exc:
+            if not isinstance(exc.__cause__, lmdb.NotFoundError):
+                raise
+        return None
 
     def _check_size(self) -> None:
         """Refuse a data file shorter than the pages its environment says are in use.
@@ -330,12 +367,14 @@ class LmdbLog(_LogBase):
             raise LogClosedError("flush on a closed event log")
         if self.readonly:
             raise EventLogError(f"event log at {self.path} is open read-only")
-        if self._buffer:
-            first, last = self._buffer[0][0], self._buffer[-1][0]
-            total = pack_sum(last, batch_crc([raw for _, raw in self._buffer]))
+        if self._buffer or self._staged:
+            first = self._buffer[0][0] if self._buffer else 0
+            total = pack_sum(self._buffer[-1][0], batch_crc([raw for _, raw in self._buffer])) if self._buffer else b""
             while True:
                 try:
                     with self._env.begin(write=True, db=self._events) as txn:
+                        for key, value in self._staged.items():
+                            txn.put(key, value, db=self._blobs, overwrite=False)
                         for seq, raw in self._buffer:
                             if not txn.put(seq_key(seq), raw, append=True):
                                 # MDB_APPEND refuses a key at or below the last one: another
@@ -344,7 +383,8 @@ class LmdbLog(_LogBase):
                                     f"write to {self.path} refused: seq {seq} is already stored "
                                     "(another writer appended to this log)"
                                 )
-                        txn.put(seq_key(first), total, db=self._sums)  # the batch's checksum, atomic with it
+                        if self._buffer:
+                            txn.put(seq_key(first), total, db=self._sums)  # the batch's checksum, atomic with it
                     break
                 except lmdb.MapFullError:
                     self._env.set_mapsize(self._env.info()["map_size"] * 2)
@@ -352,6 +392,7 @@ class LmdbLog(_LogBase):
                     raise EventLogError(f"write to {self.path} failed: {exc}") from exc
             batch = list(self._buffer)
             self._buffer.clear()
+            self._staged.clear()
             self._flushed = self._next
         else:
             batch = []
@@ -416,40 +457,7 @@ class LmdbLog(_LogBase):
         if self._closed:
             raise LogClosedError("read on a closed event log")
         with self._reading(), self._txn() as txn:
-            yield from self._chunks(txn, start, stop)
-
-    def _chunks(self, txn: lmdb.Transaction, start: int, stop: int | None) -> Iterator[RawChunk]:
-        size = self.read_chunk
-        cur = txn.cursor(self._events)
-        if not cur.last():
-            return
-        final = int.from_bytes(cur.key(), "big")  # of this read's snapshot
-        end = 1 << 64 if stop is None else stop  # not final + 1: a changed key past it must not end the read
-        if not cur.set_range(seq_key(max(start, 0))):
-            return
-        before = int.from_bytes(cur.key(), "big") - 1  # the key before the next chunk
-        values_of = cur.iternext(keys=False, values=True)
-        suspect = False  # a chunk's keys did not run on: read on to a key at or past ``end``, as read_raw does
-        while suspect or before + 1 < end:
-            values = list(itertools.islice(values_of, size))
-            if not values:
-                return
-            # the cursor rests on the last value taken, unless the values ran out
-            last = int.from_bytes(cur.key(), "big") if len(values) == size else final
-            if last - before != len(values):  # a gap, or keys out of order: split at the keys
-                suspect = True
-                pairs = list(zip(_keys_back(cur, len(values), len(values) == size), values))
-                below = list(itertools.takewhile(lambda pair: pair[0] < end, pairs))
-                yield from _runs(below, size)
-                if len(below) < len(pairs):  # a key at or past ``end``: read_raw stops there too
-                    return
-            elif last >= end:
-                if end - before > 1:
-                    yield before + 1, values[: end - before - 1]
-                return
-            else:
-                yield before + 1, values
-            before = last
+            yield from cursor_chunks(txn.cursor(self._events), start, stop, self.read_chunk)
 
     def check_keys(self) -> int:
         """Check that the stored keys are 0, 1, 2, ... in stored order; return how many there are.
@@ -516,7 +524,8 @@ class LmdbLog(_LogBase):
             raise LogClosedError("read on a closed event log")
         self._open_sums()  # before the transaction: a database opened during one is not valid in it
         with self._reading(), self._txn() as txn:
-            yield from verify(self._sum_records(txn, 0, stop), self._chunks(txn, 0, stop), stop)
+            chunks = cursor_chunks(txn.cursor(self._events), 0, stop, self.read_chunk)
+            yield from verify(self._sum_records(txn, 0, stop), chunks, stop)
 
     def put_raw(self, seq: int, raw: bytes) -> None:
         """Store ``raw`` under ``seq`` directly (tests use it to forge broken logs).
@@ -536,6 +545,27 @@ class LmdbLog(_LogBase):
             values = [v for _, v in self._stored(txn, first, last + 1)]
             txn.put(seq_key(first), pack_sum(last, batch_crc(values)), db=self._sums)
 
+    def get_blob(self, key: bytes) -> bytes | None:
+        """The stored (flushed) blob under ``key``, or None (also for a log older than blobs).
+
+        Raises:
+            EventLogError: LMDB found the page holding it corrupted.
+        """
+        if self._closed:
+            raise LogClosedError("read on a closed event log")
+        if self._blobs is None:
+            self._blobs = self._existing_db(_BLOBS_DB)  # a writer may have created it since
+            if self._blobs is None:
+                return None
+        with self._reading(), self._txn() as txn:
+            value = txn.get(bytes(key), db=self._blobs)
+        return None if value is None else bytes(value)
+
+    def put_blob_raw(self, key: bytes, value: bytes | None) -> None:
+        """Overwrite, add or (``None``) delete a stored blob (tests use it to forge damaged ones)."""
+        with self._env.begin(write=True, db=self._blobs) as txn:
+            txn.put(bytes(key), value) if value is not None else txn.delete(bytes(key))
+
     def delete_raw(self, seq: int) -> None:
         """Delete the value under ``seq`` (tests use it to forge a sequence gap)."""
         with self._env.begin(write=True, db=self._events) as txn:
@@ -550,34 +580,3 @@ class LmdbLog(_LogBase):
             self._env.close()
         super().close()
 
-
-def _keys_back(cur: lmdb.Cursor, n: int, resting: bool) -> list[int]:
-    """The seqs of the ``n`` entries up to the cursor's, in stored order, read by walking back and forth.
-
-    ``resting``: the cursor rests on the last of them; else it ran past the end and the
-    last of them is the log's last entry. The cursor is left on that entry. Positional:
-    correct whatever the keys are (``set_range`` would search a tree whose order broke).
-    """
-    if not resting:
-        cur.last()
-    keys = [cur.key()]
-    for _ in range(n - 1):
-        cur.prev()
-        keys.append(cur.key())
-    for _ in range(n - 1):
-        cur.next()
-    return [int.from_bytes(key, "big") for key in reversed(keys)]
-
-
-def _runs(pairs: Iterable[tuple[int, bytes]], size: int) -> Iterator[RawChunk]:
-    """``(seq, value)`` pairs in seq order as chunks: runs of consecutive seqs, at most ``size`` values each."""
-    first, values = 0, list[bytes]()
-    for seq, value in pairs:
-        if values and (seq != first + len(values) or len(values) == size):
-            yield first, values
-            values = []
-        if not values:
-            first = seq
-        values.append(value)
-    if values:
-        yield first, values

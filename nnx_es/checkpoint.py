@@ -18,8 +18,10 @@ A ``"msgpack"`` or ``"tensors"`` component of at most :data:`INLINE_MAX` bytes
 (RNG streams, monitor, schedulers, topology, small callback states, a small
 model and its optimizer) is kept inside the manifest (``Component.data``)
 instead of a blob file of its own: the manifest's hash covers it, its ``blob``
-is still the SHA-256 of its bytes (verified on load), and a commit of a small
-model writes and fsyncs one file, the manifest, instead of eight.
+is still the SHA-256 of its bytes (verified on load). A training run keeps
+its manifests in the event log (``BlobStore.stage``), written in LAST's own
+synced transaction: a commit of a small model fsyncs the log once and writes
+no file; components above the limit are blob files, durable before LAST.
 Manifests of formats 1 (every component a blob) and 2 (``"torch"`` state
 dicts, inline msgpack up to 64 KiB) load unchanged.
 """
@@ -40,6 +42,7 @@ from nnx_es.storage import BlobStore
 __all__ = [
     "Component",
     "component_bytes",
+    "encode_checkpoint",
     "Manifest",
     "load_component",
     "read_manifest",
@@ -101,9 +104,34 @@ def write_checkpoint(
     parts: dict[str, tuple[str, bytes]],
     world_size: int = 1,
 ) -> tuple[str, Manifest]:
-    """Store every part, then the manifest naming them; return (manifest hash, manifest).
+    """Store every part, then the manifest naming them, as files; return (manifest hash, manifest).
 
-    parts: component name -> (codec, payload bytes). Blobs are durable when this returns.
+    parts: component name -> (codec, payload bytes). Everything is durable when this returns.
+
+    Raises:
+        CheckpointWriteError: a blob could not be written durably.
+    """
+    digest, manifest, data = encode_checkpoint(
+        store, run_id=run_id, epoch=epoch, step=step, counters=counters, parts=parts, world_size=world_size
+    )
+    store.put(data)
+    return digest, manifest
+
+
+def encode_checkpoint(
+    store: BlobStore,
+    *,
+    run_id: str,
+    epoch: int,
+    step: int,
+    counters: Counters,
+    parts: dict[str, tuple[str, bytes]],
+    world_size: int = 1,
+) -> tuple[str, Manifest, bytes]:
+    """Store the parts too big to be inline as blob files (durable when this returns) and encode
+    the manifest naming every part; return (manifest hash, manifest, manifest bytes).
+
+    The manifest itself is not stored: the caller stores it (``store.stage`` before LAST).
 
     Raises:
         CheckpointWriteError: a blob could not be written durably.
@@ -119,9 +147,10 @@ def write_checkpoint(
     manifest = Manifest(
         run_id=run_id, epoch=epoch, step=step, counters=counters, components=components, world_size=world_size
     )
-    # one batch: the blobs and the manifest naming them are all durable before LAST can name the manifest
-    *_, digest = store.put_all([*blobs, msgspec.msgpack.encode(manifest)])
-    return digest, manifest
+    if blobs:  # one batch: one directory fsync for all of them
+        store.put_all(blobs)
+    data = msgspec.msgpack.encode(manifest)
+    return hashlib.sha256(data).hexdigest(), manifest, data
 
 
 def read_manifest(store: BlobStore, digest: str) -> Manifest:

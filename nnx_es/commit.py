@@ -4,9 +4,15 @@ Order (spec 000, durable commit order; DESIGN.md "Performance budget")::
 
     history_appended                        (the epoch's record; the commit covers up to here)
     capture the state in memory             (training thread: copies of the state dicts, RNG, ...)
-    serialize, write every blob + manifest, fsync   (inline, or on a background thread when lag > 0)
+    serialize; write and fsync the blob files of large components   (inline, or on a background
+                                            thread when lag > 0)
+    stage the manifest and small callback states in the log (``BlobStore.stage``)
     checkpoint_stored -> last_committed -> best_committed? -> phase_committed? -> callback_checkpointed*
-    one synced log write                    (LAST is the only thing readers trust)
+    one synced log write                    (LAST is the only thing readers trust; the manifest
+                                            it names is in the same transaction)
+
+A small model's commit is one fsync (the log's); each commit with blob files adds
+their fsyncs and one directory fsync.
 
 A new run's opening checkpoint (epoch -1) follows the same rule: with a lag its
 LAST lands during the first epoch and ``covers`` the opening events only.
@@ -34,7 +40,7 @@ from events.schema import (
     MonitorDecided,
     PhaseCommitted,
 )
-from nnx_es.checkpoint import Manifest, write_checkpoint
+from nnx_es.checkpoint import INLINE_MAX, Manifest, encode_checkpoint
 from nnx_es.errors import ConfigError
 from nnx_es.snapshot import capture, encode_parts
 
@@ -102,13 +108,15 @@ class Committer:
             phase = f"epoch-{epoch:04d}"
         store, run_id, world = t.store, t.run_id or "", t.world_size
 
-        def persist() -> tuple[str, Manifest, list[tuple[str, str]]]:
-            digest, manifest = write_checkpoint(
+        def persist() -> tuple[str, Manifest, bytes, list[tuple[str, str, bytes | None]]]:
+            digest, manifest, data = encode_checkpoint(
                 store, run_id=run_id, epoch=epoch, step=counters.step, counters=counters,
                 parts=encode_parts(parts), world_size=world,
             )
-            blobs = store.put_all([data for _, data in callbacks])
-            return digest, manifest, [(name, blob) for (name, _), blob in zip(callbacks, blobs)]
+            # callback states: small ones go to the log with LAST (complete()), large ones are files now
+            states = [(name, store.put(state), None) if len(state) > INLINE_MAX else (name, "", state)
+                      for name, state in callbacks]
+            return digest, manifest, data, states
 
         future: Future[Any] = Future()
         inline = self.lag == 0 or final or (not group and not opening)
@@ -144,7 +152,10 @@ class Committer:
         if p is None:
             return None
         self.pending = None
-        digest, manifest, callback_blobs = p.future.result()
+        digest, manifest, data, states = p.future.result()
+        store = self.trainer.store
+        store.stage(data)  # written in the synced transaction below, with LAST
+        callback_blobs = [(name, blob if state is None else store.stage(state)) for name, blob, state in states]
         rec = self.trainer.recorder
         rec.emit(CheckpointStored(
             manifest=digest, epoch=p.epoch, step=p.counters.step,

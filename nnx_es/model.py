@@ -138,13 +138,13 @@ class NNModel:
         pointer = result.best if which == "best" else result.last
         if pointer is None:
             raise ResumeError(f"run {result.run_id!r} has no committed {which.upper()} checkpoint")
-        store = BlobStore(Path(run_dir) / "blobs")
-        manifest = verify_checkpoint(store, pointer.manifest)
-        state = _averaged_state(store, manifest) if weights != "raw" else None
-        if state is None and weights == "averaged":
-            raise ResumeError(f"the {which.upper()} checkpoint of run {result.run_id!r} (epoch {pointer.epoch}) "
-                              "holds no averaged weights: the run had no EMA update hook")
-        state = state if state is not None else load_component(store, manifest, "model")
+        with BlobStore(Path(run_dir) / "blobs") as store:  # manifests: read from the run's log, opened read-only
+            manifest = verify_checkpoint(store, pointer.manifest)
+            state = _averaged_state(store, manifest) if weights != "raw" else None
+            if state is None and weights == "averaged":
+                raise ResumeError(f"the {which.upper()} checkpoint of run {result.run_id!r} (epoch {pointer.epoch}) "
+                                  "holds no averaged weights: the run had no EMA update hook")
+            state = state if state is not None else load_component(store, manifest, "model")
         misfits = weight_misfits(self.net, state)
         if misfits:
             raise ConfigError(f"the {which.upper()} checkpoint of run {result.run_id!r} (epoch {pointer.epoch}) "

@@ -121,7 +121,7 @@ def find_resume_point(run_dir: Path, log: EventLog, *, expect_run_id: str | None
     if last is None:
         raise ResumeError(f"run at {run_dir} has no committed LAST checkpoint to resume from")
     seq, event = last
-    store = BlobStore(Path(run_dir) / "blobs")
+    store = BlobStore(Path(run_dir) / "blobs", log=log)
     try:
         manifest = verify_checkpoint(store, event.manifest, run_id=run_id)
     except CorruptCheckpointError as exc:

@@ -104,8 +104,8 @@ def open_session(
         removed = clean_stale_temporaries(run_dir)
         if removed:
             log.warning("removed stale temporaries", run_id=run_id, files=[str(p) for p in removed])
-        trainer.store = BlobStore(run_dir / "blobs")
         with LmdbLog(run_dir / "events.lmdb") as event_log:
+            trainer.store = BlobStore(run_dir / "blobs", log=event_log)  # manifests go to the log with LAST
             seed_everything(trainer.seed)
             if stateful:
                 point = find_resume_point(run_dir, event_log, expect_run_id=run_id)
@@ -202,7 +202,7 @@ def _load_weights_from(trainer: Trainer, source: Path) -> SourceRef:
         raise ResumeError(f"cannot start from {source}: it has no event log; nothing was restored or written")
     with LmdbLog(source / "events.lmdb", readonly=True) as src_log:
         point = find_resume_point(source, src_log)
-    apply_state(trainer, load_state(BlobStore(source / "blobs"), point.manifest), weights_only=True)
+        apply_state(trainer, load_state(BlobStore(source / "blobs", log=src_log), point.manifest), weights_only=True)
     return SourceRef(run_id=point.run_id, last_seq=point.last_seq, manifest=point.manifest_hash)
 
 

@@ -20,7 +20,9 @@ import re
 import secrets
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
+from events.log import EventLog, LmdbLog
 from nnx_es.errors import CheckpointWriteError, CorruptCheckpointError, InvalidRunIdError, LeaseHeldError
 
 __all__ = [
@@ -147,15 +149,64 @@ def clean_stale_temporaries(root: Path) -> list[Path]:
 
 
 class BlobStore:
-    """Immutable blobs named by their SHA-256 under ``<run>/blobs/sha256/<hex digest>``.
+    """Immutable blobs named by their SHA-256: files under ``<run>/blobs/sha256/<hex digest>``,
+    or values in the run's event log (its ``blobs`` database, key = the hex digest).
 
     Identical bytes are stored once, so BEST naming LAST's state costs nothing.
     One directory (no ``ab/`` shards): a checkpoint's blobs share one directory
     fsync. Blobs of the earlier sharded layout (``sha256/ab/abcd...``) are still read.
+
+    :meth:`put_all` writes files, durable when it returns. :meth:`stage` (small blobs:
+    a checkpoint's manifest, callback states) hands the bytes to the writer's log, which
+    stores them in the transaction of its next flush: a manifest staged before LAST is
+    durable with LAST, in one sync (no file, no directory fsync). Reads look in the
+    files, then in the log.
+
+    Args:
+        root: the run's ``blobs`` directory.
+        log: the run's event log. A reader may leave it out: the log beside ``root``
+            (``<run>/events.lmdb``) is then opened read-only for each blob that is not a
+            file, and closed again. A process that has the log open must pass it (LMDB
+            refuses a second handle of one environment in a process).
     """
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, log: EventLog | None = None) -> None:
         self.root = Path(root)
+        self.log = log
+
+    def close(self) -> None:
+        """Nothing to release: a log passed in belongs to the caller, one opened here is closed after each read."""
+
+    def __enter__(self) -> BlobStore:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def _in_log(self, digest: str) -> bytes | None:
+        if self.log is not None:
+            return self.log.get_blob(digest.encode())
+        events = self.root.parent / "events.lmdb"
+        if not (events / "data.mdb").exists():
+            return None
+        with LmdbLog(events, readonly=True) as log:
+            return log.get_blob(digest.encode())
+
+    def stage(self, data: bytes) -> str:
+        """Give ``data`` to the writer's log (durable with its next sync); return its SHA-256 hex.
+
+        Without a writable log the blob is written as a file (durable when this returns).
+
+        Raises:
+            CheckpointWriteError: writing the file failed.
+        """
+        log = self.log
+        if log is None or log.readonly:
+            return self.put(data)
+        digest = hashlib.sha256(data).hexdigest()
+        if self._existing(digest) is None:
+            log.stage_blob(digest.encode(), data)
+        return digest
 
     def path(self, digest: str) -> Path:
         if not _DIGEST.fullmatch(digest):
@@ -189,7 +240,8 @@ class BlobStore:
         return digests
 
     def exists(self, digest: str) -> bool:
-        return self._existing(digest) is not None
+        """Whether the blob is stored (a file, or a value of the log)."""
+        return self._existing(digest) is not None or self._in_log(digest) is not None
 
     def get(self, digest: str) -> bytes:
         """Read and verify a blob.
@@ -197,15 +249,20 @@ class BlobStore:
         Raises:
             CorruptCheckpointError: missing, or its bytes do not hash to ``digest``.
         """
-        p = self._existing(digest) or self.path(digest)
-        try:
-            data = p.read_bytes()
-        except FileNotFoundError:
-            raise CorruptCheckpointError(f"blob {digest} is missing (expected at {p})") from None
+        p = self._existing(digest)
+        if p is not None:
+            data, where = p.read_bytes(), f"at {p}"
+        else:
+            stored = self._in_log(digest)
+            if stored is None:
+                raise CorruptCheckpointError(
+                    f"blob {digest} is missing (expected at {self.path(digest)} or in the event log's blobs)"
+                )
+            data, where = stored, f"in the event log at {self.root.parent / 'events.lmdb'}"
         found = hashlib.sha256(data).hexdigest()
         if found != digest:
             what = "empty (a truncated write?)" if not data else f"corrupt: its {len(data)} bytes hash to {found}"
-            raise CorruptCheckpointError(f"blob {digest} at {p} is {what}")
+            raise CorruptCheckpointError(f"blob {digest} {where} is {what}")
         return data
 
 

@@ -146,3 +146,23 @@ class EpochCounter(Callback):
 
     def load_state_dict(self, state):
         self.epochs = state["epochs"]
+
+
+def read_blob(run_dir: str | Path, digest: str) -> bytes | None:
+    """A blob's stored bytes, unverified, wherever it is (a file, or the log's blobs); None when absent."""
+    path = Path(run_dir) / "blobs" / "sha256" / digest
+    if path.exists():
+        return path.read_bytes()
+    with LmdbLog(Path(run_dir) / "events.lmdb", readonly=True) as log:
+        return log.get_blob(digest.encode())
+
+
+def write_blob(run_dir: str | Path, digest: str, data: bytes | None) -> None:
+    """Damage a stored blob where it is: replace its bytes with ``data``, or delete it (``None``)."""
+    path = Path(run_dir) / "blobs" / "sha256" / digest
+    if path.exists():
+        path.unlink() if data is None else path.write_bytes(data)
+        return
+    with LmdbLog(Path(run_dir) / "events.lmdb") as log:
+        assert log.get_blob(digest.encode()) is not None, f"blob {digest} is stored nowhere"
+        log.put_blob_raw(digest.encode(), data)

@@ -112,7 +112,7 @@ def _audit(run_dir: Path, log: LmdbLog) -> AuditReport:
     sink = Sink()
     stop = log.next_seq  # a live writer may append meanwhile: audit what was there when opened
     source = _Source(log, stop, sink)
-    check = CommittedCheck(sink, BlobStore(run_dir / "blobs"), run_id="")
+    check = CommittedCheck(sink, BlobStore(run_dir / "blobs", log=log), run_id="")
     folded = CommittedFold(source)
     for seq, event, p in folded:
         if not check.run_id:  # manifests are verified against the run they belong to

@@ -237,6 +237,26 @@ class EventLogContract:
         log.flush()
         assert [s for s, _ in log.read_raw()] == [0, 1]
 
+    def test_a_staged_blob_is_stored_by_the_next_flush_with_the_buffered_events(self, log: Any) -> None:
+        log.append(_mb(0))
+        log.stage_blob(b"k1", b"manifest bytes")
+        assert log.get_blob(b"k1") is None  # staged, not stored
+        log.commit(_mb(1))  # the commit's one synced write holds the blob too
+        assert log.get_blob(b"k1") == b"manifest bytes" and log.syncs == 1
+        assert [s for s, _ in log.read_raw()] == [0, 1]  # a blob is no event: the seqs are untouched
+        log.stage_blob(b"k1", b"other bytes")  # a key is written once: the first value stays
+        log.stage_blob(b"k2", b"alone")
+        log.flush()  # no event buffered: the blob is written all the same
+        assert (log.get_blob(b"k1"), log.get_blob(b"k2")) == (b"manifest bytes", b"alone")
+        assert log.next_seq == 2 and log.get_blob(b"k3") is None
+
+    def test_discard_buffer_drops_staged_blobs(self, log: Any) -> None:
+        log.append(_mb(0))
+        log.stage_blob(b"k", b"never durable")
+        log.discard_buffer()
+        log.flush()
+        assert log.get_blob(b"k") is None
+
     def test_undecodable_value_raises_corrupt_event_naming_its_seq(self, log: Any) -> None:
         events = _mixed(5)
         for e in events:
@@ -347,6 +367,41 @@ class TestLmdbLog(EventLogContract):
         with LmdbLog(path) as lg:
             assert lg.next_seq == 8
             assert list(lg.read(start=7)) == [(7, _mb(7))]
+
+    def test_blobs_survive_reopen_and_are_read_read_only(self, tmp_path: Path) -> None:
+        path = tmp_path / "events.lmdb"
+        big = os.urandom(300_000)  # overflow pages
+        with LmdbLog(path) as lg:
+            lg.commit(_mb(0))
+            lg.stage_blob(b"k", big)
+            lg.commit(_mb(1))
+        with LmdbLog(path, readonly=True) as ro:
+            assert ro.get_blob(b"k") == big and ro.get_blob(b"missing") is None
+            with pytest.raises(EventLogError, match="read-only"):
+                ro.stage_blob(b"x", b"y")
+
+    def test_a_log_older_than_blobs_reads_none(self, tmp_path: Path) -> None:
+        import lmdb
+
+        path = tmp_path / "events.lmdb"
+        with LmdbLog(path) as lg:
+            lg.commit(_mb(0))
+        env = lmdb.open(str(path), max_dbs=8)
+        with env.begin(write=True) as txn:
+            txn.drop(env.open_db(b"blobs", txn=txn), delete=True)  # as a writer before blobs left it
+        env.close()
+        with LmdbLog(path, readonly=True) as ro:
+            assert ro.get_blob(b"k") is None and [s for s, _ in ro.read_raw()] == [0]
+
+    def test_a_blob_of_a_failed_write_is_not_stored(self, tmp_path: Path) -> None:
+        with LmdbLog(tmp_path / "events.lmdb") as lg:
+            lg.commit(_mb(0))
+            lg.append(_mb(1))
+            lg.stage_blob(b"k", b"manifest")
+            lg._buffer[0] = (0, lg._buffer[0][1])  # a seq already stored: the write transaction aborts
+            with pytest.raises(EventLogError, match="already stored"):
+                lg.flush(sync=True)
+            assert lg.get_blob(b"k") is None  # aborted with the events it was staged with
 
     def test_tiny_map_grows_on_demand_without_losing_events(self, tmp_path: Path) -> None:
         initial = 64 << 10

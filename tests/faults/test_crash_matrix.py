@@ -41,10 +41,11 @@ from crashkit import (
     run_killed,
     uninstall_storage_hook,
 )
+from events.log import LmdbLog
 from events.schema import Event, LastCommitted
 from nnx_es import Callback, Trainer
 from nnx_es.audit import audit_run
-from nnx_es.checkpoint import read_manifest, verify_checkpoint
+from nnx_es.checkpoint import INLINE_MAX, read_manifest, verify_checkpoint
 from nnx_es.errors import ResumeError
 from nnx_es.storage import BlobStore
 from projections import Projections, project
@@ -85,6 +86,8 @@ class Tally(Callback):
 
 def make_trainer(runs: Path, run_id: str | None, lag: int = 0) -> Trainer:
     net = small_net(0)
+    # a model state above INLINE_MAX: every checkpoint writes a blob file (the manifest goes to the log)
+    net.register_buffer("ballast", torch.arange(INLINE_MAX // 4 + 1, dtype=torch.float32))
     opt = torch.optim.Adam(net.parameters(), lr=0.05)
     plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(opt, patience=0, factor=0.5)
     return Trainer(
@@ -145,7 +148,7 @@ class Reference:
     final_checkpoints: Any  # the checkpoints projection of the reference's whole log
     writes: int  # atomic writes (each: write, fsync, replace, directory fsync)
     created_dirs: int  # directories the run's atomic writes created
-    blob_files: set[str]  # blobs stored as files: manifests and the components not kept inside them
+    blob_files: set[str]  # blobs stored as files: the components not kept inside their manifest
 
 
 @pytest.fixture(scope="module", params=[0, 1], ids=["commit-at-epoch-end", "deferred-commit"])
@@ -181,13 +184,19 @@ def reference(request, tmp_path_factory) -> Reference:
 
 
 def _blob_files(run_dir: Path, events: list[tuple[int, Event]]) -> set[str]:
-    store = BlobStore(Path(run_dir) / "blobs")
-    files = {e.blob for _, e in events if e.KIND == "callback_checkpointed"}
-    for _, e in events:
-        if e.KIND == "checkpoint_stored":
-            manifest = read_manifest(store, e.manifest)
-            files |= {e.manifest, *(c.blob for c in manifest.components.values() if c.data is None)}
-            assert set(e.components) == set(manifest.components)
+    """The blobs stored as files: components too big to sit inside their manifest. Manifests and
+    the (small) callback checkpoints are values of the log, written with LAST: checked here."""
+    with LmdbLog(Path(run_dir) / "events.lmdb", readonly=True) as log:
+        store = BlobStore(Path(run_dir) / "blobs", log=log)
+        in_log = {e.blob for _, e in events if e.KIND == "callback_checkpointed"}
+        files: set[str] = set()
+        for _, e in events:
+            if e.KIND == "checkpoint_stored":
+                manifest = read_manifest(store, e.manifest)
+                in_log.add(e.manifest)
+                files |= {c.blob for c in manifest.components.values() if c.data is None}
+                assert set(e.components) == set(manifest.components)
+        assert all(log.get_blob(d.encode()) is not None and not store.path(d).exists() for d in in_log)
     return files
 
 
@@ -371,7 +380,7 @@ def test_the_matrix_covers_every_point_of_the_reference_run(reference):
     kinds = [e.KIND for _, e in reference.events]
     # initial LAST, one per epoch, the final LAST after finalization, and run_finalized
     assert reference.syncs == 1 + EPOCHS + 1 + 1 == kinds.count("last_committed") + kinds.count("run_finalized")
-    # each batch of atomic writes (a checkpoint's blobs + manifest, callback blobs, the two
+    # each batch of atomic writes (a checkpoint's large blobs, the two
     # views) writes and fsyncs every temporary, renames them all, fsyncs their directory once,
     # then the parent of each directory it had to create (blobs/, blobs/sha256/, views/)
     code = {("write", "atomic_write_all"): "w", ("fsync", "atomic_write_all"): "f",
@@ -383,7 +392,8 @@ def test_the_matrix_covers_every_point_of_the_reference_run(reference):
     assert all(len(w) == 2 * len(r) for w, r, _ in batches), ops  # every temporary is renamed
     assert ops.count("w") == reference.writes
     assert ops.count("d") - len(batches) == reference.created_dirs
-    # blobs written (new content only; small components live in their manifest) plus the two view files
+    # blob files written (new content only; small components live in their manifest, manifests in
+    # the log) plus the two view files
     assert reference.writes == len(reference.blob_files) + 2
     expected = {
         "event boundaries": len(reference.events),

@@ -25,6 +25,7 @@ from crashkit import install_storage_hook, kill_at_event, run_killed, sigkill
 from events.schema import RunResumed
 from nnx_es import Callback, Trainer
 from nnx_es.audit import audit_run
+from nnx_es.checkpoint import INLINE_MAX
 from nnx_es.errors import LeaseHeldError, NnxError
 from nnx_es.storage import Lease
 from projections import project
@@ -39,8 +40,10 @@ RUN_ID = "r"
 Counter = EpochCounter
 
 
-def make_trainer(runs: Path, run_id: str | None, callback: Callback | None = None) -> Trainer:
+def make_trainer(runs: Path, run_id: str | None, callback: Callback | None = None, ballast: bool = False) -> Trainer:
     net = small_net(0)
+    if ballast:  # a model state above INLINE_MAX: each checkpoint writes one blob file
+        net.register_buffer("ballast", torch.zeros(INLINE_MAX // 4 + 1))
     opt = torch.optim.Adam(net.parameters(), lr=0.05)
     return Trainer(net, opt, nn.CrossEntropyLoss(), monitor="val_loss", callbacks=[callback or Counter()],
                    accumulation=2, runs_root=runs, run_id=run_id, seed=0, progress=False)
@@ -68,7 +71,9 @@ def clean(tmp_path_factory) -> dict[str, Any]:
 
 
 def _assert_bitwise(trainer: Trainer, clean: dict[str, Any]) -> None:
-    for k, v in trainer.net.state_dict().items():
+    params = {k: v for k, v in trainer.net.state_dict().items() if k != "ballast"}
+    assert params.keys() == clean["params"].keys()
+    for k, v in params.items():
         assert torch.equal(v, clean["params"][k]), k
 
 
@@ -79,6 +84,7 @@ def test_a_second_writer_is_refused_while_the_lease_is_held_and_touches_nothing(
     before = read_events(run_dir)
     files = sorted(p for p in run_dir.rglob("*") if p.is_file() and p.name != "lock.mdb")
     stale = run_dir / "blobs" / ".left.1.dead.tmp"
+    stale.parent.mkdir(exist_ok=True)  # a small model's checkpoints write no blob file
     stale.write_bytes(b"half")
     with Lease(runs, RUN_ID):
         with pytest.raises(LeaseHeldError, match=rf"run '{RUN_ID}' is being written by another process") as info:
@@ -178,9 +184,9 @@ def _kill_after_write(n: int):
 def test_stale_temporaries_of_a_hard_kill_are_cleaned_on_the_next_open_and_reported(tmp_path, clean):
     runs = tmp_path / "runs"
     run_dir = runs / RUN_ID
-    # a checkpoint of this small model is one file (its state dicts are kept in the manifest):
+    # each checkpoint writes one file, the model's blob (the manifest goes to the log):
     # killed right after writing the third checkpoint's temporary (epoch 1's), one real leftover
-    assert run_killed(lambda: fit(make_trainer(runs, RUN_ID)), _kill_after_write(2)) == "killed"
+    assert run_killed(lambda: fit(make_trainer(runs, RUN_ID, ballast=True)), _kill_after_write(2)) == "killed"
     left = sorted(run_dir.rglob(".*.tmp"))
     assert len(left) == 1 and all(p.parent.name == "sha256" for p in left)
     # and more, as other hard kills would leave them
@@ -193,7 +199,7 @@ def test_stale_temporaries_of_a_hard_kill_are_cleaned_on_the_next_open_and_repor
         p.write_bytes(b"not a temporary of ours")
     stale = sorted([*left, *planted])
     with structlog.testing.capture_logs() as logs:
-        trainer = make_trainer(runs, None)
+        trainer = make_trainer(runs, None, ballast=True)
         fit(trainer, resume_from=run_dir)
     assert sorted(run_dir.rglob(".*.tmp")) == []
     assert all(p.exists() for p in kept)

@@ -20,7 +20,7 @@ from nnx_es.checkpoint import read_manifest
 from nnx_es.errors import ConfigError, ResumeError
 from nnx_es.storage import BlobStore
 from projections import committed, project
-from trainkit import loaders, read_events, small_net
+from trainkit import loaders, read_blob, read_events, small_net, write_blob
 
 torch.set_num_threads(1)  # fork-safe parent
 
@@ -187,30 +187,29 @@ def _last_manifest(run_dir: Path) -> str:
     return project(read_events(run_dir)).checkpoints.last.manifest
 
 
-def _break_empty(store: BlobStore, digest: str) -> str:
-    store.path(digest).write_bytes(b"")
+def _break_empty(run_dir: Path, digest: str) -> str:
+    write_blob(run_dir, digest, b"")
     return "is empty"
 
 
-def _break_torn(store: BlobStore, digest: str) -> str:
-    p = store.path(digest)
-    p.write_bytes(p.read_bytes()[:-7])
+def _break_torn(run_dir: Path, digest: str) -> str:
+    write_blob(run_dir, digest, read_blob(run_dir, digest)[:-7])
     return "corrupt"
 
 
-def _break_blob(store: BlobStore, digest: str) -> str:
+def _break_blob(run_dir: Path, digest: str) -> str:
     from nnx_es.checkpoint import read_manifest
 
-    m = read_manifest(store, digest)
-    p = store.path(m.components["model"].blob)
-    data = bytearray(p.read_bytes())
+    with BlobStore(run_dir / "blobs") as store:
+        m = read_manifest(store, digest)
+    data = bytearray(read_blob(run_dir, m.components["model"].blob))
     data[10] ^= 0x01
-    p.write_bytes(bytes(data))
+    write_blob(run_dir, m.components["model"].blob, bytes(data))
     return m.components["model"].blob
 
 
-def _break_missing(store: BlobStore, digest: str) -> str:
-    store.path(digest).unlink()
+def _break_missing(run_dir: Path, digest: str) -> str:
+    write_blob(run_dir, digest, None)
     return "missing"
 
 
@@ -220,8 +219,7 @@ def test_a_bad_last_is_refused_with_a_named_reason_and_history_is_kept(breaker, 
     if breaker is _break_blob:  # the model in a blob file of its own, as a model too big to keep inline is
         monkeypatch.setattr(checkpoint, "INLINE_MAX", 0)
     fit(make_trainer(runs, "r"))
-    store = BlobStore(runs / "r" / "blobs")
-    expected = breaker(store, _last_manifest(runs / "r"))
+    expected = breaker(runs / "r", _last_manifest(runs / "r"))
     before = read_events(runs / "r")
     with pytest.raises(ResumeError, match=expected):
         fit(make_trainer(runs, None), resume_from=runs / "r")
@@ -258,17 +256,18 @@ def test_a_pickle_payload_that_would_run_code_is_refused_on_resume(tmp_path):
     marker.unlink(missing_ok=True)
     runs = tmp_path / "runs"
     fit(make_trainer(runs, "r"))
-    store = BlobStore(runs / "r" / "blobs")
     from nnx_es.checkpoint import component_bytes, read_manifest, write_checkpoint
 
-    m = read_manifest(store, _last_manifest(runs / "r"))
-    parts = {}
-    for name, comp in m.components.items():
-        parts[name] = (comp.codec, component_bytes(store, name, comp))
-    buf = __import__("io").BytesIO()
-    torch.save({"weight": _Evil()}, buf, _use_new_zipfile_serialization=True, pickle_module=pickle)
-    parts["model"] = ("torch", buf.getvalue())
-    digest, _ = write_checkpoint(store, run_id="r", epoch=m.epoch, step=m.step, counters=m.counters, parts=parts)
+    with BlobStore(runs / "r" / "blobs") as store:  # closes the log it opened to read the manifest
+        m = read_manifest(store, _last_manifest(runs / "r"))
+        parts = {}
+        for name, comp in m.components.items():
+            parts[name] = (comp.codec, component_bytes(store, name, comp))
+        buf = __import__("io").BytesIO()
+        torch.save({"weight": _Evil()}, buf, _use_new_zipfile_serialization=True, pickle_module=pickle)
+        parts["model"] = ("torch", buf.getvalue())
+        digest, _ = write_checkpoint(store, run_id="r", epoch=m.epoch, step=m.step, counters=m.counters,
+                                     parts=parts)
     with LmdbLog(runs / "r" / "events.lmdb") as log:
         last = [e for _, e in log.read() if isinstance(e, LastCommitted)][-1]
         log.commit(msgspec.structs.replace(last, manifest=digest))

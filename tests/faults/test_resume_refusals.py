@@ -12,9 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from events.schema import LastCommitted
 from nnx_es import EMA, Callback, NNModel, Trainer
 from nnx_es.errors import ConfigError, ResumeError
-from trainkit import loaders, read_events, small_net
+from trainkit import loaders, read_events, small_net, write_blob
 
 torch.set_num_threads(1)
 
@@ -90,9 +91,8 @@ def test_a_weights_only_continuation_from_a_corrupt_source_leaves_no_run_and_the
     runs = tmp_path / "runs"
     train(runs, 1, [], run_id="src")
     train(runs, 1, [], run_id="bad")
-    for blob in (runs / "bad" / "blobs").rglob("*"):
-        if blob.is_file():
-            blob.write_bytes(b"")
+    last = [e for _, e in read_events(runs / "bad") if isinstance(e, LastCommitted)][-1]
+    write_blob(runs / "bad", last.manifest, b"")
     with pytest.raises(ResumeError, match="refused"):
         train(runs, 1, [], run_id="child", resume_from=runs / "bad", resume_mode="weights_only")
     assert not (runs / "child").exists()
@@ -139,7 +139,8 @@ def read_last_components(run_dir: Path) -> list[str]:
     from nnx_es.storage import BlobStore
 
     digest = [e for _, e in read_events(run_dir) if isinstance(e, LastCommitted)][-1].manifest
-    return list(read_manifest(BlobStore(run_dir / "blobs"), digest).components)
+    with BlobStore(run_dir / "blobs") as store:
+        return list(read_manifest(store, digest).components)
 
 
 def test_two_emas_of_one_name_are_refused_with_how_to_name_them():

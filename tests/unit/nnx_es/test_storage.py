@@ -213,6 +213,50 @@ def test_missing_blob_is_corrupt_checkpoint(tmp_path: Path) -> None:
     assert digest in str(info.value) and "missing" in str(info.value)
 
 
+def test_a_staged_blob_goes_to_the_log_with_its_next_sync_and_never_to_a_file(tmp_path: Path) -> None:
+    from events.log import LmdbLog
+    from events.schema import EpochBegan
+
+    with LmdbLog(tmp_path / "events.lmdb") as log:
+        store = BlobStore(tmp_path / "blobs", log=log)
+        digest = store.stage(b"a manifest")
+        assert digest == hashlib.sha256(b"a manifest").hexdigest()
+        assert not store.exists(digest)  # not stored before the log's next write
+        log.commit(EpochBegan(epoch=0))
+        assert store.exists(digest) and store.get(digest) == b"a manifest" and log.syncs == 1
+        assert not (tmp_path / "blobs").exists()  # no file, no directory
+        file_digest = store.put(b"a large component")  # put_all still writes files
+        assert store.path(file_digest).read_bytes() == b"a large component"
+        assert store.stage(b"a large component") == file_digest  # present as a file: not staged again
+        log.flush()
+        assert log.get_blob(file_digest.encode()) is None
+    # a reader without the log opens it read-only for each blob that is not a file
+    reader = BlobStore(tmp_path / "blobs")
+    assert reader.get(digest) == b"a manifest" and reader.get(file_digest) == b"a large component"
+
+
+def test_a_store_without_a_writable_log_stages_as_a_durable_file(tmp_path: Path) -> None:
+    store = BlobStore(tmp_path / "blobs")
+    digest = store.stage(b"state")
+    assert store.path(digest).read_bytes() == b"state"
+
+
+def test_a_damaged_blob_in_the_log_is_refused_naming_where_it_is(tmp_path: Path) -> None:
+    from events.log import LmdbLog
+    from events.schema import EpochBegan
+
+    with LmdbLog(tmp_path / "events.lmdb") as log:
+        digest = BlobStore(tmp_path / "blobs", log=log).stage(b"\x00" * 64)
+        log.commit(EpochBegan(epoch=0))
+        log.put_blob_raw(digest.encode(), b"\x00" * 63)
+    with pytest.raises(CorruptCheckpointError, match=rf"blob {digest} in the event log at .*events.lmdb is corrupt"):
+        BlobStore(tmp_path / "blobs").get(digest)
+    with LmdbLog(tmp_path / "events.lmdb") as log:
+        log.put_blob_raw(digest.encode(), None)
+    with pytest.raises(CorruptCheckpointError, match=rf"blob {digest} is missing .*or in the event log"):
+        BlobStore(tmp_path / "blobs").get(digest)
+
+
 @pytest.mark.parametrize("name", ["", "ABCD" * 16, "../" + "a" * 61, "a" * 63, "g" * 64])
 def test_malformed_blob_names_are_refused(tmp_path: Path, name: str) -> None:
     with pytest.raises(CorruptCheckpointError):
