@@ -94,26 +94,16 @@ def torch_bytes(obj: Any) -> bytes:
     return buf.getvalue()
 
 
-def write_checkpoint(
-    store: BlobStore,
-    *,
-    run_id: str,
-    epoch: int,
-    step: int,
-    counters: Counters,
-    parts: dict[str, tuple[str, bytes]],
-    world_size: int = 1,
-) -> tuple[str, Manifest]:
+def write_checkpoint(store: BlobStore, **fields: Any) -> tuple[str, Manifest]:
     """Store every part, then the manifest naming them, as files; return (manifest hash, manifest).
 
-    parts: component name -> (codec, payload bytes). Everything is durable when this returns.
+    ``fields``: the keyword arguments of :func:`encode_checkpoint`. Everything is durable when
+    this returns (a run stores its manifests in its log instead: see ``nnx_es.commit``).
 
     Raises:
         CheckpointWriteError: a blob could not be written durably.
     """
-    digest, manifest, data = encode_checkpoint(
-        store, run_id=run_id, epoch=epoch, step=step, counters=counters, parts=parts, world_size=world_size
-    )
+    digest, manifest, data = encode_checkpoint(store, **fields)
     store.put(data)
     return digest, manifest
 

@@ -21,25 +21,13 @@ from nnx_es import Callback, Trainer
 from nnx_es.audit import audit_run
 from nnx_es.checkpoint import INLINE_MAX, read_manifest
 from nnx_es.storage import BlobStore, atomic_write
-from trainkit import loaders, read_blob, read_events, small_net, write_blob
+from trainkit import EpochCounter, loaders, read_blob, read_events, small_net, write_blob
 
 EPOCHS = 4
 
 
-class Notes(Callback):
+class Notes(EpochCounter):
     """A callback with state and checkpoint bytes of its own (small: they go to the log too)."""
-
-    def __init__(self) -> None:
-        self.epochs = 0
-
-    def on_epoch_end(self, ctx):
-        self.epochs += 1
-
-    def state_dict(self):
-        return {"epochs": self.epochs}
-
-    def load_state_dict(self, state):
-        self.epochs = state["epochs"]
 
     def checkpoint(self, ctx):
         return f"notes after epoch {ctx.epoch}".encode()
