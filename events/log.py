@@ -49,6 +49,7 @@ _EVENTS_DB = b"events"
 _SNAPSHOTS_DB = b"snapshots"
 _BLOBS_DB = b"blobs"
 _DEFAULT_MAP_SIZE = 32 << 20  # bytes; doubled on demand
+_READER_MAP_SIZE = 1 << 40  # bytes of address space a read-only handle maps (not memory: pages are read on use)
 
 
 def seq_key(seq: int) -> bytes:
@@ -218,6 +219,8 @@ class MemoryLog(_LogBase):
 
     def get_blob(self, key: bytes) -> bytes | None:
         """The stored (flushed) blob under ``key``, or None."""
+        if self._closed:
+            raise LogClosedError("read on a closed event log")
         return self._blobs.get(bytes(key))
 
     def verify_sums(self, stop: int | None = None) -> Iterator[SumProblem]:
@@ -268,7 +271,9 @@ class LmdbLog(_LogBase):
                 self.path.mkdir(parents=True, exist_ok=True)
             self._env = lmdb.open(
                 str(self.path),
-                map_size=map_size,
+                # a reader maps far past what a live writer will grow to: a writer's growth never
+                # needs the reader to remap (which would end every read transaction it has open)
+                map_size=max(map_size, _READER_MAP_SIZE) if readonly else map_size,
                 subdir=True,
                 readonly=readonly,
                 max_dbs=8,
@@ -373,8 +378,9 @@ class LmdbLog(_LogBase):
             while True:
                 try:
                     with self._env.begin(write=True, db=self._events) as txn:
-                        for key, value in self._staged.items():
-                            txn.put(key, value, db=self._blobs, overwrite=False)
+                        # the blobs this write adds (a key stored before keeps its value)
+                        added = {key: value for key, value in self._staged.items()
+                                 if txn.put(key, value, db=self._blobs, overwrite=False)}
                         for seq, raw in self._buffer:
                             if not txn.put(seq_key(seq), raw, append=True):
                                 # MDB_APPEND refuses a key at or below the last one: another
@@ -395,29 +401,36 @@ class LmdbLog(_LogBase):
             self._staged.clear()
             self._flushed = self._next
         else:
-            batch = []
+            batch, added = [], {}
         if sync:
             try:
                 self._env.sync(True)
             except lmdb.Error as exc:
-                raise EventLogError(f"sync of {self.path} failed: {exc}{self._take_back(batch)}") from exc
+                raise EventLogError(f"sync of {self.path} failed: {exc}{self._take_back(batch, added)}") from exc
             self._syncs += 1
 
-    def _take_back(self, batch: list[tuple[int, bytes]]) -> str:
-        """Delete ``batch`` (written, its sync failed) and buffer it again; return a note for the error."""
-        if not batch:
+    def _take_back(self, batch: list[tuple[int, bytes]], blobs: dict[bytes, bytes]) -> str:
+        """Delete ``batch`` and the ``blobs`` its write added (their sync failed: never trusted) and
+        buffer / stage them again; return a note for the error."""
+        if not batch and not blobs:
             return ""
-        first, last = batch[0][0], batch[-1][0]
+        what = f"events {batch[0][0]}..{batch[-1][0]}" if batch else "events (none)"
+        what += f" and {len(blobs)} blob(s)" if blobs else ""
         try:
             with self._env.begin(write=True, db=self._events) as txn:
                 for seq, _ in batch:
                     txn.delete(seq_key(seq))
-                txn.delete(seq_key(first), db=self._sums)  # its sum record goes with it
+                if batch:
+                    txn.delete(seq_key(batch[0][0]), db=self._sums)  # its sum record goes with it
+                for key in blobs:
+                    txn.delete(key, db=self._blobs)
         except lmdb.Error as exc:
-            return f"; taking back its unsynced events {first}..{last} failed too: {exc}"
+            return f"; taking back its unsynced {what} failed too: {exc}"
         self._buffer[:0] = batch
-        self._flushed = first
-        return f"; its unsynced events {first}..{last} were taken back"
+        if batch:
+            self._flushed = batch[0][0]
+        self._staged = {**blobs, **self._staged}
+        return f"; its unsynced {what} were taken back"
 
     def read_raw(self, start: int = 0, stop: int | None = None) -> Iterator[tuple[int, bytes]]:
         """Yield ``(seq, raw bytes)`` of stored values in key order, ``start <= seq < stop``.

@@ -355,9 +355,11 @@ class HistoryAppended(Event, frozen=True, kw_only=True, tag="history_appended"):
 
 
 class CheckpointStored(Event, frozen=True, kw_only=True, tag="checkpoint_stored"):
-    """Every blob of a checkpoint and its manifest are durable under ``blobs/``.
+    """A checkpoint is stored: its large components as files under ``blobs/`` (durable before
+    this event is written), its manifest (holding the small components) as a blob of the log,
+    written in the same transaction as this event and the LAST after it.
 
-    components: component name -> blob SHA-256 (hex). bytes: total size.
+    components: component name -> blob SHA-256 (hex). bytes: total size of the components.
     """
 
     KIND: ClassVar[str] = "checkpoint_stored"

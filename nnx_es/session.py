@@ -138,6 +138,8 @@ def open_session(
             shutil.rmtree(run_dir, ignore_errors=True)
         raise
     finally:
+        if getattr(trainer, "store", None) is not None and trainer.store.log is not None:
+            trainer.store = BlobStore(run_dir / "blobs")  # the session's log is closed: later reads open their own
         lease.release()
 
 

@@ -4,7 +4,7 @@ Every file goes through an owned temporary file (``.<name>.<pid>.<rand>.tmp``
 in the destination's directory), ``fsync``, atomic ``os.replace`` and a
 directory fsync; a failed write removes its temporary and leaves the
 destination's previous bytes (DESIGN.md "Failure semantics"). Files written
-together (a checkpoint's blobs and manifest, the two views) share the
+together (a checkpoint's large blobs, the two views) share the
 directory fsyncs: each temporary is written and synced, all are renamed, then
 each directory is synced once -- no file is ever visible with unsynced bytes,
 and all are durable before the caller goes on (to LAST, which names them).
@@ -233,7 +233,9 @@ class BlobStore:
         digests = [hashlib.sha256(d).hexdigest() for d in datas]
         new: dict[str, bytes] = {}
         for digest, data in zip(digests, datas):
-            if digest not in new and not self.exists(digest):
+            # files only: put_all may run on a commit's background thread, which must not read the
+            # log while the training thread writes it (a map resize then would fail its transaction)
+            if digest not in new and self._existing(digest) is None:
                 new[digest] = data
         if new:
             atomic_write_all([(self.path(d), data) for d, data in new.items()])
@@ -248,6 +250,8 @@ class BlobStore:
 
         Raises:
             CorruptCheckpointError: missing, or its bytes do not hash to ``digest``.
+            EventLogError: the run's log could not be opened to look for it (e.g. this
+                process has it open: pass that log to the store).
         """
         p = self._existing(digest)
         if p is not None:

@@ -380,6 +380,35 @@ class TestLmdbLog(EventLogContract):
             with pytest.raises(EventLogError, match="read-only"):
                 ro.stage_blob(b"x", b"y")
 
+    def test_a_reader_mid_read_survives_a_writer_growing_the_map(self, tmp_path: Path) -> None:
+        """A writer in another process grows the map far past its start while a reader has a read
+        open (as the audit does, looking up manifests between chunks): nothing fails."""
+        path = tmp_path / "events.lmdb"
+        writer = (
+            "import os, sys\nfrom events.log import LmdbLog\nfrom events.schema import EpochBegan\n"
+            "w = LmdbLog(sys.argv[1])\nstart = w.next_seq\n"
+            "for i in range(int(sys.argv[2])):\n"
+            "    w.stage_blob(b'k%d' % (start + i), bytes([i % 251]) * int(sys.argv[3]))\n"
+            "    w.append(EpochBegan(epoch=start + i)); w.flush(sync=True)\n"
+            "print(w.map_size())\n"
+        )
+
+        def write(n: int, size: int) -> int:
+            out = subprocess.run([sys.executable, "-c", writer, str(path), str(n), str(size)], check=True,
+                                 capture_output=True, text=True, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
+            return int(out.stdout)
+
+        start_map = write(2100, 10)
+        with LmdbLog(path, readonly=True) as ro:
+            assert ro.get_blob(b"k0") == bytes([0]) * 10
+            ro.read_chunk = 1024
+            chunks = ro.read_chunks(0, ro.next_seq)
+            assert next(chunks)[0] == 0
+            assert write(10, 4 << 20) > start_map  # grown while the reader's read is open
+            assert ro.get_blob(b"k2100") == bytes([0]) * (4 << 20)
+            assert [first for first, _ in chunks] == [1024, 2048]
+            assert ro.refresh() == 2110 and ro.get_blob(b"k2109") == bytes([9]) * (4 << 20)
+
     def test_a_log_older_than_blobs_reads_none(self, tmp_path: Path) -> None:
         import lmdb
 

@@ -75,7 +75,8 @@ def _counting(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
 def test_a_small_models_epoch_commit_is_one_log_sync_and_writes_no_file(tmp_path, monkeypatch, lag):
     counts = _counting(monkeypatch)
     marks = Marks(counts)
-    run = make_trainer(tmp_path / "runs", "r", lag, marks).fit(*loaders(), epochs=EPOCHS)
+    trainer = make_trainer(tmp_path / "runs", "r", lag, marks)
+    run = trainer.fit(*loaders(), epochs=EPOCHS)
     # between the starts of epoch 1 and of the last epoch: whole epochs, each with its commit
     first, last = marks.at[1], marks.at[EPOCHS - 1]
     epochs = EPOCHS - 2
@@ -92,6 +93,8 @@ def test_a_small_models_epoch_commit_is_one_log_sync_and_writes_no_file(tmp_path
                 assert isinstance(events[seq + 1][1], LastCommitted) and events[seq + 1][1].manifest == e.manifest
                 assert read_manifest(store, e.manifest).epoch == e.epoch
     assert audit_run(run_dir).ok
+    # the trainer's store outlives its session's log: it reads manifests on its own
+    assert read_manifest(trainer.store, run.last.manifest).epoch == run.last.epoch
 
 
 def test_a_large_component_is_a_blob_file_durable_before_the_log_names_it(tmp_path, monkeypatch):

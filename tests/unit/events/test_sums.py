@@ -96,6 +96,25 @@ def test_a_batch_taken_back_after_its_sync_failed_leaves_no_sum_record(tmp_path:
         assert list(log.verify_sums()) == []
 
 
+def test_blobs_written_with_a_batch_whose_sync_failed_are_taken_back_and_staged_again(tmp_path: Path) -> None:
+    """A blob of an unsynced write is never trusted: a later LAST naming it must write it again."""
+    with LmdbLog(tmp_path / "l") as log:
+        _fill(log, [2])
+        log.stage_blob(b"old", b"synced before")
+        log.flush(sync=True)
+        real = log._env
+        log._env = _FailingSync(real)
+        log.stage_blob(b"manifest", b"bytes of the failed write")
+        log.stage_blob(b"old", b"synced before")  # already stored: not added, so not taken back
+        with pytest.raises(EventLogError, match=r"events 2\.\.2 and 1 blob\(s\) were taken back"):
+            log.commit(EpochBegan(epoch=2))
+        log._env = real
+        assert log.get_blob(b"manifest") is None and log.get_blob(b"old") == b"synced before"
+        log.flush(sync=True)  # retried: the blob goes with its events again
+        assert log.get_blob(b"manifest") == b"bytes of the failed write"
+        assert [s for s, _ in log.read_raw()] == [0, 1, 2]
+
+
 def test_a_changed_value_is_a_mismatch_naming_its_batch(tmp_path: Path) -> None:
     with LmdbLog(tmp_path / "l") as log:
         _fill(log, [3, 4, 2])

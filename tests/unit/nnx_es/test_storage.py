@@ -235,6 +235,21 @@ def test_a_staged_blob_goes_to_the_log_with_its_next_sync_and_never_to_a_file(tm
     assert reader.get(digest) == b"a manifest" and reader.get(file_digest) == b"a large component"
 
 
+def test_put_all_looks_only_at_files_never_at_the_log(tmp_path: Path) -> None:
+    """put_all runs on a commit's background thread: it must not read the log the training thread writes."""
+
+    class Untouchable:
+        readonly = False
+
+        def get_blob(self, key: bytes) -> bytes | None:
+            raise AssertionError("put_all read the log")
+
+    store = BlobStore(tmp_path / "blobs", log=Untouchable())  # type: ignore[arg-type]
+    digests = store.put_all([b"large one", b"large two", b"large one"])
+    assert [store.path(d).read_bytes() for d in digests] == [b"large one", b"large two", b"large one"]
+    assert store.put_all([b"large one"]) == digests[:1]  # present as a file: not written again
+
+
 def test_a_store_without_a_writable_log_stages_as_a_durable_file(tmp_path: Path) -> None:
     store = BlobStore(tmp_path / "blobs")
     digest = store.stage(b"state")
