@@ -1,4 +1,4 @@
-"""The append-only event log: an in-memory implementation and the LMDB one.
+"""The append-only event log: the LMDB one here, an in-memory one in :mod:`events.logbase`.
 
 Both keep one contract (``tests/contract/test_event_log.py``):
 
@@ -32,15 +32,13 @@ import os
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Protocol
 
 import lmdb
 
-from events.chunks import RawChunk, StoredPairs, cursor_chunks, runs
-from events.codec import decode, encode
+from events.chunks import RawChunk, StoredPairs, cursor_chunks
 from events.errors import EventLogError, LogClosedError, TruncatedLogError
 from events.keys import check_keys
-from events.schema import Event
+from events.logbase import EventLog, MemoryLog, _LogBase, seq_key  # noqa: F401 (EventLog, MemoryLog: re-exported)
 from events.sums import SUMS_DB, SumProblem, SumRecord, batch_crc, pack_sum, unpack_sum, verify
 
 __all__ = ["EventLog", "LmdbLog", "MemoryLog", "seq_key"]
@@ -50,194 +48,7 @@ _SNAPSHOTS_DB = b"snapshots"
 _BLOBS_DB = b"blobs"
 _DEFAULT_MAP_SIZE = 32 << 20  # bytes; doubled on demand
 _READER_MAP_SIZE = 1 << 40  # bytes of address space a read-only handle maps (not memory: pages are read on use)
-
-
-def seq_key(seq: int) -> bytes:
-    """The 8-byte big-endian key of sequence number ``seq``."""
-    return seq.to_bytes(8, "big")
-
-
-class EventLog(Protocol):
-    """What every event log offers (see the module docstring for the contract)."""
-
-    @property
-    def next_seq(self) -> int: ...
-
-    @property
-    def durable_seq(self) -> int: ...
-
-    @property
-    def syncs(self) -> int: ...
-
-    def append(self, event: Event) -> int: ...
-
-    def flush(self, *, sync: bool = False) -> None: ...
-
-    def commit(self, event: Event) -> int: ...
-
-    def stage_blob(self, key: bytes, value: bytes) -> None: ...
-
-    def get_blob(self, key: bytes) -> bytes | None: ...
-
-    def read_raw(self, start: int = 0, stop: int | None = None) -> Iterator[tuple[int, bytes]]: ...
-
-    def read_chunks(self, start: int = 0, stop: int | None = None) -> Iterator[RawChunk]: ...
-
-    def read(
-        self, start: int = 0, stop: int | None = None, kinds: Iterable[str] | None = None
-    ) -> Iterator[tuple[int, Event]]: ...
-
-    def verify_sums(self, stop: int | None = None) -> Iterator[SumProblem]: ...
-
-    def check_keys(self) -> int: ...
-
-    def close(self) -> None: ...
-
-
-class _LogBase:
-    """Buffering, sequencing and decoding shared by both logs."""
-
-    readonly = False
-
-    def __init__(self, next_seq: int) -> None:
-        self._buffer: list[tuple[int, bytes]] = []
-        self._staged: dict[bytes, bytes] = {}  # blobs written with the next flush
-        self._flushed = next_seq
-        self._next = next_seq
-        self._syncs = 0
-        self._closed = False
-
-    @property
-    def next_seq(self) -> int:
-        """The seq the next append gets (buffered events included)."""
-        return self._next
-
-    @property
-    def durable_seq(self) -> int:
-        """Number of flushed events (the seq the first unflushed event has)."""
-        return self._flushed
-
-    @property
-    def syncs(self) -> int:
-        """fsyncs this log object performed (for benchmarks and tests)."""
-        return self._syncs
-
-    def append(self, event: Event) -> int:
-        """Buffer ``event``; return its seq. Nothing is written until ``flush``."""
-        if self._closed:
-            raise LogClosedError("append on a closed event log")
-        if self.readonly:
-            raise EventLogError("append on an event log opened read-only")
-        seq = self._next
-        self._buffer.append((seq, encode(event)))
-        self._next = seq + 1
-        return seq
-
-    def stage_blob(self, key: bytes, value: bytes) -> None:
-        """Buffer blob ``value`` under ``key``: the next flush writes it with the buffered events
-        (durable with the next sync). A key already stored or staged keeps its first value."""
-        if self._closed:
-            raise LogClosedError("stage_blob on a closed event log")
-        if self.readonly:
-            raise EventLogError("stage_blob on an event log opened read-only")
-        self._staged.setdefault(bytes(key), value)
-
-    def commit(self, event: Event) -> int:
-        """Append ``event`` and make it and everything before it durable (synced)."""
-        seq = self.append(event)
-        self.flush(sync=True)
-        return seq
-
-    def discard_buffer(self) -> int:
-        """Drop unflushed events (what a crash does); return how many were dropped."""
-        n = len(self._buffer)
-        self._buffer.clear()
-        self._staged.clear()
-        self._next = self._flushed
-        return n
-
-    def read(
-        self, start: int = 0, stop: int | None = None, kinds: Iterable[str] | None = None
-    ) -> Iterator[tuple[int, Event]]:
-        """Yield ``(seq, event)`` for flushed events with ``start <= seq < stop``.
-
-        Raises:
-            CorruptEventError: a value does not decode (names its seq).
-        """
-        wanted = frozenset(kinds) if kinds is not None else None
-        for seq, raw in self.read_raw(start, stop):
-            event = decode(raw, seq)
-            if wanted is None or event.KIND in wanted:
-                yield seq, event
-
-    def read_raw(self, start: int = 0, stop: int | None = None) -> Iterator[tuple[int, bytes]]:
-        raise NotImplementedError
-
-    #: most values per chunk of :meth:`read_chunks`
-    read_chunk = 1024
-
-    def read_chunks(self, start: int = 0, stop: int | None = None) -> Iterator[RawChunk]:
-        """Yield :meth:`read_raw` as ``(first_seq, values)`` chunks of at most ``read_chunk`` consecutive seqs."""
-        return runs(self.read_raw(start, stop), self.read_chunk)
-
-    def __enter__(self) -> _LogBase:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def close(self) -> None:
-        self._closed = True
-
-
-class MemoryLog(_LogBase):
-    """An event log in a Python list, for fast unit tests. ``sync`` is counted, not done."""
-
-    def __init__(self) -> None:
-        super().__init__(0)
-        self._stored: list[bytes] = []
-        self._blobs: dict[bytes, bytes] = {}
-
-    def flush(self, *, sync: bool = False) -> None:
-        if self._closed:
-            raise LogClosedError("flush on a closed event log")
-        self._stored.extend(raw for _, raw in self._buffer)
-        self._buffer.clear()
-        for key, value in self._staged.items():
-            self._blobs.setdefault(key, value)
-        self._staged.clear()
-        self._flushed = self._next
-        if sync:
-            self._syncs += 1
-
-    def read_raw(self, start: int = 0, stop: int | None = None) -> Iterator[tuple[int, bytes]]:
-        if self._closed:
-            raise LogClosedError("read on a closed event log")
-        end = len(self._stored) if stop is None else min(stop, len(self._stored))
-        for seq in range(max(start, 0), end):
-            yield seq, self._stored[seq]
-
-    def get_blob(self, key: bytes) -> bytes | None:
-        """The stored (flushed) blob under ``key``, or None."""
-        if self._closed:
-            raise LogClosedError("read on a closed event log")
-        return self._blobs.get(bytes(key))
-
-    def verify_sums(self, stop: int | None = None) -> Iterator[SumProblem]:
-        """Nothing: a memory log keeps no checksums (nothing on a disk can rot under it)."""
-        return iter(())
-
-    def check_keys(self) -> int:
-        """The number of stored values: a list's positions are its keys, always 0, 1, 2, ..."""
-        return len(self._stored)
-
-    def put_raw(self, seq: int, raw: bytes) -> None:
-        """Overwrite or add a stored value (tests use it to forge broken logs)."""
-        if seq == len(self._stored):
-            self._stored.append(raw)
-            self._flushed = self._next = seq + 1
-        else:
-            self._stored[seq] = raw
+_WRITERS: dict[str, LmdbLog] = {}  # resolved path -> the writable log this process has open there
 
 
 class LmdbLog(_LogBase):
@@ -245,7 +56,10 @@ class LmdbLog(_LogBase):
 
     Args:
         path: the environment directory; created when ``readonly`` is false.
-        readonly: open for reading beside a live writer; appends are refused.
+        readonly: open for reading beside a live writer; appends are refused. In the
+            process that has the log open for writing (a callback reading its own run),
+            the reader shares the writer's environment (LMDB allows one handle per
+            process); it must not keep a read open across the writer's next flush.
         map_size: initial map size in bytes; doubled whenever a write finds it full.
 
     Raises:
@@ -266,6 +80,13 @@ class LmdbLog(_LogBase):
         if data.is_file() and data.stat().st_size == 0:
             raise TruncatedLogError(f"event log at {self.path} is truncated: {data} is empty (0 bytes; a truncated "
                                     "write or copy?): not opened, nothing was written")
+        self._shared = False
+        writer = _WRITERS.get(str(self.path.resolve())) if readonly else None
+        if writer is not None:  # LMDB allows one handle an environment per process: read through the writer's
+            self._env, self._shared = writer._env, True
+            self._events, self._sums, self._blobs = writer._events, writer._sums, writer._blobs
+            super().__init__(self._count_stored())
+            return
         try:
             if not readonly:
                 self.path.mkdir(parents=True, exist_ok=True)
@@ -300,6 +121,8 @@ class LmdbLog(_LogBase):
                 raise
             raise EventLogError(f"cannot open event log at {self.path}: {exc}") from None
         super().__init__(self._count_stored())
+        if not readonly:
+            _WRITERS[str(self.path.resolve())] = self
 
     def _open_sums(self) -> None:
         """Open the sums database of a read-only log when it exists (a writer may create it later)."""
@@ -589,7 +412,9 @@ class LmdbLog(_LogBase):
         return int(self._env.info()["map_size"])
 
     def close(self) -> None:
-        if not self._closed:
+        if not self._closed and not self._shared:
+            if _WRITERS.get(str(self.path.resolve())) is self:
+                del _WRITERS[str(self.path.resolve())]
             self._env.close()
         super().close()
 

@@ -164,10 +164,10 @@ class BlobStore:
 
     Args:
         root: the run's ``blobs`` directory.
-        log: the run's event log. A reader may leave it out: the log beside ``root``
-            (``<run>/events.lmdb``) is then opened read-only for each blob that is not a
-            file, and closed again. A process that has the log open must pass it (LMDB
-            refuses a second handle of one environment in a process).
+        log: the run's event log (the writer passes its own: :meth:`stage` needs it). A
+            reader may leave it out: the log beside ``root`` (``<run>/events.lmdb``) is then
+            opened read-only for each blob that is not a file, and closed again (in the
+            writer's process the reader shares the writer's handle, see ``LmdbLog``).
     """
 
     def __init__(self, root: Path, log: EventLog | None = None) -> None:
@@ -250,8 +250,7 @@ class BlobStore:
 
         Raises:
             CorruptCheckpointError: missing, or its bytes do not hash to ``digest``.
-            EventLogError: the run's log could not be opened to look for it (e.g. this
-                process has it open: pass that log to the store).
+            EventLogError: the run's log could not be opened or read to look for it.
         """
         p = self._existing(digest)
         if p is not None:

@@ -409,6 +409,22 @@ class TestLmdbLog(EventLogContract):
             assert [first for first, _ in chunks] == [1024, 2048]
             assert ro.refresh() == 2110 and ro.get_blob(b"k2109") == bytes([9]) * (4 << 20)
 
+    def test_a_reader_in_the_writers_process_shares_its_environment(self, tmp_path: Path) -> None:
+        path = tmp_path / "events.lmdb"
+        with LmdbLog(path) as lg:
+            lg.stage_blob(b"k", b"manifest")
+            lg.commit(_mb(0))
+            lg.append(_mb(1))  # buffered: a reader does not see it
+            with LmdbLog(tmp_path / "." / "events.lmdb", readonly=True) as ro:  # the same log, spelled otherwise
+                assert [e for _, e in ro.read()] == [_mb(0)] and ro.get_blob(b"k") == b"manifest"
+                with pytest.raises(EventLogError, match="read-only"):
+                    ro.append(_mb(2))
+            lg.commit(_mb(2))  # the reader's close left the writer's environment open
+            with LmdbLog(path, readonly=True) as ro:
+                assert ro.next_seq == 3
+        with LmdbLog(path, readonly=True) as ro:  # the writer closed: a reader opens its own
+            assert [s for s, _ in ro.read_raw()] == [0, 1, 2] and not ro._shared
+
     def test_a_log_older_than_blobs_reads_none(self, tmp_path: Path) -> None:
         import lmdb
 

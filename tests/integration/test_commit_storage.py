@@ -144,3 +144,32 @@ def test_a_run_whose_manifests_are_files_resumes_bitwise_and_audits_clean(tmp_pa
     last = [e for _, e in read_events(run_dir) if isinstance(e, LastCommitted)][0]
     write_blob(run_dir, last.manifest, b"")
     assert not audit_run(run_dir).ok
+
+
+def test_a_callback_loads_its_own_runs_best_and_audits_it_while_the_run_is_written(tmp_path):
+    """Reading one's own live run in its process (restoring BEST at the end, auditing as it goes)
+    shares the writer's log instead of failing to open it a second time."""
+    from nnx_es import NNModel
+
+    seen: list[tuple[int, int, bool]] = []
+
+    class RestoreBest(Callback):
+        def on_epoch_begin(self, ctx):
+            if ctx.epoch > 0:  # BEST exists after epoch 0's commit
+                probe = NNModel(small_net(1))
+                seen.append((ctx.epoch, probe.load(ctx.trainer.run_dir, "best"), audit_run(ctx.trainer.run_dir).ok))
+
+        def on_train_end(self, ctx):
+            NNModel(ctx.trainer.net).load(ctx.trainer.run_dir, "best")  # the net ends on its BEST weights
+
+    trainer = make_trainer(tmp_path / "runs", "r", 0, RestoreBest())
+    run = trainer.fit(*loaders(), epochs=EPOCHS)
+    assert [(e, ok) for e, _, ok in seen] == [(e, True) for e in range(1, EPOCHS)]
+    assert all(0 <= best < e for e, best, _ in seen)
+    with BlobStore(Path(run.run_dir) / "blobs") as store:
+        from nnx_es.checkpoint import load_component, verify_checkpoint
+
+        best = load_component(store, verify_checkpoint(store, run.best.manifest), "model")
+    for k, v in best.items():
+        assert torch.equal(trainer.net.state_dict()[k], v), k
+    assert audit_run(Path(run.run_dir)).ok

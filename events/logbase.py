@@ -1,0 +1,206 @@
+"""What both event logs share: the contract's protocol, buffering and sequencing, and the in-memory log.
+
+:class:`MemoryLog` keeps the contract of :mod:`events.log` in a Python list (fast unit tests);
+:class:`~events.log.LmdbLog` builds on the same :class:`_LogBase`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from typing import Protocol
+
+from events.chunks import RawChunk, runs
+from events.codec import decode, encode
+from events.errors import EventLogError, LogClosedError
+from events.schema import Event
+from events.sums import SumProblem
+
+__all__ = ["EventLog", "MemoryLog", "seq_key"]
+
+
+def seq_key(seq: int) -> bytes:
+    """The 8-byte big-endian key of sequence number ``seq``."""
+    return seq.to_bytes(8, "big")
+
+
+class EventLog(Protocol):
+    """What every event log offers (see the module docstring for the contract)."""
+
+    @property
+    def next_seq(self) -> int: ...
+
+    @property
+    def durable_seq(self) -> int: ...
+
+    @property
+    def syncs(self) -> int: ...
+
+    def append(self, event: Event) -> int: ...
+
+    def flush(self, *, sync: bool = False) -> None: ...
+
+    def commit(self, event: Event) -> int: ...
+
+    def stage_blob(self, key: bytes, value: bytes) -> None: ...
+
+    def get_blob(self, key: bytes) -> bytes | None: ...
+
+    def read_raw(self, start: int = 0, stop: int | None = None) -> Iterator[tuple[int, bytes]]: ...
+
+    def read_chunks(self, start: int = 0, stop: int | None = None) -> Iterator[RawChunk]: ...
+
+    def read(
+        self, start: int = 0, stop: int | None = None, kinds: Iterable[str] | None = None
+    ) -> Iterator[tuple[int, Event]]: ...
+
+    def verify_sums(self, stop: int | None = None) -> Iterator[SumProblem]: ...
+
+    def check_keys(self) -> int: ...
+
+    def close(self) -> None: ...
+
+
+class _LogBase:
+    """Buffering, sequencing and decoding shared by both logs."""
+
+    readonly = False
+
+    def __init__(self, next_seq: int) -> None:
+        self._buffer: list[tuple[int, bytes]] = []
+        self._staged: dict[bytes, bytes] = {}  # blobs written with the next flush
+        self._flushed = next_seq
+        self._next = next_seq
+        self._syncs = 0
+        self._closed = False
+
+    @property
+    def next_seq(self) -> int:
+        """The seq the next append gets (buffered events included)."""
+        return self._next
+
+    @property
+    def durable_seq(self) -> int:
+        """Number of flushed events (the seq the first unflushed event has)."""
+        return self._flushed
+
+    @property
+    def syncs(self) -> int:
+        """fsyncs this log object performed (for benchmarks and tests)."""
+        return self._syncs
+
+    def append(self, event: Event) -> int:
+        """Buffer ``event``; return its seq. Nothing is written until ``flush``."""
+        if self._closed:
+            raise LogClosedError("append on a closed event log")
+        if self.readonly:
+            raise EventLogError("append on an event log opened read-only")
+        seq = self._next
+        self._buffer.append((seq, encode(event)))
+        self._next = seq + 1
+        return seq
+
+    def stage_blob(self, key: bytes, value: bytes) -> None:
+        """Buffer blob ``value`` under ``key``: the next flush writes it with the buffered events
+        (durable with the next sync). A key already stored or staged keeps its first value."""
+        if self._closed:
+            raise LogClosedError("stage_blob on a closed event log")
+        if self.readonly:
+            raise EventLogError("stage_blob on an event log opened read-only")
+        self._staged.setdefault(bytes(key), value)
+
+    def commit(self, event: Event) -> int:
+        """Append ``event`` and make it and everything before it durable (synced)."""
+        seq = self.append(event)
+        self.flush(sync=True)
+        return seq
+
+    def discard_buffer(self) -> int:
+        """Drop unflushed events (what a crash does); return how many were dropped."""
+        n = len(self._buffer)
+        self._buffer.clear()
+        self._staged.clear()
+        self._next = self._flushed
+        return n
+
+    def read(
+        self, start: int = 0, stop: int | None = None, kinds: Iterable[str] | None = None
+    ) -> Iterator[tuple[int, Event]]:
+        """Yield ``(seq, event)`` for flushed events with ``start <= seq < stop``.
+
+        Raises:
+            CorruptEventError: a value does not decode (names its seq).
+        """
+        wanted = frozenset(kinds) if kinds is not None else None
+        for seq, raw in self.read_raw(start, stop):
+            event = decode(raw, seq)
+            if wanted is None or event.KIND in wanted:
+                yield seq, event
+
+    def read_raw(self, start: int = 0, stop: int | None = None) -> Iterator[tuple[int, bytes]]:
+        raise NotImplementedError
+
+    #: most values per chunk of :meth:`read_chunks`
+    read_chunk = 1024
+
+    def read_chunks(self, start: int = 0, stop: int | None = None) -> Iterator[RawChunk]:
+        """Yield :meth:`read_raw` as ``(first_seq, values)`` chunks of at most ``read_chunk`` consecutive seqs."""
+        return runs(self.read_raw(start, stop), self.read_chunk)
+
+    def __enter__(self) -> _LogBase:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._closed = True
+
+
+class MemoryLog(_LogBase):
+    """An event log in a Python list, for fast unit tests. ``sync`` is counted, not done."""
+
+    def __init__(self) -> None:
+        super().__init__(0)
+        self._stored: list[bytes] = []
+        self._blobs: dict[bytes, bytes] = {}
+
+    def flush(self, *, sync: bool = False) -> None:
+        if self._closed:
+            raise LogClosedError("flush on a closed event log")
+        self._stored.extend(raw for _, raw in self._buffer)
+        self._buffer.clear()
+        for key, value in self._staged.items():
+            self._blobs.setdefault(key, value)
+        self._staged.clear()
+        self._flushed = self._next
+        if sync:
+            self._syncs += 1
+
+    def read_raw(self, start: int = 0, stop: int | None = None) -> Iterator[tuple[int, bytes]]:
+        if self._closed:
+            raise LogClosedError("read on a closed event log")
+        end = len(self._stored) if stop is None else min(stop, len(self._stored))
+        for seq in range(max(start, 0), end):
+            yield seq, self._stored[seq]
+
+    def get_blob(self, key: bytes) -> bytes | None:
+        """The stored (flushed) blob under ``key``, or None."""
+        if self._closed:
+            raise LogClosedError("read on a closed event log")
+        return self._blobs.get(bytes(key))
+
+    def verify_sums(self, stop: int | None = None) -> Iterator[SumProblem]:
+        """Nothing: a memory log keeps no checksums (nothing on a disk can rot under it)."""
+        return iter(())
+
+    def check_keys(self) -> int:
+        """The number of stored values: a list's positions are its keys, always 0, 1, 2, ..."""
+        return len(self._stored)
+
+    def put_raw(self, seq: int, raw: bytes) -> None:
+        """Overwrite or add a stored value (tests use it to forge broken logs)."""
+        if seq == len(self._stored):
+            self._stored.append(raw)
+            self._flushed = self._next = seq + 1
+        else:
+            self._stored[seq] = raw
