@@ -95,8 +95,9 @@ def main(argv: list[str] | None = None) -> int:
         "| target (issue 5) | measured | |",
         "|---|---|---|",
         f"| nnx_es at most 1.05x the hand-written loop | {ratio:.3f}x (every default) | {verdict(ratio <= 1.05)} |",
-        f"| the same, read as the trainer's own overhead (each nnx_es row against a loop fetching batches alike) "
-        f"| {min(own.values()):.2f}-{max(own.values()):.2f}x | {verdict(max(own.values()) <= 1.05)} |",
+        f"| (not a target of the issue, disclosed) the trainer's own overhead: each nnx_es row against a "
+        f"hand-written loop fetching batches alike | {min(own.values()):.2f}-{max(own.values()):.2f}x | "
+        f"{'within 1.05x' if max(own.values()) <= 1.05 else 'above 1.05x'} |",
         f"| event append at most 2 µs per event | {statistics.median(appends):.2f} µs | "
         f"{verdict(statistics.median(appends) <= 2)} |",
         f"| at most 2 fsyncs per epoch on the training thread | {fsyncs[0][1]:.0f} (checkpoint_lag=0, the default) "
@@ -143,12 +144,14 @@ def main(argv: list[str] | None = None) -> int:
         f"Where the own overhead goes, per epoch of {steps} microbatches ({own_epoch_ms:.2f} ms over a "
         f"{base / args.epochs * 1e3:.1f} ms hand-written epoch, like for like): one durable commit "
         f"({commit_ms['in the log']:.2f} ms on this disk: the manifest and LAST in one synced log write; "
-        f"section 2), and the rest, {per_microbatch_us:.0f} µs per microbatch: two events "
+        f"section 2), and the rest, {per_microbatch_us:.0f} µs per microbatch: capturing and encoding the "
+        "epoch's checkpoint (spread over its microbatches), two events "
         "through the lifecycle machine, the counters and the log buffer, the loss read back (one sync), one fused "
         "finiteness check of the gradients per update, the engine's own Python, and the run's fixed start and "
         f"finish (opening the log, the final LAST, the views) spread over its {args.epochs} epochs. "
         "checkpoint_lag='epoch' moves the "
-        "checkpoint's capture-to-durable work off the training thread but gains nothing measurable here (a crash "
+        "checkpoint's encoding and any blob files off the training thread (the capture and the log sync stay "
+        "on it) but gains nothing measurable here (a crash "
         "can then lose up to one more epoch, and a run has no resume point during its first epoch).",
         "",
         "2. Event log",
