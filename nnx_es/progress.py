@@ -11,9 +11,21 @@ __all__ = ["Progress"]
 
 
 class Progress:
-    """Epoch, step, loss and rows/s on stderr when it is a terminal (or when forced on); nothing otherwise."""
+    """Epoch, step, loss and rows/s on stderr when it is a terminal (or when forced on); nothing otherwise.
+
+    Forced on (``enabled=True``) where stderr is no terminal, the display is drawn there all the
+    same (terminal control codes included), as a terminal would show it.
+
+    Raises:
+        ConfigError: ``enabled`` is not True, False or None.
+    """
 
     def __init__(self, enabled: bool | None = None) -> None:
+        if enabled is not None and not isinstance(enabled, bool):
+            from nnx_es.errors import ConfigError
+
+            raise ConfigError(f"progress must be True, False or None (on when stderr is a terminal), got {enabled!r}")
+        self._forced = enabled is True
         self.enabled = sys.stderr.isatty() if enabled is None else enabled
         self._bar: Any = None
         self._task: Any = None
@@ -24,12 +36,15 @@ class Progress:
         if not self.enabled:
             return
         if self._bar is None:
+            from rich.console import Console
             from rich.progress import BarColumn, MofNCompleteColumn, Progress as RichProgress, TextColumn, TimeElapsedColumn
 
+            # on stderr, where the decision to show it was made (stdout stays the program's own)
+            console = Console(stderr=True, force_terminal=True if self._forced else None)
             self._bar = RichProgress(
                 TextColumn("epoch {task.fields[epoch]}"), BarColumn(), MofNCompleteColumn(),
                 TextColumn("step {task.fields[step]}  loss {task.fields[loss]}  {task.fields[rate]} rows/s"),
-                TimeElapsedColumn(), transient=True,
+                TimeElapsedColumn(), transient=True, console=console,
             )
             self._bar.start()
         if self._task is not None:

@@ -20,19 +20,29 @@ def test_progress_is_off_when_stderr_is_not_a_terminal(capsys):
     assert capsys.readouterr().err == ""
 
 
-def test_forced_progress_reports_epoch_step_loss_and_rows_per_second(monkeypatch):
-    from rich.console import Console
-
-    buf = io.StringIO()
+def test_forced_progress_reports_epoch_step_loss_and_rows_per_second_on_stderr(monkeypatch, capsys):
+    err = io.StringIO()
+    monkeypatch.setattr("sys.stderr", err)  # not a terminal: forced on, it is drawn there all the same
     p = Progress(enabled=True)
-    monkeypatch.setattr("rich.progress.get_console", lambda: Console(file=buf, force_terminal=True, width=200))
     p.start_epoch(3, 4)
     for i in range(4):
         p.advance(0.25, i + 1, 32)
     task = p._bar.tasks[0]
     assert task.fields["epoch"] == 3 and task.fields["step"] == 4 and task.fields["loss"] == "0.2500"
     assert task.completed == 4 and p._rows == 128 and task.fields["rate"] != "-"
+    p._bar.refresh()
     p.close()
+    assert "epoch 3" in err.getvalue() and "loss 0.2500" in err.getvalue()
+    assert capsys.readouterr().out == ""  # stdout stays the program's own
+
+
+def test_progress_other_than_a_bool_or_none_is_refused_by_name():
+    import pytest
+
+    from nnx_es.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="progress must be True, False or None.*'yes'"):
+        Progress("yes")  # type: ignore[arg-type]
 
 
 def test_structlog_renders_json_lines_when_asked(capsys):
