@@ -50,6 +50,7 @@ __all__ = [
     "UpdateCommitted",
     "UpdateCommittedV1",
     "UpdateSkipped",
+    "UpdateSpec",
     "ValidationDone",
 ]
 
@@ -87,6 +88,14 @@ class MonitorSpec(msgspec.Struct, frozen=True, kw_only=True):
     name: str
     mode: str = "min"
     min_delta: float = 0.0
+
+
+class UpdateSpec(msgspec.Struct, frozen=True, kw_only=True):
+    """How the update engine makes each update: ``precision`` ``"fp32"`` | ``"bf16"`` | ``"fp16"``,
+    ``clip_grad_norm`` the max total L2 norm (None: no clipping)."""
+
+    precision: str = "fp32"
+    clip_grad_norm: float | None = None
 
 
 class SchedulerDecl(msgspec.Struct, frozen=True, kw_only=True):
@@ -151,6 +160,7 @@ class RunStarted(Event, frozen=True, kw_only=True, tag="run_started"):
     schedulers: list[SchedulerDecl] = []
     monitor: MonitorSpec | None = None
     accumulation: int = 1
+    update: UpdateSpec | None = None  # None: a run recorded before it was declared here
     world_size: int = 1
     writer_rank: int = 0
     source: SourceRef | None = None

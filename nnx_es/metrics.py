@@ -32,6 +32,8 @@ def validate_metrics(metrics: Iterable[str]) -> tuple[str, ...]:
     Raises:
         ConfigError: a name that is not in :data:`METRICS`.
     """
+    if isinstance(metrics, str):
+        raise ConfigError(f"metrics must be a list of names, got the string {metrics!r} (write [{metrics!r}])")
     out = tuple(metrics)
     unknown = [m for m in out if m not in METRICS]
     if unknown:

@@ -33,6 +33,8 @@ class Monitor:
     """
 
     def __init__(self, name: str, mode: str = "min", min_delta: float = 0.0) -> None:
+        if not isinstance(name, str) or not name:
+            raise ConfigError(f"monitor name must be a metric's name (e.g. 'val_loss'), got {name!r}")
         if mode not in ("min", "max"):
             raise ConfigError(f"monitor mode must be 'min' or 'max', got {mode!r}")
         if not (min_delta >= 0.0):

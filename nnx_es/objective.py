@@ -11,6 +11,7 @@ the microbatch sizes and masks (spec 000 §3, "One update").
 from __future__ import annotations
 
 import copy
+import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -45,6 +46,8 @@ class Term:
         if not callable(fn):
             raise ConfigError(f"a loss term must be callable, got {fn!r}")
         self.fn = fn
+        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not math.isfinite(weight):
+            raise ConfigError(f"a loss term's weight must be a finite number, got {weight!r}")
         self.weight = float(weight)
 
     def per_row(self, outputs: Tensor, targets: Tensor) -> Tensor:

@@ -16,14 +16,14 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 import structlog
 import torch
 
 from events.log import LmdbLog
-from events.schema import RunResumed, RunStarted, SourceRef
+from events.schema import RunResumed, RunStarted, SourceRef, UpdateSpec
 from nnx_es.checkpoint import Manifest
 from nnx_es.errors import ConfigError, ResumeError
 from nnx_es.lifecycle import Lifecycle
@@ -37,9 +37,34 @@ from nnx_es.update_hooks import EMA
 if TYPE_CHECKING:
     from nnx_es.trainer import Trainer
 
-__all__ = ["open_session"]
+__all__ = ["check_epochs", "check_recipe", "open_session"]
 
 log = structlog.get_logger("nnx_es")
+
+
+def check_epochs(epochs: int, start_epoch: int) -> None:
+    """Refuse a resume asked to train to fewer epochs than its run already committed (before it writes).
+
+    Raises:
+        ConfigError: ``epochs`` (counted from the run's start) is below the run's committed epochs.
+    """
+    if epochs < start_epoch:
+        raise ConfigError(f"epochs={epochs} is fewer than the {start_epoch} epochs the run already committed: "
+                          f"epochs counts from the run's start (pass epochs >= {start_epoch}); nothing was written")
+
+
+def check_recipe(recipe: dict[str, Any]) -> None:
+    """Refuse a recipe ``run_started`` could not record (JSON-like builtins only).
+
+    Raises:
+        ConfigError: naming the first key whose value msgspec cannot encode.
+    """
+    for key, value in recipe.items():
+        try:
+            msgspec.msgpack.encode({key: value})
+        except (TypeError, msgspec.EncodeError) as exc:
+            raise ConfigError(f"recipe[{key!r}] cannot be recorded ({exc}): keep the recipe to JSON-like "
+                              "builtins (str, numbers, bools, None, lists, dicts with str keys)") from None
 
 
 def _library_versions() -> dict[str, str]:
@@ -187,9 +212,9 @@ def _check_same_recipe(trainer: Trainer, started: RunStarted | None, manifest: M
         return
     mine = _run_started(trainer, None)
     for field, label in (("optimizers", "optimizers"), ("schedulers", "schedulers"), ("monitor", "monitor"),
-                         ("accumulation", "accumulation window")):
+                         ("accumulation", "accumulation window"), ("update", "precision or gradient clipping")):
         theirs, ours = getattr(started, field), getattr(mine, field)
-        if theirs != ours:
+        if theirs != ours and not (field == "update" and theirs is None):  # None: an older run declared none
             raise ResumeError(
                 f"cannot resume run {started.run_id!r} statefully with a different {label}: the run declared "
                 f"{theirs!r}, this trainer has {ours!r} (use resume_mode='weights_only' to start a new run)"
@@ -214,5 +239,6 @@ def _run_started(trainer: Trainer, source: SourceRef | None) -> RunStarted:
         callbacks=[cb.name for cb in trainer.callbacks], optimizers=list(trainer.optimizers),
         schedulers=[s.decl() for s in trainer.schedulers],
         monitor=trainer.monitor.spec if trainer.monitor else None, accumulation=trainer.engine.accumulation,
+        update=UpdateSpec(precision=trainer.engine.precision, clip_grad_norm=trainer.engine.clip_grad_norm),
         source=source, wall_time_s=time.time(),
     )

@@ -152,7 +152,8 @@ def weight_misfits(net: nn.Module, weights: dict[str, Any]) -> str:
     that differ, the first six named; ``""`` when it fits. Checked before loading, because
     ``load_state_dict`` copies what fits and then raises."""
     own = net.state_dict()
-    misfits = sorted(set(own) ^ set(weights)) + [
+    misfits = [f"{k} only in the checkpoint" for k in sorted(set(weights) - set(own))] + [
+        f"{k} only in this net" for k in sorted(set(own) - set(weights))] + [
         f"{k}: {tuple(weights[k].shape)} in the checkpoint, {tuple(v.shape)} here"
         for k, v in own.items() if k in weights and tuple(weights[k].shape) != tuple(v.shape)
     ]

@@ -71,7 +71,7 @@ from nnx_es.metrics import evaluate, validate_metrics
 from nnx_es.objective import Objective
 from nnx_es.progress import Progress
 from nnx_es.recorder import Recorder
-from nnx_es.session import open_session
+from nnx_es.session import check_epochs, check_recipe, open_session
 from nnx_es.result import RunResult, load_result, result_of
 from nnx_es.rng import LoaderGenerators
 from nnx_es.schedulers import Scheduler
@@ -226,15 +226,19 @@ class Trainer:
                               "closure; the update engine steps once per window without one: pass a trainer_step_fn "
                               "that calls opt.step(closure) and ctx.report_update(...)")
         self.runs_root = Path(runs_root)
+        if self.runs_root.exists() and not self.runs_root.is_dir():
+            raise ConfigError(f"runs_root must be a directory, got the file {str(self.runs_root)!r}")
         self.run_id = validate_run_id(run_id) if run_id is not None else None
-        if isinstance(seed, bool) or not isinstance(seed, int):
-            raise ConfigError(f"seed must be an int, got {seed!r}")
+        if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
+            raise ConfigError(f"seed must be an int in [0, 2**63), got {seed!r}")
         self.seed = seed
+        Progress(progress)  # refuses a value other than True, False or None
         self.progress_enabled = progress
         if not isinstance(batch_gather, bool):
             raise ConfigError(f"batch_gather must be True or False, got {batch_gather!r}")
         self.batch_gather = batch_gather
         self.recipe = dict(recipe or {})
+        check_recipe(self.recipe)
         self.world_size = 1
         self.metrics = validate_metrics(metrics)
         if self.monitor is not None:
@@ -375,6 +379,7 @@ class Trainer:
         self.generators = {"train": LoaderGenerators.of(train_loader), "val": LoaderGenerators.of(val_loader)}
         self.final_projection = None
         with open_session(self, resume_from, resume_mode) as (opening, start_epoch):
+            check_epochs(epochs, start_epoch)
             self._run(train_loader, val_loader, epochs, opening, start_epoch)
         assert self.run_dir is not None
         if self.final_projection is not None:  # the log as finalization projected it for the views

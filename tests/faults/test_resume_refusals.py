@@ -184,3 +184,43 @@ def test_a_refused_apply_leaves_the_trainers_net_as_it_was(ema_run, tmp_path, ch
     with pytest.raises(ResumeError, match=expected):
         trainer.fit(*loaders(batch_size=8), epochs=3, resume_from=runs / "r")
     assert all(torch.equal(v, before[k]) for k, v in net.state_dict().items())
+
+
+@pytest.mark.parametrize("kw, what", [
+    ({"precision": "bf16"}, "UpdateSpec(precision='fp32', clip_grad_norm=None)"),
+    ({"clip_grad_norm": 1.0}, "clip_grad_norm=1.0"),
+], ids=["precision", "clipping"])
+def test_a_stateful_resume_with_another_precision_or_clipping_is_refused_and_writes_nothing(tmp_path, kw, what):
+    runs = tmp_path / "runs"
+    train(runs, 1, [])
+    before = _tree(runs / "r")
+    with pytest.raises(ResumeError, match="different precision or gradient clipping") as err:
+        train(runs, 3, [], resume_from=runs / "r", **kw)
+    assert what in str(err.value)
+    assert _tree(runs / "r") == before
+
+
+def test_a_run_recorded_before_its_update_spec_resumes_with_any(tmp_path):
+    import msgspec
+
+    from events.codec import encode
+    from events.log import LmdbLog
+    from events.schema import RunStarted
+
+    runs = tmp_path / "runs"
+    train(runs, 1, [])
+    with LmdbLog(runs / "r" / "events.lmdb") as log:
+        seq, started = next((s, e) for s, e in log.read() if isinstance(e, RunStarted))
+        log.put_raw(seq, encode(msgspec.structs.replace(started, update=None)))  # as an older run wrote it
+    run = train(runs, 2, [], resume_from=runs / "r", clip_grad_norm=5.0)
+    assert run.status == "completed" and len(run.history) == 2
+
+
+def test_a_resume_to_fewer_epochs_than_committed_is_refused_and_writes_nothing(tmp_path):
+    runs = tmp_path / "runs"
+    train(runs, 3, [])
+    before = _tree(runs / "r")
+    with pytest.raises(ConfigError, match=r"epochs=2 is fewer than the 3 epochs the run already committed"):
+        train(runs, 2, [], resume_from=runs / "r")
+    assert _tree(runs / "r") == before
+    assert train(runs, 3, [], resume_from=runs / "r").status == "completed"  # as many: nothing left to train

@@ -31,6 +31,15 @@ def _net_opt():
         ({"monitor": "val_accuracy"}, "monitor 'val_accuracy' names no reported metric"),
         ({"monitor": 3}, "monitor must be"),
         ({"track_grad_norm": "yes"}, "track_grad_norm must be True or False, got 'yes'"),
+        ({"seed": 2**70}, r"seed must be an int in \[0, 2\*\*63\), got 1180591620717411303424"),
+        ({"seed": -1}, r"seed must be an int in \[0, 2\*\*63\), got -1"),
+        ({"recipe": {"lr": 0.1, "f": object()}}, r"recipe\['f'\] cannot be recorded"),
+        ({"loss": {"ce": (nn.CrossEntropyLoss(), "a")}}, "a loss term's weight must be a finite number, got 'a'"),
+        ({"loss": {"ce": (nn.CrossEntropyLoss(), float("nan"))}}, "finite number, got nan"),
+        ({"metrics": "accuracy"}, r"metrics must be a list of names, got the string 'accuracy' \(write \['accuracy'\]\)"),
+        ({"progress": "yes"}, "progress must be True, False or None"),
+        ({"monitor": ""}, "monitor name must be a metric's name"),
+        ({"runs_root": __file__}, "runs_root must be a directory, got the file"),
     ],
 )
 def test_bad_trainer_arguments_are_refused_naming_the_value(kwargs, message):
@@ -38,6 +47,14 @@ def test_bad_trainer_arguments_are_refused_naming_the_value(kwargs, message):
     args = {"optimizer": opt, "loss": nn.CrossEntropyLoss(), **kwargs}
     with pytest.raises(ConfigError, match=message):
         Trainer(net, args.pop("optimizer"), args.pop("loss"), **args)
+
+
+def test_a_run_id_that_would_be_hidden_or_the_lease_directory_is_refused(tmp_path):
+    from nnx_es.errors import InvalidRunIdError
+
+    net, opt = _net_opt()
+    with pytest.raises(InvalidRunIdError, match="not starting with '.', got '.leases'"):
+        Trainer(net, opt, nn.CrossEntropyLoss(), runs_root=tmp_path, run_id=".leases")
 
 
 def test_an_optimizer_over_another_nets_parameters_is_refused():
