@@ -1,13 +1,16 @@
-"""What both command-line tools share."""
+"""What the command-line tools share: exit statuses, a reader that left, whether a run has a live writer."""
 
 from __future__ import annotations
 
 import os
 import sys
+from pathlib import Path
 
-__all__ = ["EXIT_OK", "EXIT_UNUSABLE", "EXIT_VIOLATIONS", "reader_left"]
+__all__ = ["EXIT_INTERRUPTED", "EXIT_OK", "EXIT_UNUSABLE", "EXIT_VIOLATIONS", "reader_left", "writer_alive"]
 
 EXIT_OK, EXIT_VIOLATIONS, EXIT_UNUSABLE = 0, 1, 2
+#: Stopped by Ctrl-C (SIGINT): 128 + 2, as a shell reports it.
+EXIT_INTERRUPTED = 130
 
 
 def reader_left() -> None:
@@ -15,3 +18,52 @@ def reader_left() -> None:
     devnull = os.open(os.devnull, os.O_WRONLY)
     os.dup2(devnull, sys.stdout.fileno())
     os.close(devnull)
+
+
+def writer_alive(run_dir: Path) -> bool:
+    """Whether a process on this machine still holds the writer lease of ``run_dir`` (read-only).
+
+    The lease is an exclusive ``flock`` on ``<runs>/.leases/<id>.lock``
+    (:class:`nnx_es.storage.Lease`), which the kernel drops when its holder dies,
+    so a SIGKILLed writer leaves it free. It is never probed by locking it: a
+    probe, however brief, would make a writer starting at that moment fail with
+    ``LeaseHeldError``. Instead the writer counts as alive when either of two
+    read-only signals says so:
+
+    * ``/proc/locks`` (Linux) lists a ``FLOCK`` held on the lease file;
+    * the pid the holder wrote into the file names a running process.
+
+    A reused pid can make a dead writer look alive (the safe side: nothing is
+    claimed). A writer on another machine sharing ``runs/`` is seen by neither.
+    """
+    lease = Path(run_dir).parent / ".leases" / f"{Path(run_dir).name}.lock"
+    return _flocked(lease) or _pid_alive(lease)
+
+
+def _flocked(path: Path) -> bool:
+    """Whether ``/proc/locks`` lists a held (not a waiting) ``flock`` on ``path``; False where it cannot tell."""
+    try:
+        st = path.stat()
+        with open("/proc/locks") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return False
+    # "1: FLOCK  ADVISORY  WRITE 8531 fe:00:2146564 0 EOF"; a waiter reads "1: -> FLOCK ..."
+    where = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+    return any(fields[1:2] == ["FLOCK"] and where in fields for fields in map(str.split, lines))
+
+
+def _pid_alive(path: Path) -> bool:
+    try:
+        pid = int(path.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return False
+    if pid <= 0:  # kill(0 or -n, 0) would ask about a process group
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True

@@ -1,35 +1,34 @@
-"""``inspect RUN_DIR [COMMAND] [options]``: read a run's log, read-only (safe beside a live writer).
+"""inspect RUN_DIR [COMMAND] [options]: read a run's event log, read-only (safe beside a live writer).
 
-Commands (the positional after ``RUN_DIR``; more, such as ``plot`` and
-``export``, slot in as further choices):
+commands:
+  events (default)  one row per event; filters --kind, --from, --to, --limit, --epoch, --rank;
+                    --json: one object per line, {"seq", "kind", "version", every field}
+                    (a float that is not finite prints as null; a value that does not decode
+                    as {"seq", "kind": null, "error"})
+    --follow        keep printing new events until the run finalizes or no process on this
+                    machine holds its writer lease; Ctrl-C stops it (exit 130)
+    --at SEQ        every projection's state after the log up to SEQ (with --json or not);
+                    takes no filter, since projections fold every event
+  summary           status, epochs, LAST, BEST, learning rates, counters, tail (--json: one
+                    object, "writer_alive" among its keys); a run not finalized whose writer
+                    lease no process on this machine holds is flagged: killed or crashed?
+                    resume it with fit(..., resume_from=RUN_DIR)
+  plot --out FILE   loss, metric and learning-rate curves (matplotlib, headless); FILE's
+                    extension names the format (png, pdf, svg, ...)
+  export --tensorboard DIR
+                    TensorBoard scalars, into a DIR holding no TensorBoard event files yet
+  --schema          (no RUN_DIR) the JSON Schema of the lines --json prints
 
-* ``events`` (default): one row per event, ``seq  kind  key fields``;
-  ``--kind K`` (repeatable, or comma-separated) keeps those kinds,
-  ``--from SEQ`` / ``--to SEQ`` bound the sequence range (both inclusive),
-  ``--limit N`` stops after N rows; ``--json`` prints one JSON object per line
-  with ``seq``, ``kind``, ``version`` and every field of the event;
-* ``summary``: status, epochs, LAST, BEST, learning rates, counters, tail size;
-  ``--json`` prints one object;
-* ``plot --out curves.png``: loss, metric and learning-rate curves per epoch and
-  per committed update (matplotlib, headless);
-* ``export --tensorboard DIR``: TensorBoard scalars built from the projections.
-
-More options of ``events``: ``--epoch A[:B]`` (events of those 0-based epochs),
-``--rank R`` (events of data-parallel rank R; the log holds the writer rank's
-global events), ``--follow`` (keep tailing a live run until it finalizes),
-``--at SEQ`` (every projection's state after folding the log up to SEQ, and the
-checkpoint it corresponds to). ``--schema`` prints the JSON Schema of every
-event kind, generated from the msgspec types.
-
+An option the command would ignore is refused (e.g. summary --at, --at --kind).
 Tables use rich when stdout is a terminal, plain aligned text otherwise.
-Exit status: 0, or 2 on unusable input (missing directory, not a run, bad option).
+exit status: 0 ok; 2 unusable input (missing directory, not a run, bad or inapplicable
+option, output that cannot be written); 130 interrupted (Ctrl-C).
 """
 
 from __future__ import annotations
 
 import argparse
 import math
-import os
 import sys
 import time
 from collections.abc import Iterator, Sequence
@@ -38,16 +37,16 @@ from typing import Any, TextIO, Union
 
 import msgspec
 
-from events.codec import KINDS, decode
+from events.codec import CURRENT_TYPES, KINDS, decode
 from events.errors import CorruptEventError, EventLogError
 from events.log import LmdbLog
 from events.schema import Event, HistoryAppended, RunFinalized, RunStarted
 from nnx_es.audit import NotARunError, committed_tail, decoded, open_run_log
-from nnx_es.cli._common import EXIT_OK, EXIT_UNUSABLE, reader_left
+from nnx_es.cli._common import EXIT_INTERRUPTED, EXIT_OK, EXIT_UNUSABLE, reader_left, writer_alive
 from nnx_es.views import summary as summary_of
 from projections import Projections, project
 
-__all__ = ["COMMANDS", "main"]
+__all__ = ["COMMANDS", "json_schema", "main"]
 
 COMMANDS: tuple[str, ...] = ("events", "summary", "plot", "export")
 _UNDECODABLE = "<undecodable>"
@@ -59,25 +58,67 @@ _VALUE_CHARS = 80
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="inspect", description="Show a run's event log or its summary (read-only).")
+    title, _, details = (__doc__ or "").partition("\n\n")  # the module docstring is the help
+    parser = argparse.ArgumentParser(prog="inspect", description=title.partition(": ")[2], epilog=details,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("run_dir", type=Path, nargs="?", metavar="RUN_DIR", help="the run directory, runs/<id>")
     parser.add_argument("command", nargs="?", choices=COMMANDS, default="events", help="what to show (default: events)")
     parser.add_argument("--kind", action="append", default=[], metavar="K",
-                        help="only events of kind K (repeatable; K may be comma-separated)")
-    parser.add_argument("--from", dest="start", type=_seq, default=0, metavar="SEQ", help="first seq shown")
-    parser.add_argument("--to", dest="end", type=_seq, default=None, metavar="SEQ", help="last seq shown (inclusive)")
-    parser.add_argument("--limit", type=_seq, default=None, metavar="N", help="show at most N events")
-    parser.add_argument("--json", action="store_true", help="JSON lines (events) or one JSON object (summary)")
+                        help="events: only events of kind K (repeatable; K may be comma-separated)")
+    parser.add_argument("--from", dest="start", type=_seq, default=None, metavar="SEQ", help="events: first seq shown")
+    parser.add_argument("--to", dest="end", type=_seq, default=None, metavar="SEQ",
+                        help="events: last seq shown (inclusive)")
+    parser.add_argument("--limit", type=_seq, default=None, metavar="N", help="events: show at most N events")
     parser.add_argument("--epoch", type=_epochs, default=None, metavar="A[:B]",
-                        help="only events of epochs A..B (0-based, inclusive)")
-    parser.add_argument("--rank", type=_seq, default=None, metavar="R", help="only events of data-parallel rank R")
-    parser.add_argument("--follow", action="store_true", help="keep printing new events of a live run")
+                        help="events: only events of epochs A..B (0-based, inclusive)")
+    parser.add_argument("--rank", type=_seq, default=None, metavar="R",
+                        help="events: only events of data-parallel rank R")
+    parser.add_argument("--json", action="store_true",
+                        help="events and --at: JSON lines; summary: one JSON object")
+    parser.add_argument("--follow", action="store_true", help="events: keep printing new events of a live run")
     parser.add_argument("--at", type=_seq, default=None, metavar="SEQ",
-                        help="print every projection's state after the log up to SEQ")
-    parser.add_argument("--schema", action="store_true", help="print the JSON Schema of every event kind")
-    parser.add_argument("--out", type=Path, default=None, metavar="PNG", help="plot: the image to write")
-    parser.add_argument("--tensorboard", type=Path, default=None, metavar="DIR", help="export: TensorBoard log dir")
+                        help="events: every projection's state after the log up to SEQ")
+    parser.add_argument("--schema", action="store_true", help="print the JSON Schema of the --json lines (no RUN_DIR)")
+    parser.add_argument("--out", type=Path, default=None, metavar="FILE", help="plot: the image to write")
+    parser.add_argument("--tensorboard", type=Path, default=None, metavar="DIR",
+                        help="export: TensorBoard log dir (without event files)")
     return parser
+
+
+_FILTERS = ("--kind", "--from", "--to", "--limit", "--epoch", "--rank")
+#: The options each mode takes; any other one given would be ignored, so it is refused.
+_TAKES: dict[str, frozenset[str]] = {
+    "events": frozenset({*_FILTERS, "--json", "--follow", "--at"}),
+    "--follow": frozenset({*_FILTERS, "--json", "--follow"}),
+    "--at": frozenset({"--at", "--json"}),
+    "summary": frozenset({"--json"}),
+    "plot": frozenset({"--out"}),
+    "export": frozenset({"--tensorboard"}),
+    "--schema": frozenset({"--schema"}),
+}
+_SHOWN = {"--follow": "events --follow", "--at": "events --at"}
+_OPTION_DEST = {"--kind": "kind", "--from": "start", "--to": "end", "--limit": "limit", "--epoch": "epoch",
+                "--rank": "rank", "--json": "json", "--follow": "follow", "--at": "at", "--schema": "schema",
+                "--out": "out", "--tensorboard": "tensorboard"}
+
+
+def _check_applicable(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuse (``parser.error``: usage, message, exit 2) an option the chosen mode would ignore."""
+    if args.schema:
+        mode = "--schema"
+        if args.run_dir is not None:
+            parser.error(f"argument --schema: not allowed with RUN_DIR {str(args.run_dir)!r} "
+                         "(the schema is that of every run's --json lines)")
+    elif args.command == "events":
+        mode = "--at" if args.at is not None else "--follow" if args.follow else "events"
+    else:
+        mode = args.command
+    for flag, dest in _OPTION_DEST.items():
+        value = getattr(args, dest)
+        if value is None or value is False or value == [] or flag in _TAKES[mode]:  # not given, or taken
+            continue
+        where = ", ".join(_SHOWN.get(m, m) for m, takes in _TAKES.items() if flag in takes and m != flag)
+        parser.error(f"argument {flag}: not allowed with {_SHOWN.get(mode, mode)} ({flag} applies to: {where})")
 
 
 def _epochs(text: str) -> tuple[int, int]:
@@ -216,7 +257,7 @@ def _events(log: LmdbLog, args: argparse.Namespace, kinds: frozenset[str] | None
     while args.follow and not state["finalized"] and (args.end is None or next_seq <= args.end):
         if args.limit is not None and state["shown"] >= args.limit:
             break
-        alive = _writer_alive(args.run_dir)  # read before the log: a writer that dies after it flushed is seen
+        alive = writer_alive(args.run_dir)  # read before the log: a writer that dies after it flushed is seen
         time.sleep(args.poll_s)
         end = log.refresh() if args.end is None else min(args.end + 1, log.refresh())
         if end > next_seq:
@@ -225,22 +266,6 @@ def _events(log: LmdbLog, args: argparse.Namespace, kinds: frozenset[str] | None
             print(f"inspect: no process writes {args.run_dir} any more; stopped following", file=sys.stderr)
             break
         out.flush()
-
-
-def _writer_alive(run_dir: Path) -> bool:
-    """Whether the process named in the run's writer lease is still running."""
-    lease = run_dir.parent / ".leases" / f"{run_dir.name}.lock"
-    try:
-        pid = int(lease.read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _rows(log: LmdbLog, args: argparse.Namespace, kinds: frozenset[str] | None, start: int, stop: int,
@@ -319,20 +344,65 @@ def _at(log: LmdbLog, seq: int, as_json: bool) -> None:
         sys.stdout.write(f"{'history':<12} epoch {r.epoch}: {_fmt(r.train)} {_fmt(r.val)} improved={_fmt(r.improved)}\n")
 
 
-def _schema() -> None:
-    """The JSON Schema of every event kind (today's versions), from the msgspec types."""
-    from events.codec import CURRENT_TYPES
+def json_schema() -> dict[str, Any]:
+    """The JSON Schema (2020-12) of one line of ``inspect RUN_DIR --json``, from the msgspec types.
 
-    (schemas,), components = msgspec.json.schema_components([Union[CURRENT_TYPES]], ref_template="#/$defs/{name}")  # type: ignore[valid-type]
-    doc = {"$schema": "https://json-schema.org/draft/2020-12/schema", "title": "nnx_es events", **schemas,
-           "$defs": components}
-    sys.stdout.write(msgspec.json.format(msgspec.json.encode(doc)).decode() + "\n")
+    Each kind's object is what :func:`_as_json` prints: ``seq`` (0-based), ``kind``
+    (the stable kind name: the stored tag of version N > 1 is ``"<kind>@N"``,
+    :mod:`events.schema`, but ``--json`` prints the name and the version apart),
+    ``version`` and every field of the struct, defaulted ones too. Only today's
+    versions occur: a legacy event is upcast when read (:func:`events.codec.decode`).
+    A float that is not finite prints as ``null`` (msgspec's JSON has no NaN or
+    infinity), so every number may be ``null``. ``$defs.Event`` is the union of
+    the kinds, with an OpenAPI ``discriminator`` on ``kind``; ``$defs.Undecodable``
+    is the line printed for a stored value that does not decode.
+    """
+    (union,), defs = msgspec.json.schema_components([Union[CURRENT_TYPES]], ref_template="#/$defs/{name}")  # type: ignore[valid-type]
+    seq = {"type": "integer", "minimum": 0, "description": "the event's position in the log (0-based)"}
+    for node in defs.values():
+        if "properties" in node:  # a struct: to_builtins prints every field
+            node["required"], node["additionalProperties"] = list(node["properties"]), False
+    for t in CURRENT_TYPES:
+        node = defs[t.__name__]
+        fields = {k: v for k, v in node["properties"].items() if k != "kind"}
+        node["properties"] = {"seq": seq, "kind": {"const": t.KIND}, "version": {"const": t.VERSION}, **fields}
+        node["required"] = list(node["properties"])
+    _nullable_numbers(defs)
+    defs["Event"] = {"anyOf": union["anyOf"], "discriminator": {
+        "propertyName": "kind", "mapping": {t.KIND: f"#/$defs/{t.__name__}" for t in CURRENT_TYPES}}}
+    defs["Undecodable"] = {
+        "title": "Undecodable", "description": "A stored value that does not decode: its seq and why.",
+        "type": "object", "properties": {"seq": seq, "kind": {"type": "null"}, "error": {"type": "string"}},
+        "required": ["seq", "kind", "error"], "additionalProperties": False,
+    }
+    return {"$schema": "https://json-schema.org/draft/2020-12/schema", "title": "nnx_es inspect --json line",
+            "anyOf": [{"$ref": "#/$defs/Event"}, {"$ref": "#/$defs/Undecodable"}], "$defs": defs}
+
+
+def _nullable_numbers(node: Any) -> None:
+    """Let every ``{"type": "number"}`` under ``node`` be null too (a non-finite float prints as null)."""
+    if isinstance(node, dict):
+        if node.get("type") == "number":
+            node["type"] = ["number", "null"]
+        for key, value in node.items():
+            if key != "default":
+                _nullable_numbers(value)
+    elif isinstance(node, list):
+        for value in node:
+            _nullable_numbers(value)
+
+
+#: Statuses of a run not finalized ("new": events, none committed yet, as the summary reads the committed view).
+_UNFINISHED = frozenset({"new", "running", "failing"})
 
 
 def _summary(log: LmdbLog, run_dir: Path, as_json: bool) -> None:
+    alive = writer_alive(run_dir)  # before the log: a writer that finalizes meanwhile is not taken for dead
     stop = log.next_seq
     p, tail = _projected(log, stop)
-    doc = {**summary_of(p), "events": stop, "tail": tail}
+    doc = {**summary_of(p), "events": stop, "tail": tail, "writer_alive": None}
+    if stop and p.status.status in _UNFINISHED:  # asked again: a writer resuming it meanwhile counts as alive
+        doc["writer_alive"] = alive or writer_alive(run_dir)
     if p.history.records:
         doc["lrs"] = {opt: list(lrs) for opt, lrs in p.history.records[-1].lrs.items()}
     if as_json:
@@ -367,6 +437,10 @@ def _summary_lines(doc: dict[str, Any], run_dir: Path) -> list[tuple[str, str]]:
         status += f" (stop: {doc['stop_reason']})"
     if doc.get("error_type"):
         status += f" ({doc['error_type']}: {doc['error']})"
+    if doc.get("writer_alive") is False:
+        status += " (no process on this machine is writing it: killed or crashed? " + (
+            f"resume it with fit(..., resume_from={str(run_dir)!r}))" if doc["last"] is not None
+            else "it has no checkpoint to resume from)")
     lines = [
         ("run", f"{doc['run_id'] or run_dir.name}  ({run_dir})"),
         ("status", status),
@@ -389,11 +463,43 @@ def _summary_lines(doc: dict[str, Any], run_dir: Path) -> list[tuple[str, str]]:
     return lines
 
 
+def _plot_format_error(out: Path) -> str | None:
+    """Why matplotlib cannot write ``out`` (its extension names no format it writes), or None."""
+    try:
+        from matplotlib.backend_bases import FigureCanvasBase
+    except ImportError:  # the plot says matplotlib is missing
+        return None
+    known = sorted(FigureCanvasBase.get_supported_filetypes())
+    ext = out.suffix[1:].lower()
+    if ext in known:
+        return None
+    what = f"its extension .{ext} names no image format matplotlib writes" if ext else "it has no extension"
+    return f"argument --out: cannot plot to {str(out)!r}: {what}; use one of .{', .'.join(known)}"
+
+
+def _tensorboard_error(out_dir: Path) -> str | None:
+    """Why exporting into ``out_dir`` would duplicate scalars (it holds event files already), or None."""
+    try:
+        found = sorted(p.name for p in out_dir.iterdir() if p.name.startswith("events.out.tfevents."))
+    except OSError:  # missing (created by the export) or not a directory (the export says so)
+        return None
+    if not found:
+        return None
+    shown = ", ".join(found[:3]) + (f" and {len(found) - 3} more" if len(found) > 3 else "")
+    return (f"argument --tensorboard: {str(out_dir)!r} already holds TensorBoard event files ({shown}); "
+            "exporting again would show every scalar twice: choose an empty directory or delete them")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run ``inspect``; return the exit status."""
     parser = _parser()
     try:
         args = parser.parse_intermixed_args(argv)
+        _check_applicable(parser, args)
+        if args.command == "plot" and args.out is not None and (why := _plot_format_error(args.out)):
+            parser.error(why)
+        if args.command == "export" and args.tensorboard is not None and (why := _tensorboard_error(args.tensorboard)):
+            parser.error(why)
     except SystemExit as exc:  # argparse exits 2 on a usage error, 0 on --help
         return int(exc.code) if isinstance(exc.code, int) else EXIT_UNUSABLE
     try:
@@ -402,23 +508,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"inspect: {exc}", file=sys.stderr)
         return EXIT_UNUSABLE
     args.poll_s = 0.5
+    args.start = args.start or 0
     if args.end is not None and args.end < args.start:
         print(f"inspect: --to {args.end} is before --from {args.start}", file=sys.stderr)
         return EXIT_UNUSABLE
     if args.schema:
-        _schema()
+        sys.stdout.write(msgspec.json.format(msgspec.json.encode(json_schema())).decode() + "\n")
         return EXIT_OK
     if args.run_dir is None:
         print("inspect: RUN_DIR is required (or --schema)", file=sys.stderr)
         return EXIT_UNUSABLE
     if args.command == "plot" and args.out is None:
-        print("inspect: plot needs --out FILE.png", file=sys.stderr)
+        print("inspect: plot needs --out FILE (its extension names the format: .png, .pdf, .svg, ...)",
+              file=sys.stderr)
         return EXIT_UNUSABLE
     if args.command == "export" and args.tensorboard is None:
         print("inspect: export needs --tensorboard DIR", file=sys.stderr)
-        return EXIT_UNUSABLE
-    if args.command == "summary" and (kinds or args.start or args.end is not None or args.limit is not None):
-        print("inspect: --kind/--from/--to/--limit apply to 'events', not 'summary'", file=sys.stderr)
         return EXIT_UNUSABLE
     try:
         log = open_run_log(args.run_dir)
@@ -434,7 +539,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             log.close()  # the report opens the log itself (LMDB allows one handle per process)
             try:
                 print(f"wrote {plot_run(args.run_dir, args.out)}")
-            except (OSError, ImportError) as exc:
+            except (OSError, ImportError, RuntimeError) as exc:  # RuntimeError: .pgf without a TeX system
                 print(f"inspect: cannot write the plot to {args.out}: {exc}", file=sys.stderr)
                 return EXIT_UNUSABLE
         elif args.command == "export":
@@ -454,6 +559,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         sys.stdout.flush()
     except BrokenPipeError:
         reader_left()
+    except KeyboardInterrupt:  # Ctrl-C, above all to end --follow: no traceback
+        return EXIT_INTERRUPTED
     except EventLogError as exc:
         print(f"inspect: {exc}", file=sys.stderr)
         return EXIT_UNUSABLE
