@@ -33,16 +33,17 @@ import sys
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any, TextIO, Union
+from typing import Any, TextIO
 
 import msgspec
 
-from events.codec import CURRENT_TYPES, KINDS, decode
+from events.codec import KINDS, decode
 from events.errors import CorruptEventError, EventLogError
 from events.log import LmdbLog
 from events.schema import Event, HistoryAppended, RunFinalized, RunStarted
 from nnx_es.audit import NotARunError, committed_tail, decoded, open_run_log
 from nnx_es.cli._common import EXIT_INTERRUPTED, EXIT_OK, EXIT_UNUSABLE, reader_left, writer_alive
+from nnx_es.cli._schema import json_schema, plot_format_error, tensorboard_error
 from nnx_es.views import summary as summary_of
 from projections import Projections, project
 
@@ -344,54 +345,6 @@ def _at(log: LmdbLog, seq: int, as_json: bool) -> None:
         sys.stdout.write(f"{'history':<12} epoch {r.epoch}: {_fmt(r.train)} {_fmt(r.val)} improved={_fmt(r.improved)}\n")
 
 
-def json_schema() -> dict[str, Any]:
-    """The JSON Schema (2020-12) of one line of ``inspect RUN_DIR --json``, from the msgspec types.
-
-    Each kind's object is what :func:`_as_json` prints: ``seq`` (0-based), ``kind``
-    (the stable kind name: the stored tag of version N > 1 is ``"<kind>@N"``,
-    :mod:`events.schema`, but ``--json`` prints the name and the version apart),
-    ``version`` and every field of the struct, defaulted ones too. Only today's
-    versions occur: a legacy event is upcast when read (:func:`events.codec.decode`).
-    A float that is not finite prints as ``null`` (msgspec's JSON has no NaN or
-    infinity), so every number may be ``null``. ``$defs.Event`` is the union of
-    the kinds, with an OpenAPI ``discriminator`` on ``kind``; ``$defs.Undecodable``
-    is the line printed for a stored value that does not decode.
-    """
-    (union,), defs = msgspec.json.schema_components([Union[CURRENT_TYPES]], ref_template="#/$defs/{name}")  # type: ignore[valid-type]
-    seq = {"type": "integer", "minimum": 0, "description": "the event's position in the log (0-based)"}
-    for node in defs.values():
-        if "properties" in node:  # a struct: to_builtins prints every field
-            node["required"], node["additionalProperties"] = list(node["properties"]), False
-    for t in CURRENT_TYPES:
-        node = defs[t.__name__]
-        fields = {k: v for k, v in node["properties"].items() if k != "kind"}
-        node["properties"] = {"seq": seq, "kind": {"const": t.KIND}, "version": {"const": t.VERSION}, **fields}
-        node["required"] = list(node["properties"])
-    _nullable_numbers(defs)
-    defs["Event"] = {"anyOf": union["anyOf"], "discriminator": {
-        "propertyName": "kind", "mapping": {t.KIND: f"#/$defs/{t.__name__}" for t in CURRENT_TYPES}}}
-    defs["Undecodable"] = {
-        "title": "Undecodable", "description": "A stored value that does not decode: its seq and why.",
-        "type": "object", "properties": {"seq": seq, "kind": {"type": "null"}, "error": {"type": "string"}},
-        "required": ["seq", "kind", "error"], "additionalProperties": False,
-    }
-    return {"$schema": "https://json-schema.org/draft/2020-12/schema", "title": "nnx_es inspect --json line",
-            "anyOf": [{"$ref": "#/$defs/Event"}, {"$ref": "#/$defs/Undecodable"}], "$defs": defs}
-
-
-def _nullable_numbers(node: Any) -> None:
-    """Let every ``{"type": "number"}`` under ``node`` be null too (a non-finite float prints as null)."""
-    if isinstance(node, dict):
-        if node.get("type") == "number":
-            node["type"] = ["number", "null"]
-        for key, value in node.items():
-            if key != "default":
-                _nullable_numbers(value)
-    elif isinstance(node, list):
-        for value in node:
-            _nullable_numbers(value)
-
-
 #: Statuses of a run not finalized ("new": events, none committed yet, as the summary reads the committed view).
 _UNFINISHED = frozenset({"new", "running", "failing"})
 
@@ -463,42 +416,15 @@ def _summary_lines(doc: dict[str, Any], run_dir: Path) -> list[tuple[str, str]]:
     return lines
 
 
-def _plot_format_error(out: Path) -> str | None:
-    """Why matplotlib cannot write ``out`` (its extension names no format it writes), or None."""
-    try:
-        from matplotlib.backend_bases import FigureCanvasBase
-    except ImportError:  # the plot says matplotlib is missing
-        return None
-    known = sorted(FigureCanvasBase.get_supported_filetypes())
-    ext = out.suffix[1:].lower()
-    if ext in known:
-        return None
-    what = f"its extension .{ext} names no image format matplotlib writes" if ext else "it has no extension"
-    return f"argument --out: cannot plot to {str(out)!r}: {what}; use one of .{', .'.join(known)}"
-
-
-def _tensorboard_error(out_dir: Path) -> str | None:
-    """Why exporting into ``out_dir`` would duplicate scalars (it holds event files already), or None."""
-    try:
-        found = sorted(p.name for p in out_dir.iterdir() if p.name.startswith("events.out.tfevents."))
-    except OSError:  # missing (created by the export) or not a directory (the export says so)
-        return None
-    if not found:
-        return None
-    shown = ", ".join(found[:3]) + (f" and {len(found) - 3} more" if len(found) > 3 else "")
-    return (f"argument --tensorboard: {str(out_dir)!r} already holds TensorBoard event files ({shown}); "
-            "exporting again would show every scalar twice: choose an empty directory or delete them")
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """Run ``inspect``; return the exit status."""
     parser = _parser()
     try:
         args = parser.parse_intermixed_args(argv)
         _check_applicable(parser, args)
-        if args.command == "plot" and args.out is not None and (why := _plot_format_error(args.out)):
+        if args.command == "plot" and args.out is not None and (why := plot_format_error(args.out)):
             parser.error(why)
-        if args.command == "export" and args.tensorboard is not None and (why := _tensorboard_error(args.tensorboard)):
+        if args.command == "export" and args.tensorboard is not None and (why := tensorboard_error(args.tensorboard)):
             parser.error(why)
     except SystemExit as exc:  # argparse exits 2 on a usage error, 0 on --help
         return int(exc.code) if isinstance(exc.code, int) else EXIT_UNUSABLE
