@@ -15,7 +15,7 @@ from pathlib import Path
 import msgspec
 
 from events.errors import EventLogError
-from nnx_es.cli._common import EXIT_OK, EXIT_UNUSABLE, EXIT_VIOLATIONS, reader_left
+from nnx_es.cli._common import EXIT_INTERRUPTED, EXIT_OK, EXIT_UNUSABLE, EXIT_VIOLATIONS, reader_left
 from nnx_es.audit import INVARIANTS, AuditReport, NotARunError, audit_run
 
 __all__ = ["main", "render"]
@@ -61,6 +61,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (NotARunError, EventLogError) as exc:
         print(f"replay: {exc}", file=sys.stderr)
         return EXIT_UNUSABLE
+    except KeyboardInterrupt:  # Ctrl-C on a long audit: no traceback
+        return EXIT_INTERRUPTED
     try:
         if args.json:
             sys.stdout.write(msgspec.json.encode(report).decode() + "\n")

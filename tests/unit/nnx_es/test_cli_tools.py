@@ -192,3 +192,14 @@ def test_inspect_on_a_terminal_renders_with_rich(clean: Run, monkeypatch: pytest
     assert inspect_cli.main([str(clean.run_dir), "summary"]) == 0
     text = screen.getvalue()
     assert "run_started" in text and "last_committed" in text and "completed" in text and "BEST" in text
+
+
+def test_replay_interrupted_by_ctrl_c_exits_130_without_a_traceback(monkeypatch, tmp_path, capsys):
+    import nnx_es.cli.replay as replay_cli
+
+    def interrupted(run_dir):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(replay_cli, "audit_run", interrupted)
+    assert replay_cli.main([str(tmp_path)]) == 130
+    assert capsys.readouterr().err == ""
