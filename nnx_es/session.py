@@ -16,7 +16,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import msgspec
 import structlog
@@ -37,7 +37,7 @@ from nnx_es.update_hooks import EMA
 if TYPE_CHECKING:
     from nnx_es.trainer import Trainer
 
-__all__ = ["check_epochs", "check_recipe", "open_session"]
+__all__ = ["check_epochs", "open_session"]
 
 log = structlog.get_logger("nnx_es")
 
@@ -51,20 +51,6 @@ def check_epochs(epochs: int, start_epoch: int) -> None:
     if epochs < start_epoch:
         raise ConfigError(f"epochs={epochs} is fewer than the {start_epoch} epochs the run already committed: "
                           f"epochs counts from the run's start (pass epochs >= {start_epoch}); nothing was written")
-
-
-def check_recipe(recipe: dict[str, Any]) -> None:
-    """Refuse a recipe ``run_started`` could not record (JSON-like builtins only).
-
-    Raises:
-        ConfigError: naming the first key whose value msgspec cannot encode.
-    """
-    for key, value in recipe.items():
-        try:
-            msgspec.msgpack.encode({key: value})
-        except (TypeError, msgspec.EncodeError) as exc:
-            raise ConfigError(f"recipe[{key!r}] cannot be recorded ({exc}): keep the recipe to JSON-like "
-                              "builtins (str, numbers, bools, None, lists, dicts with str keys)") from None
 
 
 def _library_versions() -> dict[str, str]:

@@ -71,7 +71,8 @@ from nnx_es.metrics import evaluate, validate_metrics
 from nnx_es.objective import Objective
 from nnx_es.progress import Progress
 from nnx_es.recorder import Recorder
-from nnx_es.session import check_epochs, check_recipe, open_session
+from nnx_es.session import check_epochs, open_session
+from nnx_es.validation import check_cadences, check_run_args
 from nnx_es.result import RunResult, load_result, result_of
 from nnx_es.rng import LoaderGenerators
 from nnx_es.schedulers import Scheduler
@@ -203,16 +204,8 @@ class Trainer:
         if len(set(names)) != len(names):
             raise ConfigError(f"callback names must be unique (they key checkpoint state), got {names}")
         self.callbacks = list(callbacks)
-        if validate_every < 1:
-            raise ConfigError(f"validate_every must be >= 1 epoch, got {validate_every!r}")
-        if phase_every is not None and phase_every < 1:
-            raise ConfigError(f"phase_every must be >= 1 epoch or None, got {phase_every!r}")
-        if keep_phases is not None and keep_phases < 1:
-            raise ConfigError(f"keep_phases must be >= 1 or None, got {keep_phases!r}")
-        if keep_phases is not None and phase_every is None:
-            raise ConfigError("keep_phases needs phase_every (phase checkpoints every N epochs) to rotate anything")
-        if validate_every_steps is not None and validate_every_steps < 1:
-            raise ConfigError(f"validate_every_steps must be >= 1 or None, got {validate_every_steps!r}")
+        check_cadences(validate_every=validate_every, validate_every_steps=validate_every_steps,
+                       phase_every=phase_every, keep_phases=keep_phases)
         self.validate_every = validate_every
         self.validate_every_steps = validate_every_steps
         self.phase_every = phase_every
@@ -225,20 +218,13 @@ class Trainer:
             raise ConfigError(f"optimizer {closure[0]!r} is LBFGS, whose step() re-evaluates the loss through a "
                               "closure; the update engine steps once per window without one: pass a trainer_step_fn "
                               "that calls opt.step(closure) and ctx.report_update(...)")
+        check_run_args(runs_root=runs_root, seed=seed, progress=progress, batch_gather=batch_gather, recipe=recipe)
         self.runs_root = Path(runs_root)
-        if self.runs_root.exists() and not self.runs_root.is_dir():
-            raise ConfigError(f"runs_root must be a directory, got the file {str(self.runs_root)!r}")
         self.run_id = validate_run_id(run_id) if run_id is not None else None
-        if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
-            raise ConfigError(f"seed must be an int in [0, 2**63), got {seed!r}")
         self.seed = seed
-        Progress(progress)  # refuses a value other than True, False or None
         self.progress_enabled = progress
-        if not isinstance(batch_gather, bool):
-            raise ConfigError(f"batch_gather must be True or False, got {batch_gather!r}")
         self.batch_gather = batch_gather
         self.recipe = dict(recipe or {})
-        check_recipe(self.recipe)
         self.world_size = 1
         self.metrics = validate_metrics(metrics)
         if self.monitor is not None:

@@ -1,0 +1,68 @@
+"""Checks of ``Trainer`` arguments that need no other part of the trainer: each refuses a bad
+value by name (:class:`~nnx_es.errors.ConfigError`) before anything is built or written."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from nnx_es.errors import ConfigError
+from nnx_es.progress import Progress
+
+__all__ = ["check_cadences", "check_recipe", "check_run_args"]
+
+
+def check_cadences(*, validate_every: int, validate_every_steps: int | None, phase_every: int | None,
+                   keep_phases: int | None) -> None:
+    """Validation and phase-checkpoint cadences (epochs; ``validate_every_steps`` in updates).
+
+    Raises:
+        ConfigError: a cadence below 1, or ``keep_phases`` without ``phase_every``.
+    """
+    if validate_every < 1:
+        raise ConfigError(f"validate_every must be >= 1 epoch, got {validate_every!r}")
+    if phase_every is not None and phase_every < 1:
+        raise ConfigError(f"phase_every must be >= 1 epoch or None, got {phase_every!r}")
+    if keep_phases is not None and keep_phases < 1:
+        raise ConfigError(f"keep_phases must be >= 1 or None, got {keep_phases!r}")
+    if keep_phases is not None and phase_every is None:
+        raise ConfigError("keep_phases needs phase_every (phase checkpoints every N epochs) to rotate anything")
+    if validate_every_steps is not None and validate_every_steps < 1:
+        raise ConfigError(f"validate_every_steps must be >= 1 or None, got {validate_every_steps!r}")
+
+
+def check_run_args(*, runs_root: Any, seed: Any, progress: Any, batch_gather: Any,
+                   recipe: Mapping[str, Any] | None) -> None:
+    """Where and how a run is recorded.
+
+    Raises:
+        ConfigError: ``runs_root`` is a file; ``seed`` is not an int in [0, 2**63);
+            ``progress`` is not True, False or None; ``batch_gather`` is not a bool; a
+            ``recipe`` value cannot be recorded (:func:`check_recipe`).
+    """
+    root = Path(runs_root)
+    if root.exists() and not root.is_dir():
+        raise ConfigError(f"runs_root must be a directory, got the file {str(root)!r}")
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
+        raise ConfigError(f"seed must be an int in [0, 2**63), got {seed!r}")
+    Progress(progress)  # refuses a value other than True, False or None
+    if not isinstance(batch_gather, bool):
+        raise ConfigError(f"batch_gather must be True or False, got {batch_gather!r}")
+    check_recipe(dict(recipe or {}))
+
+
+def check_recipe(recipe: Mapping[str, Any]) -> None:
+    """Refuse a recipe ``run_started`` could not record (JSON-like builtins only).
+
+    Raises:
+        ConfigError: naming the first key whose value msgspec cannot encode.
+    """
+    for key, value in recipe.items():
+        try:
+            msgspec.msgpack.encode({key: value})
+        except (TypeError, msgspec.EncodeError) as exc:
+            raise ConfigError(f"recipe[{key!r}] cannot be recorded ({exc}): keep the recipe to JSON-like "
+                              "builtins (str, numbers, bools, None, lists, dicts with str keys)") from None
