@@ -46,9 +46,13 @@ class Term:
         if not callable(fn):
             raise ConfigError(f"a loss term must be callable, got {fn!r}")
         self.fn = fn
-        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not math.isfinite(weight):
+        try:  # a Python, NumPy or 0-dim tensor number
+            value = float(weight) if not isinstance(weight, (bool, str, bytes)) else math.nan
+        except (TypeError, ValueError, RuntimeError):  # RuntimeError: a tensor of several elements
+            value = math.nan
+        if not math.isfinite(value):
             raise ConfigError(f"a loss term's weight must be a finite number, got {weight!r}")
-        self.weight = float(weight)
+        self.weight = value
 
     def per_row(self, outputs: Tensor, targets: Tensor) -> Tensor:
         losses = self.fn(outputs, targets)

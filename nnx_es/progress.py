@@ -45,6 +45,8 @@ class Progress:
                 TextColumn("epoch {task.fields[epoch]}"), BarColumn(), MofNCompleteColumn(),
                 TextColumn("step {task.fields[step]}  loss {task.fields[loss]}  {task.fields[rate]} rows/s"),
                 TimeElapsedColumn(), transient=True, console=console,
+                # prints go where they would: kept above the display on a terminal, into a redirected stdout as they are
+                redirect_stdout=sys.stdout.isatty(),
             )
             self._bar.start()
         if self._task is not None:

@@ -43,14 +43,14 @@ log = structlog.get_logger("nnx_es")
 
 
 def check_epochs(epochs: int, start_epoch: int) -> None:
-    """Refuse a resume asked to train to fewer epochs than its run already committed (before it writes).
+    """Refuse a resume asked to train to fewer epochs than its run already committed (before it restores anything).
 
     Raises:
         ConfigError: ``epochs`` (counted from the run's start) is below the run's committed epochs.
     """
     if epochs < start_epoch:
         raise ConfigError(f"epochs={epochs} is fewer than the {start_epoch} epochs the run already committed: "
-                          f"epochs counts from the run's start (pass epochs >= {start_epoch}); nothing was written")
+                          f"epochs counts from the run's start (pass epochs >= {start_epoch}); nothing was restored or written")
 
 
 def _library_versions() -> dict[str, str]:
@@ -71,9 +71,12 @@ def _library_versions() -> dict[str, str]:
 
 @contextmanager
 def open_session(
-    trainer: Trainer, resume_from: str | Path | None, resume_mode: str
+    trainer: Trainer, resume_from: str | Path | None, resume_mode: str, epochs: int
 ) -> Iterator[tuple[RunStarted | RunResumed, int]]:
     """Hold the lease and the open log of ``trainer``'s run; yield (opening event, first epoch).
+
+    ``epochs``: the ``fit`` call's, counted from the run's start (a resume to fewer than the
+    run committed is refused before anything is restored).
 
     Sets ``trainer.run_id``, ``run_dir``, ``runs_root``, ``store`` and ``recorder``.
 
@@ -121,6 +124,7 @@ def open_session(
             if stateful:
                 point = find_resume_point(run_dir, event_log, expect_run_id=run_id)
                 _check_same_recipe(trainer, point.started, point.manifest)
+                check_epochs(epochs, point.manifest.epoch + 1)
                 apply_state(trainer, load_state(trainer.store, point.manifest))
                 stop = point.projections.status.stop_reason
                 if stop is not None and stop != "update_boundary":
@@ -203,7 +207,8 @@ def _check_same_recipe(trainer: Trainer, started: RunStarted | None, manifest: M
         if theirs != ours and not (field == "update" and theirs is None):  # None: an older run declared none
             raise ResumeError(
                 f"cannot resume run {started.run_id!r} statefully with a different {label}: the run declared "
-                f"{theirs!r}, this trainer has {ours!r} (use resume_mode='weights_only' to start a new run)"
+                f"{theirs!r}, this trainer has {ours!r} (use resume_mode='weights_only' to start a new run); "
+                "nothing was restored or written"
             )
 
 

@@ -44,12 +44,13 @@ def validate_run_id(run_id: str) -> str:
     """Return ``run_id`` if it is a safe directory name.
 
     Raises:
-        InvalidRunIdError: empty, longer than 128 characters, starting with ``.`` (``.``,
-            ``..``, the runs root's ``.leases``), or a character outside ``[A-Za-z0-9._-]``.
+        InvalidRunIdError: empty, longer than 128 characters, ``.``, ``..``, ``.leases`` (the
+            runs root's lease directory), or a character outside ``[A-Za-z0-9._-]``.
     """
-    if not isinstance(run_id, str) or not _RUN_ID.fullmatch(run_id) or run_id.startswith("."):
-        raise InvalidRunIdError(  # a leading dot: hidden, and the runs root's own .leases
-            f"run_id must be 1-128 characters of [A-Za-z0-9._-], not starting with '.', got {run_id!r}"
+    if not isinstance(run_id, str) or not _RUN_ID.fullmatch(run_id) or run_id in (".", "..", ".leases"):
+        raise InvalidRunIdError(
+            f"run_id must be 1-128 characters of [A-Za-z0-9._-], not '.', '..' or '.leases' (the runs root's "
+            f"lease directory), got {run_id!r}"
         )
     return run_id
 
@@ -301,6 +302,7 @@ class Lease:
 
     def release(self) -> None:
         if self._fd is not None:
+            os.ftruncate(self._fd, 0)  # no pid left behind to be taken for a live writer
             fcntl.flock(self._fd, fcntl.LOCK_UN)
             os.close(self._fd)
             self._fd = None

@@ -71,7 +71,7 @@ from nnx_es.metrics import evaluate, validate_metrics
 from nnx_es.objective import Objective
 from nnx_es.progress import Progress
 from nnx_es.recorder import Recorder
-from nnx_es.session import check_epochs, open_session
+from nnx_es.session import open_session
 from nnx_es.validation import check_cadences, check_run_args
 from nnx_es.result import RunResult, load_result, result_of
 from nnx_es.rng import LoaderGenerators
@@ -364,8 +364,7 @@ class Trainer:
         ensure_logging()
         self.generators = {"train": LoaderGenerators.of(train_loader), "val": LoaderGenerators.of(val_loader)}
         self.final_projection = None
-        with open_session(self, resume_from, resume_mode) as (opening, start_epoch):
-            check_epochs(epochs, start_epoch)
+        with open_session(self, resume_from, resume_mode, epochs) as (opening, start_epoch):
             self._run(train_loader, val_loader, epochs, opening, start_epoch)
         assert self.run_dir is not None
         if self.final_projection is not None:  # the log as finalization projected it for the views

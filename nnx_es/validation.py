@@ -39,15 +39,15 @@ def check_run_args(*, runs_root: Any, seed: Any, progress: Any, batch_gather: An
     """Where and how a run is recorded.
 
     Raises:
-        ConfigError: ``runs_root`` is a file; ``seed`` is not an int in [0, 2**63);
+        ConfigError: ``runs_root`` is a file; ``seed`` is not an int in [-2**63, 2**64);
             ``progress`` is not True, False or None; ``batch_gather`` is not a bool; a
             ``recipe`` value cannot be recorded (:func:`check_recipe`).
     """
     root = Path(runs_root)
     if root.exists() and not root.is_dir():
         raise ConfigError(f"runs_root must be a directory, got the file {str(root)!r}")
-    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
-        raise ConfigError(f"seed must be an int in [0, 2**63), got {seed!r}")
+    if isinstance(seed, bool) or not isinstance(seed, int) or not -(2**63) <= seed < 2**64:
+        raise ConfigError(f"seed must be an int in [-2**63, 2**64) (torch.manual_seed's range), got {seed!r}")
     Progress(progress)  # refuses a value other than True, False or None
     if not isinstance(batch_gather, bool):
         raise ConfigError(f"batch_gather must be True or False, got {batch_gather!r}")
@@ -60,9 +60,11 @@ def check_recipe(recipe: Mapping[str, Any]) -> None:
     Raises:
         ConfigError: naming the first key whose value msgspec cannot encode.
     """
+    advice = "keep the recipe to JSON-like builtins (str keys; str, numbers, bools, None, lists, dicts)"
     for key, value in recipe.items():
-        try:
-            msgspec.msgpack.encode({key: value})
-        except (TypeError, msgspec.EncodeError) as exc:
-            raise ConfigError(f"recipe[{key!r}] cannot be recorded ({exc}): keep the recipe to JSON-like "
-                              "builtins (str, numbers, bools, None, lists, dicts with str keys)") from None
+        if not isinstance(key, str):
+            raise ConfigError(f"recipe key {key!r} is not a str: run_started records str keys; {advice}")
+        try:  # as run_started encodes it, and back
+            msgspec.msgpack.decode(msgspec.msgpack.encode({key: value}), type=dict[str, Any])
+        except (TypeError, OverflowError, msgspec.EncodeError, msgspec.ValidationError) as exc:
+            raise ConfigError(f"recipe[{key!r}] cannot be recorded ({exc}); {advice}") from None

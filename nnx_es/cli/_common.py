@@ -27,26 +27,29 @@ def writer_alive(run_dir: Path) -> bool:
     (:class:`nnx_es.storage.Lease`), which the kernel drops when its holder dies,
     so a SIGKILLed writer leaves it free. It is never probed by locking it: a
     probe, however brief, would make a writer starting at that moment fail with
-    ``LeaseHeldError``. Instead the writer counts as alive when either of two
-    read-only signals says so:
-
-    * ``/proc/locks`` (Linux) lists a ``FLOCK`` held on the lease file;
-    * the pid the holder wrote into the file names a running process.
-
-    A reused pid can make a dead writer look alive (the safe side: nothing is
-    claimed). A writer on another machine sharing ``runs/`` is seen by neither.
+    ``LeaseHeldError``. Instead it reads ``/proc/locks`` (Linux): the writer is
+    alive when a ``FLOCK`` is held on the lease file. Where that table cannot be
+    read, the pid the holder wrote into the file is asked about instead (a reused
+    pid then makes a dead writer look alive: the safe side, nothing is claimed).
+    A writer on another machine sharing ``runs/`` is not seen. ``run_dir`` is
+    resolved first (``.``, a symlink to the run).
     """
-    lease = Path(run_dir).parent / ".leases" / f"{Path(run_dir).name}.lock"
-    return _flocked(lease) or _pid_alive(lease)
+    run_dir = Path(run_dir).resolve()
+    lease = run_dir.parent / ".leases" / f"{run_dir.name}.lock"
+    held = _flocked(lease)
+    return held if held is not None else _pid_alive(lease)
 
 
-def _flocked(path: Path) -> bool:
-    """Whether ``/proc/locks`` lists a held (not a waiting) ``flock`` on ``path``; False where it cannot tell."""
+def _flocked(path: Path) -> bool | None:
+    """Whether ``/proc/locks`` lists a held (not a waiting) ``flock`` on ``path``; None where it cannot tell."""
     try:
-        st = path.stat()
         with open("/proc/locks") as f:
             lines = f.read().splitlines()
     except OSError:
+        return None
+    try:
+        st = path.stat()
+    except OSError:  # no lease file: no writer ever held it here
         return False
     # "1: FLOCK  ADVISORY  WRITE 8531 fe:00:2146564 0 EOF"; a waiter reads "1: -> FLOCK ..."
     where = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"

@@ -17,7 +17,7 @@ commands:
                     extension names the format (png, pdf, svg, ...)
   export --tensorboard DIR
                     TensorBoard scalars, into a DIR holding no TensorBoard event files yet
-  --schema          (no RUN_DIR) the JSON Schema of the lines --json prints
+  --schema          (no RUN_DIR) the JSON Schema of the event lines --json prints (not of --at or summary)
 
 An option the command would ignore is refused (e.g. summary --at, --at --kind).
 Tables use rich when stdout is a terminal, plain aligned text otherwise.
@@ -79,7 +79,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--follow", action="store_true", help="events: keep printing new events of a live run")
     parser.add_argument("--at", type=_seq, default=None, metavar="SEQ",
                         help="events: every projection's state after the log up to SEQ")
-    parser.add_argument("--schema", action="store_true", help="print the JSON Schema of the --json lines (no RUN_DIR)")
+    parser.add_argument("--schema", action="store_true", help="print the JSON Schema of the event lines --json prints (no RUN_DIR)")
     parser.add_argument("--out", type=Path, default=None, metavar="FILE", help="plot: the image to write")
     parser.add_argument("--tensorboard", type=Path, default=None, metavar="DIR",
                         help="export: TensorBoard log dir (without event files)")
@@ -392,7 +392,7 @@ def _summary_lines(doc: dict[str, Any], run_dir: Path) -> list[tuple[str, str]]:
         status += f" ({doc['error_type']}: {doc['error']})"
     if doc.get("writer_alive") is False:
         status += " (no process on this machine is writing it: killed or crashed? " + (
-            f"resume it with fit(..., resume_from={str(run_dir)!r}))" if doc["last"] is not None
+            f"resume it with fit(..., resume_from={str(run_dir.resolve())!r}))" if doc["last"] is not None
             else "it has no checkpoint to resume from)")
     lines = [
         ("run", f"{doc['run_id'] or run_dir.name}  ({run_dir})"),

@@ -220,7 +220,11 @@ def test_a_resume_to_fewer_epochs_than_committed_is_refused_and_writes_nothing(t
     runs = tmp_path / "runs"
     train(runs, 3, [])
     before = _tree(runs / "r")
+    model = NNModel(small_net(0))
+    fresh = [p.detach().clone() for p in model.net.parameters()]
     with pytest.raises(ConfigError, match=r"epochs=2 is fewer than the 3 epochs the run already committed"):
-        train(runs, 2, [], resume_from=runs / "r")
+        model.train(*loaders(batch_size=8), epochs=2, optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1),
+                    runs_root=runs, seed=0, progress=False, resume_from=runs / "r")
     assert _tree(runs / "r") == before
+    assert all(torch.equal(a, b) for a, b in zip(fresh, model.net.parameters()))  # nothing restored into it
     assert train(runs, 3, [], resume_from=runs / "r").status == "completed"  # as many: nothing left to train

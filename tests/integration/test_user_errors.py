@@ -31,9 +31,12 @@ def _net_opt():
         ({"monitor": "val_accuracy"}, "monitor 'val_accuracy' names no reported metric"),
         ({"monitor": 3}, "monitor must be"),
         ({"track_grad_norm": "yes"}, "track_grad_norm must be True or False, got 'yes'"),
-        ({"seed": 2**70}, r"seed must be an int in \[0, 2\*\*63\), got 1180591620717411303424"),
-        ({"seed": -1}, r"seed must be an int in \[0, 2\*\*63\), got -1"),
+        ({"seed": 2**70}, r"seed must be an int in \[-2\*\*63, 2\*\*64\) .*, got 1180591620717411303424"),
+        ({"seed": -(2**63) - 1}, r"seed must be an int in \[-2\*\*63, 2\*\*64\)"),
         ({"recipe": {"lr": 0.1, "f": object()}}, r"recipe\['f'\] cannot be recorded"),
+        ({"recipe": {1: "x"}}, "recipe key 1 is not a str"),
+        ({"recipe": {"b": 2**70}}, r"recipe\['b'\] cannot be recorded"),
+        ({"loss": {"ce": (nn.CrossEntropyLoss(), torch.ones(2))}}, "finite number"),
         ({"loss": {"ce": (nn.CrossEntropyLoss(), "a")}}, "a loss term's weight must be a finite number, got 'a'"),
         ({"loss": {"ce": (nn.CrossEntropyLoss(), float("nan"))}}, "finite number, got nan"),
         ({"metrics": "accuracy"}, r"metrics must be a list of names, got the string 'accuracy' \(write \['accuracy'\]\)"),
@@ -49,12 +52,21 @@ def test_bad_trainer_arguments_are_refused_naming_the_value(kwargs, message):
         Trainer(net, args.pop("optimizer"), args.pop("loss"), **args)
 
 
-def test_a_run_id_that_would_be_hidden_or_the_lease_directory_is_refused(tmp_path):
+def test_a_run_id_naming_the_lease_directory_is_refused(tmp_path):
     from nnx_es.errors import InvalidRunIdError
 
     net, opt = _net_opt()
-    with pytest.raises(InvalidRunIdError, match="not starting with '.', got '.leases'"):
+    with pytest.raises(InvalidRunIdError, match=r"not '\.', '\.\.' or '\.leases' .*got '\.leases'"):
         Trainer(net, opt, nn.CrossEntropyLoss(), runs_root=tmp_path, run_id=".leases")
+
+
+def test_numpy_and_tensor_loss_weights_and_negative_seeds_are_accepted():
+    import numpy as np
+
+    net, opt = _net_opt()
+    for weight in (np.float32(0.1), np.int64(1), torch.tensor(0.5), 2):
+        t = Trainer(net, opt, {"ce": (nn.CrossEntropyLoss(), weight)}, seed=-1)
+        assert t.objective.terms["ce"].weight == float(weight) and t.seed == -1
 
 
 def test_an_optimizer_over_another_nets_parameters_is_refused():

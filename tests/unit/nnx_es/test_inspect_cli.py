@@ -209,6 +209,34 @@ def test_summary_of_a_run_whose_lease_is_held_reads_without_taking_the_lease(tmp
         lease.release()
 
 
+@pytest.mark.parametrize("spelling", ["dot", "symlink"])
+def test_a_live_writer_is_seen_through_any_spelling_of_its_run_directory(tmp_path, capsys, monkeypatch, spelling):
+    run_dir = _running_run(tmp_path)
+    lease = Lease(run_dir.parent, RUN_ID).acquire()
+    try:
+        if spelling == "dot":
+            monkeypatch.chdir(run_dir)
+            given = Path(".")
+        else:
+            given = tmp_path / "latest"
+            given.symlink_to(run_dir, target_is_directory=True)
+        assert main([str(given), "summary", "--json"]) == 0
+        assert json.loads(capsys.readouterr().out)["writer_alive"] is True
+    finally:
+        lease.release()
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/locks"), reason="the lock table decides only where it can be read")
+def test_a_pid_left_in_a_free_lease_does_not_make_a_dead_writer_look_alive(tmp_path, capsys):
+    run_dir = _running_run(tmp_path)
+    Lease(run_dir.parent, RUN_ID).acquire().release()
+    lease_file = run_dir.parent / ".leases" / f"{RUN_ID}.lock"
+    assert lease_file.read_text() == ""  # a released lease keeps no pid
+    lease_file.write_text(f"{os.getpid()}\n")  # a live pid (reused, or an older release's) in a free lease
+    assert main([str(run_dir), "summary", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["writer_alive"] is False
+
+
 def test_summary_of_a_dead_run_without_a_checkpoint_says_there_is_nothing_to_resume(tmp_path, capsys):
     run_dir = _running_run(tmp_path, checkpoint=False)
     assert main([str(run_dir), "summary"]) == 0
@@ -277,7 +305,7 @@ def test_help_describes_the_refusals_ctrl_c_and_the_flagged_summary(capsys):
     text = capsys.readouterr().out
     for needle in ("An option the command would ignore is refused", "130 interrupted (Ctrl-C)",
                    "killed or crashed?", "resume_from=RUN_DIR", "extension names the format",
-                   "holding no TensorBoard event files", "the JSON Schema of the lines --json prints",
+                   "holding no TensorBoard event files", "the JSON Schema of the event lines --json prints",
                    "takes no filter"):
         assert needle in text, needle
 

@@ -36,6 +36,18 @@ def test_forced_progress_reports_epoch_step_loss_and_rows_per_second_on_stderr(m
     assert capsys.readouterr().out == ""  # stdout stays the program's own
 
 
+def test_prints_while_the_display_is_on_stay_on_a_redirected_stdout(monkeypatch, capsys):
+    err = io.StringIO()
+    monkeypatch.setattr("sys.stderr", err)
+    p = Progress(enabled=True)
+    p.start_epoch(0, 2)
+    print("the program's own line")  # stdout is no terminal here (captured): it is not taken into the display
+    p.advance(0.5, 1, 8)
+    p.close()
+    assert capsys.readouterr().out == "the program's own line\n"
+    assert "the program's own line" not in err.getvalue()
+
+
 def test_progress_other_than_a_bool_or_none_is_refused_by_name():
     import pytest
 
