@@ -333,3 +333,22 @@ def test_export_into_a_directory_without_event_files_is_allowed(real_run, tmp_pa
     assert main([str(real_run), "export", "--tensorboard", str(tb)]) == 0
     assert len([p for p in tb.iterdir() if p.name.startswith("events.out.tfevents.")]) == 1
 
+
+
+def test_summary_says_whether_the_logs_values_verify_against_their_checksums(real_run, tmp_path, capsys):
+    import shutil
+
+    from events.logbase import seq_key
+
+    assert main([str(real_run), "summary", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["checksums"] == "ok"
+    damaged = tmp_path / "r"
+    shutil.copytree(real_run, damaged, ignore=shutil.ignore_patterns("lock.mdb"))
+    with LmdbLog(damaged / "events.lmdb") as log:
+        raw = bytearray(next(raw for seq, raw in log.read_raw(5, 6)))
+        raw[-1] ^= 0x01  # one flipped bit, written past the checksum records (as rot would)
+        with log._env.begin(write=True, db=log._events) as txn:
+            txn.put(seq_key(5), bytes(raw))
+    assert main([str(damaged), "summary"]) == 0
+    line = next(li for li in capsys.readouterr().out.splitlines() if li.startswith("checksums"))
+    assert line.split(None, 1)[1] == "1 range of values do not verify: run tools/replay"
