@@ -88,6 +88,8 @@ def open_session(
     stateful = resume_from is not None and resume_mode == "stateful"
     if resume_from is not None:
         _require_run_dir(Path(resume_from))
+        resume_from = Path(resume_from).resolve()  # ".", a symlink: the run itself (its lease, its id)
+    identity = (trainer.run_id, trainer.runs_root, trainer.run_dir)  # given back when the call is refused
     if stateful:
         source = Path(resume_from)  # type: ignore[arg-type]
         if trainer.run_id not in (None, source.name):
@@ -101,9 +103,13 @@ def open_session(
     trainer.run_id = run_id
     run_dir = trainer.runs_root / run_id
     trainer.run_dir = run_dir
-    lease = Lease(trainer.runs_root, run_id).acquire()
-    created = not run_dir.exists()  # under the lease: what appears in it now is this call's
     began = False
+    try:
+        lease = Lease(trainer.runs_root, run_id).acquire()
+    except BaseException:
+        trainer.run_id, trainer.runs_root, trainer.run_dir = identity
+        raise
+    created = not run_dir.exists()  # under the lease: what appears in it now is this call's
     try:
         has_log = (run_dir / "events.lmdb" / "data.mdb").exists()
         if stateful and not has_log:
@@ -120,11 +126,11 @@ def open_session(
             log.warning("removed stale temporaries", run_id=run_id, files=[str(p) for p in removed])
         with LmdbLog(run_dir / "events.lmdb") as event_log:
             trainer.store = BlobStore(run_dir / "blobs", log=event_log)  # manifests go to the log with LAST
-            seed_everything(trainer.seed)
             if stateful:
                 point = find_resume_point(run_dir, event_log, expect_run_id=run_id)
                 _check_same_recipe(trainer, point.started, point.manifest)
                 check_epochs(epochs, point.manifest.epoch + 1)
+                seed_everything(trainer.seed)  # then the checkpoint's RNG streams are restored over it
                 apply_state(trainer, load_state(trainer.store, point.manifest))
                 stop = point.projections.status.stop_reason
                 if stop is not None and stop != "update_boundary":
@@ -140,6 +146,7 @@ def open_session(
                 )
                 start_epoch = point.manifest.epoch + 1
             else:
+                seed_everything(trainer.seed)
                 src = None
                 if resume_from is not None:
                     src = _load_weights_from(trainer, Path(resume_from))
@@ -151,6 +158,8 @@ def open_session(
     except BaseException:
         if created and not began:  # refused before the run began: leave no empty run to block a retry
             shutil.rmtree(run_dir, ignore_errors=True)
+        if not began:
+            trainer.run_id, trainer.runs_root, trainer.run_dir = identity
         raise
     finally:
         if getattr(trainer, "store", None) is not None and trainer.store.log is not None:

@@ -270,10 +270,30 @@ class BlobStore:
         return data
 
 
+#: descriptors of the leases this process holds; a forked child closes its copies (see Lease)
+_HELD: set[int] = set()
+
+
+def _close_inherited_leases() -> None:
+    """In a forked child (a DataLoader worker, a multiprocessing fork): close the lease descriptors
+    it inherited -- closing, never unlocking, which would free the parent's lease."""
+    for fd in list(_HELD):
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    _HELD.clear()
+
+
+os.register_at_fork(after_in_child=_close_inherited_leases)
+
+
 class Lease:
     """The writer lease of one run: an exclusive ``flock`` on ``runs/.leases/<id>.lock``.
 
-    The kernel drops the lock when the holder dies, so a SIGKILLed writer frees it.
+    The kernel drops the lock when no descriptor of it is left open, so a SIGKILLed
+    writer frees it: a process forked from the writer (DataLoader workers) closes the
+    copy it inherits at once, so it cannot keep the lease alive after the writer died.
 
     Raises:
         LeaseHeldError: from :meth:`acquire` when another process holds it.
@@ -298,12 +318,14 @@ class Lease:
         os.ftruncate(fd, 0)
         os.write(fd, f"{os.getpid()}\n".encode())
         self._fd = fd
+        _HELD.add(fd)
         return self
 
     def release(self) -> None:
         if self._fd is not None:
             os.ftruncate(self._fd, 0)  # no pid left behind to be taken for a live writer
             fcntl.flock(self._fd, fcntl.LOCK_UN)
+            _HELD.discard(self._fd)
             os.close(self._fd)
             self._fd = None
 

@@ -221,7 +221,7 @@ class Trainer:
         check_run_args(runs_root=runs_root, seed=seed, progress=progress, batch_gather=batch_gather, recipe=recipe)
         self.runs_root = Path(runs_root)
         self.run_id = validate_run_id(run_id) if run_id is not None else None
-        self.seed = seed
+        self.seed = int(seed)  # a NumPy integer too
         self.progress_enabled = progress
         self.batch_gather = batch_gather
         self.recipe = dict(recipe or {})

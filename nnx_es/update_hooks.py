@@ -14,6 +14,8 @@ weights while an EMA is present).
 
 from __future__ import annotations
 
+import math
+
 import re
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -133,9 +135,13 @@ class GradientClipping(UpdateHook):
     """Clip the total gradient L2 norm to ``max_norm`` (after unscaling; the receipt keeps the pre-clip norm)."""
 
     def __init__(self, max_norm: float) -> None:
-        if not max_norm > 0:
-            raise ConfigError(f"GradientClipping max_norm must be > 0, got {max_norm!r}")
-        self.max_norm = float(max_norm)
+        try:  # a Python, NumPy or 0-dim tensor number
+            value = float(max_norm) if not isinstance(max_norm, (bool, str, bytes)) else math.nan
+        except (TypeError, ValueError, RuntimeError):
+            value = math.nan
+        if not value > 0 or math.isinf(value):
+            raise ConfigError(f"clip_grad_norm (GradientClipping max_norm) must be a number > 0, got {max_norm!r}")
+        self.max_norm = value
 
     def configure(self, engine: UpdateEngine) -> None:
         engine.clip_grad_norm = self.max_norm

@@ -3,6 +3,7 @@ value by name (:class:`~nnx_es.errors.ConfigError`) before anything is built or 
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -22,16 +23,16 @@ def check_cadences(*, validate_every: int, validate_every_steps: int | None, pha
     Raises:
         ConfigError: a cadence below 1, or ``keep_phases`` without ``phase_every``.
     """
-    if validate_every < 1:
-        raise ConfigError(f"validate_every must be >= 1 epoch, got {validate_every!r}")
-    if phase_every is not None and phase_every < 1:
-        raise ConfigError(f"phase_every must be >= 1 epoch or None, got {phase_every!r}")
-    if keep_phases is not None and keep_phases < 1:
-        raise ConfigError(f"keep_phases must be >= 1 or None, got {keep_phases!r}")
+    for name, value, unit, optional in (("validate_every", validate_every, "epoch", False),
+                                        ("phase_every", phase_every, "epoch", True),
+                                        ("keep_phases", keep_phases, "checkpoint", True),
+                                        ("validate_every_steps", validate_every_steps, "update", True)):
+        if value is None and optional:
+            continue
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+            raise ConfigError(f"{name} must be an int >= 1 {unit}{' or None' if optional else ''}, got {value!r}")
     if keep_phases is not None and phase_every is None:
         raise ConfigError("keep_phases needs phase_every (phase checkpoints every N epochs) to rotate anything")
-    if validate_every_steps is not None and validate_every_steps < 1:
-        raise ConfigError(f"validate_every_steps must be >= 1 or None, got {validate_every_steps!r}")
 
 
 def check_run_args(*, runs_root: Any, seed: Any, progress: Any, batch_gather: Any,
@@ -46,11 +47,13 @@ def check_run_args(*, runs_root: Any, seed: Any, progress: Any, batch_gather: An
     root = Path(runs_root)
     if root.exists() and not root.is_dir():
         raise ConfigError(f"runs_root must be a directory, got the file {str(root)!r}")
-    if isinstance(seed, bool) or not isinstance(seed, int) or not -(2**63) <= seed < 2**64:
+    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or not -(2**63) <= seed < 2**64:
         raise ConfigError(f"seed must be an int in [-2**63, 2**64) (torch.manual_seed's range), got {seed!r}")
     Progress(progress)  # refuses a value other than True, False or None
     if not isinstance(batch_gather, bool):
         raise ConfigError(f"batch_gather must be True or False, got {batch_gather!r}")
+    if recipe is not None and not isinstance(recipe, Mapping):
+        raise ConfigError(f"recipe must be a dict of str keys (JSON-like values) or None, got {recipe!r}")
     check_recipe(dict(recipe or {}))
 
 

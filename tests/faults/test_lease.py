@@ -210,3 +210,35 @@ def test_stale_temporaries_of_a_hard_kill_are_cleaned_on_the_next_open_and_repor
     assert sorted(warnings[0]["files"]) == sorted(str(p) for p in stale)
     _assert_bitwise(trainer, clean)
     _audit_ok(run_dir)
+
+
+def test_a_process_forked_by_the_writer_does_not_keep_the_lease_after_the_writer_is_killed(tmp_path):
+    """DataLoader workers are forked from the writer: the lease must not outlive it in them."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    script = (
+        "import os, signal, sys, time\n"
+        "from nnx_es.storage import Lease\n"
+        "Lease(sys.argv[1], 'r').acquire()\n"
+        "child = os.fork()\n"
+        "if child == 0:\n"
+        "    time.sleep(60)\n"
+        "    os._exit(0)\n"
+        "open(os.path.join(sys.argv[1], 'child'), 'w').write(str(child))\n"
+        "os.kill(os.getpid(), signal.SIGKILL)\n"
+    )
+    repo = Path(__file__).resolve().parents[2]
+    # no pipes: the run returns when the writer dies, not when the child does
+    subprocess.run([sys.executable, "-c", script, str(tmp_path)], stdout=subprocess.DEVNULL,
+                   stderr=subprocess.DEVNULL, cwd=repo, env={**os.environ, "PYTHONPATH": str(repo)}, timeout=30)
+    child = int((tmp_path / "child").read_text())
+    try:
+        os.kill(child, 0)  # the forked child outlives the killed writer
+        lease = Lease(tmp_path, "r").acquire()  # and the lease is free all the same
+        lease.release()
+    finally:
+        os.kill(child, signal.SIGKILL)
+        time.sleep(0.05)

@@ -228,3 +228,29 @@ def test_a_resume_to_fewer_epochs_than_committed_is_refused_and_writes_nothing(t
     assert _tree(runs / "r") == before
     assert all(torch.equal(a, b) for a, b in zip(fresh, model.net.parameters()))  # nothing restored into it
     assert train(runs, 3, [], resume_from=runs / "r").status == "completed"  # as many: nothing left to train
+
+
+def test_a_resume_through_a_symlink_or_dot_continues_the_run_itself_under_its_own_lease(tmp_path, monkeypatch):
+    runs = tmp_path / "runs"
+    train(runs, 1, [])
+    alias = tmp_path / "latest"
+    alias.symlink_to(runs / "r", target_is_directory=True)
+    run = train(runs, 2, [], run_id=None, resume_from=alias)
+    assert run.run_id == "r" and len(run.history) == 2
+    assert sorted(p.name for p in (runs / ".leases").iterdir()) == ["r.lock"]  # not a lease of "latest"
+    assert not (tmp_path / ".leases").exists()
+    monkeypatch.chdir(runs / "r")
+    assert train(runs, 3, [], run_id=None, resume_from=".").run_id == "r"
+
+
+def test_a_refused_resume_leaves_the_trainers_run_identity_as_it_was(tmp_path):
+    runs = tmp_path / "runs"
+    train(runs, 2, [])
+    net = small_net(0)
+    trainer = Trainer(net, torch.optim.SGD(net.parameters(), lr=0.1), torch.nn.CrossEntropyLoss(), monitor="val_loss",
+                      runs_root=tmp_path / "other", progress=False)
+    with pytest.raises(ConfigError, match="fewer than the 2 epochs"):
+        trainer.fit(*loaders(batch_size=8), epochs=1, resume_from=runs / "r")
+    assert (trainer.run_id, trainer.runs_root, trainer.run_dir) == (None, tmp_path / "other", None)
+    run = trainer.fit(*loaders(batch_size=8), epochs=1)  # a new run of its own, where it was told
+    assert Path(run.run_dir).parent == tmp_path / "other"

@@ -43,6 +43,13 @@ def _net_opt():
         ({"progress": "yes"}, "progress must be True, False or None"),
         ({"monitor": ""}, "monitor name must be a metric's name"),
         ({"runs_root": __file__}, "runs_root must be a directory, got the file"),
+        ({"validate_every": "2"}, "validate_every must be an int >= 1 epoch, got '2'"),
+        ({"validate_every": True}, "validate_every must be an int >= 1 epoch, got True"),
+        ({"validate_every_steps": 1.5}, "validate_every_steps must be an int >= 1 update or None, got 1.5"),
+        ({"phase_every": 0}, "phase_every must be an int >= 1 epoch or None, got 0"),
+        ({"recipe": "abc"}, "recipe must be a dict of str keys"),
+        ({"recipe": [("a", 1)]}, "recipe must be a dict of str keys"),
+        ({"clip_grad_norm": "1"}, "clip_grad_norm \\(GradientClipping max_norm\\) must be a number > 0, got .1."),
     ],
 )
 def test_bad_trainer_arguments_are_refused_naming_the_value(kwargs, message):
@@ -67,6 +74,8 @@ def test_numpy_and_tensor_loss_weights_and_negative_seeds_are_accepted():
     for weight in (np.float32(0.1), np.int64(1), torch.tensor(0.5), 2):
         t = Trainer(net, opt, {"ce": (nn.CrossEntropyLoss(), weight)}, seed=-1)
         assert t.objective.terms["ce"].weight == float(weight) and t.seed == -1
+    t = Trainer(net, opt, nn.CrossEntropyLoss(), seed=np.int64(3), validate_every=np.int64(2), clip_grad_norm=np.float32(1))
+    assert t.seed == 3 and type(t.seed) is int
 
 
 def test_an_optimizer_over_another_nets_parameters_is_refused():
