@@ -31,7 +31,8 @@ def writer_alive(run_dir: Path) -> bool:
     alive when a ``FLOCK`` is held on the lease file. Where that table cannot be
     read, the pid the holder wrote into the file is asked about instead (a reused
     pid then makes a dead writer look alive: the safe side, nothing is claimed).
-    A writer on another machine sharing ``runs/`` is not seen. ``run_dir`` is
+    A writer on another machine sharing ``runs/``, or in another PID namespace (a
+    container sharing the volume: the table lists only the locks of its own), is not seen. ``run_dir`` is
     resolved first (``.``, a symlink to the run).
     """
     run_dir = Path(run_dir).resolve()
