@@ -124,8 +124,8 @@ class NNModel:
 
         Raises:
             ConfigError: ``which`` or ``weights`` is not one of the values above, or the
-                checkpoint's weights do not fit ``self.net`` (another architecture; torch's
-                message names the keys and shapes).
+                checkpoint's weights do not fit ``self.net`` (another architecture; the
+                message names the keys only one side has and the shapes that differ).
             ResumeError: the run has no such checkpoint, or ``weights="averaged"`` and
                 the checkpoint holds no averaged weights.
             CorruptCheckpointError: a manifest or blob does not verify.
@@ -138,13 +138,13 @@ class NNModel:
         pointer = result.best if which == "best" else result.last
         if pointer is None:
             raise ResumeError(f"run {result.run_id!r} has no committed {which.upper()} checkpoint")
-        with BlobStore(Path(run_dir) / "blobs") as store:  # manifests: read from the run's log, opened read-only
-            manifest = verify_checkpoint(store, pointer.manifest)
-            state = _averaged_state(store, manifest) if weights != "raw" else None
-            if state is None and weights == "averaged":
-                raise ResumeError(f"the {which.upper()} checkpoint of run {result.run_id!r} (epoch {pointer.epoch}) "
-                                  "holds no averaged weights: the run had no EMA update hook")
-            state = state if state is not None else load_component(store, manifest, "model")
+        store = BlobStore(Path(run_dir) / "blobs")  # reads manifests from the run's log, opened read-only
+        manifest = verify_checkpoint(store, pointer.manifest)
+        state = _averaged_state(store, manifest) if weights != "raw" else None
+        if state is None and weights == "averaged":
+            raise ResumeError(f"the {which.upper()} checkpoint of run {result.run_id!r} (epoch {pointer.epoch}) "
+                              "holds no averaged weights: the run had no EMA update hook")
+        state = state if state is not None else load_component(store, manifest, "model")
         misfits = weight_misfits(self.net, state)
         if misfits:
             raise ConfigError(f"the {which.upper()} checkpoint of run {result.run_id!r} (epoch {pointer.epoch}) "

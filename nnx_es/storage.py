@@ -20,7 +20,6 @@ import re
 import secrets
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 from events.log import EventLog, LmdbLog
 from nnx_es.errors import CheckpointWriteError, CorruptCheckpointError, InvalidRunIdError, LeaseHeldError
@@ -174,15 +173,6 @@ class BlobStore:
     def __init__(self, root: Path, log: EventLog | None = None) -> None:
         self.root = Path(root)
         self.log = log
-
-    def close(self) -> None:
-        """Nothing to release: a log passed in belongs to the caller, one opened here is closed after each read."""
-
-    def __enter__(self) -> BlobStore:
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
 
     def _in_log(self, digest: str) -> bytes | None:
         if self.log is not None:

@@ -200,8 +200,7 @@ def _break_torn(run_dir: Path, digest: str) -> str:
 def _break_blob(run_dir: Path, digest: str) -> str:
     from nnx_es.checkpoint import read_manifest
 
-    with BlobStore(run_dir / "blobs") as store:
-        m = read_manifest(store, digest)
+    m = read_manifest(BlobStore(run_dir / "blobs"), digest)
     data = bytearray(read_blob(run_dir, m.components["model"].blob))
     data[10] ^= 0x01
     write_blob(run_dir, m.components["model"].blob, bytes(data))
@@ -258,16 +257,15 @@ def test_a_pickle_payload_that_would_run_code_is_refused_on_resume(tmp_path):
     fit(make_trainer(runs, "r"))
     from nnx_es.checkpoint import component_bytes, read_manifest, write_checkpoint
 
-    with BlobStore(runs / "r" / "blobs") as store:  # closes the log it opened to read the manifest
-        m = read_manifest(store, _last_manifest(runs / "r"))
-        parts = {}
-        for name, comp in m.components.items():
-            parts[name] = (comp.codec, component_bytes(store, name, comp))
-        buf = __import__("io").BytesIO()
-        torch.save({"weight": _Evil()}, buf, _use_new_zipfile_serialization=True, pickle_module=pickle)
-        parts["model"] = ("torch", buf.getvalue())
-        digest, _ = write_checkpoint(store, run_id="r", epoch=m.epoch, step=m.step, counters=m.counters,
-                                     parts=parts)
+    store = BlobStore(runs / "r" / "blobs")  # opens the log for each read, closes it after
+    m = read_manifest(store, _last_manifest(runs / "r"))
+    parts = {}
+    for name, comp in m.components.items():
+        parts[name] = (comp.codec, component_bytes(store, name, comp))
+    buf = __import__("io").BytesIO()
+    torch.save({"weight": _Evil()}, buf, _use_new_zipfile_serialization=True, pickle_module=pickle)
+    parts["model"] = ("torch", buf.getvalue())
+    digest, _ = write_checkpoint(store, run_id="r", epoch=m.epoch, step=m.step, counters=m.counters, parts=parts)
     with LmdbLog(runs / "r" / "events.lmdb") as log:
         last = [e for _, e in log.read() if isinstance(e, LastCommitted)][-1]
         log.commit(msgspec.structs.replace(last, manifest=digest))

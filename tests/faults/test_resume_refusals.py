@@ -139,8 +139,7 @@ def read_last_components(run_dir: Path) -> list[str]:
     from nnx_es.storage import BlobStore
 
     digest = [e for _, e in read_events(run_dir) if isinstance(e, LastCommitted)][-1].manifest
-    with BlobStore(run_dir / "blobs") as store:
-        return list(read_manifest(store, digest).components)
+    return list(read_manifest(BlobStore(run_dir / "blobs"), digest).components)
 
 
 def test_two_emas_of_one_name_are_refused_with_how_to_name_them():

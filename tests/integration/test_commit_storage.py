@@ -109,11 +109,11 @@ def test_a_large_component_is_a_blob_file_durable_before_the_log_names_it(tmp_pa
     assert last["log"] - first["log"] == EPOCHS - 2
     run_dir = Path(run.run_dir)
     files = {p.name for p in (run_dir / "blobs" / "sha256").iterdir()}
-    with BlobStore(run_dir / "blobs") as store:
-        for _, e in read_events(run_dir):
-            if isinstance(e, CheckpointStored):
-                assert e.manifest not in files and e.components["model"] in files
-                assert read_manifest(store, e.manifest).components["model"].data is None
+    store = BlobStore(run_dir / "blobs")
+    for _, e in read_events(run_dir):
+        if isinstance(e, CheckpointStored):
+            assert e.manifest not in files and e.components["model"] in files
+            assert read_manifest(store, e.manifest).components["model"].data is None
     assert audit_run(run_dir).ok
 
 
@@ -166,10 +166,10 @@ def test_a_callback_loads_its_own_runs_best_and_audits_it_while_the_run_is_writt
     run = trainer.fit(*loaders(), epochs=EPOCHS)
     assert [(e, ok) for e, _, ok in seen] == [(e, True) for e in range(1, EPOCHS)]
     assert all(0 <= best < e for e, best, _ in seen)
-    with BlobStore(Path(run.run_dir) / "blobs") as store:
-        from nnx_es.checkpoint import load_component, verify_checkpoint
+    from nnx_es.checkpoint import load_component, verify_checkpoint
 
-        best = load_component(store, verify_checkpoint(store, run.best.manifest), "model")
+    store = BlobStore(Path(run.run_dir) / "blobs")
+    best = load_component(store, verify_checkpoint(store, run.best.manifest), "model")
     for k, v in best.items():
         assert torch.equal(trainer.net.state_dict()[k], v), k
     assert audit_run(Path(run.run_dir)).ok
