@@ -19,6 +19,7 @@ import torch
 from torch import Tensor, nn
 
 from nnx_es.errors import ConfigError
+from nnx_es.validation import as_number
 
 __all__ = ["LossParts", "Objective", "Term", "accuracy"]
 
@@ -46,10 +47,7 @@ class Term:
         if not callable(fn):
             raise ConfigError(f"a loss term must be callable, got {fn!r}")
         self.fn = fn
-        try:  # a Python, NumPy or 0-dim tensor number
-            value = float(weight) if not isinstance(weight, (bool, str, bytes)) else math.nan
-        except (TypeError, ValueError, RuntimeError):  # RuntimeError: a tensor of several elements
-            value = math.nan
+        value = as_number(weight)
         if not math.isfinite(value):
             raise ConfigError(f"a loss term's weight must be a finite number, got {weight!r}")
         self.weight = value

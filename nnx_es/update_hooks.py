@@ -15,7 +15,6 @@ weights while an EMA is present).
 from __future__ import annotations
 
 import math
-
 import re
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -26,6 +25,7 @@ from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
 from nnx_es.errors import ConfigError
 from nnx_es.stages import TrainingStage
+from nnx_es.validation import as_number
 
 #: an averaging hook's name: it keys the checkpoint component ``update_hook/<name>``
 _HOOK_NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")
@@ -135,10 +135,7 @@ class GradientClipping(UpdateHook):
     """Clip the total gradient L2 norm to ``max_norm`` (after unscaling; the receipt keeps the pre-clip norm)."""
 
     def __init__(self, max_norm: float) -> None:
-        try:  # a Python, NumPy or 0-dim tensor number
-            value = float(max_norm) if not isinstance(max_norm, (bool, str, bytes)) else math.nan
-        except (TypeError, ValueError, RuntimeError):
-            value = math.nan
+        value = as_number(max_norm)
         if not value > 0 or math.isinf(value):
             raise ConfigError(f"clip_grad_norm (GradientClipping max_norm) must be a number > 0, got {max_norm!r}")
         self.max_norm = value

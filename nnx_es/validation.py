@@ -3,6 +3,7 @@ value by name (:class:`~nnx_es.errors.ConfigError`) before anything is built or 
 
 from __future__ import annotations
 
+import math
 import numbers
 from collections.abc import Mapping
 from pathlib import Path
@@ -13,7 +14,18 @@ import msgspec
 from nnx_es.errors import ConfigError
 from nnx_es.progress import Progress
 
-__all__ = ["check_cadences", "check_recipe", "check_run_args"]
+__all__ = ["as_number", "check_cadences", "check_recipe", "check_run_args"]
+
+
+def as_number(value: Any) -> float:
+    """``value`` as a float when it is a number (Python, NumPy, a 0-dim tensor), else NaN (a bool,
+    a string, a tensor of several elements, anything ``float()`` refuses): callers refuse NaN by name."""
+    if isinstance(value, (bool, str, bytes)):
+        return math.nan
+    try:
+        return float(value)
+    except (TypeError, ValueError, RuntimeError):  # RuntimeError: a tensor of several elements
+        return math.nan
 
 
 def check_cadences(*, validate_every: int, validate_every_steps: int | None, phase_every: int | None,
