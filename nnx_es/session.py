@@ -91,7 +91,7 @@ def open_session(
         resume_from = Path(resume_from).resolve()  # ".", a symlink: the run itself (its lease, its id)
     identity = (trainer.run_id, trainer.runs_root, trainer.run_dir)  # given back when the call is refused
     if stateful:
-        source = Path(resume_from)  # type: ignore[arg-type]
+        source = resume_from
         if trainer.run_id not in (None, source.name):
             raise ConfigError(
                 f"a stateful resume continues run {source.name!r}; run_id={trainer.run_id!r} names another run "
@@ -103,14 +103,11 @@ def open_session(
     trainer.run_id = run_id
     run_dir = trainer.runs_root / run_id
     trainer.run_dir = run_dir
-    began = False
+    lease = Lease(trainer.runs_root, run_id)
+    began = created = False
     try:
-        lease = Lease(trainer.runs_root, run_id).acquire()
-    except BaseException:
-        trainer.run_id, trainer.runs_root, trainer.run_dir = identity
-        raise
-    created = not run_dir.exists()  # under the lease: what appears in it now is this call's
-    try:
+        lease.acquire()
+        created = not run_dir.exists()  # under the lease: what appears in it now is this call's
         has_log = (run_dir / "events.lmdb" / "data.mdb").exists()
         if stateful and not has_log:
             raise ResumeError(f"cannot resume {run_dir}: it has no event log")
@@ -149,17 +146,17 @@ def open_session(
                 seed_everything(trainer.seed)
                 src = None
                 if resume_from is not None:
-                    src = _load_weights_from(trainer, Path(resume_from))
+                    src = _load_weights_from(trainer, resume_from)
                 trainer.recorder = Recorder(event_log)
                 opening = _run_started(trainer, src)
                 start_epoch = 0
             began = True
             yield opening, start_epoch
     except BaseException:
-        if created and not began:  # refused before the run began: leave no empty run to block a retry
-            shutil.rmtree(run_dir, ignore_errors=True)
-        if not began:
+        if not began:  # refused before the run began: the trainer as it was, and no empty run to block a retry
             trainer.run_id, trainer.runs_root, trainer.run_dir = identity
+            if created:
+                shutil.rmtree(run_dir, ignore_errors=True)
         raise
     finally:
         if getattr(trainer, "store", None) is not None and trainer.store.log is not None:
