@@ -196,8 +196,9 @@ class LmdbLog(_LogBase):
         if self.readonly:
             raise EventLogError(f"event log at {self.path} is open read-only")
         if self._buffer or self._staged:
-            first = self._buffer[0][0] if self._buffer else 0
-            total = pack_sum(self._buffer[-1][0], batch_crc([raw for _, raw in self._buffer])) if self._buffer else b""
+            # the batch's checksum record, written atomically with it (none for blobs alone)
+            record = (seq_key(self._buffer[0][0]), pack_sum(self._buffer[-1][0], batch_crc(
+                [raw for _, raw in self._buffer]))) if self._buffer else None
             while True:
                 try:
                     with self._env.begin(write=True, db=self._events) as txn:
@@ -212,8 +213,8 @@ class LmdbLog(_LogBase):
                                     f"write to {self.path} refused: seq {seq} is already stored "
                                     "(another writer appended to this log)"
                                 )
-                        if self._buffer:
-                            txn.put(seq_key(first), total, db=self._sums)  # the batch's checksum, atomic with it
+                        if record is not None:
+                            txn.put(*record, db=self._sums)
                     break
                 except lmdb.MapFullError:
                     self._env.set_mapsize(self._env.info()["map_size"] * 2)
@@ -400,7 +401,10 @@ class LmdbLog(_LogBase):
     def put_blob_raw(self, key: bytes, value: bytes | None) -> None:
         """Overwrite, add or (``None``) delete a stored blob (tests use it to forge damaged ones)."""
         with self._env.begin(write=True, db=self._blobs) as txn:
-            txn.put(bytes(key), value) if value is not None else txn.delete(bytes(key))
+            if value is None:
+                txn.delete(bytes(key))
+            else:
+                txn.put(bytes(key), value)
 
     def delete_raw(self, seq: int) -> None:
         """Delete the value under ``seq`` (tests use it to forge a sequence gap)."""

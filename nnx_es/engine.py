@@ -363,11 +363,10 @@ class UpdateEngine:
         (a parameter that never gets a gradient stays watched: ~0.2 us a window for a few of them).
         """
         if self._unseen:
-            for p in self._unseen:
-                if p.grad is not None:  # a first gradient (rare after the first window)
-                    self._sparse = self._sparse or any(p.grad.is_sparse for p in self._unseen if p.grad is not None)
-                    self._unseen = [p for p in self._unseen if p.grad is None]
-                    break
+            first = [p for p in self._unseen if p.grad is not None]  # first gradients (rare after the first window)
+            if first:
+                self._sparse = self._sparse or any(p.grad.is_sparse for p in first)
+                self._unseen = [p for p in self._unseen if p.grad is None]
             if not self._sparse:
                 return [p.grad for p in self._params if p.grad is not None]
         grads = []
