@@ -38,7 +38,7 @@ import lmdb
 from events.chunks import RawChunk, StoredPairs, cursor_chunks
 from events.errors import EventLogError, LogClosedError, TruncatedLogError
 from events.keys import check_keys
-from events.logbase import EventLog, MemoryLog, _LogBase, seq_key  # noqa: F401 (EventLog, MemoryLog: re-exported)
+from events.logbase import EventLog, MemoryLog, LogBase, seq_key  # noqa: F401 (EventLog, MemoryLog: re-exported)
 from events.sums import SUMS_DB, SumProblem, SumRecord, batch_crc, pack_sum, unpack_sum, verify
 
 __all__ = ["EventLog", "LmdbLog", "MemoryLog", "seq_key"]
@@ -51,7 +51,7 @@ _READER_MAP_SIZE = 1 << 40  # bytes of address space a read-only handle maps (no
 _WRITERS: dict[str, LmdbLog] = {}  # resolved path -> the writable log this process has open there
 
 
-class LmdbLog(_LogBase):
+class LmdbLog(LogBase):
     """The event log of one run, in an LMDB environment (``runs/<id>/events.lmdb``).
 
     Args:

@@ -1,7 +1,7 @@
 """What both event logs share: the contract's protocol, buffering and sequencing, and the in-memory log.
 
 :class:`MemoryLog` keeps the contract of :mod:`events.log` in a Python list (fast unit tests);
-:class:`~events.log.LmdbLog` builds on the same :class:`_LogBase`.
+:class:`~events.log.LmdbLog` builds on the same :class:`LogBase`.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from events.errors import EventLogError, LogClosedError
 from events.schema import Event
 from events.sums import SumProblem
 
-__all__ = ["EventLog", "MemoryLog", "seq_key"]
+__all__ = ["EventLog", "LogBase", "MemoryLog", "seq_key"]
 
 
 def seq_key(seq: int) -> bytes:
@@ -60,7 +60,7 @@ class EventLog(Protocol):
     def close(self) -> None: ...
 
 
-class _LogBase:
+class LogBase:
     """Buffering, sequencing and decoding shared by both logs."""
 
     readonly = False
@@ -146,7 +146,7 @@ class _LogBase:
         """Yield :meth:`read_raw` as ``(first_seq, values)`` chunks of at most ``read_chunk`` consecutive seqs."""
         return runs(self.read_raw(start, stop), self.read_chunk)
 
-    def __enter__(self) -> _LogBase:
+    def __enter__(self) -> LogBase:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -156,7 +156,7 @@ class _LogBase:
         self._closed = True
 
 
-class MemoryLog(_LogBase):
+class MemoryLog(LogBase):
     """An event log in a Python list, for fast unit tests. ``sync`` is counted, not done."""
 
     def __init__(self) -> None:

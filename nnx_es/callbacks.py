@@ -1,6 +1,8 @@
 """Callbacks: typed no-op hooks dispatched in list order (``on_train_end`` in reverse).
 
-Only hooks a callback overrides are dispatched. A callback with restart-critical
+Only hooks a callback implements are dispatched (:func:`implements`: overridden in
+its class or assigned on the instance); :class:`CallbackList` decides that once per
+fit and dispatches through one typed method per hook. A callback with restart-critical
 state returns it from :meth:`Callback.state_dict` (msgpack-able builtins); it is
 stored in every checkpoint and given back by :meth:`Callback.load_state_dict` on
 resume. A callback that writes its own artifact returns its bytes from
@@ -10,6 +12,7 @@ checkpoint after LAST, BEST and phase (spec 000 "Lifecycle order").
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from nnx_es.errors import ConfigError
@@ -18,17 +21,7 @@ if TYPE_CHECKING:
     from events.schema import UpdateCommitted
     from nnx_es.context import TrainContext
 
-__all__ = ["HOOKS", "Callback", "EarlyStopping", "LambdaCallback"]
-
-HOOKS = (
-    "on_train_begin",
-    "on_epoch_begin",
-    "on_batch_end",
-    "on_optimizer_update",
-    "on_validation_end",
-    "on_epoch_end",
-    "on_train_end",
-)
+__all__ = ["HOOKS", "Callback", "CallbackList", "EarlyStopping", "LambdaCallback", "implements"]
 
 
 class Callback:
@@ -73,7 +66,106 @@ class Callback:
 
     @classmethod
     def overrides(cls, hook: str) -> bool:
+        """Whether this class overrides ``hook`` (see :func:`implements` for an instance)."""
         return getattr(cls, hook) is not getattr(Callback, hook)
+
+
+#: The lifecycle hooks, in lifecycle order: derived from :class:`Callback` itself.
+HOOKS: tuple[str, ...] = tuple(name for name in vars(Callback) if name.startswith("on_"))
+
+
+def implements(cb: Callback, hook: str) -> bool:
+    """Whether ``cb`` implements ``hook``: overridden in its class, or assigned on the instance
+    (``cb.on_epoch_end = fn``; a :class:`LambdaCallback`'s hooks are such attributes). The one
+    rule for dispatch and for finalization."""
+    return hook in vars(cb) or type(cb).overrides(hook)
+
+
+class CallbackList:
+    """A run's callbacks, with which of them implements each hook decided once (at construction).
+
+    Dispatch is in list order through one typed method per hook; ``on_train_end`` runs in
+    reverse order over the callbacks whose ``on_train_begin`` completed (:attr:`begun`),
+    which :meth:`train_begin` records. Follows torchtnt's callback handler.
+
+    Raises:
+        ConfigError: an element is not a :class:`Callback`, or two callbacks share a name
+            (names key checkpoint state).
+    """
+
+    def __init__(self, callbacks: Sequence[Callback]) -> None:
+        callbacks = list(callbacks)
+        for cb in callbacks:
+            if not isinstance(cb, Callback):
+                raise ConfigError(f"callbacks must be nnx_es.Callback instances, got {type(cb).__name__}")
+        names = [cb.name for cb in callbacks]
+        if len(set(names)) != len(names):
+            raise ConfigError(f"callback names must be unique (they key checkpoint state), got {names}")
+        self.callbacks = callbacks
+        self._by_hook: dict[str, list[Callback]] = {
+            hook: [cb for cb in callbacks if implements(cb, hook)] for hook in HOOKS
+        }
+        #: (index, callback) of every callback whose on_train_begin completed, in list order
+        self.begun: list[tuple[int, Callback]] = []
+
+    def __iter__(self) -> Any:
+        return iter(self.callbacks)
+
+    def __len__(self) -> int:
+        return len(self.callbacks)
+
+    @property
+    def names(self) -> list[str]:
+        return [cb.name for cb in self.callbacks]
+
+    def has(self, hook: str) -> bool:
+        """Whether any callback implements ``hook``."""
+        return bool(self._by_hook[hook])
+
+    def train_begin(self, ctx: TrainContext, began: Callable[[int, Callback], Any]) -> None:
+        """``on_train_begin`` in list order; ``began(index, cb)`` after each one that completed."""
+        self.begun = []
+        for i, cb in enumerate(self.callbacks):
+            if implements(cb, "on_train_begin"):
+                cb.on_train_begin(ctx)
+            began(i, cb)
+            self.begun.append((i, cb))
+
+    def epoch_begin(self, ctx: TrainContext) -> None:
+        for cb in self._by_hook["on_epoch_begin"]:
+            cb.on_epoch_begin(ctx)
+
+    def batch_end(self, ctx: TrainContext) -> None:
+        for cb in self._by_hook["on_batch_end"]:
+            cb.on_batch_end(ctx)
+
+    def optimizer_update(self, ctx: TrainContext, receipt: UpdateCommitted) -> None:
+        for cb in self._by_hook["on_optimizer_update"]:
+            cb.on_optimizer_update(ctx, receipt)
+
+    def validation_end(self, ctx: TrainContext, metrics: dict[str, float]) -> None:
+        for cb in self._by_hook["on_validation_end"]:
+            cb.on_validation_end(ctx, metrics)
+
+    def epoch_end(self, ctx: TrainContext) -> None:
+        for cb in self._by_hook["on_epoch_end"]:
+            cb.on_epoch_end(ctx)
+
+    def train_end(self, ctx: TrainContext, finalized: Callable[[int, Callback, BaseException | None], Any]) -> None:
+        """``on_train_end`` in reverse order over :attr:`begun`; each is attempted, its error (or
+        None) handed to ``finalized(index, cb, error)``; no error is raised from here."""
+        for i, cb in reversed(self.begun):
+            error: BaseException | None = None
+            try:
+                if implements(cb, "on_train_end"):
+                    cb.on_train_end(ctx)
+            except BaseException as exc:  # noqa: BLE001 - every cleanup hook is attempted
+                error = exc
+            finalized(i, cb, error)
+
+    def checkpoints(self, ctx: TrainContext) -> list[tuple[str, bytes]]:
+        """``(name, bytes)`` of every deferred callback checkpoint for this epoch."""
+        return [(cb.name, data) for cb in self.callbacks if (data := cb.checkpoint(ctx)) is not None]
 
 
 class LambdaCallback(Callback):

@@ -42,12 +42,28 @@ from events.schema import (
 )
 from nnx_es.checkpoint import INLINE_MAX, Manifest, encode_checkpoint
 from nnx_es.errors import ConfigError
-from nnx_es.snapshot import capture, encode_parts
+from nnx_es.snapshot import RunComponents, capture, encode_parts
 
 if TYPE_CHECKING:
-    from nnx_es.trainer import Trainer
+    from nnx_es.callbacks import CallbackList
+    from nnx_es.context import TrainContext
+    from nnx_es.run_state import RunState
 
-__all__ = ["Committer"]
+__all__ = ["Committer", "checkpoint_lag"]
+
+
+def checkpoint_lag(lag: int | str) -> int:
+    """``Trainer(checkpoint_lag=...)`` as committed updates: ``"epoch"`` is never reached inside an
+    epoch (the commit completes before the next history).
+
+    Raises:
+        ConfigError: ``lag`` is neither an int >= 0 nor ``"epoch"``.
+    """
+    if lag == "epoch":
+        return 2**62
+    if isinstance(lag, bool) or not isinstance(lag, int) or lag < 0:
+        raise ConfigError(f"checkpoint_lag must be an int >= 0 committed updates or 'epoch', got {lag!r}")
+    return lag
 
 
 class _Pending:
@@ -66,47 +82,53 @@ class _Pending:
 
 
 class Committer:
-    """Submits and completes checkpoint commits for one trainer (at most one in flight).
+    """Submits and completes checkpoint commits for one run (at most one in flight).
 
     Args:
+        state: the run (its recorder, store, id and world).
+        components: what a checkpoint captures (:class:`~nnx_es.snapshot.RunComponents`).
+        callbacks: the run's callbacks (their deferred checkpoints join each epoch's commit).
+        ctx: the context handed to :meth:`~nnx_es.callbacks.Callback.checkpoint`.
         lag: committed updates of the next epoch after which LAST is appended
-            (0: at the epoch's own end), or ``"epoch"``: at the next epoch's end,
-            which overlaps persisting with a whole epoch of training.
-
-    Raises:
-        ConfigError: ``lag`` is neither an int >= 0 nor ``"epoch"``.
+            (0: at the epoch's own end; :func:`checkpoint_lag` reads ``"epoch"``).
+        phase_every / keep_phases: a phase checkpoint every N epochs; keep the newest K.
+        phases: the phase checkpoints the run already holds (a resume's).
     """
 
-    def __init__(self, trainer: Trainer, lag: int | str = 0) -> None:
-        if lag == "epoch":
-            lag = 2**62  # never reached inside an epoch: the commit completes before the next history
-        elif isinstance(lag, bool) or not isinstance(lag, int) or lag < 0:
-            raise ConfigError(f"checkpoint_lag must be an int >= 0 committed updates or 'epoch', got {lag!r}")
-        self.trainer = trainer
+    def __init__(self, state: RunState, components: RunComponents, callbacks: CallbackList, ctx: TrainContext, *,
+                 lag: int = 0, phase_every: int | None = None, keep_phases: int | None = None,
+                 phases: list[str] | None = None) -> None:
+        self.state = state
+        self.components = components
+        self.callbacks = callbacks
+        self.ctx = ctx
         self.lag = lag
+        self.phase_every = phase_every
+        self.keep_phases = keep_phases
         self.pending: _Pending | None = None
         #: (manifest hash, counters) of the last completed commit
         self.last_done: tuple[str, Counters] | None = None
         self._executor: ThreadPoolExecutor | None = None
-        self.phases: list[str] = []
+        self.phases: list[str] = list(phases or [])
 
     def submit(self, *, epoch: int, covers: int = -1, decision: MonitorDecided | None = None,
                final: bool = False, group: bool = True, opening: bool = False) -> None:
-        """Capture the trainer's state now and start persisting it (see the module docstring).
+        """Capture the run's state now and start persisting it (see the module docstring).
 
         ``opening``: a new run's first checkpoint, deferred like an epoch's when the lag is
         > 0 (other group-less commits -- a resumed session's opening, the final refresh --
         complete before this returns).
         """
         self.complete()  # at most one commit in flight
-        t = self.trainer
-        counters = t.recorder.counters
-        parts = capture(t, epoch)
-        callbacks = [(cb.name, data) for cb in t.callbacks if group and (data := cb.checkpoint(t.ctx)) is not None]
+        state = self.state
+        counters = state.recorder.counters
+        world = state.world.size
+        parts = capture(self.components, epoch, world)
+        callbacks = self.callbacks.checkpoints(self.ctx) if group else []
         phase = None
-        if group and t.phase_every is not None and (epoch + 1) % t.phase_every == 0:
+        if group and self.phase_every is not None and (epoch + 1) % self.phase_every == 0:
             phase = f"epoch-{epoch:04d}"
-        store, run_id, world = t.store, t.run_id or "", t.world_size
+        store, run_id = state.store, state.run_id
 
         def persist() -> tuple[str, Manifest, bytes, list[tuple[str, str, bytes | None]]]:
             digest, manifest, data = encode_checkpoint(
@@ -153,10 +175,10 @@ class Committer:
             return None
         self.pending = None
         digest, manifest, data, states = p.future.result()
-        store = self.trainer.store
+        store = self.state.store
         store.stage(data)  # written in the synced transaction below, with LAST
         callback_blobs = [(name, blob if state is None else store.stage(state)) for name, blob, state in states]
-        rec = self.trainer.recorder
+        rec = self.state.recorder
         rec.emit(CheckpointStored(
             manifest=digest, epoch=p.epoch, step=p.counters.step,
             components={k: c.blob for k, c in manifest.components.items()},
@@ -170,7 +192,7 @@ class Committer:
                 rec.emit(BestCommitted(manifest=digest, epoch=p.epoch, monitor=d.monitor, value=d.value))
             if p.phase is not None:
                 self.phases.append(p.phase)
-                keep = self.trainer.keep_phases
+                keep = self.keep_phases
                 removed = self.phases[:-keep] if keep is not None and len(self.phases) > keep else []
                 self.phases = self.phases[len(removed):]
                 rec.emit(PhaseCommitted(name=p.phase, manifest=digest, epoch=p.epoch, removed=removed))
@@ -181,6 +203,21 @@ class Committer:
         self.last_done = (digest, p.counters)
         return digest
 
+    def commit_now(self, *, epoch: int, final: bool = False, state_may_have_changed: bool = True) -> None:
+        """Commit LAST synchronously: the initial checkpoint and the refresh after finalization.
+
+        The final refresh names the last commit's manifest again, without capturing, when
+        the caller says nothing since that commit can have changed the state (no callback
+        ``on_train_end`` nor ``AFTER_TRAINING`` stage hook ran) and the counters are the same.
+
+        Raises:
+            CheckpointWriteError: persisting failed (LAST is not written).
+        """
+        self.complete()
+        if final and not state_may_have_changed and self.recommit_final(epoch=epoch):
+            return
+        self.submit(epoch=epoch, final=final, group=False)
+
     def recommit_final(self, *, epoch: int) -> bool:
         """Append the final LAST naming the last commit's manifest, if the counters have not
         moved since it (the caller vouches that nothing else changed the state); sync it.
@@ -188,7 +225,7 @@ class Committer:
         Returns:
             False when there is no such commit or the counters moved (nothing written).
         """
-        rec = self.trainer.recorder
+        rec = self.state.recorder
         if self.pending is not None or self.last_done is None or self.last_done[1] != rec.counters:
             return False
         digest, counters = self.last_done

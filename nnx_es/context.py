@@ -10,9 +10,10 @@ if TYPE_CHECKING:
     from torch import Tensor, nn
     from torch.optim import Optimizer
 
+    from nnx_es.engine import UpdateEngine
     from nnx_es.monitor import Monitor
+    from nnx_es.run_state import RunState
     from nnx_es.schedulers import Scheduler
-    from nnx_es.trainer import Trainer
 
 __all__ = ["TrainContext"]
 
@@ -29,10 +30,21 @@ class TrainContext:
     ``(B, C)`` and targets ``(B,)``; ``loss``: its mean loss (float);
     ``validation``: the latest ``val_`` metrics; ``decision``: the epoch's
     monitor decision (``None`` before it is made).
+
+    ``trainer``: the :class:`~nnx_es.Trainer` that owns the run, for user code; the
+    runtime's own collaborators never reach through it. ``state``: the run in progress
+    (:class:`~nnx_es.run_state.RunState`), bound when ``fit`` opens the run.
     """
 
-    def __init__(self, trainer: Trainer) -> None:
+    def __init__(self, *, net: nn.Module, optimizers: dict[str, Optimizer], schedulers: list[Scheduler],
+                 monitor: Monitor | None, engine: UpdateEngine, trainer: Any = None) -> None:
+        self.net = net
+        self.optimizers = optimizers
+        self.schedulers = schedulers
+        self.monitor = monitor
+        self.engine = engine
         self.trainer = trainer
+        self.state: RunState = None  # type: ignore[assignment]  # bound by fit()
         self.epoch = 0
         self.batch: Any = None
         self.batch_index = 0
@@ -42,66 +54,56 @@ class TrainContext:
         self.rows = 0
         self.validation: dict[str, float] | None = None
         self.decision: MonitorDecided | None = None
-        self.stop_requested: str | None = None
-        self.stop_at_update_requested = False
-
-    # --- what the run is made of --------------------------------------------------
-
-    @property
-    def net(self) -> nn.Module:
-        return self.trainer.net
-
-    @property
-    def optimizers(self) -> dict[str, Optimizer]:
-        return self.trainer.optimizers
-
-    @property
-    def schedulers(self) -> list[Scheduler]:
-        return self.trainer.schedulers
-
-    @property
-    def monitor(self) -> Monitor | None:
-        return self.trainer.monitor
 
     @property
     def run_dir(self) -> Any:
-        return self.trainer.run_dir
+        return self.state.run_dir if self.state is not None else None
 
     # --- counters -----------------------------------------------------------------
 
     @property
     def counters(self) -> Counters:
-        return self.trainer.recorder.counters
+        return self.state.recorder.counters
 
     @property
     def batch_count(self) -> int:
-        return self.trainer.recorder.live.batch
+        return self.state.recorder.live.batch
 
     @property
     def step_count(self) -> int:
-        return self.trainer.recorder.live.step
+        return self.state.recorder.live.step
 
     @property
     def global_step_count(self) -> int:
-        return self.trainer.recorder.live.global_step
+        return self.state.recorder.live.global_step
 
     @property
     def epoch_count(self) -> int:
-        return self.trainer.recorder.live.epoch
+        return self.state.recorder.live.epoch
 
     @property
     def epoch_step_count(self) -> int:
-        return self.trainer.recorder.live.epoch_step
+        return self.state.recorder.live.epoch_step
 
     # --- requests -----------------------------------------------------------------
 
+    @property
+    def stop_requested(self) -> str | None:
+        """The reason of the stop asked for, or ``None``."""
+        stop = self.state.stop_requested if self.state is not None else None
+        return stop[0] if stop else None
+
+    @property
+    def stop_at_update_requested(self) -> bool:
+        return self.state is not None and self.state.stop_at_update_requested
+
     def request_stop(self, reason: str = "requested", by: str = "") -> None:
         """Stop after this epoch commits (recorded as a stop-requested event)."""
-        self.trainer._request_stop(reason, by)
+        self.state.request_stop(reason, by)
 
     def stop_at_update(self) -> None:
         """Stop right after the current (or next) committed update; LAST stays at the last committed epoch."""
-        self.stop_at_update_requested = True
+        self.state.stop_at_update_requested = True
 
     def report_update(
         self,
@@ -118,8 +120,11 @@ class TrainContext:
         Emits the step receipt, dispatches ``on_optimizer_update`` and steps the
         optimizer_update-clock schedulers of that optimizer. A custom step that
         never reports makes those schedulers never step.
+
+        Raises:
+            ConfigError: ``optimizer`` is not one of the run's optimizers.
         """
-        self.trainer.engine.report_update(
+        self.engine.report_update(
             self,
             loss=loss,
             examples=examples,

@@ -51,16 +51,20 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor, nn
 
-from events.schema import MicrobatchDone, SchedulerStepped, UpdateCommitted, UpdateSkipped
+from torch.optim import Optimizer
+
+from events.schema import MicrobatchDone, UpdateCommitted, UpdateSkipped
+from nnx_es.callbacks import CallbackList
 from nnx_es.errors import ConfigError
 from nnx_es.metrics import MetricSums
 from nnx_es.objective import Objective
+from nnx_es.schedulers import Scheduler, step_update_clock
 from nnx_es.stages import StageDispatcher, TrainingStage
 from nnx_es.update_hooks import UpdateHook, UpdateOrchestrator
 
 if TYPE_CHECKING:
     from nnx_es.context import TrainContext
-    from nnx_es.trainer import Trainer
+    from nnx_es.run_state import RunState
 
 __all__ = ["EpochTotals", "UpdateEngine", "default_forward", "default_train_step", "finalize_step", "split_batch"]
 
@@ -98,7 +102,7 @@ def default_forward(net: nn.Module, batch: Any) -> tuple[Tensor, Tensor, Tensor 
 
 def default_train_step(ctx: TrainContext, batch: Any) -> None:
     """The default ``trainer_step_fn``: one microbatch, and the update when it fills the window."""
-    engine = ctx.trainer.engine
+    engine = ctx.engine
     engine.microbatch(ctx, batch)
     if engine.window_full:
         engine.finalize_step(ctx)
@@ -120,8 +124,11 @@ class UpdateEngine:
     """Accumulates microbatches and commits one optimizer update per window.
 
     Args:
-        trainer: the owning trainer (its recorder, callbacks, schedulers).
+        net: the model whose parameters the window's gradients belong to.
+        optimizers: ``{name: optimizer}``, stepped together once per committed window.
         objective: the loss.
+        schedulers: the run's schedulers; those on the ``optimizer_update`` clock step after
+            each committed update of their optimizer.
         accumulation: microbatches per window (k >= 1).
         clip_grad_norm: max total L2 norm, or ``None`` for no clipping.
         precision: ``"fp32"``, ``"bf16"`` (autocast) or ``"fp16"`` (autocast + GradScaler).
@@ -129,25 +136,38 @@ class UpdateEngine:
             clipping) and record it in ``update_committed.grad_norm`` even without
             clipping. Off by default: the norm costs a few small ops per update, and
             without it the receipt's ``grad_norm`` is ``None`` (clipping always computes it).
+        metrics: declared metrics summed over the epoch (see :mod:`nnx_es.metrics`).
+
+    The run's own dependencies -- its :class:`~nnx_es.run_state.RunState` (recorder, step
+    outcome, world) and its :class:`~nnx_es.callbacks.CallbackList` -- are bound per ``fit``
+    by :meth:`begin_run`.
+
+    Raises:
+        ConfigError: ``accumulation`` < 1 or ``clip_grad_norm`` <= 0.
     """
 
     def __init__(
         self,
-        trainer: Trainer,
+        net: nn.Module,
+        optimizers: dict[str, Optimizer],
         objective: Objective,
+        schedulers: list[Scheduler] | None = None,
         *,
         accumulation: int = 1,
         clip_grad_norm: float | None = None,
         precision: str = "fp32",
         train_step_fn: StepFn | None = None,
         track_grad_norm: bool = False,
+        metrics: tuple[str, ...] = (),
     ) -> None:
         if accumulation < 1:
             raise ConfigError(f"accumulation must be >= 1 microbatch, got {accumulation!r}")
         if clip_grad_norm is not None and not clip_grad_norm > 0:
             raise ConfigError(f"clip_grad_norm must be > 0 or None, got {clip_grad_norm!r}")
-        self.trainer = trainer
+        self.net = net
+        self.optimizers = optimizers
         self.objective = objective
+        self.update_clock = [s for s in schedulers or () if s.clock == "optimizer_update"]
         self.accumulation = int(accumulation)
         self.clip_grad_norm = clip_grad_norm
         self.train_step_fn = train_step_fn or default_forward
@@ -155,15 +175,22 @@ class UpdateEngine:
         self._found_inf: dict[torch.device, tuple[Tensor, Tensor]] = {}
         self._inverse_key: tuple[float, torch.dtype, torch.device] | None = None
         self._inverse_t = torch.ones(())
-        self._params = [p for p in trainer.net.parameters() if p.requires_grad]
+        self._params = [p for p in net.parameters() if p.requires_grad]
         self._unseen = list(self._params)  # parameters whose gradient's layout no window has shown yet
         self._sparse = False  # some parameter's gradient is sparse COO (see _window_grads)
         self.set_precision(precision)
         self.orchestrator = UpdateOrchestrator([])
         self.stages = StageDispatcher([])
-        self.metrics: tuple[str, ...] = ()
+        self.metrics = metrics
         self.epoch = EpochTotals()
+        self.state: RunState = None  # type: ignore[assignment]  # bound by begin_run
+        self.callbacks = CallbackList([])
         self._reset_window()
+
+    def begin_run(self, state: RunState, callbacks: CallbackList) -> None:
+        """Bind the run this engine records into (once per ``fit``)."""
+        self.state = state
+        self.callbacks = callbacks
 
     def set_precision(self, precision: str, *, init_scale: float = 2.0**16) -> None:
         """``"fp32"``, ``"bf16"`` (autocast) or ``"fp16"`` (autocast + GradScaler).
@@ -174,7 +201,7 @@ class UpdateEngine:
         if precision not in ("fp32", "bf16", "fp16"):
             raise ConfigError(f"precision must be 'fp32', 'bf16' or 'fp16', got {precision!r}")
         self.precision = precision
-        device_type = next((p.device.type for p in self.trainer.net.parameters()), "cpu")
+        device_type = next((p.device.type for p in self.net.parameters()), "cpu")
         dtype = torch.bfloat16 if precision == "bf16" else torch.float16
         _plain = nullcontext()  # reusable: fp32 enters no autocast region
         self._autocast: Callable[[], Any] = (
@@ -217,7 +244,7 @@ class UpdateEngine:
         with self._autocast():
             if stages:
                 stages(TrainingStage.BEFORE_FORWARD, ctx)
-            outputs, targets, weights = self.train_step_fn(self.trainer.net, batch)
+            outputs, targets, weights = self.train_step_fn(self.net, batch)
             ctx.predictions, ctx.targets = outputs, targets
             if stages:
                 stages(TrainingStage.AFTER_FORWARD, ctx)
@@ -252,8 +279,8 @@ class UpdateEngine:
         rows = int(targets.shape[0]) if hasattr(targets, "shape") and targets.dim() > 0 else 1
         self.epoch.sums.add(parts, num, outputs, targets, weights, rows=rows)
         ctx.rows = rows
-        self.trainer._microbatch_recorded = True
-        self.trainer.recorder.emit(
+        self.state.outcome.microbatch_recorded = True
+        self.state.recorder.emit(
             MicrobatchDone(
                 epoch=ctx.epoch,
                 batch=ctx.batch_index,
@@ -280,8 +307,8 @@ class UpdateEngine:
         """Close the window: skip, or unscale -> clip -> step -> receipts. Returns True on commit."""
         if not self.window_open:
             return False
-        trainer = self.trainer
-        names = list(trainer.optimizers)
+        optimizers = self.optimizers
+        names = list(optimizers)
         microbatches = self.w_microbatches
         W = self.w_den
         reason, detail, norm = None, "", None
@@ -293,7 +320,7 @@ class UpdateEngine:
             reason, detail = "nonfinite", "a microbatch loss was not finite"
         else:
             if self.scaler is not None:
-                for opt in trainer.optimizers.values():
+                for opt in optimizers.values():
                     self.scaler.unscale_(opt)
                 unscaled = True
             if self._sparse or self._unseen:
@@ -321,25 +348,25 @@ class UpdateEngine:
                 if clipped:
                     assert norm_t is not None
                     torch.nn.utils.clip_grads_with_norm_(self._params, self.clip_grad_norm, norm_t)
-                lrs = {n: [float(g["lr"]) for g in trainer.optimizers[n].param_groups] for n in names}
+                lrs = {n: [float(g["lr"]) for g in optimizers[n].param_groups] for n in names}
                 owner = self.orchestrator.step_owner
                 if owner is not None:
-                    owner.step(ctx, trainer.optimizers)
+                    owner.step(ctx, optimizers)
                 else:
-                    for opt in trainer.optimizers.values():
+                    for opt in optimizers.values():
                         opt.step()
                 self.orchestrator.after_step(ctx)
         if unscaled:
             assert self.scaler is not None
             self.scaler.update()  # after a step, or after an overflow (which lowers the scale)
-        for opt in trainer.optimizers.values():
+        for opt in optimizers.values():
             opt.zero_grad(set_to_none=True)
         loss = self.w_num / W if W > 0 else math.nan
         self._reset_window()
         if reason is not None:
             self.epoch.skipped += 1
             for n in names:
-                trainer.recorder.emit(
+                self.state.recorder.emit(
                     UpdateSkipped(
                         step=ctx.step_count, epoch=ctx.epoch, microbatches=microbatches, reason=reason,
                         optimizer=n, detail=detail,
@@ -418,14 +445,14 @@ class UpdateEngine:
         clipped: bool,
     ) -> None:
         """Receipts for an update a custom step committed (see ``TrainContext.report_update``)."""
-        unknown = [n for n in optimizers if n not in self.trainer.optimizers]
+        unknown = [n for n in optimizers if n not in self.optimizers]
         if unknown:
-            raise ConfigError(f"report_update names unknown optimizers {unknown}; known: {list(self.trainer.optimizers)}")
-        self.trainer._ensure_microbatch_recorded(ctx, loss=loss, examples=examples)
+            raise ConfigError(f"report_update names unknown optimizers {unknown}; known: {list(self.optimizers)}")
+        self.record_microbatch(ctx, loss=loss, examples=examples)
         if math.isfinite(loss) and examples > 0:  # the epoch summary holds what the custom step reported
             self.epoch.sums.num += loss * examples
             self.epoch.sums.den += examples
-        lrs = {n: [float(g["lr"]) for g in self.trainer.optimizers[n].param_groups] for n in optimizers}
+        lrs = {n: [float(g["lr"]) for g in self.optimizers[n].param_groups] for n in optimizers}
         self._commit(ctx, optimizers, loss=loss, examples=examples, microbatches=microbatches,
                      grad_norm=grad_norm, clipped=clipped, lrs=lrs)
 
@@ -441,11 +468,11 @@ class UpdateEngine:
         clipped: bool,
         lrs: dict[str, list[float]],
     ) -> None:
-        trainer = self.trainer
-        rec = trainer.recorder
-        trainer._committed_update = True
+        state = self.state
+        rec = state.recorder
+        state.outcome.committed_update = True
         step = ctx.step_count + 1
-        world = trainer.world_size
+        world = state.world.size
         receipts = [
             UpdateCommitted(
                 step=step, epoch=ctx.epoch, microbatches=microbatches, local_examples=examples,
@@ -457,23 +484,29 @@ class UpdateEngine:
         for r in receipts:
             rec.emit(r)
         self.epoch.updates += 1
-        if trainer._hooks["on_optimizer_update"]:
+        if self.callbacks.has("on_optimizer_update"):
             for r in receipts:
-                trainer._dispatch("on_optimizer_update", ctx, r)
-        if not trainer.update_clock:
+                self.callbacks.optimizer_update(ctx, r)
+        if self.update_clock:
+            step_update_clock(self.update_clock, names, rec, epoch=ctx.epoch, step=step)
+
+    def record_microbatch(self, ctx: TrainContext, *, loss: float | None, examples: float) -> None:
+        """Emit ``microbatch_done`` for the current batch of a custom ``trainer_step_fn``, once
+        (the default step emits its own in :meth:`microbatch`)."""
+        outcome = self.state.outcome
+        if outcome.microbatch_recorded:
             return
-        committed = set(names)
-        for s in trainer.update_clock:
-            if s.optimizer_name in committed:
-                s.scheduler.step()
-                s.steps += 1
-                rec.emit(
-                    SchedulerStepped(
-                        name=s.name, clock=s.clock, epoch=ctx.epoch, step=step, steps=s.steps, lrs=s.lrs()
-                    )
-                )
+        outcome.microbatch_recorded = True
+        outcome.unreported += 1
+        self.epoch.microbatches += 1
+        batch = ctx.batch
+        rows = len(batch[0]) if isinstance(batch, (tuple, list)) and hasattr(batch[0], "__len__") else 1
+        self.state.recorder.emit(MicrobatchDone(
+            epoch=ctx.epoch, batch=ctx.batch_index, rows=rows, examples=float(examples),
+            loss=float(loss) if loss is not None else math.nan,
+        ))
 
 
 def finalize_step(ctx: TrainContext) -> bool:
-    """Close the current accumulation window of ``ctx``'s trainer (see :class:`UpdateEngine`)."""
-    return ctx.trainer.engine.finalize_step(ctx)
+    """Close the current accumulation window of ``ctx``'s run (see :class:`UpdateEngine`)."""
+    return ctx.engine.finalize_step(ctx)

@@ -27,13 +27,16 @@ from typing import TYPE_CHECKING, Any
 import structlog
 
 from events.schema import CallbackFinalized, RunFailed, RunFinalized
-from nnx_es.callbacks import Callback, LambdaCallback
-from nnx_es.stages import TrainingStage
+from nnx_es.callbacks import Callback, CallbackList
+from nnx_es.stages import StageDispatcher, TrainingStage
 
 if TYPE_CHECKING:
-    from nnx_es.trainer import Trainer
+    from nnx_es.commit import Committer
+    from nnx_es.context import TrainContext
+    from nnx_es.run_state import RunState
+    from projections.view import Projections
 
-__all__ = ["finalization_may_change_state", "finalize"]
+__all__ = ["Finalization", "finalization_may_change_state"]
 
 log = structlog.get_logger("nnx_es")
 
@@ -54,102 +57,110 @@ def _attempt(fn: Callable[[], Any]) -> None:
         _log_error("finalization step failed", error=f"{type(exc).__name__}: {exc}")
 
 
-def _run_failed(trainer: Trainer, exc: BaseException, with_traceback: bool) -> None:
-    rec, ctx = trainer.recorder, trainer.ctx
-    if rec.accepts("run_failed"):
-        rec.emit(RunFailed(
-            error_type=type(exc).__name__, message=str(exc) or ("interrupted" if isinstance(exc, KeyboardInterrupt)
-                                                                else repr(exc)),
-            epoch=ctx.epoch, step=ctx.step_count,
-            traceback="".join(traceback.format_exception(exc))[-4000:] if with_traceback else "",
-        ))
-
-
-def finalization_may_change_state(trainer: Trainer) -> bool:
+def finalization_may_change_state(callbacks: CallbackList, stages: StageDispatcher) -> bool:
     """Whether anything that runs at finalization could change the state a checkpoint holds: an
-    ``AFTER_TRAINING`` stage hook, or a callback's ``on_train_end`` other than the base no-op
-    (overridden in its class, given to a LambdaCallback, or assigned on the instance)."""
-    if trainer.stages.has(TrainingStage.AFTER_TRAINING):
-        return True
-    for cb in trainer.callbacks:
-        if isinstance(cb, LambdaCallback):
-            if cb.has("on_train_end"):
-                return True
-        elif getattr(cb.on_train_end, "__func__", None) is not Callback.on_train_end:
-            return True
-    return False
+    ``AFTER_TRAINING`` stage hook, or a callback implementing ``on_train_end`` (overridden in its
+    class, given to a LambdaCallback, or assigned on the instance: :func:`~nnx_es.callbacks.implements`)."""
+    return stages.has(TrainingStage.AFTER_TRAINING) or callbacks.has("on_train_end")
 
 
-def finalize(
-    trainer: Trainer,
-    begun: list[tuple[int, Callback]],
-    failure: BaseException | None,
-    stopped_at_update: bool,
-    t0: float,
-) -> None:
-    """Finalize ``trainer``'s run (see the module docstring).
+class Finalization:
+    """Finalizes one run (see the module docstring).
 
-    Raises:
-        Exception: after a successful run, the first cleanup error, else the first
-            failure of a closing write (never over a training error).
+    Args:
+        state: the run (recorder, run directory, stop request).
+        callbacks: the run's callbacks; those in ``callbacks.begun`` are finalized.
+        committer: commits the final LAST.
+        stages: the stage hooks (an ``AFTER_TRAINING`` one may change the state).
+        ctx: the context the cleanup hooks receive.
     """
-    rec, ctx = trainer.recorder, trainer.ctx
-    # a commit still in flight lands first: its blobs may be durable already
-    _attempt(trainer.committer.complete)
-    _attempt(trainer.committer.close)
-    if failure is not None:
-        _log_error("training failed", run_id=trainer.run_id, error=repr(failure))
-        _attempt(lambda: _run_failed(trainer, failure, True))
-    cleanup_error: BaseException | None = None
-    for index, cb in reversed(begun):
-        error = None
-        try:
-            cb.on_train_end(ctx)
-        except BaseException as exc:  # noqa: BLE001 - every cleanup hook is attempted
-            error = f"{type(exc).__name__}: {exc}"
-            _log_error("callback cleanup failed", callback=cb.name, error=error)
-            cleanup_error = cleanup_error or exc
-        _attempt(lambda cb=cb, i=index, e=error: rec.emit(CallbackFinalized(name=cb.name, index=i, error=e)))
-    if failure is not None:
-        status = "failed"
-    elif cleanup_error is not None:
-        _attempt(lambda: _run_failed(trainer, cleanup_error, False))
-        status = "failed"
-    else:
-        status = "stopped" if (stopped_at_update or trainer._stop) else "completed"
-    # the finalization records are written before the final LAST: a failed LAST commit
-    # drops its own unwritten events only, never the record of the cleanups
-    _attempt(rec.flush)
-    closing_error: BaseException | None = None  # a failed final LAST, run_finalized or view write
-    if status != "failed" and not stopped_at_update:
-        try:
-            trainer._commit_last(epoch=rec.counters.epoch - 1, final=True)
-        except BaseException as exc:  # noqa: BLE001 - the run fails; raised once finalized
-            _log_error("final LAST commit failed", run_id=trainer.run_id, error=f"{type(exc).__name__}: {exc}")
-            closing_error = exc
-            _attempt(lambda e=exc: _run_failed(trainer, e, True))
+
+    def __init__(self, state: RunState, callbacks: CallbackList, committer: Committer, stages: StageDispatcher,
+                 ctx: TrainContext) -> None:
+        self.state = state
+        self.callbacks = callbacks
+        self.committer = committer
+        self.stages = stages
+        self.ctx = ctx
+        #: the projections the views were written from, and the log's length then
+        self.projection: tuple[Projections, int] | None = None
+
+    def _run_failed(self, exc: BaseException, with_traceback: bool) -> None:
+        rec, ctx = self.state.recorder, self.ctx
+        if rec.accepts("run_failed"):
+            rec.emit(RunFailed(
+                error_type=type(exc).__name__, message=str(exc) or ("interrupted" if isinstance(exc, KeyboardInterrupt)
+                                                                    else repr(exc)),
+                epoch=ctx.epoch, step=ctx.step_count,
+                traceback="".join(traceback.format_exception(exc))[-4000:] if with_traceback else "",
+            ))
+
+    def run(self, failure: BaseException | None, stopped_at_update: bool, t0: float) -> None:
+        """Finalize the run; ``t0``: its start (``time.time()``, seconds).
+
+        Raises:
+            Exception: after a successful run, the first cleanup error, else the first
+                failure of a closing write (never over a training error).
+        """
+        state, committer = self.state, self.committer
+        rec = state.recorder
+        # a commit still in flight lands first: its blobs may be durable already
+        _attempt(committer.complete)
+        _attempt(committer.close)
+        if failure is not None:
+            _log_error("training failed", run_id=state.run_id, error=repr(failure))
+            _attempt(lambda: self._run_failed(failure, True))
+        errors: list[BaseException] = []
+
+        def finalized(index: int, cb: Callback, error: BaseException | None) -> None:
+            text = None
+            if error is not None:
+                text = f"{type(error).__name__}: {error}"
+                _log_error("callback cleanup failed", callback=cb.name, error=text)
+                errors.append(error)
+            _attempt(lambda: rec.emit(CallbackFinalized(name=cb.name, index=index, error=text)))
+
+        self.callbacks.train_end(self.ctx, finalized)
+        cleanup_error = errors[0] if errors else None
+        if failure is not None:
             status = "failed"
-    for step in (
-        lambda: rec.commit(RunFinalized(
-            status=status, epochs=rec.counters.epoch, steps=rec.counters.step, wall_time_s=time.time() - t0,
-        )),
-        lambda: _write_views(trainer),
-    ):
-        try:
-            step()
-        except BaseException as exc:  # noqa: BLE001 - never masks the training error
-            _log_error("finalization step failed", run_id=trainer.run_id, error=f"{type(exc).__name__}: {exc}")
-            closing_error = closing_error or exc
-    if failure is None and (cleanup_error or closing_error) is not None:
-        raise cleanup_error or closing_error  # type: ignore[misc]
+        elif cleanup_error is not None:
+            _attempt(lambda: self._run_failed(cleanup_error, False))
+            status = "failed"
+        else:
+            status = "stopped" if (stopped_at_update or state.stop_requested) else "completed"
+        # the finalization records are written before the final LAST: a failed LAST commit
+        # drops its own unwritten events only, never the record of the cleanups
+        _attempt(rec.flush)
+        closing_error: BaseException | None = None  # a failed final LAST, run_finalized or view write
+        if status != "failed" and not stopped_at_update:
+            try:
+                committer.commit_now(epoch=rec.counters.epoch - 1, final=True,
+                                     state_may_have_changed=finalization_may_change_state(self.callbacks, self.stages))
+            except BaseException as exc:  # noqa: BLE001 - the run fails; raised once finalized
+                _log_error("final LAST commit failed", run_id=state.run_id, error=f"{type(exc).__name__}: {exc}")
+                closing_error = exc
+                _attempt(lambda e=exc: self._run_failed(e, True))
+                status = "failed"
+        for step in (
+            lambda: rec.commit(RunFinalized(
+                status=status, epochs=rec.counters.epoch, steps=rec.counters.step, wall_time_s=time.time() - t0,
+            )),
+            self._write_views,
+        ):
+            try:
+                step()
+            except BaseException as exc:  # noqa: BLE001 - never masks the training error
+                _log_error("finalization step failed", run_id=state.run_id, error=f"{type(exc).__name__}: {exc}")
+                closing_error = closing_error or exc
+        if failure is None and (cleanup_error or closing_error) is not None:
+            raise cleanup_error or closing_error  # type: ignore[misc]
 
+    def _write_views(self) -> None:
+        from nnx_es.views import write_views
+        from projections.view import project
 
-def _write_views(trainer: Trainer) -> None:
-    from nnx_es.views import write_views
-    from projections.view import project
-
-    assert trainer.run_dir is not None
-    log = trainer.recorder.log
-    p = project(log.read())
-    write_views(trainer.run_dir, p)
-    trainer.final_projection = (p, log.next_seq)  # fit() returns its RunResult without reading the log again
+        log = self.state.recorder.log
+        p = project(log.read())
+        write_views(self.state.run_dir, p)
+        self.projection = (p, log.next_seq)  # fit() returns its RunResult without reading the log again

@@ -32,6 +32,7 @@ from typing import Any
 
 from events.codec import KINDS
 from events.errors import NnxError
+from projections.commits import GROUP_KINDS
 
 __all__ = [
     "BASE_STATES",
@@ -118,7 +119,7 @@ DEFERRABLE: tuple[str, ...] = (
 PENDING = "~"
 #: Suffix of a deferrable state right after that LAST committed (its BEST/phase/callback group may follow).
 JUST_COMMITTED = "^"
-_GROUP = ("best_committed", "phase_committed", "callback_checkpointed", "checkpoint_stored")
+_GROUP = tuple(sorted(GROUP_KINDS))
 
 
 def _deferred(base: tuple[dict[str, Any], ...]) -> list[dict[str, Any]]:
@@ -226,6 +227,11 @@ class Lifecycle:
             raise ValueError(f"state must be one of {STATES}, got {state!r}")
         self.state = state
         self._table = compiled_table()
+
+    @property
+    def base_state(self) -> str:
+        """The state without its deferred-LAST suffix (:data:`PENDING` / :data:`JUST_COMMITTED`)."""
+        return self.state.rstrip(PENDING + JUST_COMMITTED)
 
     def accepts(self, kind: str) -> bool:
         return (self.state, kind) in self._table

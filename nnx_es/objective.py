@@ -19,7 +19,7 @@ import torch
 from torch import Tensor, nn
 
 from nnx_es.errors import ConfigError
-from nnx_es.validation import as_number
+from nnx_es.argchecks import as_number
 
 __all__ = ["LossParts", "Objective", "Term", "accuracy"]
 

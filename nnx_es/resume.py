@@ -22,7 +22,8 @@ from nnx_es.checkpoint import Manifest, verify_checkpoint
 from nnx_es.errors import CorruptCheckpointError, ResumeError
 from nnx_es.lifecycle import compiled_table
 from nnx_es.storage import BlobStore
-from projections.view import GROUP_KINDS, Projections, committed, fold
+from projections.commits import GroupTracker
+from projections.view import Projections, committed, fold
 
 __all__ = ["ResumePoint", "find_resume_point"]
 
@@ -92,7 +93,7 @@ def find_resume_point(run_dir: Path, log: EventLog, *, expect_run_id: str | None
     last: tuple[int, LastCommitted] | None = None
     started: RunStarted | None = None
     boundary = -1
-    in_group = False
+    group = GroupTracker()
     proj = Projections()
     events = _read_whole(run_dir, log)
     for seq, event in events:
@@ -101,13 +102,8 @@ def find_resume_point(run_dir: Path, log: EventLog, *, expect_run_id: str | None
             started = started or event
             if run_id is None:
                 run_id = event.run_id
-        if isinstance(event, LastCommitted):
-            in_group = True
+        if group.see(event.KIND):  # a LAST or its group: the committed prefix reaches here
             boundary = seq
-        elif in_group and event.KIND in GROUP_KINDS:
-            boundary = seq
-        else:
-            in_group = False
         if event.KIND == "run_resumed":
             boundary = seq
     kept: set[int] = set()

@@ -5,19 +5,27 @@
 * optimizer_update clock: stepped exactly once per committed update of its
   optimizer, never per microbatch, masked window or skipped update
   (spec 000 "Lifecycle order").
+
+Both clocks step here (:func:`step_epoch_clock`, :func:`step_update_clock`), each
+step recorded as a ``scheduler_stepped`` event.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Collection, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import ReduceLROnPlateau
 
-from events.schema import PlateauState, SchedulerDecl
+from events.schema import MonitorDecided, PlateauState, SchedulerDecl, SchedulerStepped
 from nnx_es.errors import ConfigError
+from nnx_es.monitor import Monitor, step_plateau
 
-__all__ = ["CLOCKS", "Scheduler"]
+if TYPE_CHECKING:
+    from nnx_es.recorder import Recorder
+
+__all__ = ["CLOCKS", "Scheduler", "step_epoch_clock", "step_update_clock", "wrap_schedulers"]
 
 CLOCKS = ("epoch", "optimizer_update")
 
@@ -96,3 +104,72 @@ class Scheduler:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.scheduler.load_state_dict(state["scheduler"])
         self.steps = int(state["steps"])
+
+
+def wrap_schedulers(schedulers: Iterable[Any], optimizers: Mapping[str, Optimizer],
+                    monitor: Monitor | None) -> list[Scheduler]:
+    """Wrap torch schedulers as :class:`Scheduler` (epoch clock), name them uniquely and bind each
+    to the name of the optimizer it drives.
+
+    Raises:
+        ConfigError: ``schedulers`` is not a list; two explicitly named schedulers share a name;
+            a scheduler wraps an optimizer the trainer does not have; a ReduceLROnPlateau without
+            a monitor, or whose ``mode`` disagrees with the monitor's (found now, before training).
+    """
+    if isinstance(schedulers, Scheduler) or not isinstance(schedulers, Iterable):
+        raise ConfigError(f"schedulers must be a list, got {schedulers!r}")
+    out: list[Scheduler] = []
+    seen: set[str] = set()
+    for s in schedulers:
+        w = s if isinstance(s, Scheduler) else Scheduler(s)
+        if w.name in seen:
+            if isinstance(s, Scheduler) and s.named:
+                raise ConfigError(f"scheduler names must be unique (they key events and checkpoints), "
+                                  f"{w.name!r} is given twice")
+            w.name = f"{w.name}{len(out)}"
+        seen.add(w.name)
+        owner = [n for n, o in optimizers.items() if o is w.optimizer]
+        if not owner:
+            raise ConfigError(f"scheduler {w.name!r} wraps an optimizer that is not among the trainer's optimizers")
+        w.optimizer_name = owner[0]
+        if w.plateau:
+            if monitor is None:
+                raise ConfigError(f"scheduler {w.name!r} is a ReduceLROnPlateau: it needs Trainer(monitor=...)")
+            if w.scheduler.mode != monitor.mode:
+                raise ConfigError(
+                    f"scheduler {w.name!r} is ReduceLROnPlateau(mode={w.scheduler.mode!r}) but the monitor "
+                    f"{monitor.name!r} has mode={monitor.mode!r}: one decision drives both, so give the "
+                    f"scheduler mode={monitor.mode!r}"
+                )
+        out.append(w)
+    return out
+
+
+def step_epoch_clock(schedulers: Sequence[Scheduler], decision: MonitorDecided | None, rec: Recorder, *,
+                     epoch: int, step: int) -> None:
+    """Step every epoch-clock scheduler once for committed ``epoch`` (a plateau one on ``decision``;
+    without a decision it does not step) and record each step."""
+    for s in schedulers:
+        if s.clock != "epoch":
+            continue
+        if s.plateau:
+            if decision is None:
+                continue  # no decision this epoch: a plateau scheduler does not step
+            step_plateau(s.scheduler, decision)
+        else:
+            s.scheduler.step()
+        s.steps += 1
+        rec.emit(SchedulerStepped(name=s.name, clock=s.clock, epoch=epoch, step=step, steps=s.steps, lrs=s.lrs(),
+                                  plateau=s.plateau_state()))
+
+
+def step_update_clock(schedulers: Sequence[Scheduler], committed: Collection[str], rec: Recorder, *,
+                      epoch: int, step: int) -> None:
+    """Step every optimizer_update-clock scheduler of an optimizer in ``committed`` once for the
+    committed update ``step`` (1-based) and record each step."""
+    for s in schedulers:
+        if s.clock == "optimizer_update" and s.optimizer_name in committed:
+            s.scheduler.step()
+            s.steps += 1
+            rec.emit(SchedulerStepped(name=s.name, clock=s.clock, epoch=epoch, step=step, steps=s.steps,
+                                      lrs=s.lrs()))

@@ -13,10 +13,10 @@ from __future__ import annotations
 import secrets
 import shutil
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import msgspec
 import structlog
@@ -30,14 +30,25 @@ from nnx_es.lifecycle import Lifecycle
 from nnx_es.recorder import Recorder
 from nnx_es.resume import find_resume_point
 from nnx_es.rng import seed_everything
-from nnx_es.snapshot import apply_state, load_state
+from nnx_es.run_state import RunState, World
+from nnx_es.snapshot import RunComponents, apply_state, load_state
 from nnx_es.storage import BlobStore, Lease, clean_stale_temporaries, validate_run_id
-from nnx_es.update_hooks import EMA
 
-if TYPE_CHECKING:
-    from nnx_es.trainer import Trainer
+__all__ = ["Session", "check_epochs", "library_versions", "open_session"]
 
-__all__ = ["check_epochs", "open_session"]
+#: builds the run's ``run_started`` declaration: ``declare(run_id, source)``
+Declare = Callable[[str, "SourceRef | None"], RunStarted]
+
+
+@dataclass
+class Session:
+    """An open run: its state, the event that opens this session, the first epoch to train,
+    and the phase checkpoints the run already holds (a resume's)."""
+
+    state: RunState
+    opening: RunStarted | RunResumed
+    start_epoch: int
+    phases: list[str]
 
 log = structlog.get_logger("nnx_es")
 
@@ -53,7 +64,8 @@ def check_epochs(epochs: int, start_epoch: int) -> None:
                           f"epochs counts from the run's start (pass epochs >= {start_epoch}); nothing was restored or written")
 
 
-def _library_versions() -> dict[str, str]:
+def library_versions() -> dict[str, str]:
+    """The versions of nnx_es and the libraries a run depends on (recorded in its opening event)."""
     import lmdb
     import transitions
 
@@ -71,14 +83,27 @@ def _library_versions() -> dict[str, str]:
 
 @contextmanager
 def open_session(
-    trainer: Trainer, resume_from: str | Path | None, resume_mode: str, epochs: int
-) -> Iterator[tuple[RunStarted | RunResumed, int]]:
-    """Hold the lease and the open log of ``trainer``'s run; yield (opening event, first epoch).
+    *,
+    runs_root: Path,
+    run_id: str | None,
+    seed: int,
+    resume_from: str | Path | None,
+    resume_mode: str,
+    epochs: int,
+    components: RunComponents,
+    declare: Declare,
+    world: World | None = None,
+) -> Iterator[Session]:
+    """Hold the lease and the open log of a run; yield its :class:`Session`.
 
     ``epochs``: the ``fit`` call's, counted from the run's start (a resume to fewer than the
-    run committed is refused before anything is restored).
+    run committed is refused before anything is restored). ``components``: restored from
+    the resume point (all of it, or the weights alone). ``declare``: builds ``run_started``
+    (a stateful resume compares the run's with it).
 
-    Sets ``trainer.run_id``, ``run_dir``, ``runs_root``, ``store`` and ``recorder``.
+    A stateful resume continues ``resume_from`` (its runs root and id); otherwise the run is
+    ``runs_root / run_id`` (a timestamped id when ``None``). After the session the state's
+    store reads through its own log handles (the session's log is closed).
 
     Raises:
         ConfigError / ResumeError / LeaseHeldError: see :meth:`nnx_es.Trainer.fit`.
@@ -89,22 +114,20 @@ def open_session(
     if resume_from is not None:
         _require_run_dir(Path(resume_from))
         resume_from = Path(resume_from).resolve()  # ".", a symlink: the run itself (its lease, its id)
-    identity = (trainer.run_id, trainer.runs_root, trainer.run_dir)  # given back when the call is refused
     if stateful:
-        source = resume_from
-        if trainer.run_id not in (None, source.name):
+        assert resume_from is not None
+        if run_id not in (None, resume_from.name):
             raise ConfigError(
-                f"a stateful resume continues run {source.name!r}; run_id={trainer.run_id!r} names another run "
+                f"a stateful resume continues run {resume_from.name!r}; run_id={run_id!r} names another run "
                 "(use resume_mode='weights_only' to start a new run from its weights)"
             )
-        trainer.runs_root, run_id = source.parent, validate_run_id(source.name)
+        runs_root, run_id = resume_from.parent, validate_run_id(resume_from.name)
     else:
-        run_id = trainer.run_id or f"{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(3)}"
-    trainer.run_id = run_id
-    run_dir = trainer.runs_root / run_id
-    trainer.run_dir = run_dir
-    lease = Lease(trainer.runs_root, run_id)
+        run_id = run_id or f"{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(3)}"
+    run_dir = runs_root / run_id
+    lease = Lease(runs_root, run_id)
     began = created = False
+    state: RunState | None = None
     try:
         lease.acquire()
         created = not run_dir.exists()  # under the lease: what appears in it now is this call's
@@ -122,45 +145,46 @@ def open_session(
         if removed:
             log.warning("removed stale temporaries", run_id=run_id, files=[str(p) for p in removed])
         with LmdbLog(run_dir / "events.lmdb") as event_log:
-            trainer.store = BlobStore(run_dir / "blobs", log=event_log)  # manifests go to the log with LAST
+            store = BlobStore(run_dir / "blobs", log=event_log)  # manifests go to the log with LAST
+            phases: list[str] = []
             if stateful:
                 point = find_resume_point(run_dir, event_log, expect_run_id=run_id)
-                _check_same_recipe(trainer, point.started, point.manifest)
+                _check_same_recipe(components, declare(run_id, None), point.started, point.manifest)
                 check_epochs(epochs, point.manifest.epoch + 1)
-                seed_everything(trainer.seed)  # then the checkpoint's RNG streams are restored over it
-                apply_state(trainer, load_state(trainer.store, point.manifest))
+                seed_everything(seed)  # then the checkpoint's RNG streams are restored over it
+                apply_state(components, load_state(store, point.manifest))
+                recorder = Recorder(event_log, Lifecycle(point.state), counters=point.manifest.counters)
+                state = RunState(run_id=run_id, runs_root=runs_root, recorder=recorder, store=store, world=world)
                 stop = point.projections.status.stop_reason
                 if stop is not None and stop != "update_boundary":
                     # the run had decided to stop (early stopping): resuming finishes it, trains nothing more
-                    trainer._request_stop(stop, "resume")
-                trainer.recorder = Recorder(event_log, Lifecycle(point.state), counters=point.manifest.counters)
-                trainer.committer.phases = list(point.projections.checkpoints.phases)
+                    state.request_stop(stop, "resume")
+                phases = list(point.projections.checkpoints.phases)
                 opening: RunStarted | RunResumed = RunResumed(
                     last_seq=point.last_seq, manifest=point.manifest_hash, epoch=point.manifest.epoch,
                     discard_from=point.discard_from, discard_to=point.discard_to,
-                    library_versions=_library_versions(), callbacks=[cb.name for cb in trainer.callbacks],
+                    library_versions=library_versions(), callbacks=[cb.name for cb in components.callbacks],
                     cleaned_temporaries=len(removed), wall_time_s=time.time(),
                 )
                 start_epoch = point.manifest.epoch + 1
             else:
-                seed_everything(trainer.seed)
+                seed_everything(seed)
                 src = None
                 if resume_from is not None:
-                    src = _load_weights_from(trainer, resume_from)
-                trainer.recorder = Recorder(event_log)
-                opening = _run_started(trainer, src)
+                    src = _load_weights_from(components, resume_from, own=run_dir)
+                state = RunState(run_id=run_id, runs_root=runs_root, recorder=Recorder(event_log), store=store,
+                                 world=world)
+                opening = declare(run_id, src)
                 start_epoch = 0
             began = True
-            yield opening, start_epoch
+            yield Session(state=state, opening=opening, start_epoch=start_epoch, phases=phases)
     except BaseException:
-        if not began:  # refused before the run began: the trainer as it was, and no empty run to block a retry
-            trainer.run_id, trainer.runs_root, trainer.run_dir = identity
-            if created:
-                shutil.rmtree(run_dir, ignore_errors=True)
+        if not began and created:  # refused before the run began: no empty run to block a retry
+            shutil.rmtree(run_dir, ignore_errors=True)
         raise
     finally:
-        if getattr(trainer, "store", None) is not None and trainer.store.log is not None:
-            trainer.store = BlobStore(run_dir / "blobs")  # the session's log is closed: later reads open their own
+        if state is not None:
+            state.store = BlobStore(run_dir / "blobs")  # the session's log is closed: later reads open their own
         lease.release()
 
 
@@ -182,7 +206,8 @@ def _require_run_dir(source: Path) -> None:
     )
 
 
-def _check_same_recipe(trainer: Trainer, started: RunStarted | None, manifest: Manifest) -> None:
+def _check_same_recipe(components: RunComponents, mine: RunStarted, started: RunStarted | None,
+                       manifest: Manifest) -> None:
     """A stateful resume continues the same recipe: optimizers, schedulers, monitor, window and
     averaging update hooks.
 
@@ -196,7 +221,7 @@ def _check_same_recipe(trainer: Trainer, started: RunStarted | None, manifest: M
         ResumeError: naming what differs from the run's ``run_started`` declaration or its LAST.
     """
     theirs = [n.removeprefix("update_hook/") for n in manifest.components if n.startswith("update_hook/")]
-    ours = [h.name for h in trainer.update_hooks if isinstance(h, EMA)]
+    ours = [h.name for h in components.averages]
     if theirs != ours:
         raise ResumeError(
             f"cannot resume run {manifest.run_id!r} statefully with other averaging update hooks: its LAST "
@@ -206,7 +231,6 @@ def _check_same_recipe(trainer: Trainer, started: RunStarted | None, manifest: M
         )
     if started is None:
         return
-    mine = _run_started(trainer, None)
     for field, label in (("optimizers", "optimizers"), ("schedulers", "schedulers"), ("monitor", "monitor"),
                          ("accumulation", "accumulation window"), ("update", "precision or gradient clipping")):
         theirs, ours = getattr(started, field), getattr(mine, field)
@@ -218,24 +242,15 @@ def _check_same_recipe(trainer: Trainer, started: RunStarted | None, manifest: M
             )
 
 
-def _load_weights_from(trainer: Trainer, source: Path) -> SourceRef:
-    """Load the model weights of ``source``'s verified LAST into ``trainer``; return the source reference."""
-    if source.resolve() == (trainer.runs_root / (trainer.run_id or "")).resolve():
+def _load_weights_from(components: RunComponents, source: Path, *, own: Path) -> SourceRef:
+    """Load the model weights of ``source``'s verified LAST into ``components``' net; return the
+    source reference. ``own``: the new run's directory (never its own source)."""
+    if source.resolve() == own.resolve():
         raise ConfigError(f"a weights_only continuation must write its own run, not its source {source}")
     if not (source / "events.lmdb" / "data.mdb").exists():
         raise ResumeError(f"cannot start from {source}: it has no event log; nothing was restored or written")
     with LmdbLog(source / "events.lmdb", readonly=True) as src_log:
         point = find_resume_point(source, src_log)
-        apply_state(trainer, load_state(BlobStore(source / "blobs", log=src_log), point.manifest), weights_only=True)
+        apply_state(components, load_state(BlobStore(source / "blobs", log=src_log), point.manifest),
+                    weights_only=True)
     return SourceRef(run_id=point.run_id, last_seq=point.last_seq, manifest=point.manifest_hash)
-
-
-def _run_started(trainer: Trainer, source: SourceRef | None) -> RunStarted:
-    return RunStarted(
-        run_id=trainer.run_id or "", seed=trainer.seed, recipe=trainer.recipe, library_versions=_library_versions(),
-        callbacks=[cb.name for cb in trainer.callbacks], optimizers=list(trainer.optimizers),
-        schedulers=[s.decl() for s in trainer.schedulers],
-        monitor=trainer.monitor.spec if trainer.monitor else None, accumulation=trainer.engine.accumulation,
-        update=UpdateSpec(precision=trainer.engine.precision, clip_grad_norm=trainer.engine.clip_grad_norm),
-        source=source, wall_time_s=time.time(),
-    )

@@ -1,9 +1,10 @@
 """A trainer's restart-critical state as checkpoint components, and back.
 
-:func:`capture` builds the components of one checkpoint from a live trainer;
+:class:`RunComponents` names the objects whose state a checkpoint holds (the trainer
+builds it once); :func:`capture` builds the components of one checkpoint from them;
 :func:`load_state` reads every component of a verified manifest with the safe
 loaders (nothing is applied until all of them loaded); :func:`apply_state`
-puts them into a trainer. Components (see :mod:`nnx_es.checkpoint`)::
+puts them back. Components (see :mod:`nnx_es.checkpoint`)::
 
     model, optimizer/<name>, scheduler/<name>, scaler, update_hook/<name>   tensors (or torch)
     schedulers, monitor, rng, data, topology, callback/<name>               msgpack
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import io
 import pickle
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -21,15 +23,42 @@ from torch import Tensor, nn
 
 from nnx_es.checkpoint import Manifest, load_component, torch_bytes
 from nnx_es.errors import ConfigError, ResumeError
-from nnx_es.rng import capture_rng, generators_mismatch, restore_rng
+from nnx_es.rng import LoaderGenerators, capture_rng, generators_mismatch, restore_rng
 from nnx_es.state_codec import encode_state
 from nnx_es.storage import BlobStore
-from nnx_es.update_hooks import EMA
+from nnx_es.update_hooks import EMA, UpdateHook
 
 if TYPE_CHECKING:
-    from nnx_es.trainer import Trainer
+    from torch.optim import Optimizer
 
-__all__ = ["apply_state", "capture", "detached_copy", "encode_parts", "load_state", "weight_misfits"]
+    from nnx_es.callbacks import Callback
+    from nnx_es.engine import UpdateEngine
+    from nnx_es.monitor import Monitor
+    from nnx_es.schedulers import Scheduler
+
+__all__ = ["RunComponents", "apply_state", "capture", "detached_copy", "encode_parts", "load_state",
+           "weight_misfits"]
+
+
+class RunComponents:
+    """The objects whose state a checkpoint holds and a resume restores.
+
+    ``generators``: the train and validation loaders' own generators, set by each ``fit``
+    (``{"train": ..., "val": ...}``). The GradScaler is read from ``engine`` when a checkpoint
+    is captured (it may be replaced before training).
+    """
+
+    def __init__(self, *, net: nn.Module, optimizers: Mapping[str, Optimizer], schedulers: Sequence[Scheduler],
+                 engine: UpdateEngine, update_hooks: Sequence[UpdateHook], monitor: Monitor | None,
+                 callbacks: Sequence[Callback]) -> None:
+        self.net = net
+        self.optimizers = optimizers
+        self.schedulers = schedulers
+        self.engine = engine
+        self.averages = [h for h in update_hooks if isinstance(h, EMA)]
+        self.monitor = monitor
+        self.callbacks = callbacks
+        self.generators: dict[str, LoaderGenerators] = {}
 
 _msgpack = msgspec.msgpack.Encoder()
 
@@ -55,8 +84,8 @@ def _state_part(state: Any) -> tuple[str, Any]:
     return ("tensors", data) if data is not None else ("torch", detached_copy(state))
 
 
-def capture(trainer: Trainer, epoch: int) -> dict[str, tuple[str, Any]]:
-    """Components of a checkpoint holding ``trainer`` after 0-based ``epoch`` (-1: before training).
+def capture(run: RunComponents, epoch: int, world_size: int = 1) -> dict[str, tuple[str, Any]]:
+    """Components of a checkpoint holding ``run`` after 0-based ``epoch`` (-1: before training).
 
     Cheap, on the training thread: state dicts are encoded with the ``"tensors"`` codec
     (:mod:`nnx_es.state_codec`: raw tensor bytes, microseconds for a small model), or kept
@@ -64,30 +93,29 @@ def capture(trainer: Trainer, epoch: int) -> dict[str, tuple[str, Any]]:
     when the commit is deferred) when that codec cannot hold them; ``"msgpack"``
     components are encoded here.
     """
-    parts: dict[str, tuple[str, Any]] = {"model": _state_part(trainer.net.state_dict())}
-    for n, o in trainer.optimizers.items():
+    parts: dict[str, tuple[str, Any]] = {"model": _state_part(run.net.state_dict())}
+    for n, o in run.optimizers.items():
         parts[f"optimizer/{n}"] = _state_part(o.state_dict())
-    for s in trainer.schedulers:
+    for s in run.schedulers:
         parts[f"scheduler/{s.name}"] = _state_part(s.state_dict())
-    if trainer.engine.scaler is not None:
-        parts["scaler"] = _state_part(trainer.engine.scaler.state_dict())
-    for h in trainer.update_hooks:
-        if isinstance(h, EMA):
-            parts[f"update_hook/{h.name}"] = _state_part(h.torch_state())
+    if run.engine.scaler is not None:
+        parts["scaler"] = _state_part(run.engine.scaler.state_dict())
+    for h in run.averages:
+        parts[f"update_hook/{h.name}"] = _state_part(h.torch_state())
     state = {
-        "schedulers": {s.name: s.summary() for s in trainer.schedulers},
-        "monitor": trainer.monitor.state_dict() if trainer.monitor else None,
-        "rng": capture_rng(trainer.generators),
+        "schedulers": {s.name: s.summary() for s in run.schedulers},
+        "monitor": run.monitor.state_dict() if run.monitor else None,
+        "rng": capture_rng(run.generators),
         "data": {"next_epoch": epoch + 1},
         "topology": {
-            "module": type(trainer.net).__qualname__,
-            "parameters": {k: list(v.shape) for k, v in trainer.net.state_dict().items()},
-            "world_size": trainer.world_size,
+            "module": type(run.net).__qualname__,
+            "parameters": {k: list(v.shape) for k, v in run.net.state_dict().items()},
+            "world_size": world_size,
         },
     }
     for name, value in state.items():
         parts[name] = ("msgpack", _msgpack.encode(value))
-    for cb in trainer.callbacks:
+    for cb in run.callbacks:
         cb_state = cb.state_dict()
         if cb_state is not None:
             parts[f"callback/{cb.name}"] = ("msgpack", _msgpack.encode(cb_state))
@@ -131,7 +159,7 @@ def load_state(store: BlobStore, manifest: Manifest) -> dict[str, Any]:
     return {name: load_component(store, manifest, name) for name in manifest.components}
 
 
-def _check_same_generators(trainer: Trainer, rng: dict[str, Any]) -> None:
+def _check_same_generators(run: RunComponents, rng: dict[str, Any]) -> None:
     """Refuse loaders whose own generators differ from the run's (their states, not seeds, are restored).
 
     One rule for the train and the validation loader (:func:`nnx_es.rng.generators_mismatch`);
@@ -141,7 +169,7 @@ def _check_same_generators(trainer: Trainer, rng: dict[str, Any]) -> None:
         ResumeError: a loader has, or lacks, a DataLoader ``generator``, or its samplers have
             another number of generators of their own than the checkpoint holds (named).
     """
-    why = generators_mismatch(rng, trainer.generators)
+    why = generators_mismatch(rng, run.generators)
     if why is not None:
         raise ResumeError(f"cannot restore the data order: {why}; "
                           "build it with the same generators (any seed: their states are restored)")
@@ -160,8 +188,8 @@ def weight_misfits(net: nn.Module, weights: dict[str, Any]) -> str:
     return "; ".join(misfits[:6]) + (f"; and {len(misfits) - 6} more" if len(misfits) > 6 else "")
 
 
-def apply_state(trainer: Trainer, state: dict[str, Any], *, weights_only: bool = False) -> None:
-    """Restore ``trainer`` from :func:`load_state`'s result.
+def apply_state(run: RunComponents, state: dict[str, Any], *, weights_only: bool = False) -> None:
+    """Restore ``run`` from :func:`load_state`'s result.
 
     A stateful restore (not ``weights_only``) first checks that the train and validation
     loaders have the run's generators, then restores every RNG stream last.
@@ -172,34 +200,34 @@ def apply_state(trainer: Trainer, state: dict[str, Any], *, weights_only: bool =
             loaders whose own generators differ from the run's).
     """
     # everything that can refuse is checked before anything is applied
-    misfits = weight_misfits(trainer.net, state["model"])
+    misfits = weight_misfits(run.net, state["model"])
     if misfits:
         raise ResumeError(f"the checkpoint's model does not fit this net (another architecture?): {misfits}")
     if not weights_only:
-        _check_same_generators(trainer, state["rng"])
-        wanted = [("optimizer", f"optimizer/{n}") for n in trainer.optimizers]
-        wanted += [("scheduler", f"scheduler/{s.name}") for s in trainer.schedulers]
-        wanted += [("callback", f"callback/{cb.name}") for cb in trainer.callbacks if cb.state_dict() is not None]
+        _check_same_generators(run, state["rng"])
+        wanted = [("optimizer", f"optimizer/{n}") for n in run.optimizers]
+        wanted += [("scheduler", f"scheduler/{s.name}") for s in run.schedulers]
+        wanted += [("callback", f"callback/{cb.name}") for cb in run.callbacks if cb.state_dict() is not None]
         for what, key in wanted:
             if key not in state:
                 raise ResumeError(f"the checkpoint has no state for {what} {key.split('/', 1)[1]!r}; "
                                   f"it has {sorted(state)}")
-    trainer.net.load_state_dict(state["model"])
+    run.net.load_state_dict(state["model"])
     if weights_only:
         return
-    for n, o in trainer.optimizers.items():
+    for n, o in run.optimizers.items():
         o.load_state_dict(state[f"optimizer/{n}"])
-    for s in trainer.schedulers:
+    for s in run.schedulers:
         s.load_state_dict(state[f"scheduler/{s.name}"])
-    if trainer.engine.scaler is not None and "scaler" in state:
-        trainer.engine.scaler.load_state_dict(state["scaler"])
-    for h in trainer.update_hooks:
-        if isinstance(h, EMA) and f"update_hook/{h.name}" in state:
+    if run.engine.scaler is not None and "scaler" in state:
+        run.engine.scaler.load_state_dict(state["scaler"])
+    for h in run.averages:
+        if f"update_hook/{h.name}" in state:
             h.load_torch_state(state[f"update_hook/{h.name}"])
-    if trainer.monitor is not None and state.get("monitor") is not None:
-        trainer.monitor.load_state_dict(state["monitor"])
-    for cb in trainer.callbacks:
+    if run.monitor is not None and state.get("monitor") is not None:
+        run.monitor.load_state_dict(state["monitor"])
+    for cb in run.callbacks:
         key = f"callback/{cb.name}"
         if key in state:
             cb.load_state_dict(state[key])
-    restore_rng(state["rng"], trainer.generators)
+    restore_rng(state["rng"], run.generators)

@@ -31,60 +31,40 @@ semantics) and spec 004 (counters, stages).
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-import msgspec
-import structlog
-import torch
 from torch import nn
 from torch.optim import Optimizer
 
-from events.schema import (
-    CallbackBegan,
-    EpochBegan,
-    EpochSummarized,
-    HistoryAppended,
-    HistoryRecord,
-    MicrobatchDone,
-    RunResumed,
-    RunStarted,
-    SchedulerStepped,
-    StopRequested,
-    TrainBegan,
-    UpdateSkipped,
-    ValidationDone,
-)
-from nnx_es.callbacks import Callback, LambdaCallback
+from events.schema import RunStarted, SourceRef, UpdateSpec
+from nnx_es.argchecks import check_cadences, check_monitor, check_run_args, monitor_of, optimizers_of
+from nnx_es.callbacks import Callback, CallbackList
 from nnx_es.commit import Committer
+from nnx_es.commit import checkpoint_lag as lag_in_updates
 from nnx_es.context import TrainContext
-from nnx_es.data import iterate_batches
 from nnx_es.engine import UpdateEngine, default_forward, default_train_step
 from nnx_es.errors import ConfigError
-from nnx_es.finalize import finalization_may_change_state, finalize
+from nnx_es.finalize import Finalization
 from nnx_es.logs import ensure_logging
-from nnx_es.monitor import Monitor, step_plateau
+from nnx_es.loop import Cadence, TrainingLoop
 from nnx_es.metrics import evaluate, validate_metrics
+from nnx_es.monitor import Monitor
 from nnx_es.objective import Objective
 from nnx_es.progress import Progress
 from nnx_es.recorder import Recorder
-from nnx_es.session import open_session
-from nnx_es.validation import check_cadences, check_run_args
 from nnx_es.result import RunResult, load_result, result_of
 from nnx_es.rng import LoaderGenerators
-from nnx_es.schedulers import Scheduler
-from projections.view import Projections
-from nnx_es.stages import TrainingStage
+from nnx_es.run_state import RunState
+from nnx_es.session import library_versions, open_session
+from nnx_es.snapshot import RunComponents
+from nnx_es.schedulers import wrap_schedulers
+from nnx_es.storage import BlobStore, validate_run_id
 from nnx_es.update_hooks import GradientAccumulation, GradientClipping, MixedPrecision, collect
-from nnx_es.storage import validate_run_id
 
 __all__ = ["Trainer"]
-
-log = structlog.get_logger("nnx_es")
-
 
 
 class Trainer:
@@ -167,80 +147,50 @@ class Trainer:
         if not isinstance(net, nn.Module):
             raise ConfigError(f"net must be a torch.nn.Module, got {type(net).__name__}")
         self.net = net
-        if isinstance(optimizer, Optimizer):
-            optimizer = {type(optimizer).__name__.lower(): optimizer}
-        if (not isinstance(optimizer, Mapping) or not optimizer
-                or not all(isinstance(o, Optimizer) for o in optimizer.values())):
-            raise ConfigError(f"optimizer must be a torch Optimizer or a non-empty {{name: Optimizer}}, got {optimizer!r}")
-        self.optimizers: dict[str, Optimizer] = dict(optimizer)
-        own = {id(p) for p in net.parameters()}
-        for name, opt in self.optimizers.items():
-            foreign = sum(1 for g in opt.param_groups for p in g["params"] if id(p) not in own)
-            if foreign:
-                raise ConfigError(
-                    f"optimizer {name!r} holds {foreign} parameter(s) that are not the net's: build it over "
-                    "net.parameters(), or it would step nothing the net uses"
-                )
+        self.custom_step = trainer_step_fn is not None
+        self.optimizers: dict[str, Optimizer] = optimizers_of(net, optimizer, custom_step=self.custom_step)
         if not (isinstance(loss, (Objective, Mapping, nn.Module)) or callable(loss)):
             raise ConfigError(f"loss must be a loss module, a callable, {{name: fn}} or an Objective, got {loss!r}")
         self.objective = loss if isinstance(loss, Objective) else Objective(loss)
-        if isinstance(monitor, str):
-            monitor = Monitor(monitor, mode="max" if "acc" in monitor else "min")
-        if monitor is not None and not isinstance(monitor, Monitor):
-            raise ConfigError(f"monitor must be a Monitor or a metric name, got {monitor!r}")
-        self.monitor: Monitor | None = monitor
-        if isinstance(schedulers, (Scheduler, Callback)) or not isinstance(schedulers, Iterable):
-            raise ConfigError(f"schedulers must be a list, got {schedulers!r}")
+        self.monitor: Monitor | None = monitor_of(monitor)
         if isinstance(callbacks, Callback) or not isinstance(callbacks, Iterable):
             raise ConfigError(f"callbacks must be a list of Callback, got {callbacks!r}")
-        callbacks = list(callbacks)
-        self.schedulers = self._wrap_schedulers(schedulers)
-        #: the schedulers on the optimizer_update clock (stepped after each committed update)
-        self.update_clock = [s for s in self.schedulers if s.clock == "optimizer_update"]
-        for cb in callbacks:
-            if not isinstance(cb, Callback):
-                raise ConfigError(f"callbacks must be nnx_es.Callback instances, got {type(cb).__name__}")
-        names = [cb.name for cb in callbacks]
-        if len(set(names)) != len(names):
-            raise ConfigError(f"callback names must be unique (they key checkpoint state), got {names}")
-        self.callbacks = list(callbacks)
+        self.schedulers = wrap_schedulers(schedulers, self.optimizers, self.monitor)
+        self.callbacks: list[Callback] = CallbackList(callbacks).callbacks  # checked now; listed again per fit
         check_cadences(validate_every=validate_every, validate_every_steps=validate_every_steps,
                        phase_every=phase_every, keep_phases=keep_phases)
-        self.validate_every = validate_every
-        self.validate_every_steps = validate_every_steps
-        self.phase_every = phase_every
-        self.keep_phases = keep_phases
+        self.cadence = Cadence(validate_every, validate_every_steps)
+        self.phase_every, self.keep_phases = phase_every, keep_phases
         self.eval_step_fn = eval_step_fn or default_forward
         self.trainer_step_fn = trainer_step_fn or default_train_step
-        self.custom_step = trainer_step_fn is not None
-        closure = [n for n, o in self.optimizers.items() if isinstance(o, torch.optim.LBFGS)]
-        if closure and not self.custom_step:
-            raise ConfigError(f"optimizer {closure[0]!r} is LBFGS, whose step() re-evaluates the loss through a "
-                              "closure; the update engine steps once per window without one: pass a trainer_step_fn "
-                              "that calls opt.step(closure) and ctx.report_update(...)")
         check_run_args(runs_root=runs_root, seed=seed, progress=progress, batch_gather=batch_gather, recipe=recipe)
         self.runs_root = Path(runs_root)
         self.run_id = validate_run_id(run_id) if run_id is not None else None
+        self.run_dir: Path | None = None
         self.seed = int(seed)  # a NumPy integer too
         self.progress_enabled = progress
         self.batch_gather = batch_gather
         self.recipe = dict(recipe or {})
-        self.world_size = 1
         self.metrics = validate_metrics(metrics)
-        if self.monitor is not None:
-            known = {"loss", *self.objective.terms, *self.metrics} if len(self.objective.terms) > 1 else {
-                "loss", *self.metrics}
-            base = self.monitor.name.removeprefix("val_")
-            if base not in known:
-                raise ConfigError(
-                    f"monitor {self.monitor.name!r} names no reported metric; this run reports "
-                    f"{sorted(known)} for training and the same with val_ for validation (declare metrics=[...])"
-                )
+        check_monitor(self.monitor, self.objective.terms, self.metrics)
         if not isinstance(track_grad_norm, bool):
             raise ConfigError(f"track_grad_norm must be True or False, got {track_grad_norm!r}")
-        self.engine = UpdateEngine(self, self.objective, train_step_fn=train_step_fn,
-                                   track_grad_norm=track_grad_norm)
-        self.engine.metrics = self.metrics
+        self.engine = UpdateEngine(net, self.optimizers, self.objective, self.schedulers, train_step_fn=train_step_fn,
+                                   track_grad_norm=track_grad_norm, metrics=self.metrics)
+        self.update_hooks = self._update_hooks(hooks, accumulation, clip_grad_norm, precision)
+        self.stages = self.engine.stages
+        self.lag = lag_in_updates(checkpoint_lag)
+        self.components = RunComponents(net=net, optimizers=self.optimizers, schedulers=self.schedulers,
+                                        engine=self.engine, update_hooks=self.update_hooks, monitor=self.monitor,
+                                        callbacks=self.callbacks)
+        self.ctx = TrainContext(net=net, optimizers=self.optimizers, schedulers=self.schedulers, monitor=self.monitor,
+                                engine=self.engine, trainer=self)
+        #: the run of the latest ``fit`` (``None`` before the first)
+        self.state: RunState | None = None
+
+    def _update_hooks(self, hooks: Sequence[Any], accumulation: int, clip_grad_norm: float | None,
+                      precision: str) -> list[Any]:
+        """Install the update and stage hooks, the shortcut arguments as update hooks; return the update hooks."""
         update_hooks, stage_hooks = collect(hooks)
         for kwarg, value, default, cls in (("accumulation", accumulation, 1, GradientAccumulation),
                                            ("clip_grad_norm", clip_grad_norm, None, GradientClipping),
@@ -254,71 +204,35 @@ class Trainer:
             update_hooks.append(GradientClipping(clip_grad_norm))
         if precision != "fp32":
             update_hooks.append(MixedPrecision(precision))
-        self.update_hooks = update_hooks
         self.engine.use_hooks(update_hooks, stage_hooks)
-        self.stages = self.engine.stages
-        self._hooks = {
-            hook: [cb for cb in self.callbacks if (cb.has(hook) if isinstance(cb, LambdaCallback) else type(cb).overrides(hook))]
-            for hook in ("on_train_begin", "on_epoch_begin", "on_batch_end", "on_optimizer_update",
-                         "on_validation_end", "on_epoch_end", "on_train_end")
-        }
-        self.run_dir: Path | None = None
-        self.recorder: Recorder = None  # type: ignore[assignment]  # set by fit()
-        self.ctx = TrainContext(self)
-        self._stop: tuple[str, str] | None = None
-        self._microbatch_recorded = False
-        self._committed_update = False
-        self._unreported = 0  # microbatches a custom step recorded since its last reported update
-        self.committer = Committer(self, checkpoint_lag)
-        #: the train and validation loaders' own generators ("train", "val"), checkpointed with the RNG streams
-        self.generators: dict[str, LoaderGenerators] = {}
-        #: the projections finalization wrote the views from, and the log's length then
-        self.final_projection: tuple[Projections, int] | None = None
+        return update_hooks
 
-    # --- configuration helpers ----------------------------------------------------------
+    # --- the latest run's state, for callers and tests -------------------------------------
 
-    def _wrap_schedulers(self, schedulers: Iterable[Any]) -> list[Scheduler]:
-        out: list[Scheduler] = []
-        seen: set[str] = set()
-        for s in schedulers:
-            w = s if isinstance(s, Scheduler) else Scheduler(s)
-            if w.name in seen:
-                if isinstance(s, Scheduler) and s.named:
-                    raise ConfigError(f"scheduler names must be unique (they key events and checkpoints), "
-                                      f"{w.name!r} is given twice")
-                w.name = f"{w.name}{len(out)}"
-            seen.add(w.name)
-            owner = [n for n, o in self.optimizers.items() if o is w.optimizer]
-            if not owner:
-                raise ConfigError(f"scheduler {w.name!r} wraps an optimizer that is not among the trainer's optimizers")
-            w.optimizer_name = owner[0]
-            if w.plateau and self.monitor is None:
-                raise ConfigError(f"scheduler {w.name!r} is a ReduceLROnPlateau: it needs Trainer(monitor=...)")
-            out.append(w)
-        return out
+    @property
+    def recorder(self) -> Recorder:
+        """The latest run's recorder (raises ``AttributeError`` before the first ``fit``)."""
+        if self.state is None:
+            raise AttributeError("recorder: this trainer has not opened a run yet (call fit)")
+        return self.state.recorder
 
-    # --- dispatch -----------------------------------------------------------------------
+    @property
+    def store(self) -> BlobStore:
+        """The latest run's blob store (raises ``AttributeError`` before the first ``fit``)."""
+        if self.state is None:
+            raise AttributeError("store: this trainer has not opened a run yet (call fit)")
+        return self.state.store
 
-    def _dispatch(self, hook: str, *args: Any) -> None:
-        for cb in self._hooks[hook]:
-            getattr(cb, hook)(*args)
-
-    def _request_stop(self, reason: str, by: str) -> None:
-        if self._stop is None:
-            self._stop = (reason, by)
-
-    def _ensure_microbatch_recorded(self, ctx: TrainContext, *, loss: float | None, examples: float) -> None:
-        if not self._microbatch_recorded:
-            self._microbatch_recorded = True
-            self.engine.epoch.microbatches += 1
-            self._unreported += 1
-            rows = len(ctx.batch[0]) if isinstance(ctx.batch, (tuple, list)) and hasattr(ctx.batch[0], "__len__") else 1
-            self.recorder.emit(
-                MicrobatchDone(
-                    epoch=ctx.epoch, batch=ctx.batch_index, rows=rows, examples=float(examples),
-                    loss=float(loss) if loss is not None else math.nan,
-                )
-            )
+    def _declare(self, run_id: str, source: SourceRef | None) -> RunStarted:
+        """This trainer's ``run_started``: what a stateful resume must declare again."""
+        return RunStarted(
+            run_id=run_id, seed=self.seed, recipe=self.recipe, library_versions=library_versions(),
+            callbacks=[cb.name for cb in self.callbacks], optimizers=list(self.optimizers),
+            schedulers=[s.decl() for s in self.schedulers],
+            monitor=self.monitor.spec if self.monitor else None, accumulation=self.engine.accumulation,
+            update=UpdateSpec(precision=self.engine.precision, clip_grad_norm=self.engine.clip_grad_norm),
+            source=source, wall_time_s=time.time(),
+        )
 
     # --- the run ------------------------------------------------------------------------
 
@@ -362,195 +276,32 @@ class Trainer:
         if resume_mode not in ("stateful", "weights_only"):
             raise ConfigError(f"resume_mode must be 'stateful' or 'weights_only', got {resume_mode!r}")
         ensure_logging()
-        self.generators = {"train": LoaderGenerators.of(train_loader), "val": LoaderGenerators.of(val_loader)}
-        self.final_projection = None
-        with open_session(self, resume_from, resume_mode, epochs) as (opening, start_epoch):
-            self._run(train_loader, val_loader, epochs, opening, start_epoch)
-        assert self.run_dir is not None
-        if self.final_projection is not None:  # the log as finalization projected it for the views
-            projections, n_events = self.final_projection
-            return result_of(projections, self.run_dir, n_events)
-        return load_result(self.run_dir)
-
-    def _run(self, train_loader: Iterable[Any], val_loader: Iterable[Any] | None, epochs: int,
-             opening: RunStarted | RunResumed, start_epoch: int) -> None:
-        rec = self.recorder
-        t0 = time.time()
-        ctx = self.ctx
-        begun: list[tuple[int, Callback]] = []
-        failure: BaseException | None = None
-        stopped_at_update = False
-        self.progress = Progress(self.progress_enabled)
-        try:
-            if isinstance(opening, RunResumed):
-                rec.commit(opening)  # the discarded range is durable before anything new is written
-            else:
-                rec.emit(opening)
-            ctx.epoch = start_epoch
-            for i, cb in enumerate(self.callbacks):
-                cb.on_train_begin(ctx)
-                rec.emit(CallbackBegan(name=cb.name, index=i))
-                begun.append((i, cb))
-            n_batches = len(train_loader) if hasattr(train_loader, "__len__") else None  # type: ignore[arg-type]
-            covers = rec.emit(TrainBegan(start_epoch=start_epoch, epochs=epochs, train_batches=n_batches))
-            if isinstance(opening, RunStarted) and self.committer.lag > 0:
-                # a new run's opening checkpoint persists while its first epoch trains; its LAST,
-                # appended like any deferred LAST, commits the opening events (up to train_began)
-                self.committer.submit(epoch=start_epoch - 1, covers=covers, group=False, opening=True)
-            else:
-                self._commit_last(epoch=start_epoch - 1)
-            rec.flush()
-            if self._stop is not None:  # resumed after the run had decided to stop: finish it
-                rec.emit(StopRequested(epoch=start_epoch - 1, step=ctx.step_count, reason=self._stop[0],
-                                       by=self._stop[1]))
-            self.stages(TrainingStage.BEFORE_TRAINING, ctx)
-            for epoch in range(start_epoch, epochs if self._stop is None else start_epoch):
-                outcome = self._run_epoch(epoch, train_loader, val_loader, last=epoch == epochs - 1)
-                if outcome == "update_boundary":
-                    stopped_at_update = True
-                    break
-                if outcome == "stop":
-                    break
-            self.stages(TrainingStage.AFTER_TRAINING, ctx)
-        except BaseException as exc:  # noqa: BLE001 - re-raised after finalization
-            failure = exc
-        finally:
-            self.progress.close()
-        self._finalize(begun, failure, stopped_at_update, t0)
-        if failure is not None:
-            raise failure
-
-    def _run_epoch(self, epoch: int, train_loader: Iterable[Any], val_loader: Iterable[Any] | None, *, last: bool) -> str | None:
-        rec, ctx, engine = self.recorder, self.ctx, self.engine
-        ctx.epoch, ctx.decision, ctx.validation = epoch, None, ctx.validation
-        t_epoch = time.time()
-        rec.emit(EpochBegan(epoch=epoch, wall_time_s=t_epoch))
-        engine.begin_epoch()
-        self.net.train()
-        self._dispatch("on_epoch_begin", ctx)
-        self.stages(TrainingStage.BEFORE_EPOCH, ctx)
-        self.progress.start_epoch(epoch, len(train_loader) if hasattr(train_loader, "__len__") else None)  # type: ignore[arg-type]
-        step_fn = self.trainer_step_fn
-        # the per-batch loop: what is absent (stage hooks, batch callbacks, progress, step
-        # validation) is decided once per epoch, not per batch
-        stages = self.stages if self.stages.by_stage else None
-        on_batch_end = self._hooks["on_batch_end"]
-        progress = self.progress if self.progress.enabled else None
-        validate_on_step = val_loader is not None and self.validate_every_steps is not None
-        committer = self.committer
-        for i, batch in enumerate(iterate_batches(train_loader, gather=self.batch_gather)):
-            ctx.batch_index, ctx.batch = i, batch
-            self._microbatch_recorded = False
-            self._committed_update = False
-            if stages:
-                stages(TrainingStage.BEFORE_BATCH, ctx)
-            out = step_fn(ctx, batch)
-            if self.custom_step and not self._microbatch_recorded:
-                self._ensure_microbatch_recorded(ctx, loss=float(out) if out is not None else None, examples=0.0)
-            if validate_on_step and self._committed_update:
-                self._maybe_validate_on_step(val_loader)
-            for cb in on_batch_end:
-                cb.on_batch_end(ctx)
-            if stages:
-                stages(TrainingStage.AFTER_BATCH, ctx)
-            if progress:
-                progress.advance(ctx.loss, ctx.step_count, ctx.rows)
-            if self._committed_update:
-                self._unreported = 0
-                if committer.pending is not None:
-                    committer.on_update()
-                rec.maybe_flush()
-                if ctx.stop_at_update_requested:
-                    rec.emit(StopRequested(epoch=epoch, step=ctx.step_count, reason="update_boundary"))
-                    return "update_boundary"
-        if self.custom_step and rec.lifecycle.state.rstrip("~^") == "in_window":
-            # the custom step recorded microbatches but reported no update for them: say so
-            rec.emit(UpdateSkipped(step=ctx.step_count, epoch=epoch, microbatches=self._unreported,
-                                   reason="unreported", optimizer=",".join(self.optimizers)))
-            self._unreported = 0
-        if engine.finalize_step(ctx):
-            self.committer.on_update()
-            self._maybe_validate_on_step(val_loader)
-            if ctx.stop_at_update_requested:
-                rec.emit(StopRequested(epoch=epoch, step=ctx.step_count, reason="update_boundary"))
-                return "update_boundary"
-        # validation, summary, decision, schedulers
-        val: dict[str, float] = {}
-        if val_loader is not None and ((epoch + 1) % self.validate_every == 0 or last):
-            val = self._validation_pass(val_loader)
-        totals = engine.epoch
-        train = totals.sums.metrics()
-        if totals.microbatches == 0:
-            log.warning("epoch had no microbatch: the train loader is empty or exhausted", run_id=self.run_id,
-                        epoch=epoch)
-        elif totals.updates == 0 and not self.custom_step:
-            log.warning("epoch committed no optimizer update: every window was skipped", run_id=self.run_id,
-                        epoch=epoch, skipped=totals.skipped)
-        rec.emit(EpochSummarized(
-            epoch=epoch, metrics=train, examples=totals.sums.den, microbatches=totals.microbatches,
-            updates=totals.updates, skipped=totals.skipped, duration_s=time.time() - t_epoch,
-        ))
-        decision = None
-        if self.monitor is not None:
-            metrics = {**train, **val}
-            if self.monitor.name in metrics:
-                decision = self.monitor.decide(epoch, float(metrics[self.monitor.name]))
-                ctx.decision = decision
-                rec.emit(decision)
-            elif val or not self.monitor.name.startswith("val_"):
-                raise ConfigError(
-                    f"monitor {self.monitor.name!r} is not among the epoch's metrics {sorted(metrics)}"
-                )
-        for s in self.schedulers:
-            if s.clock != "epoch":
-                continue
-            if s.plateau:
-                if decision is None:
-                    continue  # no decision this epoch: a plateau scheduler does not step
-                step_plateau(s.scheduler, decision)
-            else:
-                s.scheduler.step()
-            s.steps += 1
-            rec.emit(SchedulerStepped(
-                name=s.name, clock=s.clock, epoch=epoch, step=ctx.step_count, steps=s.steps, lrs=s.lrs(),
-                plateau=s.plateau_state(),
-            ))
-        self._dispatch("on_epoch_end", ctx)
-        self.stages(TrainingStage.AFTER_EPOCH, ctx)
-        if self._stop is not None:
-            rec.emit(StopRequested(epoch=epoch, step=ctx.step_count, reason=self._stop[0], by=self._stop[1]))
-        record = HistoryRecord(
-            epoch=epoch, train=train, val=val,
-            monitor_value=decision.value if decision else None, improved=decision.improved if decision else None,
-            lrs={n: [float(g["lr"]) for g in o.param_groups] for n, o in self.optimizers.items()},
-            counters=msgspec.structs.replace(rec.counters, epoch=epoch + 1), wall_time_s=time.time() - t_epoch,
-        )
-        self.committer.complete()  # the previous epoch's LAST precedes this epoch's history
-        covers = rec.emit(HistoryAppended(record=record))
-        self.committer.submit(epoch=epoch, covers=covers, decision=decision)
-        rec.maybe_flush()  # with a lag the history is committed by the next epoch's LAST sync
-        self.progress.end_epoch(epoch, record)
-        log.info("epoch committed", run_id=self.run_id, epoch=epoch, **record.train, **record.val,
-                 improved=record.improved)
-        return "stop" if self._stop is not None else None
+        self.components.generators = {"train": LoaderGenerators.of(train_loader),
+                                      "val": LoaderGenerators.of(val_loader)}
+        callbacks = CallbackList(self.callbacks)
+        with open_session(runs_root=self.runs_root, run_id=self.run_id, seed=self.seed, resume_from=resume_from,
+                          resume_mode=resume_mode, epochs=epochs, components=self.components,
+                          declare=self._declare) as session:
+            state = self.state = self.ctx.state = session.state
+            self.run_id, self.runs_root, self.run_dir = state.run_id, state.runs_root, state.run_dir
+            self.engine.begin_run(state, callbacks)
+            committer = Committer(state, self.components, callbacks, self.ctx, lag=self.lag,
+                                  phase_every=self.phase_every, keep_phases=self.keep_phases, phases=session.phases)
+            finalization = Finalization(state, callbacks, committer, self.stages, self.ctx)
+            loop = TrainingLoop(
+                state=state, ctx=self.ctx, net=self.net, optimizers=self.optimizers, schedulers=self.schedulers,
+                monitor=self.monitor, engine=self.engine, callbacks=callbacks, stages=self.stages,
+                committer=committer, finalization=finalization, validate=self.validate, cadence=self.cadence,
+                step_fn=self.trainer_step_fn, custom_step=self.custom_step, batch_gather=self.batch_gather,
+                progress=Progress(self.progress_enabled),
+            )
+            loop.run(train_loader, val_loader, epochs, session.opening, session.start_epoch)
+        if finalization.projection is not None:  # the log as finalization projected it for the views
+            projections, n_events = finalization.projection
+            return result_of(projections, state.run_dir, n_events)
+        return load_result(state.run_dir)
 
     # --- validation -----------------------------------------------------------------------
-
-    def _validation_pass(self, loader: Iterable[Any], trigger: str = "epoch") -> dict[str, float]:
-        ctx = self.ctx
-        val, n_val = self.validate(loader)
-        ctx.validation = val
-        self.recorder.emit(
-            ValidationDone(epoch=ctx.epoch, metrics=val, examples=n_val, step=ctx.step_count, trigger=trigger)
-        )
-        self._dispatch("on_validation_end", ctx, val)
-        self.stages(TrainingStage.AFTER_VALIDATION, ctx)
-        return val
-
-    def _maybe_validate_on_step(self, loader: Iterable[Any] | None) -> None:
-        n = self.validate_every_steps
-        if loader is not None and n is not None and self.ctx.step_count % n == 0:
-            self._validation_pass(loader, "steps")
 
     def validate(self, loader: Iterable[Any]) -> tuple[dict[str, float], int]:
         """Evaluate on ``loader`` in eval mode; return (``val_`` metrics, rows scored).
@@ -559,25 +310,3 @@ class Trainer:
         """
         net = self.engine.orchestrator.averaged_module() or self.net
         return evaluate(net, loader, self.objective, self.eval_step_fn, self.metrics, gather=self.batch_gather)
-
-    # --- checkpoints ----------------------------------------------------------------------
-
-    def _commit_last(self, *, epoch: int, final: bool = False) -> str | None:
-        """Commit LAST now (synchronously): the initial checkpoint and the refresh after finalization.
-
-        The final refresh names the last commit's manifest again, without capturing, when
-        nothing can have changed the state since: the counters are the same and no callback
-        ``on_train_end`` or ``AFTER_TRAINING`` stage hook ran.
-        """
-        self.committer.complete()
-        if final and not finalization_may_change_state(self):
-            if self.committer.recommit_final(epoch=epoch):
-                return None
-        self.committer.submit(epoch=epoch, final=final, group=False)
-        return None
-
-    # --- finalization ---------------------------------------------------------------------
-
-    def _finalize(self, begun: list[tuple[int, Callback]], failure: BaseException | None,
-                  stopped_at_update: bool, t0: float) -> None:
-        finalize(self, begun, failure, stopped_at_update, t0)

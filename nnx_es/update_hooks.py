@@ -25,7 +25,7 @@ from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
 from nnx_es.errors import ConfigError
 from nnx_es.stages import TrainingStage
-from nnx_es.validation import as_number
+from nnx_es.argchecks import as_number
 
 #: an averaging hook's name: it keys the checkpoint component ``update_hook/<name>``
 _HOOK_NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")
@@ -211,7 +211,7 @@ class EMA(UpdateHook):
         return self._name
 
     def configure(self, engine: UpdateEngine) -> None:
-        self.averaged = AveragedModel(engine.trainer.net, multi_avg_fn=get_ema_multi_avg_fn(self.decay), use_buffers=True)
+        self.averaged = AveragedModel(engine.net, multi_avg_fn=get_ema_multi_avg_fn(self.decay), use_buffers=True)
 
     def after_step(self, ctx: TrainContext) -> None:
         assert self.averaged is not None

@@ -8,7 +8,8 @@ from projections.counters import fold_counters
 from projections.history import HistoryState, fold_history
 from projections.schedulers import SchedulersState, SchedulerState, fold_schedulers
 from projections.status import StatusState, fold_status
-from projections.view import CLOSING_KINDS, Projections, committed, fold, project, tail_length
+from projections.commits import CLOSING_KINDS
+from projections.view import Projections, committed, fold, project, tail_length
 
 __all__ = [
     "CLOSING_KINDS",

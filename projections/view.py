@@ -52,6 +52,7 @@ from projections import schedulers as schedulers_mod
 from projections import status as status_mod
 from projections.checkpoints import CheckpointsState, fold_checkpoints
 from projections.counters import CountersAccumulator, fold_counters
+from projections.commits import CLOSING_KINDS, GROUP_KINDS, commits, commits_all
 from projections.history import HistoryState, fold_history
 from projections.schedulers import SchedulersState, fold_schedulers
 from projections.status import StatusState, fold_status
@@ -59,12 +60,6 @@ from projections.status import StatusState, fold_status
 __all__ = ["CLOSING_KINDS", "GROUP_KINDS", "MicrobatchRequired", "Projections", "committed", "fold", "project",
            "tail_length"]
 
-#: Kinds folded from a tail that ends in a durable ``RunFinalized``.
-CLOSING_KINDS = frozenset({"stop_requested", "run_failed", "callback_finalized", "run_finalized"})
-
-
-#: Kinds that belong to the commit group of the LAST they follow.
-GROUP_KINDS = frozenset({"best_committed", "phase_committed", "callback_checkpointed", "checkpoint_stored"})
 
 
 class Projections(msgspec.Struct, frozen=True, kw_only=True):
@@ -107,13 +102,13 @@ def _committed(pairs: Iterable[tuple[int, Event]], tail: list[int]) -> Iterator[
             in_group = False
         if t is LastCommitted:
             covers = event.covers  # type: ignore[attr-defined]
-            if covers < 0 or not pending or pending[-1][0] <= covers:
+            if commits_all(covers) or not pending or pending[-1][0] <= covers:
                 yield from pending
                 pending.clear()
             else:  # a deferred LAST: later events stay pending, its own checkpoint_stored is committed
                 keep = []
                 for p in pending:
-                    if p[0] <= covers or p[1].KIND == "checkpoint_stored":
+                    if commits(covers, p[0], p[1].KIND):
                         yield p
                     else:
                         keep.append(p)
@@ -249,7 +244,7 @@ class _Projector:
         pending = self.pending
         if not pending:
             return
-        if covers < 0 or pending[-1][0][-1] <= covers or self._only_checkpoints_after(covers):
+        if commits_all(covers) or pending[-1][0][-1] <= covers or self._only_checkpoints_after(covers):
             for segment in pending:
                 self.fold(*segment)
             pending.clear()

@@ -11,6 +11,7 @@ from events.log import LmdbLog
 from events.schema import Event, LastCommitted, RunResumed
 from nnx_es.audit.report import NotARunError
 from projections import tail_length
+from projections.commits import commits_all
 
 __all__ = ["committed_tail", "decoded", "open_run_log", "restart_seq"]
 
@@ -81,7 +82,7 @@ def restart_seq(log: LmdbLog, stop: int) -> int:
                 case RunResumed():
                     return seq
                 case LastCommitted(covers=covers):
-                    if covers < 0 or (later is not None and later >= seq):
+                    if commits_all(covers) or (later is not None and later >= seq):
                         return seq
                     later = covers
         hi, size = lo, size * 2

@@ -123,7 +123,8 @@ def test_two_schedulers_on_one_optimizer_each_record_their_own_rates_and_audit_c
 
 def _recipe_trainer(tmp_path, *, plateau=True, monitor="val_loss", callbacks=()):
     net, opt = _net_opt()
-    scheds = [Scheduler(torch.optim.lr_scheduler.ReduceLROnPlateau(opt), name="plateau")] if plateau else []
+    mode = "max" if "acc" in monitor else "min"  # a plateau scheduler agrees with the monitor (refused otherwise)
+    scheds = [Scheduler(torch.optim.lr_scheduler.ReduceLROnPlateau(opt, mode=mode), name="plateau")] if plateau else []
     return Trainer(net, opt, nn.CrossEntropyLoss(), monitor=monitor, schedulers=scheds, metrics=["accuracy"],
                    callbacks=list(callbacks), runs_root=tmp_path, run_id=None, progress=False)
 

@@ -174,3 +174,72 @@ def test_importing_events_and_projections_loads_no_torch_or_runtime() -> None:
         timeout=60,
     )
     assert proc.returncode == 0, proc.stderr
+
+
+# --- seams of the runtime (STYLE.md "Seams"; docs/ARCHITECTURE.md) ------------------------------
+
+#: the composition root, the model facade over it, and the package's lazy public API
+TRAINER_IMPORTERS = frozenset({"nnx_es/trainer.py", "nnx_es/model.py", "nnx_es/__init__.py"})
+
+
+def imported_modules(source: str, package: str, path: Path) -> set[str]:
+    """Dotted names of every module ``source`` imports (TYPE_CHECKING and function bodies included),
+    relative imports resolved against ``path`` inside ``package``."""
+    mods: set[str] = set()
+    here = ".".join(path.relative_to(REPO).with_suffix("").parts)
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            mods.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = here.split(".")[: -node.level]
+                mods.add(".".join([*base, node.module] if node.module else base))
+            else:
+                mods.add(node.module or "")
+    return mods
+
+
+def private_imports(source: str) -> list[str]:
+    """``from nnx_es... import _name`` and ``module._name`` reads of another nnx_es module's private names."""
+    out = []
+    tree = ast.parse(source)
+    aliases: dict[str, str] = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] in {"nnx_es", "events", "projections"}:
+            out += [f"from {node.module} import {a.name}" for a in node.names if a.name.startswith("_")
+                    and not a.name.startswith("__")]
+        elif isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name.split(".")[0] in {"nnx_es", "events", "projections"}:
+                    aliases[a.asname or a.name] = a.name
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")
+                and isinstance(node.value, ast.Name) and node.value.id in aliases):
+            out.append(f"{aliases[node.value.id]}.{node.attr}")
+    return out
+
+
+def test_the_seam_checkers_can_fail() -> None:
+    src = "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from nnx_es.trainer import Trainer\n"
+    assert "nnx_es.trainer" in imported_modules(src, "nnx_es", REPO / "nnx_es" / "engine.py")
+    assert "nnx_es.trainer" in imported_modules("from .trainer import Trainer\n", "nnx_es", REPO / "nnx_es" / "x.py")
+    assert private_imports("from nnx_es.trainer import _dispatch\n") == ["from nnx_es.trainer import _dispatch"]
+    assert private_imports("import nnx_es.commit as c\nc._Pending\n") == ["nnx_es.commit._Pending"]
+    assert private_imports("from nnx_es.commit import Committer\n") == []
+
+
+def test_only_the_composition_root_and_the_model_import_the_trainer() -> None:
+    bad = [
+        str(path.relative_to(REPO))
+        for path in _sources("nnx_es")
+        if str(path.relative_to(REPO)) not in TRAINER_IMPORTERS
+        and "nnx_es.trainer" in imported_modules(path.read_text(), "nnx_es", path)
+    ]
+    assert bad == [], f"modules importing nnx_es.trainer (a collaborator takes what it needs in its constructor): {bad}"
+
+
+@pytest.mark.parametrize("package", ["events", "projections", "nnx_es", "tools"])
+def test_no_module_reads_another_modules_private_names(package: str) -> None:
+    bad = [f"{path.relative_to(REPO)}: {what}" for path in _sources(package)
+           for what in private_imports(path.read_text())]
+    assert bad == []

@@ -1,20 +1,25 @@
-"""Checks of ``Trainer`` arguments that need no other part of the trainer: each refuses a bad
+"""Checks of ``Trainer`` arguments (argument checks, not the validation pass): each refuses a bad
 value by name (:class:`~nnx_es.errors.ConfigError`) before anything is built or written."""
 
 from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
 import msgspec
+import torch
+from torch import nn
+from torch.optim import Optimizer
 
 from nnx_es.errors import ConfigError
+from nnx_es.monitor import Monitor
 from nnx_es.progress import Progress
 
-__all__ = ["as_number", "check_cadences", "check_recipe", "check_run_args"]
+__all__ = ["as_number", "check_cadences", "check_monitor", "check_recipe", "check_run_args", "monitor_of",
+           "optimizers_of"]
 
 
 def as_number(value: Any) -> float:
@@ -83,3 +88,63 @@ def check_recipe(recipe: Mapping[str, Any]) -> None:
             msgspec.msgpack.decode(msgspec.msgpack.encode({key: value}), type=dict[str, Any])
         except (TypeError, OverflowError, msgspec.EncodeError, msgspec.ValidationError) as exc:
             raise ConfigError(f"recipe[{key!r}] cannot be recorded ({exc}); {advice}") from None
+
+
+def optimizers_of(net: nn.Module, optimizer: Any, *, custom_step: bool) -> dict[str, Optimizer]:
+    """``Trainer(optimizer=...)`` as ``{name: optimizer}`` (one optimizer is named for its class).
+
+    Raises:
+        ConfigError: not an optimizer or a non-empty mapping of them; an optimizer holding
+            parameters that are not ``net``'s; an LBFGS without a custom ``trainer_step_fn``.
+    """
+    if isinstance(optimizer, Optimizer):
+        optimizer = {type(optimizer).__name__.lower(): optimizer}
+    if (not isinstance(optimizer, Mapping) or not optimizer
+            or not all(isinstance(o, Optimizer) for o in optimizer.values())):
+        raise ConfigError(f"optimizer must be a torch Optimizer or a non-empty {{name: Optimizer}}, got {optimizer!r}")
+    own = {id(p) for p in net.parameters()}
+    for name, opt in optimizer.items():
+        foreign = sum(1 for g in opt.param_groups for p in g["params"] if id(p) not in own)
+        if foreign:
+            raise ConfigError(
+                f"optimizer {name!r} holds {foreign} parameter(s) that are not the net's: build it over "
+                "net.parameters(), or it would step nothing the net uses"
+            )
+    closure = [n for n, o in optimizer.items() if isinstance(o, torch.optim.LBFGS)]
+    if closure and not custom_step:
+        raise ConfigError(f"optimizer {closure[0]!r} is LBFGS, whose step() re-evaluates the loss through a "
+                          "closure; the update engine steps once per window without one: pass a trainer_step_fn "
+                          "that calls opt.step(closure) and ctx.report_update(...)")
+    return dict(optimizer)
+
+
+def monitor_of(monitor: Monitor | str | None) -> Monitor | None:
+    """``Trainer(monitor=...)`` as a :class:`~nnx_es.monitor.Monitor` (a name containing ``acc``
+    is maximized, any other minimized).
+
+    Raises:
+        ConfigError: neither a Monitor, a metric name nor None.
+    """
+    if isinstance(monitor, str):
+        monitor = Monitor(monitor, mode="max" if "acc" in monitor else "min")
+    if monitor is not None and not isinstance(monitor, Monitor):
+        raise ConfigError(f"monitor must be a Monitor or a metric name, got {monitor!r}")
+    return monitor
+
+
+def check_monitor(monitor: Monitor | None, terms: Iterable[str], metrics: Iterable[str]) -> None:
+    """The monitor names a metric the run reports: ``loss``, a loss term (with several), a declared
+    metric, or any of them with ``val_``.
+
+    Raises:
+        ConfigError: naming the monitor and what the run reports.
+    """
+    if monitor is None:
+        return
+    terms = list(terms)
+    known = {"loss", *metrics} | (set(terms) if len(terms) > 1 else set())
+    if monitor.name.removeprefix("val_") not in known:
+        raise ConfigError(
+            f"monitor {monitor.name!r} names no reported metric; this run reports "
+            f"{sorted(known)} for training and the same with val_ for validation (declare metrics=[...])"
+        )

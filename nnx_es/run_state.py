@@ -1,0 +1,110 @@
+"""The mutable state of one run in progress, in one object that is passed down.
+
+The session opener (:func:`nnx_es.session.open_session`) makes a :class:`RunState`;
+the trainer hands it to each collaborator that needs it (the update engine, the
+committer, finalization, the context). It holds:
+
+* the run's identity and storage: ``run_id``, ``run_dir``, ``runs_root``, the
+  :class:`~nnx_es.recorder.Recorder` and the :class:`~nnx_es.storage.BlobStore`;
+* the stop request: :meth:`RunState.request_stop` is the one way to stop, for
+  callbacks, hooks and the engine alike (the first request wins);
+* the outcome of the current microbatch and update (:class:`StepOutcome`), which the
+  engine writes and the epoch loop reads;
+* the :class:`World`: which rank this process is, of how many, and which rank writes.
+
+Seams: STYLE.md "Seams"; torchtnt's ``State`` with its public ``stop()``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from events.schema import StopRequested
+
+if TYPE_CHECKING:
+    from nnx_es.recorder import Recorder
+    from nnx_es.storage import BlobStore
+
+__all__ = ["RunState", "StepOutcome", "World"]
+
+
+@dataclass(frozen=True)
+class World:
+    """The process group this run trains in: ``rank`` of ``size`` ranks; ``writer_rank`` alone
+    holds the lease, appends to the log and writes blobs. A single process is rank 0 of 1."""
+
+    rank: int = 0
+    size: int = 1
+    writer_rank: int = 0
+
+    @property
+    def is_writer(self) -> bool:
+        return self.rank == self.writer_rank
+
+
+class StepOutcome:
+    """What the current microbatch and update did, as the engine reports it to the epoch loop.
+
+    ``microbatch_recorded``: a ``microbatch_done`` was emitted for the current batch;
+    ``committed_update``: the current batch closed a window with a committed update;
+    ``unreported``: microbatches a custom step recorded since its last reported update.
+    """
+
+    __slots__ = ("microbatch_recorded", "committed_update", "unreported")
+
+    def __init__(self) -> None:
+        self.microbatch_recorded = False
+        self.committed_update = False
+        self.unreported = 0
+
+    def new_batch(self) -> None:
+        self.microbatch_recorded = False
+        self.committed_update = False
+
+
+class RunState:
+    """One run in progress: identity, recorder, store, stop request, step outcome, world.
+
+    Args:
+        run_id / runs_root: the run is ``runs_root / run_id``.
+        recorder: checks, appends and folds the run's events.
+        store: the run's checkpoint blob store.
+        world: the process group (default: one process).
+    """
+
+    def __init__(self, *, run_id: str, runs_root: Path, recorder: Recorder, store: BlobStore,
+                 world: World | None = None) -> None:
+        self.run_id = run_id
+        self.runs_root = Path(runs_root)
+        self.run_dir = self.runs_root / run_id
+        self.recorder = recorder
+        self.store = store
+        self.world = world or World()
+        self.outcome = StepOutcome()
+        self.stop_at_update_requested = False
+        self._stop: tuple[str, str] | None = None
+
+    # --- the stop request ---------------------------------------------------------------
+
+    def request_stop(self, reason: str = "requested", by: str = "") -> None:
+        """Ask the run to stop after the current epoch commits (the first request wins).
+
+        ``reason``: recorded in ``stop_requested`` (e.g. ``"early_stopping"``); ``by``: who asked.
+        """
+        if self._stop is None:
+            self._stop = (str(reason), str(by))
+
+    @property
+    def stop_requested(self) -> tuple[str, str] | None:
+        """``(reason, by)`` of the stop asked for, or ``None``."""
+        return self._stop
+
+    def record_stop(self, *, epoch: int, step: int, reason: str | None = None, by: str = "") -> int:
+        """Emit the ``stop_requested`` event: of the pending request, or of ``reason`` (an update
+        boundary). Returns its seq."""
+        if reason is None:
+            assert self._stop is not None, "record_stop without a stop request"
+            reason, by = self._stop
+        return self.recorder.emit(StopRequested(epoch=epoch, step=step, reason=reason, by=by))

@@ -1,0 +1,107 @@
+"""The update engine alone: over an in-memory log and recorder, with no Trainer (docs/ARCHITECTURE.md)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from events.logbase import MemoryLog
+from nnx_es.callbacks import Callback, CallbackList
+from nnx_es.context import TrainContext
+from nnx_es.engine import UpdateEngine
+from nnx_es.lifecycle import Lifecycle
+from nnx_es.objective import Objective
+from nnx_es.recorder import Recorder
+from nnx_es.run_state import RunState
+from nnx_es.schedulers import Scheduler
+from nnx_es.storage import BlobStore
+
+
+class Receipts(Callback):
+    def __init__(self) -> None:
+        self.seen: list[tuple[int, str]] = []
+
+    def on_optimizer_update(self, ctx, receipt) -> None:
+        self.seen.append((receipt.step, receipt.optimizer))
+
+
+def _engine(tmp_path, *, accumulation: int, seed: int = 0):
+    torch.manual_seed(seed)
+    net = nn.Linear(3, 2)
+    opt = torch.optim.SGD(net.parameters(), lr=0.5)
+    sched = Scheduler(torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 0.5**step), clock="optimizer_update",
+                      name="halving")
+    sched.optimizer_name = "sgd"
+    engine = UpdateEngine(net, {"sgd": opt}, Objective(nn.CrossEntropyLoss()), [sched], accumulation=accumulation)
+    log = MemoryLog()
+    state = RunState(run_id="unit", runs_root=tmp_path, recorder=Recorder(log, Lifecycle("in_epoch")),
+                     store=BlobStore(tmp_path / "blobs", log=log))
+    receipts = Receipts()
+    engine.begin_run(state, CallbackList([receipts]))
+    engine.begin_epoch()
+    ctx = TrainContext(net=net, optimizers={"sgd": opt}, schedulers=[sched], monitor=None, engine=engine)
+    ctx.state = state
+    return engine, ctx, state, log, receipts, net
+
+
+def _events(state, log):
+    state.recorder.flush()
+    return [e for _, e in log.read()]
+
+
+def _batches(seed: int = 1):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(n, 3, generator=g), torch.randint(0, 2, (n,), generator=g)) for n in (4, 2)]
+
+
+def test_a_window_of_unequal_microbatches_steps_once_on_the_mean_loss_of_its_rows(tmp_path):
+    engine, ctx, state, log, receipts, net = _engine(tmp_path, accumulation=2)
+    reference = nn.Linear(3, 2)
+    reference.load_state_dict(net.state_dict())
+    batches = _batches()
+    for i, batch in enumerate(batches):
+        ctx.batch_index, ctx.batch = i, batch
+        state.outcome.new_batch()
+        engine.microbatch(ctx, batch)
+        assert state.outcome.microbatch_recorded
+    assert engine.window_full
+    assert engine.finalize_step(ctx) is True
+    assert state.outcome.committed_update
+
+    # by hand: one SGD step on the mean cross-entropy over the window's 6 rows
+    x = torch.cat([b[0] for b in batches])
+    y = torch.cat([b[1] for b in batches])
+    nn.functional.cross_entropy(reference(x), y).backward()
+    with torch.no_grad():
+        for p in reference.parameters():
+            p -= 0.5 * p.grad
+    for a, b in zip(net.parameters(), reference.parameters()):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+
+    kinds = [e.KIND for e in _events(state, log)]
+    assert kinds == ["microbatch_done", "microbatch_done", "update_committed", "scheduler_stepped"]
+    receipt = [e for e in _events(state, log) if e.KIND == "update_committed"][0]
+    assert (receipt.step, receipt.microbatches, receipt.local_examples, receipt.lrs) == (1, 2, 6.0, [0.5])
+    assert receipts.seen == [(1, "sgd")]  # on_optimizer_update, before the update-clock scheduler
+    assert state.recorder.counters.step == 1
+
+
+def test_a_nonfinite_window_is_skipped_without_a_step_or_a_scheduler_step(tmp_path):
+    engine, ctx, state, log, receipts, net = _engine(tmp_path, accumulation=1)
+    before = [p.detach().clone() for p in net.parameters()]
+    x, y = _batches()[0]
+    x[0, 0] = math.nan
+    ctx.batch = (x, y)
+    engine.microbatch(ctx, (x, y))
+    assert engine.finalize_step(ctx) is False
+    assert not state.outcome.committed_update
+    events = _events(state, log)
+    assert [e.KIND for e in events] == ["microbatch_done", "update_skipped"]
+    skipped = events[-1]
+    assert skipped.reason == "nonfinite"
+    assert receipts.seen == []
+    for a, b in zip(net.parameters(), before):
+        assert torch.equal(a, b)
+    assert engine.epoch.skipped == 1 and engine.epoch.updates == 0
