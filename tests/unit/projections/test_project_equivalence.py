@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 from events.chunks import StoredPairs
 from events.codec import decode, encode
 from events.errors import CorruptEventError
-from events.log import LmdbLog, _LogBase
+from events.log import LmdbLog, LogBase
 from events.schema import (
     BestCommitted, CallbackBegan, CallbackCheckpointed, CallbackFinalized, CheckpointStored, Counters, EpochBegan,
     EpochSummarized, Event, HistoryAppended, HistoryRecord, LastCommitted, MicrobatchDone, MonitorDecided,
@@ -151,7 +151,7 @@ def test_chunked_lmdb_reads_equal_event_by_event_reads_gaps_included(tmp_path_fa
                 log.delete_raw(h)
         log.read_chunk = chunk
         fast = list(log.read())
-        slow = list(_LogBase.read(log))
+        slow = list(LogBase.read(log))
         assert fast == slow
         assert list(log.read(2, 9)) == [p for p in slow if 2 <= p[0] < 9]
         assert list(log.read(kinds=["microbatch_done"])) == [p for p in slow if p[1].KIND == "microbatch_done"]
