@@ -52,6 +52,7 @@ import torch
 from torch import Tensor, nn
 
 from events.schema import MicrobatchDone, SchedulerStepped, UpdateCommitted, UpdateSkipped
+from nnx_es.batches import split_batch
 from nnx_es.errors import ConfigError
 from nnx_es.metrics import MetricSums
 from nnx_es.objective import Objective
@@ -65,26 +66,6 @@ if TYPE_CHECKING:
 __all__ = ["EpochTotals", "UpdateEngine", "default_forward", "default_train_step", "finalize_step", "split_batch"]
 
 StepFn = Callable[[nn.Module, Any], tuple[Tensor, Tensor, Tensor | None]]
-
-
-def split_batch(batch: Any) -> tuple[Any, Tensor, Tensor | None]:
-    """``(inputs, targets[, weights])`` or a dict with ``x``/``y``[/``weight``].
-
-    Raises:
-        ConfigError: the batch has another shape.
-    """
-    if isinstance(batch, (tuple, list)):
-        if len(batch) == 2:
-            return batch[0], batch[1], None
-        if len(batch) == 3:
-            return batch[0], batch[1], batch[2]
-    if isinstance(batch, dict) and "x" in batch and "y" in batch:
-        return batch["x"], batch["y"], batch.get("weight")
-    raise ConfigError(
-        "a batch must be (inputs, targets), (inputs, targets, weights) or a dict with 'x', 'y'[, 'weight']; "
-        f"got {type(batch).__name__}"
-        + (f" of length {len(batch)}" if isinstance(batch, (tuple, list)) else "")
-    )
 
 
 def default_forward(net: nn.Module, batch: Any) -> tuple[Tensor, Tensor, Tensor | None]:
