@@ -204,6 +204,7 @@ class UpdateEngine:
                 stages(TrainingStage.AFTER_FORWARD, ctx)
                 stages(TrainingStage.BEFORE_LOSS, ctx)
             parts = self.objective(outputs, targets, weights)
+        self.epoch.sums.check(outputs, targets)  # a declared metric that cannot score them: before backward
         num = parts.total.item()
         den = parts.den
         ctx.loss = num / den if den > 0 else math.nan

@@ -58,6 +58,7 @@ from events.schema import (
     UpdateSkipped,
     ValidationDone,
 )
+from nnx_es.batches import weighted_forward
 from nnx_es.callbacks import Callback, LambdaCallback
 from nnx_es.commit import Committer
 from nnx_es.context import TrainContext
@@ -67,7 +68,7 @@ from nnx_es.errors import ConfigError
 from nnx_es.finalize import finalization_may_change_state, finalize
 from nnx_es.logs import ensure_logging
 from nnx_es.monitor import Monitor, step_plateau
-from nnx_es.metrics import evaluate, validate_metrics
+from nnx_es.metrics import check_monitor, evaluate, validate_metrics
 from nnx_es.objective import Objective
 from nnx_es.progress import Progress
 from nnx_es.recorder import Recorder
@@ -110,7 +111,15 @@ class Trainer:
         precision: ``"fp32"``, ``"bf16"`` or ``"fp16"`` (shortcut for ``MixedPrecision``).
         track_grad_norm: record every update's total gradient L2 norm (before clipping) in
             ``update_committed.grad_norm``; clipping always records it. Default off: ``None``.
-        train_step_fn / eval_step_fn: ``fn(net, batch) -> (outputs, targets, weights|None)``.
+        sample_weights: declare per-row loss weights: a batch ``(inputs, targets, weights)`` is
+            read with ``weights`` of shape ``(B,)``, >= 0 (the loss is the weighted mean; a row
+            of weight 0 is masked out). The batch contract (:mod:`nnx_es.batches`): a batch is
+            ``(inputs, targets)`` (every row weight 1), ``(inputs, targets, weights)`` only with
+            ``sample_weights=True``, or a mapping with keys ``x``, ``y`` and optionally
+            ``weight`` (the key declares the weights). An undeclared third element, another
+            key, or a negative weight is refused (ConfigError) on the first batch it appears in.
+        train_step_fn / eval_step_fn: ``fn(net, batch) -> (outputs, targets, weights|None)``,
+            replacing the batch contract with your own reading of a batch.
         trainer_step_fn: ``fn(ctx, batch)`` replacing the whole microbatch+update
             path; it reports its updates with ``ctx.report_update(...)``.
         validate_every: validate every N epochs (and after the last epoch).
@@ -149,6 +158,7 @@ class Trainer:
         clip_grad_norm: float | None = None,
         precision: str = "fp32",
         track_grad_norm: bool = False,
+        sample_weights: bool = False,
         train_step_fn: Callable[..., Any] | None = None,
         eval_step_fn: Callable[..., Any] | None = None,
         trainer_step_fn: Callable[[TrainContext, Any], Any] | None = None,
@@ -210,7 +220,10 @@ class Trainer:
         self.validate_every_steps = validate_every_steps
         self.phase_every = phase_every
         self.keep_phases = keep_phases
-        self.eval_step_fn = eval_step_fn or default_forward
+        if not isinstance(sample_weights, bool):
+            raise ConfigError(f"sample_weights must be True or False, got {sample_weights!r}")
+        forward = weighted_forward if sample_weights else default_forward
+        self.eval_step_fn = eval_step_fn or forward
         self.trainer_step_fn = trainer_step_fn or default_train_step
         self.custom_step = trainer_step_fn is not None
         closure = [n for n, o in self.optimizers.items() if isinstance(o, torch.optim.LBFGS)]
@@ -228,17 +241,10 @@ class Trainer:
         self.world_size = 1
         self.metrics = validate_metrics(metrics)
         if self.monitor is not None:
-            known = {"loss", *self.objective.terms, *self.metrics} if len(self.objective.terms) > 1 else {
-                "loss", *self.metrics}
-            base = self.monitor.name.removeprefix("val_")
-            if base not in known:
-                raise ConfigError(
-                    f"monitor {self.monitor.name!r} names no reported metric; this run reports "
-                    f"{sorted(known)} for training and the same with val_ for validation (declare metrics=[...])"
-                )
+            check_monitor(self.monitor, self.objective, self.metrics)
         if not isinstance(track_grad_norm, bool):
             raise ConfigError(f"track_grad_norm must be True or False, got {track_grad_norm!r}")
-        self.engine = UpdateEngine(self, self.objective, train_step_fn=train_step_fn,
+        self.engine = UpdateEngine(self, self.objective, train_step_fn=train_step_fn or forward,
                                    track_grad_norm=track_grad_norm)
         self.engine.metrics = self.metrics
         update_hooks, stage_hooks = collect(hooks)
