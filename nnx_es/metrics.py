@@ -71,7 +71,7 @@ def check_monitor(monitor: Monitor, objective: Objective, metrics: tuple[str, ..
 class MetricSums:
     """Running sums of one epoch's loss terms and accuracy."""
 
-    __slots__ = ("num", "den", "terms", "_correct", "scored", "rows", "with_accuracy")
+    __slots__ = ("num", "den", "terms", "_correct", "scored", "rows", "with_accuracy", "_checked")
 
     def __init__(self, metrics: tuple[str, ...] = ()) -> None:
         self.with_accuracy = "accuracy" in metrics
@@ -81,6 +81,7 @@ class MetricSums:
         self._correct: Tensor | float = 0.0  # a tensor while accumulating: no sync per microbatch
         self.scored = 0.0
         self.rows = 0
+        self._checked: tuple[Any, Any] | None = None  # the shapes check() last accepted
 
     @property
     def correct(self) -> float:
@@ -89,14 +90,17 @@ class MetricSums:
     def check(self, outputs: Tensor, targets: Tensor) -> None:
         """Refuse outputs and targets a declared metric cannot score (call before backward).
 
-        Shapes are checked on every call; on the sums' first batch a binary head's targets are
-        also checked to be 0/1 (one host sync per epoch).
+        Shapes are checked when they change; on the sums' first batch a binary head's targets
+        are also checked to be 0/1 (one host sync per epoch).
 
         Raises:
             ConfigError: see :func:`~nnx_es.objective.accuracy_kind`; or a binary head's
                 target that is not 0 or 1 (the value named).
         """
         if not self.with_accuracy:
+            return
+        shapes = (getattr(outputs, "shape", None), getattr(targets, "shape", None))
+        if shapes == self._checked and self.rows:
             return
         if accuracy_kind(outputs, targets) == "binary" and self.rows == 0 and targets.numel():
             bad = (targets != 0) & (targets != 1)
@@ -106,6 +110,7 @@ class MetricSums:
                     f"metric 'accuracy' on one output logit needs targets of 0/1, got the target {value!r}; "
                     "for a regression with one output leave 'accuracy' out (metrics=())"
                 )
+        self._checked = shapes
 
     def add(self, parts: LossParts, num: float, outputs: Tensor, targets: Tensor, weights: Tensor | None,
             *, rows: int | None = None) -> None:
