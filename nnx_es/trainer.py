@@ -95,13 +95,16 @@ class Trainer:
         net: the model (``nn.Module``); checkpoints hold its ``state_dict``.
         optimizer: one optimizer, or ``{name: optimizer}`` for several (they step together).
         loss: the objective: a loss module/callable returning per-row losses (a
-            ``torch.nn`` loss is used with ``reduction="none"``), ``{name: fn or
-            (fn, weight)}``, or an :class:`~nnx_es.objective.Objective`.
+            ``torch.nn`` loss is used with ``reduction="none"``; several values per row are
+            averaged, as torch's ``reduction="mean"``), ``{name: fn or (fn, weight)}``, or an
+            :class:`~nnx_es.objective.Objective`.
         monitor: :class:`~nnx_es.monitor.Monitor` or a metric name (``"val_loss"``;
             mode ``max`` when the name contains ``acc``). One decision per
             validated epoch drives BEST, ReduceLROnPlateau and EarlyStopping.
         metrics: declared metrics besides the loss, reported per epoch for training and
-            validation (``"accuracy"``: argmax of ``(B, C)`` outputs against ``(B,)`` class ids).
+            validation (``"accuracy"``: argmax of ``(B, C)`` outputs against ``(B,)`` class ids, or
+            one logit ``(B, 1)`` at probability 0.5 against 0/1 targets; other shapes are refused
+            on the first batch, before backward).
         schedulers: torch schedulers (epoch clock) or :class:`~nnx_es.schedulers.Scheduler`.
         callbacks: :class:`~nnx_es.callbacks.Callback` objects, dispatched in list order.
         hooks: stage hooks (``stage``, ``frequency``, ``__call__(ctx, stage)``, see
