@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -18,8 +18,7 @@ from nnx_es.errors import ConfigError
 from nnx_es.monitor import Monitor
 from nnx_es.progress import Progress
 
-__all__ = ["as_number", "check_cadences", "check_monitor", "check_recipe", "check_run_args", "monitor_of",
-           "optimizers_of"]
+__all__ = ["as_number", "check_cadences", "check_recipe", "check_run_args", "monitor_of", "optimizers_of"]
 
 
 def as_number(value: Any) -> float:
@@ -130,21 +129,3 @@ def monitor_of(monitor: Monitor | str | None) -> Monitor | None:
     if monitor is not None and not isinstance(monitor, Monitor):
         raise ConfigError(f"monitor must be a Monitor or a metric name, got {monitor!r}")
     return monitor
-
-
-def check_monitor(monitor: Monitor | None, terms: Iterable[str], metrics: Iterable[str]) -> None:
-    """The monitor names a metric the run reports: ``loss``, a loss term (with several), a declared
-    metric, or any of them with ``val_``.
-
-    Raises:
-        ConfigError: naming the monitor and what the run reports.
-    """
-    if monitor is None:
-        return
-    terms = list(terms)
-    known = {"loss", *metrics} | (set(terms) if len(terms) > 1 else set())
-    if monitor.name.removeprefix("val_") not in known:
-        raise ConfigError(
-            f"monitor {monitor.name!r} names no reported metric; this run reports "
-            f"{sorted(known)} for training and the same with val_ for validation (declare metrics=[...])"
-        )

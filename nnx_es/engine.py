@@ -54,6 +54,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from events.schema import MicrobatchDone, UpdateCommitted, UpdateSkipped
+from nnx_es.batches import split_batch
 from nnx_es.callbacks import CallbackList
 from nnx_es.errors import ConfigError
 from nnx_es.metrics import MetricSums
@@ -69,26 +70,6 @@ if TYPE_CHECKING:
 __all__ = ["EpochTotals", "UpdateEngine", "default_forward", "default_train_step", "finalize_step", "split_batch"]
 
 StepFn = Callable[[nn.Module, Any], tuple[Tensor, Tensor, Tensor | None]]
-
-
-def split_batch(batch: Any) -> tuple[Any, Tensor, Tensor | None]:
-    """``(inputs, targets[, weights])`` or a dict with ``x``/``y``[/``weight``].
-
-    Raises:
-        ConfigError: the batch has another shape.
-    """
-    if isinstance(batch, (tuple, list)):
-        if len(batch) == 2:
-            return batch[0], batch[1], None
-        if len(batch) == 3:
-            return batch[0], batch[1], batch[2]
-    if isinstance(batch, dict) and "x" in batch and "y" in batch:
-        return batch["x"], batch["y"], batch.get("weight")
-    raise ConfigError(
-        "a batch must be (inputs, targets), (inputs, targets, weights) or a dict with 'x', 'y'[, 'weight']; "
-        f"got {type(batch).__name__}"
-        + (f" of length {len(batch)}" if isinstance(batch, (tuple, list)) else "")
-    )
 
 
 def default_forward(net: nn.Module, batch: Any) -> tuple[Tensor, Tensor, Tensor | None]:
@@ -250,6 +231,7 @@ class UpdateEngine:
                 stages(TrainingStage.AFTER_FORWARD, ctx)
                 stages(TrainingStage.BEFORE_LOSS, ctx)
             parts = self.objective(outputs, targets, weights)
+        self.epoch.sums.check(outputs, targets)  # a declared metric that cannot score them: before backward
         num = parts.total.item()
         den = parts.den
         ctx.loss = num / den if den > 0 else math.nan

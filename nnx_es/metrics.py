@@ -4,7 +4,13 @@ Every metric is a ratio of sums over the epoch, so it is the exact mean over
 all rows however the epoch was split into microbatches:
 ``loss = sum(weighted numerators) / sum(denominators)``, one value per loss
 term when the objective has several, and ``accuracy`` for a classifier
-(outputs ``(B, C)``, integer targets ``(B,)``).
+(outputs ``(B, C)`` with integer targets ``(B,)``, or a binary head: one logit
+``(B, 1)`` with 0/1 targets ``(B,)`` or ``(B, 1)``, scored at probability 0.5).
+
+A declared metric is never dropped silently: a monitor naming no reported metric is
+refused before the run (:func:`check_monitor`), and outputs or targets ``accuracy``
+cannot score are refused on the first batch, before its backward pass
+(:meth:`MetricSums.check`).
 """
 
 from __future__ import annotations
@@ -18,9 +24,10 @@ from torch import Tensor, nn
 
 from nnx_es.data import iterate_batches
 from nnx_es.errors import ConfigError
-from nnx_es.objective import LossParts, Objective, accuracy
+from nnx_es.monitor import Monitor
+from nnx_es.objective import LossParts, Objective, accuracy, accuracy_kind, hits
 
-__all__ = ["METRICS", "MetricSums", "evaluate", "validate_metrics"]
+__all__ = ["METRICS", "MetricSums", "check_monitor", "evaluate", "reported_metrics", "validate_metrics"]
 
 #: Metrics a run may declare (beyond the loss, which is always reported).
 METRICS = ("accuracy",)
@@ -41,10 +48,30 @@ def validate_metrics(metrics: Iterable[str]) -> tuple[str, ...]:
     return out
 
 
+def reported_metrics(objective: Objective, metrics: tuple[str, ...]) -> set[str]:
+    """The names of the training metrics a run reports (validation reports the same with ``val_``)."""
+    terms = objective.terms if len(objective.terms) > 1 else {}
+    return {"loss", *terms, *metrics}
+
+
+def check_monitor(monitor: Monitor, objective: Objective, metrics: tuple[str, ...]) -> None:
+    """Refuse a monitor that names no metric the run reports, before anything runs.
+
+    Raises:
+        ConfigError: naming the monitor and the metrics reported.
+    """
+    known = reported_metrics(objective, metrics)
+    if monitor.name.removeprefix("val_") not in known:
+        raise ConfigError(
+            f"monitor {monitor.name!r} names no reported metric; this run reports "
+            f"{sorted(known)} for training and the same with val_ for validation (declare metrics=[...])"
+        )
+
+
 class MetricSums:
     """Running sums of one epoch's loss terms and accuracy."""
 
-    __slots__ = ("num", "den", "terms", "_correct", "scored", "rows", "with_accuracy")
+    __slots__ = ("num", "den", "terms", "_correct", "scored", "rows", "with_accuracy", "_checked")
 
     def __init__(self, metrics: tuple[str, ...] = ()) -> None:
         self.with_accuracy = "accuracy" in metrics
@@ -54,10 +81,36 @@ class MetricSums:
         self._correct: Tensor | float = 0.0  # a tensor while accumulating: no sync per microbatch
         self.scored = 0.0
         self.rows = 0
+        self._checked: tuple[Any, Any] | None = None  # the shapes check() last accepted
 
     @property
     def correct(self) -> float:
         return float(self._correct)
+
+    def check(self, outputs: Tensor, targets: Tensor) -> None:
+        """Refuse outputs and targets a declared metric cannot score (call before backward).
+
+        Shapes are checked when they change; on the sums' first batch a binary head's targets
+        are also checked to be 0/1 (one host sync per epoch).
+
+        Raises:
+            ConfigError: see :func:`~nnx_es.objective.accuracy_kind`; or a binary head's
+                target that is not 0 or 1 (the value named).
+        """
+        if not self.with_accuracy:
+            return
+        shapes = (getattr(outputs, "shape", None), getattr(targets, "shape", None))
+        if shapes == self._checked and self.rows:
+            return
+        if accuracy_kind(outputs, targets) == "binary" and self.rows == 0 and targets.numel():
+            bad = (targets != 0) & (targets != 1)
+            if bool(bad.any()):
+                value = targets.reshape(-1)[bad.reshape(-1)][0].item()
+                raise ConfigError(
+                    f"metric 'accuracy' on one output logit needs targets of 0/1, got the target {value!r}; "
+                    "for a regression with one output leave 'accuracy' out (metrics=())"
+                )
+        self._checked = shapes
 
     def add(self, parts: LossParts, num: float, outputs: Tensor, targets: Tensor, weights: Tensor | None,
             *, rows: int | None = None) -> None:
@@ -71,9 +124,9 @@ class MetricSums:
                     self.terms[name] = self.terms.get(name, 0.0) + float(v)
         if rows is None:
             rows = int(targets.shape[0]) if targets.dim() > 0 else 1
-        if self.with_accuracy and outputs.dim() == 2 and targets.dim() == 1:
+        if self.with_accuracy:
             if weights is None:
-                self._correct = self._correct + (outputs.detach().argmax(dim=-1) == targets).sum()
+                self._correct = self._correct + hits(outputs.detach(), targets).sum()
                 self.scored += rows
             else:
                 c, s = accuracy(outputs.detach(), targets, weights)
@@ -105,6 +158,11 @@ def evaluate(
     """One validation pass in eval mode: (``val_`` metrics, rows scored). The net's mode is restored.
 
     ``gather``: iterate through :func:`nnx_es.data.iterate_batches` (same batches, gathered).
+    Batches follow ``step_fn``'s contract (the default one: :mod:`nnx_es.batches`).
+
+    Raises:
+        ConfigError: a batch ``step_fn`` refuses, weights the objective refuses, or outputs and
+            targets a declared metric cannot score (:meth:`MetricSums.check`).
     """
     was_training = net.training
     net.eval()
@@ -112,6 +170,7 @@ def evaluate(
     try:
         for batch in iterate_batches(loader, gather=gather):
             outputs, targets, weights = step_fn(net, batch)
+            sums.check(outputs, targets)
             parts = objective(outputs, targets, weights)
             sums.add(parts, float(parts.total), outputs, targets, weights)
     finally:

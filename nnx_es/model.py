@@ -42,10 +42,13 @@ def _averaged_state(store: BlobStore, manifest: Manifest) -> dict[str, Any] | No
 
 
 class NNModel:
-    """Wraps ``net`` (logits out, shape ``(N, C)``) for training and prediction.
+    """Wraps ``net`` (logits out, shape ``(N, C)``, or ``(N, 1)`` for a binary head) for training and prediction.
 
     Args:
-        net: the module; ``net(x)`` maps ``(N, *features)`` float32 to ``(N, C)`` logits.
+        net: the module; ``net(x)`` maps ``(N, *features)`` float32 to ``(N, C)`` logits
+            (C >= 2, softmax; train with ``CrossEntropyLoss``, the default), or to one logit
+            ``(N, 1)`` of a binary classifier (sigmoid; train with ``loss=nn.BCEWithLogitsLoss()``
+            on float 0/1 targets of shape ``(N, 1)``).
     """
 
     def __init__(self, net: nn.Module) -> None:
@@ -75,7 +78,10 @@ class NNModel:
         with them; default ``Adam(lr=1e-3)``. loss: default ``CrossEntropyLoss``.
         With a ``val_loader`` and no ``monitor``, the monitor is ``val_loss``
         (mode min), so the run has a BEST; ``metrics`` defaults to
-        ``("accuracy",)``. ``resume_from`` (a run directory ``runs/<id>``) and
+        ``("accuracy",)`` (argmax of C logits, or one logit at probability 0.5; outputs or
+        targets it cannot score are refused on the first batch: pass ``metrics=()`` for a
+        regression). ``sample_weights=True`` reads a third batch element as per-row loss
+        weights (:mod:`nnx_es.batches`). ``resume_from`` (a run directory ``runs/<id>``) and
         ``resume_mode`` (``"stateful"``: continue that run exactly from its LAST;
         ``"weights_only"``: a new run from its weights) go to
         :meth:`~nnx_es.trainer.Trainer.fit`, which documents them: a stateful resume
@@ -156,7 +162,12 @@ class NNModel:
     def predict_proba(self, x: Tensor) -> Tensor:
         """Class probabilities: ``x`` of shape ``(N, *features)`` float -> ``(N, C)`` float32, rows sum to 1.
 
+        ``(N, C)`` logits give their softmax; one logit ``(N, 1)`` (a binary head) gives
+        ``(N, 2)``: ``[1 - p, p]`` with ``p = sigmoid(logit)``, the probability of class 1.
         Runs in eval mode without gradients, on the model's device; returns on CPU.
+
+        Raises:
+            ValueError: the net's output is not 2-dimensional.
         """
         if not isinstance(x, Tensor):
             x = torch.as_tensor(x, dtype=torch.float32)
@@ -169,8 +180,12 @@ class NNModel:
             self.net.train(was)
         if logits.dim() != 2:
             raise ValueError(f"predict_proba expects logits of shape (N, C), the net returned {tuple(logits.shape)}")
+        if logits.shape[1] == 1:  # a binary head: one logit
+            p = torch.sigmoid(logits.float())
+            return torch.cat([1.0 - p, p], dim=1).cpu()
         return torch.softmax(logits.float(), dim=-1).cpu()
 
     def predict(self, x: Tensor) -> Tensor:
-        """Predicted class ids, shape ``(N,)`` int64."""
-        return self.predict_proba(x).argmax(dim=-1)
+        """Predicted class ids, shape ``(N,)`` int64: the most probable class (a binary head: 1 when
+        its probability is > 0.5)."""
+        return self.predict_proba(x).argmax(dim=-1)  # [1 - p, p]: 1 exactly when p > 0.5

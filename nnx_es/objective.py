@@ -2,7 +2,19 @@
 
 A microbatch contributes, per term t, ``num_t = sum_i w_i * l_t(i)`` and the
 shared denominator ``den = sum_i w_i`` (the count of valid rows, or their
-weight sum). The update engine backpropagates ``sum_t weight_t * num_t`` per
+weight sum).
+
+``l_t(i)`` is one number per row. A loss that returns several values per row,
+shape ``(B, ...)`` (a 3-output ``MSELoss``, a per-pixel loss), is reduced over its
+non-batch dimensions by their **mean**, as torch's own ``reduction="mean"`` does: a
+run's loss, and its gradient, equal ``loss_fn(outputs, targets)`` with the default
+reduction. A loss returning ``(B,)`` is used as it is. A loss whose output does
+not start with the batch dimension, or has more values per row than the outputs
+and targets have (a ``(B, B)`` from ``(B,)`` targets broadcast against ``(B, 1)``
+outputs), is refused with the shapes named.
+
+Weights (see :mod:`nnx_es.batches`) have shape ``(B,)`` and are finite and >= 0;
+the check shares the host sync that reads their sum. The update engine backpropagates ``sum_t weight_t * num_t`` per
 microbatch and divides the accumulated gradient by the window's total ``W``,
 so the update equals the gradient of the mean over the whole window, whatever
 the microbatch sizes and masks (spec 000 §3, "One update").
@@ -21,7 +33,7 @@ from torch import Tensor, nn
 from nnx_es.errors import ConfigError
 from nnx_es.argchecks import as_number
 
-__all__ = ["LossParts", "Objective", "Term", "accuracy"]
+__all__ = ["LossParts", "Objective", "Term", "accuracy", "accuracy_kind", "hits"]
 
 LossFn = Callable[[Tensor, Tensor], Tensor]
 
@@ -31,9 +43,16 @@ class Term:
 
     Args:
         fn: ``fn(outputs, targets) -> losses`` with one loss per row, shape
-            ``(B,)`` (trailing dims are summed). A ``torch.nn`` loss module with a
-            ``reduction`` attribute is copied with ``reduction="none"``.
+            ``(B,)``, or ``(B, ...)``: the trailing dims are reduced by their mean
+            (torch's ``reduction="mean"``). A ``torch.nn`` loss module with a
+            ``reduction`` attribute is copied with ``reduction="none"`` (and summed
+            over rows with ``reduction="sum"`` when no row is weighted).
         weight: multiplies the term in the total (float).
+
+    Raises:
+        ConfigError: ``fn`` is not callable or ``weight`` is not a finite number; when called,
+            a loss that is not a tensor, a scalar, does not start with the batch dimension, or
+            has more values per row than the outputs and targets (a broadcast; shapes named).
     """
 
     def __init__(self, fn: LossFn | nn.Module, weight: float = 1.0) -> None:
@@ -51,9 +70,36 @@ class Term:
         if not math.isfinite(value):
             raise ConfigError(f"a loss term's weight must be a finite number, got {weight!r}")
         self.weight = value
+        #: (outputs shape, targets shape) -> values per row of the unreduced loss (for ``sum_fn``)
+        self._row_size: dict[tuple[Any, Any], int] = {}
+
+    def summed(self, outputs: Tensor, targets: Tensor) -> Tensor:
+        """``sum_i l(i)`` (0-dim) through ``sum_fn``: its sum over every value, divided by the values per row.
+
+        The values per row are found once per pair of shapes, by one unreduced call (checked
+        like :meth:`per_row`'s), so a microbatch costs one fused reduction.
+        """
+        assert self.sum_fn is not None
+        key = (outputs.shape, getattr(targets, "shape", None))
+        k = self._row_size.get(key)
+        if k is None:
+            with torch.no_grad():
+                losses = self._checked(self.fn(outputs.detach(), targets), outputs, targets)
+            if len(self._row_size) > 256:  # shapes that vary batch to batch: keep the cache bounded
+                self._row_size.clear()
+            k = self._row_size[key] = max(1, losses[0].numel()) if losses.shape[0] else 1
+        total = self.sum_fn(outputs, targets)
+        return total / k if k != 1 else total
 
     def per_row(self, outputs: Tensor, targets: Tensor) -> Tensor:
-        losses = self.fn(outputs, targets)
+        """One loss per row, shape ``(B,)`` (the mean of a row's values when the loss has several)."""
+        losses = self._checked(self.fn(outputs, targets), outputs, targets)
+        if losses.dim() > 1:
+            losses = losses.reshape(losses.shape[0], -1).mean(dim=1)
+        return losses
+
+    @staticmethod
+    def _checked(losses: Any, outputs: Tensor, targets: Tensor) -> Tensor:
         if not isinstance(losses, Tensor):
             raise ConfigError(f"a loss term must return a tensor of per-row losses, shape (B,), got {losses!r}")
         if losses.dim() > 0 and losses.shape[0] != outputs.shape[0]:
@@ -67,7 +113,16 @@ class Term:
                 "(use reduction='none')"
             )
         if losses.dim() > 1:
-            losses = losses.reshape(losses.shape[0], -1).sum(dim=1)
+            per_row = losses[0].numel() if losses.shape[0] else 0
+            room = max(outputs[0].numel() if outputs.shape[0] else 0,
+                       targets[0].numel() if isinstance(targets, Tensor) and targets.dim() > 0 and targets.shape[0] else 0)
+            if per_row > room:
+                raise ConfigError(
+                    f"a loss term returned shape {tuple(losses.shape)} for outputs of shape {tuple(outputs.shape)} and "
+                    f"targets of shape {tuple(getattr(targets, 'shape', ()))}: more values per row than outputs and "
+                    "targets have, so the targets were broadcast against the outputs; give the targets the outputs' "
+                    "shape (e.g. y.view(-1, 1) for one output), or return one loss per row, shape (B,)"
+                )
         return losses
 
 
@@ -111,12 +166,12 @@ class Objective:
                 self.terms[name] = Term(spec[0], spec[1])
             else:
                 self.terms[name] = Term(spec)
-        #: (name, summed loss) of an objective that is one unweighted term with a summed form
-        self._single: tuple[str, LossFn] | None = None
+        #: (name, term) of an objective that is one unweighted term with a summed form
+        self._single: tuple[str, Term] | None = None
         if len(self.terms) == 1:
             name, term = next(iter(self.terms.items()))
             if term.sum_fn is not None and term.weight == 1.0:
-                self._single = (name, term.sum_fn)
+                self._single = (name, term)
 
     def __call__(self, outputs: Tensor, targets: Tensor, weights: Tensor | None = None) -> LossParts:
         """Reduce one microbatch.
@@ -124,14 +179,19 @@ class Objective:
         Args:
             outputs: model outputs, shape ``(B, ...)``.
             targets: targets, shape ``(B, ...)``.
-            weights: per-row weights or a 0/1 mask, shape ``(B,)``; ``None``: all 1.
+            weights: per-row weights or a 0/1 mask, shape ``(B,)``, finite and >= 0; ``None``: all 1.
+
+        Raises:
+            ConfigError: a loss term's output (see :class:`Term`), or weights of another shape,
+                negative or not finite (the row and value named).
         """
         if weights is None and self._single is not None:  # one unweighted term: one fused reduction
-            name, sum_fn = self._single
-            total = sum_fn(outputs, targets)
+            name, term = self._single
+            total = term.summed(outputs, targets)
             return LossParts(total, float(outputs.shape[0]), {name: total})
         total: Tensor | None = None
         nums: dict[str, Tensor] = {}
+        den = float(outputs.shape[0]) if weights is None else _weight_sum(weights, outputs.shape[0])
         if weights is not None and isinstance(outputs, Tensor) and outputs.requires_grad:
             # masked rows pass no gradient back to the outputs: a non-finite loss on them (a
             # missing target) would otherwise turn the whole gradient into NaN (0 * NaN)
@@ -139,7 +199,7 @@ class Objective:
             outputs = torch.where(keep, outputs, outputs.detach())
         for name, term in self.terms.items():
             if weights is None and term.sum_fn is not None:
-                num = term.sum_fn(outputs, targets)  # one fused reduction: the row sum
+                num = term.summed(outputs, targets)  # one fused reduction: the row sum
             else:
                 losses = term.per_row(outputs, targets)
                 if weights is not None:
@@ -150,18 +210,82 @@ class Objective:
             nums[name] = num.detach()
             part = num * term.weight if term.weight != 1.0 else num
             total = part if total is None else total + part
-        den = float(outputs.shape[0]) if weights is None else float(weights.detach().sum())
         assert total is not None
         return LossParts(total, den, nums)
+
+
+def _weight_sum(weights: Any, rows: int) -> float:
+    """``sum(weights)`` as a float, after checking ``weights`` is ``(rows,)``, finite and >= 0.
+
+    The sum and the smallest weight come back in one host sync (the one the sum alone needs).
+    """
+    if not isinstance(weights, Tensor) or tuple(weights.shape) != (rows,):
+        got = f"shape {tuple(weights.shape)}" if isinstance(weights, Tensor) else type(weights).__name__
+        raise ConfigError(f"per-row weights must be a tensor of shape ({rows},) for a batch of {rows} rows, got {got}")
+    if rows == 0:
+        return 0.0
+    w = weights.detach()
+    if not w.is_floating_point():
+        w = w.to(torch.float32)
+    total, smallest = torch.stack([w.sum(), w.min()]).tolist()
+    if not (smallest >= 0 and math.isfinite(total)):
+        bad = ~(torch.isfinite(w) & (w >= 0))
+        row = int(bad.nonzero()[0, 0])
+        raise ConfigError(
+            f"per-row weights must be finite and >= 0, got weight {float(w[row])!r} at row {row} of the batch; "
+            "a weight scales its row's loss in the mean (0 masks the row out): check what the batch's third "
+            "element or 'weight' holds"
+        )
+    return float(total)
+
+
+def accuracy_kind(outputs: Any, targets: Any) -> str:
+    """How accuracy scores these shapes: ``"multiclass"`` or ``"binary"``.
+
+    ``"multiclass"``: outputs ``(B, C)``, C >= 2 (logits or probabilities), targets ``(B,)``
+    integer class ids; the prediction is the argmax. ``"binary"``: outputs ``(B, 1)``, one
+    logit (``BCEWithLogitsLoss``), targets ``(B,)`` or ``(B, 1)`` of 0/1; the prediction is
+    1 when the logit is > 0 (probability > 0.5).
+
+    Raises:
+        ConfigError: other shapes (named), saying what to declare instead.
+    """
+    if isinstance(outputs, Tensor) and isinstance(targets, Tensor) and outputs.dim() == 2:
+        rows = outputs.shape[0]
+        if outputs.shape[1] >= 2 and tuple(targets.shape) == (rows,) and not targets.is_floating_point():
+            return "multiclass"
+        if outputs.shape[1] == 1 and tuple(targets.shape) in ((rows,), (rows, 1)):
+            return "binary"
+    shape = lambda t: tuple(t.shape) if isinstance(t, Tensor) else type(t).__name__  # noqa: E731
+    raise ConfigError(
+        f"metric 'accuracy' cannot score outputs of shape {shape(outputs)} against targets of shape "
+        f"{shape(targets)}: it needs (B, C) outputs with (B,) integer class ids, or one logit (B, 1) with "
+        "(B,) or (B, 1) targets of 0/1; for another task leave 'accuracy' out (metrics=())"
+    )
+
+
+def hits(outputs: Tensor, targets: Tensor) -> Tensor:
+    """Which rows a classifier gets right: bool, shape ``(B,)`` (see :func:`accuracy_kind`).
+
+    Raises:
+        ConfigError: shapes accuracy cannot score.
+    """
+    if accuracy_kind(outputs, targets) == "multiclass":
+        return outputs.argmax(dim=-1) == targets
+    return (outputs.reshape(-1) > 0) == (targets.reshape(-1) > 0.5)
 
 
 def accuracy(outputs: Tensor, targets: Tensor, weights: Tensor | None = None) -> tuple[float, float]:
     """Correct predictions and their denominator for a classifier.
 
-    outputs: logits or probabilities, shape ``(B, C)``; targets: class ids, shape ``(B,)`` int64.
+    outputs: logits or probabilities, shape ``(B, C)``, with targets: class ids, shape ``(B,)``
+    int64; or one logit ``(B, 1)`` with 0/1 targets ``(B,)`` or ``(B, 1)`` (see :func:`accuracy_kind`).
     Returns ``(correct weight, total weight)`` (floats).
+
+    Raises:
+        ConfigError: shapes accuracy cannot score.
     """
-    hit = (outputs.argmax(dim=-1) == targets).to(torch.float64)
+    hit = hits(outputs, targets).to(torch.float64)
     if weights is None:
         return float(hit.sum()), float(hit.numel())
     w = weights.to(torch.float64)

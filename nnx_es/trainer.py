@@ -40,8 +40,9 @@ from torch import nn
 from torch.optim import Optimizer
 
 from events.schema import RunStarted, SourceRef, UpdateSpec
-from nnx_es.argchecks import check_cadences, check_monitor, check_run_args, monitor_of, optimizers_of
+from nnx_es.argchecks import check_cadences, check_run_args, monitor_of, optimizers_of
 from nnx_es.callbacks import Callback, CallbackList
+from nnx_es.batches import weighted_forward
 from nnx_es.commit import Committer
 from nnx_es.commit import checkpoint_lag as lag_in_updates
 from nnx_es.context import TrainContext
@@ -50,7 +51,7 @@ from nnx_es.errors import ConfigError
 from nnx_es.finalize import Finalization
 from nnx_es.logs import ensure_logging
 from nnx_es.loop import Cadence, TrainingLoop
-from nnx_es.metrics import evaluate, validate_metrics
+from nnx_es.metrics import check_monitor, evaluate, validate_metrics
 from nnx_es.monitor import Monitor
 from nnx_es.objective import Objective
 from nnx_es.progress import Progress
@@ -74,13 +75,16 @@ class Trainer:
         net: the model (``nn.Module``); checkpoints hold its ``state_dict``.
         optimizer: one optimizer, or ``{name: optimizer}`` for several (they step together).
         loss: the objective: a loss module/callable returning per-row losses (a
-            ``torch.nn`` loss is used with ``reduction="none"``), ``{name: fn or
-            (fn, weight)}``, or an :class:`~nnx_es.objective.Objective`.
+            ``torch.nn`` loss is used with ``reduction="none"``; several values per row are
+            averaged, as torch's ``reduction="mean"``), ``{name: fn or (fn, weight)}``, or an
+            :class:`~nnx_es.objective.Objective`.
         monitor: :class:`~nnx_es.monitor.Monitor` or a metric name (``"val_loss"``;
             mode ``max`` when the name contains ``acc``). One decision per
             validated epoch drives BEST, ReduceLROnPlateau and EarlyStopping.
         metrics: declared metrics besides the loss, reported per epoch for training and
-            validation (``"accuracy"``: argmax of ``(B, C)`` outputs against ``(B,)`` class ids).
+            validation (``"accuracy"``: argmax of ``(B, C)`` outputs against ``(B,)`` class ids, or
+            one logit ``(B, 1)`` at probability 0.5 against 0/1 targets; other shapes are refused
+            on the first batch, before backward).
         schedulers: torch schedulers (epoch clock) or :class:`~nnx_es.schedulers.Scheduler`.
         callbacks: :class:`~nnx_es.callbacks.Callback` objects, dispatched in list order.
         hooks: stage hooks (``stage``, ``frequency``, ``__call__(ctx, stage)``, see
@@ -90,7 +94,15 @@ class Trainer:
         precision: ``"fp32"``, ``"bf16"`` or ``"fp16"`` (shortcut for ``MixedPrecision``).
         track_grad_norm: record every update's total gradient L2 norm (before clipping) in
             ``update_committed.grad_norm``; clipping always records it. Default off: ``None``.
-        train_step_fn / eval_step_fn: ``fn(net, batch) -> (outputs, targets, weights|None)``.
+        sample_weights: declare per-row loss weights: a batch ``(inputs, targets, weights)`` is
+            read with ``weights`` of shape ``(B,)``, >= 0 (the loss is the weighted mean; a row
+            of weight 0 is masked out). The batch contract (:mod:`nnx_es.batches`): a batch is
+            ``(inputs, targets)`` (every row weight 1), ``(inputs, targets, weights)`` only with
+            ``sample_weights=True``, or a mapping with keys ``x``, ``y`` and optionally
+            ``weight`` (the key declares the weights). An undeclared third element, another
+            key, or a negative weight is refused (ConfigError) on the first batch it appears in.
+        train_step_fn / eval_step_fn: ``fn(net, batch) -> (outputs, targets, weights|None)``,
+            replacing the batch contract with your own reading of a batch.
         trainer_step_fn: ``fn(ctx, batch)`` replacing the whole microbatch+update
             path; it reports its updates with ``ctx.report_update(...)``.
         validate_every: validate every N epochs (and after the last epoch).
@@ -129,6 +141,7 @@ class Trainer:
         clip_grad_norm: float | None = None,
         precision: str = "fp32",
         track_grad_norm: bool = False,
+        sample_weights: bool = False,
         train_step_fn: Callable[..., Any] | None = None,
         eval_step_fn: Callable[..., Any] | None = None,
         trainer_step_fn: Callable[[TrainContext, Any], Any] | None = None,
@@ -161,7 +174,10 @@ class Trainer:
                        phase_every=phase_every, keep_phases=keep_phases)
         self.cadence = Cadence(validate_every, validate_every_steps)
         self.phase_every, self.keep_phases = phase_every, keep_phases
-        self.eval_step_fn = eval_step_fn or default_forward
+        if not isinstance(sample_weights, bool):
+            raise ConfigError(f"sample_weights must be True or False, got {sample_weights!r}")
+        forward = weighted_forward if sample_weights else default_forward
+        self.eval_step_fn = eval_step_fn or forward
         self.trainer_step_fn = trainer_step_fn or default_train_step
         check_run_args(runs_root=runs_root, seed=seed, progress=progress, batch_gather=batch_gather, recipe=recipe)
         self.runs_root = Path(runs_root)
@@ -172,10 +188,11 @@ class Trainer:
         self.batch_gather = batch_gather
         self.recipe = dict(recipe or {})
         self.metrics = validate_metrics(metrics)
-        check_monitor(self.monitor, self.objective.terms, self.metrics)
+        if self.monitor is not None:
+            check_monitor(self.monitor, self.objective, self.metrics)
         if not isinstance(track_grad_norm, bool):
             raise ConfigError(f"track_grad_norm must be True or False, got {track_grad_norm!r}")
-        self.engine = UpdateEngine(net, self.optimizers, self.objective, self.schedulers, train_step_fn=train_step_fn,
+        self.engine = UpdateEngine(net, self.optimizers, self.objective, self.schedulers, train_step_fn=train_step_fn or forward,
                                    track_grad_norm=track_grad_norm, metrics=self.metrics)
         self.update_hooks = self._update_hooks(hooks, accumulation, clip_grad_norm, precision)
         self.stages = self.engine.stages

@@ -64,7 +64,7 @@ def test_three_unequal_microbatches_accumulate_to_the_mean_over_the_window(tmp_p
     ref_loss = _sgd_reference(ref, data)
     initial = params_of(net)
 
-    run = _trainer(tmp_path, net, accumulation=3).fit(data, None, epochs=1)
+    run = _trainer(tmp_path, net, accumulation=3, sample_weights=masked).fit(data, None, epochs=1)
 
     assert run.status == "completed"
     _assert_params_equal(params_of(net), params_of(ref))
@@ -87,7 +87,7 @@ def test_fractional_row_weights_give_the_weighted_mean_over_the_window(tmp_path)
     loss.backward()
     opt.step()
 
-    run = _trainer(tmp_path, net, accumulation=3).fit(data, None, epochs=1)
+    run = _trainer(tmp_path, net, accumulation=3, sample_weights=True).fit(data, None, epochs=1)
 
     _assert_params_equal(params_of(net), params_of(ref))
     (receipt,) = of_kind(run.run_dir, "update_committed")
@@ -106,9 +106,10 @@ def test_masked_rows_with_missing_targets_do_not_poison_the_update(tmp_path):
         data.append((x, y, w))
     net = small_net(12)
     ref = copy.deepcopy(net)
-    _sgd_reference(ref, data, loss_of=lambda o, y: (o - y).pow(2).sum(dim=1).mean())
+    # a row's loss is the mean of its 3 squared errors: torch's MSELoss() on the unmasked rows
+    _sgd_reference(ref, data, loss_of=lambda o, y: (o - y).pow(2).mean(dim=1).mean())
 
-    run = _trainer(tmp_path, net, loss=nn.MSELoss(), accumulation=3).fit(data, None, epochs=1)
+    run = _trainer(tmp_path, net, loss=nn.MSELoss(), accumulation=3, sample_weights=True).fit(data, None, epochs=1)
 
     assert of_kind(run.run_dir, "update_skipped") == []
     (receipt,) = of_kind(run.run_dir, "update_committed")
@@ -194,7 +195,7 @@ def test_a_window_without_a_valid_update_changes_nothing_and_training_goes_on(tm
     opt = torch.optim.SGD(net.parameters(), lr=LR)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 ** s)
     snaps = _Snapshots()
-    trainer = _trainer(tmp_path, net, opt=opt, callbacks=[snaps],
+    trainer = _trainer(tmp_path, net, opt=opt, callbacks=[snaps], sample_weights=True,
                        schedulers=[Scheduler(sched, clock="optimizer_update", name="decay")])
     calls: list[int] = []
     _spy_step(opt, calls, trainer)
@@ -419,7 +420,7 @@ def test_accumulation_two_with_a_masked_and_a_nonfinite_window_writes_exactly_th
     opt = torch.optim.SGD(net.parameters(), lr=LR)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 ** s)
     data = batches([3, 3, 3, 3, 3, 3], seed=6, masks={2: [0.0] * 3, 3: [0.0] * 3}, nan_at=(4,))
-    run = _trainer(tmp_path, net, opt=opt, accumulation=2,
+    run = _trainer(tmp_path, net, opt=opt, accumulation=2, sample_weights=True,
                    schedulers=[Scheduler(sched, clock="optimizer_update", name="decay")]).fit(data, None, epochs=1)
 
     assert kinds(run.run_dir) == [
