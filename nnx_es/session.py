@@ -27,6 +27,7 @@ from events.schema import RunResumed, RunStarted, SourceRef, UpdateSpec
 from nnx_es.checkpoint import Manifest
 from nnx_es.errors import ConfigError, ResumeError
 from nnx_es.lifecycle import Lifecycle
+from nnx_es.loaders import check_same_loaders, loader_geometries
 from nnx_es.recorder import Recorder
 from nnx_es.resume import find_resume_point
 from nnx_es.rng import seed_everything
@@ -204,6 +205,7 @@ def _check_same_recipe(trainer: Trainer, started: RunStarted | None, manifest: M
             "dropped or restarted); pass the run's EMA hooks (EMA(decay, name=...)) in the same order, or use "
             "resume_mode='weights_only' to start a new run; nothing was restored or written"
         )
+    check_same_loaders(manifest.run_id, started.loaders if started else None, trainer.loaders)
     if started is None:
         return
     mine = _run_started(trainer, None)
@@ -237,5 +239,5 @@ def _run_started(trainer: Trainer, source: SourceRef | None) -> RunStarted:
         schedulers=[s.decl() for s in trainer.schedulers],
         monitor=trainer.monitor.spec if trainer.monitor else None, accumulation=trainer.engine.accumulation,
         update=UpdateSpec(precision=trainer.engine.precision, clip_grad_norm=trainer.engine.clip_grad_norm),
-        source=source, wall_time_s=time.time(),
+        source=source, wall_time_s=time.time(), loaders=loader_geometries(trainer.loaders),
     )

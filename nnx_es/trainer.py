@@ -363,6 +363,7 @@ class Trainer:
             raise ConfigError(f"resume_mode must be 'stateful' or 'weights_only', got {resume_mode!r}")
         ensure_logging()
         self.generators = {"train": LoaderGenerators.of(train_loader), "val": LoaderGenerators.of(val_loader)}
+        self.loaders = {"train": train_loader, "val": val_loader}  # their geometry is declared in run_started
         self.final_projection = None
         with open_session(self, resume_from, resume_mode, epochs) as (opening, start_epoch):
             self._run(train_loader, val_loader, epochs, opening, start_epoch)

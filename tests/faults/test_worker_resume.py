@@ -13,10 +13,11 @@ from pathlib import Path
 import pytest
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from crashkit import kill_at_event, run_killed
 from nnx_es import Trainer
+from nnx_es.errors import ResumeError
 from trainkit import blobs_data, read_events
 
 torch.set_num_threads(1)  # fork-safe parent
@@ -73,3 +74,26 @@ def test_persistent_workers_train_bitwise_like_fresh_workers(tmp_path):
     persistent = fit(tmp_path, "persistent", True)
     for k, v in persistent.net.state_dict().items():
         assert torch.equal(v, fresh.net.state_dict()[k]), k
+
+
+class Stream(IterableDataset):
+    def __len__(self) -> int:
+        return 24
+
+    def __iter__(self):
+        x, y = blobs_data(24, 0)
+        info = torch.utils.data.get_worker_info()
+        for i in range(info.id if info else 0, 24, info.num_workers if info else 1):
+            yield x[i] + 0.1 * torch.rand(4), y[i]
+
+
+def test_a_stateful_resume_with_persistent_workers_that_cannot_be_reseeded_is_refused(tmp_path):
+    def stream_fit(**kw) -> None:
+        trainer = make_trainer(tmp_path, "s")
+        trainer.fit(DataLoader(Stream(), batch_size=6, num_workers=2, persistent_workers=True), epochs=1, **kw)
+
+    stream_fit()
+    before = read_events(tmp_path / "s")
+    with pytest.raises(ResumeError, match=r"persistent_workers=True.*IterableDataset"):
+        stream_fit(resume_from=tmp_path / "s")
+    assert read_events(tmp_path / "s") == before
