@@ -113,18 +113,20 @@ def reseed_workers(loader: Any) -> None:
     """Before ``iter(loader)`` starts an epoch: make a ``persistent_workers=True`` loader's
     workers draw as fresh ones would (see the module docstring); other loaders are untouched.
 
-    The first call wraps the loader's ``worker_init_fn`` (a loader iterated before, whose
-    workers started without it, has them shut down first); each later call, when the workers
-    live on, draws the epoch's base seed from the loader's generator.
+    The first call wraps the loader's ``worker_init_fn``; each later call, when the workers
+    live on, draws the epoch's base seed from the loader's generator. Workers that started
+    without the wrapper, or whose last epoch was not iterated to its end, are shut down
+    first, so that the iterator torch creates next starts (and seeds) them afresh.
     """
     if not _persistent(loader) or _unsupported(loader) is not None:
         return
-    hook = loader.worker_init_fn
+    hook, running = loader.worker_init_fn, getattr(loader, "_iterator", None)
+    if running is not None and (not isinstance(hook, _Reseeding) or running._num_yielded != len(loader)):
+        # workers started without the hook, or an epoch was left unfinished (the workers may
+        # still fetch its batches, drawing from their streams): start them anew, as torch would
+        running._shutdown_workers()
+        loader._iterator = running = None
     if not isinstance(hook, _Reseeding):
-        running = getattr(loader, "_iterator", None)
-        if running is not None:  # workers started without the hook: start them anew
-            running._shutdown_workers()
-            loader._iterator = None
         loader.worker_init_fn = _Reseeding(hook)
-    elif getattr(loader, "_iterator", None) is not None:
+    elif running is not None:
         hook.next_epoch(loader)
