@@ -33,6 +33,7 @@ __all__ = [
     "HistoryAppended",
     "HistoryRecord",
     "LastCommitted",
+    "LoaderGeometry",
     "MicrobatchDone",
     "MonitorDecided",
     "MonitorSpec",
@@ -116,6 +117,20 @@ class PlateauState(msgspec.Struct, frozen=True, kw_only=True):
     cooldown_counter: int
 
 
+class LoaderGeometry(msgspec.Struct, frozen=True, kw_only=True):
+    """The shape of one loader's epoch, as far as the loader says (None where it does not).
+
+    batch_size: rows per batch (a DataLoader's ``batch_size``; None with a batch sampler of its own).
+    batches_per_epoch: ``len(loader)`` (count). drop_last: a DataLoader's ``drop_last``.
+    dataset_length: ``len(loader.dataset)`` (rows).
+    """
+
+    batch_size: int | None = None
+    batches_per_epoch: int | None = None
+    drop_last: bool | None = None
+    dataset_length: int | None = None
+
+
 class SourceRef(msgspec.Struct, frozen=True, kw_only=True):
     """Where a continuation came from: source run, its LAST seq and manifest hash."""
 
@@ -165,6 +180,8 @@ class RunStarted(Event, frozen=True, kw_only=True, tag="run_started"):
     writer_rank: int = 0
     source: SourceRef | None = None
     wall_time_s: float = 0.0
+    #: each loader's geometry by role (``"train"``, ``"val"`` when given); None: a run recorded before it was
+    loaders: dict[str, LoaderGeometry] | None = None
 
 
 class RunResumed(Event, frozen=True, kw_only=True, tag="run_resumed"):

@@ -22,6 +22,9 @@ Any other loader -- a ``DataLoader`` subclass, another dataset type (a
 ``TensorDataset`` subclass included), a custom ``collate_fn``, workers,
 pinned memory, tensors off the CPU, no automatic batching -- is iterated as
 given. ``Trainer(batch_gather=False)`` always iterates as given.
+
+Either way, a ``persistent_workers=True`` loader's workers are re-seeded each epoch as
+fresh workers would be (:func:`nnx_es.workers.reseed_workers`), so a resume is exact.
 """
 
 from __future__ import annotations
@@ -32,6 +35,8 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 from torch.utils.data._utils.collate import default_collate
+
+from nnx_es.workers import reseed_workers
 
 __all__ = ["gatherable", "iterate_batches"]
 
@@ -56,6 +61,7 @@ def gatherable(loader: Iterable[Any]) -> bool:
 
 def iterate_batches(loader: Iterable[Any], *, gather: bool = True) -> Iterator[Any]:
     """Iterate ``loader`` once: by gathering when :func:`gatherable`, else as given."""
+    reseed_workers(loader)
     if not (gather and gatherable(loader)):
         yield from loader
         return

@@ -27,6 +27,7 @@ from events.schema import RunResumed, RunStarted, SourceRef, UpdateSpec
 from nnx_es.checkpoint import Manifest
 from nnx_es.errors import ConfigError, ResumeError
 from nnx_es.lifecycle import Lifecycle
+from nnx_es.loaders import check_same_loaders
 from nnx_es.recorder import Recorder
 from nnx_es.resume import find_resume_point
 from nnx_es.rng import seed_everything
@@ -229,6 +230,7 @@ def _check_same_recipe(components: RunComponents, mine: RunStarted, started: Run
             "dropped or restarted); pass the run's EMA hooks (EMA(decay, name=...)) in the same order, or use "
             "resume_mode='weights_only' to start a new run; nothing was restored or written"
         )
+    check_same_loaders(manifest.run_id, started.loaders if started else None, components.loaders)
     if started is None:
         return
     for field, label in (("optimizers", "optimizers"), ("schedulers", "schedulers"), ("monitor", "monitor"),

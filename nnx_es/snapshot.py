@@ -43,8 +43,8 @@ __all__ = ["RunComponents", "apply_state", "capture", "detached_copy", "encode_p
 class RunComponents:
     """The objects whose state a checkpoint holds and a resume restores.
 
-    ``generators``: the train and validation loaders' own generators, set by each ``fit``
-    (``{"train": ..., "val": ...}``). The GradScaler is read from ``engine`` when a checkpoint
+    ``generators`` / ``loaders``: the train and validation loaders' own generators and the
+    loaders themselves, set by each ``fit`` (``{"train": ..., "val": ...}``). The GradScaler is read from ``engine`` when a checkpoint
     is captured (it may be replaced before training).
     """
 
@@ -59,6 +59,8 @@ class RunComponents:
         self.monitor = monitor
         self.callbacks = callbacks
         self.generators: dict[str, LoaderGenerators] = {}
+        #: the train and validation loaders themselves (``None`` when absent), set by each ``fit``
+        self.loaders: dict[str, Any] = {}
 
 _msgpack = msgspec.msgpack.Encoder()
 

@@ -49,6 +49,7 @@ from nnx_es.context import TrainContext
 from nnx_es.engine import UpdateEngine, default_forward, default_train_step
 from nnx_es.errors import ConfigError
 from nnx_es.finalize import Finalization
+from nnx_es.loaders import loader_geometries
 from nnx_es.logs import ensure_logging
 from nnx_es.loop import Cadence, TrainingLoop
 from nnx_es.metrics import check_monitor, evaluate, validate_metrics
@@ -248,7 +249,7 @@ class Trainer:
             schedulers=[s.decl() for s in self.schedulers],
             monitor=self.monitor.spec if self.monitor else None, accumulation=self.engine.accumulation,
             update=UpdateSpec(precision=self.engine.precision, clip_grad_norm=self.engine.clip_grad_norm),
-            source=source, wall_time_s=time.time(),
+            source=source, wall_time_s=time.time(), loaders=loader_geometries(self.components.loaders),
         )
 
     # --- the run ------------------------------------------------------------------------
@@ -295,6 +296,7 @@ class Trainer:
         ensure_logging()
         self.components.generators = {"train": LoaderGenerators.of(train_loader),
                                       "val": LoaderGenerators.of(val_loader)}
+        self.components.loaders = {"train": train_loader, "val": val_loader}  # their geometry goes in run_started
         callbacks = CallbackList(self.callbacks)
         with open_session(runs_root=self.runs_root, run_id=self.run_id, seed=self.seed, resume_from=resume_from,
                           resume_mode=resume_mode, epochs=epochs, components=self.components,

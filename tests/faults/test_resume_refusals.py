@@ -253,3 +253,34 @@ def test_a_refused_resume_leaves_the_trainers_run_identity_as_it_was(tmp_path):
     assert (trainer.run_id, trainer.runs_root, trainer.run_dir) == (None, tmp_path / "other", None)
     run = trainer.fit(*loaders(batch_size=8), epochs=1)  # a new run of its own, where it was told
     assert Path(run.run_dir).parent == tmp_path / "other"
+
+
+def _batch_size_fit(runs: Path, batch_size: int, epochs: int, **kw):
+    net = small_net(0)
+    trainer = Trainer(net, torch.optim.SGD(net.parameters(), lr=0.1), torch.nn.CrossEntropyLoss(),
+                      runs_root=runs, run_id="r", seed=0, progress=False)
+    return trainer.fit(*loaders(batch_size=batch_size, n_train=100), epochs=epochs, **kw)
+
+
+def test_a_stateful_resume_with_another_batch_size_is_refused_naming_old_and_new(tmp_path):
+    runs = tmp_path / "runs"
+    _batch_size_fit(runs, 20, 1)
+    started = next(e for _, e in read_events(runs / "r") if e.KIND == "run_started")
+    assert started.loaders["train"].batch_size == 20 and started.loaders["train"].batches_per_epoch == 5
+    assert started.loaders["train"].dataset_length == 100 and started.loaders["train"].drop_last is False
+    before = _tree(runs / "r")
+    with pytest.raises(ResumeError, match=r"train loader's geometry.*batch_size 20 -> 50, batches_per_epoch 5 -> 2"):
+        _batch_size_fit(runs, 50, 2, resume_from=runs / "r")
+    assert _tree(runs / "r") == before
+    assert len(_batch_size_fit(runs, 20, 2, resume_from=runs / "r").history) == 2  # the same geometry resumes
+
+
+def test_a_run_recorded_without_loader_geometry_resumes_as_before(tmp_path, monkeypatch):
+    import nnx_es.trainer
+
+    runs = tmp_path / "runs"
+    with monkeypatch.context() as m:  # a run_started as recorded before the geometry was
+        m.setattr(nnx_es.trainer, "loader_geometries", lambda loaders: None)
+        _batch_size_fit(runs, 20, 1)
+    assert next(e for _, e in read_events(runs / "r") if e.KIND == "run_started").loaders is None
+    assert len(_batch_size_fit(runs, 50, 2, resume_from=runs / "r").history) == 2
