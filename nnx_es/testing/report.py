@@ -44,7 +44,7 @@ class Failure:
         return "\n".join(lines)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, repr=False)
 class Report:
     """The points tried and what happened at each.
 
@@ -77,20 +77,23 @@ class Report:
             return head
         return "\n".join([head, *(str(f) for f in self.failures)])
 
+    def __repr__(self) -> str:  # pytest prints an assertion's message object with repr()
+        return str(self)
+
     def raise_for_failures(self) -> None:
         """Raise :class:`HarnessFailure` (the report as its message) unless :attr:`ok`."""
         if not self.ok:
             raise HarnessFailure(str(self))
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, repr=False)
 class CrashReport(Report):
     """A :class:`Report` of :func:`nnx_es.testing.crash_test` (SIGKILL at each point)."""
 
     title: str = field(default="crash test", init=False)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, repr=False)
 class FaultReport(Report):
     """A :class:`Report` of :func:`nnx_es.testing.fault_test`; ``tried`` holds ``<errno name> <point>``."""
 
