@@ -18,7 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from events.log import LmdbLog
-from nnx_es.recorder import Recorder
+from nnx_es import injection
+from nnx_es.injection import Point, install_kill
 
 
 def copy_run(template: Path, dest: Path) -> Path:
@@ -86,21 +87,9 @@ def run_killed(target: Callable[[], Any], kill: Callable[[], None] | None = None
 
 
 def kill_at_event(n: int) -> Callable[[], None]:
-    """A ``kill`` that SIGKILLs the process just before its n-th (0-based) event of this session is checked."""
-
-    def install() -> None:
-        original = Recorder.emit
-        count = [0]
-
-        def emit(self: Recorder, event: Any) -> int:
-            if count[0] == n:
-                sigkill()
-            count[0] += 1
-            return original(self, event)
-
-        Recorder.emit = emit  # type: ignore[method-assign]
-
-    return install
+    """A ``kill`` that SIGKILLs the process just before its n-th (0-based) event of this session is checked
+    (the public point ``event:<n>`` of :mod:`nnx_es.injection`)."""
+    return lambda: install_kill(Point("event", n))
 
 
 def kill_at_call(module: Any, name: str, n: int, *, after: bool = False) -> Callable[[], None]:
@@ -125,114 +114,38 @@ def kill_at_call(module: Any, name: str, n: int, *, after: bool = False) -> Call
     return install
 
 
-# --- storage I/O and commit-sync seams (crash matrix, write faults) ------------------------
+# --- storage I/O and commit-sync seams (crash matrix, write faults): the public ones of
+# nnx_es.injection, which nnx_es.testing uses on users' set-ups ---------------------------
 
 #: The os calls of :func:`nnx_es.storage.atomic_write_all` (and its directory fsync) that the
 #: crash matrix and the write-fault suite count: the write of the temporary, its fsync,
 #: the rename, the directory fsync.
-STORAGE_OPS = ("write", "fsync", "replace")
-_STORAGE_CALLERS = frozenset({"atomic_write_all", "fsync_dir"})
-
-
-class _OsProxy:
-    """Stands in for ``nnx_es.storage.os``: every attribute is the real one, except the
-    :data:`STORAGE_OPS` called from ``atomic_write_all``/``fsync_dir``, which go through
-    ``hook(op, caller, index, when, args)`` (``when``: ``"before"`` then ``"after"``; ``args``:
-    the call's positional arguments, e.g. ``(src, dst)`` of ``replace``).
-
-    ``index`` counts those calls from 0 in this process; calls from anywhere else in
-    the module (the lease's pid write) pass through uncounted.
-    """
-
-    def __init__(self, real: Any, hook: Callable[..., Any]) -> None:
-        self._real, self._hook, self.count = real, hook, 0
-
-    def __getattr__(self, name: str) -> Any:
-        attr = getattr(self._real, name)
-        if name not in STORAGE_OPS:
-            return attr
-
-        def op(*args: Any, **kwargs: Any) -> Any:
-            import sys
-
-            caller = sys._getframe(1).f_code.co_name
-            if caller not in _STORAGE_CALLERS:
-                return attr(*args, **kwargs)
-            index = self.count
-            self.count += 1
-            self._hook(name, caller, index, "before", args)
-            result = attr(*args, **kwargs)
-            self._hook(name, caller, index, "after", args)
-            return result
-
-        return op
-
-
-def install_storage_hook(hook: Callable[..., Any]) -> _OsProxy:
-    """Route ``nnx_es.storage``'s counted os calls through ``hook`` (for the rest of this process)."""
-    import nnx_es.storage as storage
-
-    real = storage.os._real if isinstance(storage.os, _OsProxy) else storage.os
-    proxy = _OsProxy(real, hook)
-    storage.os = proxy  # type: ignore[assignment]
-    return proxy
+STORAGE_OPS = injection.STORAGE_OPS
+install_storage_hook = injection.install_storage_hook
 
 
 def uninstall_storage_hook() -> None:
     import nnx_es.storage as storage
 
-    if isinstance(storage.os, _OsProxy):
+    if isinstance(storage.os, injection._OsProxy):
         storage.os = storage.os._real  # type: ignore[assignment]
 
 
 def kill_in_storage_io(n: int, *, after: bool) -> Callable[[], None]:
     """A ``kill`` that SIGKILLs just before (or just after) the n-th (0-based) counted
-    os call of ``atomic_write_all``/``fsync_dir`` (write, fsync of the file or the directory, rename)."""
-
-    def install() -> None:
-        when = "after" if after else "before"
-
-        def hook(op: str, caller: str, index: int, moment: str, args: tuple[Any, ...]) -> None:
-            if index == n and moment == when:
-                sigkill()
-
-        install_storage_hook(hook)
-
-    return install
+    os call of ``atomic_write_all``/``fsync_dir`` (the public point ``io:<n>:before|after``)."""
+    return lambda: install_kill(Point("io", n, "after" if after else "before"))
 
 
 def install_sync_hook(hook: Callable[[int, str], None]) -> None:
     """Call ``hook(index, "before"|"after")`` around every ``LmdbLog.flush(sync=True)`` (index from 0)."""
-    from events.log import LmdbLog
-
-    original = LmdbLog.flush
-    count = [0]
-
-    def flush(self: LmdbLog, *, sync: bool = False) -> None:
-        if not sync:
-            return original(self, sync=sync)
-        index = count[0]
-        count[0] += 1
-        hook(index, "before")
-        original(self, sync=sync)
-        hook(index, "after")
-
-    LmdbLog.flush = flush  # type: ignore[method-assign]
+    injection.install_sync_hook(lambda index, when, log: hook(index, when))
 
 
 def kill_at_sync(n: int, *, after: bool) -> Callable[[], None]:
-    """A ``kill`` that SIGKILLs just before (or just after) the n-th (0-based) synced commit of the log."""
-
-    def install() -> None:
-        when = "after" if after else "before"
-
-        def hook(index: int, moment: str) -> None:
-            if index == n and moment == when:
-                sigkill()
-
-        install_sync_hook(hook)
-
-    return install
+    """A ``kill`` that SIGKILLs just before (or just after) the n-th (0-based) synced commit of the log
+    (the public point ``sync:<n>:before|after``)."""
+    return lambda: install_kill(Point("sync", n, "after" if after else "before"))
 
 
 def _real_lmdb_open() -> Any:

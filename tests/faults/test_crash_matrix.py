@@ -48,6 +48,7 @@ from nnx_es.audit import audit_run
 from nnx_es.checkpoint import INLINE_MAX, read_manifest, verify_checkpoint
 from nnx_es.errors import ResumeError
 from nnx_es.storage import BlobStore
+from nnx_es.testing.reference import Reference as PublicReference
 from projections import Projections, project
 from trainkit import loaders, read_events, small_net
 
@@ -149,6 +150,7 @@ class Reference:
     writes: int  # atomic writes (each: write, fsync, replace, directory fsync)
     created_dirs: int  # directories the run's atomic writes created
     blob_files: set[str]  # blobs stored as files: the components not kept inside their manifest
+    public: PublicReference  # the same run, as nnx_es.testing checks users' runs against it
 
 
 @pytest.fixture(scope="module", params=[0, 1], ids=["commit-at-epoch-end", "deferred-commit"])
@@ -180,6 +182,7 @@ def reference(request, tmp_path_factory) -> Reference:
         writes=sum(1 for op, caller in ops if op == "replace"),
         created_dirs=sum(1 for d in Path(run.run_dir).rglob("*") if d.is_dir() and "events.lmdb" not in d.parts),
         blob_files=_blob_files(run.run_dir, events),
+        public=PublicReference.of(Path(run.run_dir)),
     )
 
 
@@ -231,6 +234,9 @@ def check_point(ref: Reference, runs: Path, point: Point) -> str:
     run_dir = runs / RUN_ID
     outcome = run_killed(lambda: fit(make_trainer(runs, RUN_ID, ref.lag)), point.kill)
     assert outcome == "killed", f"the child was not killed at the point: {outcome}"
+    # the public harness's checks (nnx_es.testing): prefix of the reference log, audit, committed
+    # view and LAST at the same LAST; a Finding names what differs. Then the matrix's own, as strict.
+    ref.public.check_committed(run_dir, ref.public.check_prefix(run_dir))
     events = read_events(run_dir)
     # the killed run wrote an exact prefix of the reference log (wall-clock fields aside)
     assert _events_untimed(events) == ref.untimed[: len(events)], "log is not a prefix of the reference log"
@@ -265,6 +271,7 @@ def check_point(ref: Reference, runs: Path, point: Point) -> str:
         assert torch.equal(value, ref.params[name]), f"parameter {name} differs after the resume"
     assert [msgspec.structs.replace(r, wall_time_s=0.0) for r in run.history] == ref.history
     assert run.status == "completed"
+    ref.public.check_resumed(run_dir, run.status)  # history, LAST/BEST/phases/callbacks, temporaries, audit
     # BEST, the phases and the callback checkpoints end where the uninterrupted run's do
     final = project(read_events(run_dir)).checkpoints
     for field in ("last", "best", "phases", "callbacks"):

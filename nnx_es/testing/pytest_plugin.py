@@ -1,0 +1,56 @@
+"""pytest plugin: the fixtures ``crash_test`` and ``fault_test``, and ``--nnx-crash-points=N``.
+
+Registered through the ``pytest11`` entry point (``nnx_es.testing.pytest_plugin``), so an
+installed nnx_es gives every test suite the fixtures; ``-p nnx_es.testing.pytest_plugin``
+loads it by hand. One test per model of yours::
+
+    def test_my_model_survives_crashes(crash_test):
+        report = crash_test(build, epochs=3)          # build(runs_root, run_id) -> Fit
+        assert report.ok, report
+
+The fixtures are :func:`nnx_es.testing.crash_test` / :func:`~nnx_es.testing.fault_test` with
+``runs_root`` bound to the test's ``tmp_path``; a call without ``points`` takes the
+``--nnx-crash-points`` option (default: every point), to bound the time in CI.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from nnx_es.testing.harness import crash_test as _crash_test
+from nnx_es.testing.harness import fault_test as _fault_test
+
+__all__ = ["crash_test", "fault_test", "pytest_addoption"]
+
+
+def pytest_addoption(parser: Any) -> None:
+    group = parser.getgroup("nnx_es", "nnx_es crash tests")
+    group.addoption("--nnx-crash-points", type=int, default=None, metavar="N",
+                    help="crash/fault points each nnx_es crash_test / fault_test tries when the test does not "
+                         "say (default: every point)")
+
+
+def _bind(request: Any, tmp_path: Any, fn: Any) -> Any:
+    default = request.config.getoption("--nnx-crash-points")
+
+    def run(build: Any, **kwargs: Any) -> Any:
+        if kwargs.get("points") is None and default is not None:
+            kwargs["points"] = default
+        kwargs.setdefault("runs_root", tmp_path)
+        return fn(build, **kwargs)
+
+    return run
+
+
+@pytest.fixture
+def crash_test(request: Any, tmp_path: Any) -> Any:
+    """:func:`nnx_es.testing.crash_test`, runs under ``tmp_path``, points from ``--nnx-crash-points``."""
+    return _bind(request, tmp_path, _crash_test)
+
+
+@pytest.fixture
+def fault_test(request: Any, tmp_path: Any) -> Any:
+    """:func:`nnx_es.testing.fault_test`, runs under ``tmp_path``, points from ``--nnx-crash-points``."""
+    return _bind(request, tmp_path, _fault_test)
