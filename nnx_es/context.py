@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from events.schema import Counters, MonitorDecided
+from events.schema import Counters, EpochSummarized, MonitorDecided
 
 if TYPE_CHECKING:
     from torch import Tensor, nn
@@ -29,7 +29,10 @@ class TrainContext:
     ``predictions`` / ``targets``: the current microbatch's model outputs
     ``(B, C)`` and targets ``(B,)``; ``loss``: its mean loss (float);
     ``validation``: the latest ``val_`` metrics; ``decision``: the epoch's
-    monitor decision (``None`` before it is made).
+    monitor decision (``None`` before it is made). From the epoch's summary on (``on_epoch_end``
+    included): ``epoch_summary``, its ``epoch_summarized`` event (rows, microbatches, updates,
+    skipped, duration), and ``train_metrics``, the epoch's training metrics (``loss`` is the mean
+    over the epoch's rows, where ``ctx.loss`` stays the last microbatch's).
 
     ``trainer``: the :class:`~nnx_es.Trainer` that owns the run, for user code; the
     runtime's own collaborators never reach through it. ``state``: the run in progress
@@ -54,6 +57,8 @@ class TrainContext:
         self.rows = 0
         self.validation: dict[str, float] | None = None
         self.decision: MonitorDecided | None = None
+        self.epoch_summary: EpochSummarized | None = None
+        self.train_metrics: dict[str, float] = {}
 
     @property
     def run_dir(self) -> Any:

@@ -347,6 +347,7 @@ class UpdateEngine:
         self._reset_window()
         if reason is not None:
             self.epoch.skipped += 1
+            self.state.outcome.skipped = reason
             for n in names:
                 self.state.recorder.emit(
                     UpdateSkipped(

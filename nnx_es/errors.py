@@ -13,6 +13,9 @@ __all__ = [
     "InvalidRunIdError",
     "LeaseHeldError",
     "NnxError",
+    "NoUpdateError",
+    "NonFiniteError",
+    "NonFiniteWarning",
     "ResumeError",
     "UnsafePayloadError",
 ]
@@ -44,3 +47,15 @@ class CheckpointWriteError(NnxError, OSError):
 
 class ResumeError(NnxError, RuntimeError):
     """A run cannot be resumed from its LAST commit (the reason is named)."""
+
+
+class NonFiniteError(NnxError, FloatingPointError):
+    """A loss, gradient or validation metric was not finite and the trainer's ``nonfinite="raise"``."""
+
+
+class NonFiniteWarning(RuntimeWarning):
+    """Updates were skipped, or a validation metric was not finite, under ``nonfinite="skip"``."""
+
+
+class NoUpdateError(NnxError, RuntimeError):
+    """A run trained microbatches but committed no optimizer update: it does not end "completed"."""

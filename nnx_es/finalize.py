@@ -2,7 +2,10 @@
 
 Semantics (spec 000, "Lifecycle order" and failure semantics):
 
-* on failure, ``run_failed`` is recorded first;
+* on failure, ``run_failed`` is recorded first; a ``KeyboardInterrupt`` (Ctrl-C) ends the run
+  ``interrupted`` (resumable like any other), any other failure ``failed``;
+* a run that trained microbatches but committed no optimizer update fails
+  (:class:`~nnx_es.errors.NoUpdateError`): it never ends ``completed``;
 * ``on_train_end`` runs in reverse list order for every callback whose
   ``on_train_begin`` completed — on success and on failure; every cleanup hook
   is attempted and recorded (``callback_finalized``, with its error if any);
@@ -28,6 +31,7 @@ import structlog
 
 from events.schema import CallbackFinalized, RunFailed, RunFinalized
 from nnx_es.callbacks import Callback, CallbackList
+from nnx_es.errors import NoUpdateError
 from nnx_es.stages import StageDispatcher, TrainingStage
 
 if TYPE_CHECKING:
@@ -122,8 +126,15 @@ class Finalization:
 
         self.callbacks.train_end(self.ctx, finalized)
         cleanup_error = errors[0] if errors else None
+        counters = rec.counters
+        if failure is None and cleanup_error is None and counters.step == 0 and counters.batch > 0:
+            cleanup_error = NoUpdateError(
+                f"the run trained {counters.batch} microbatches in {counters.epoch} epochs but committed no optimizer "
+                "update: every window was skipped (non-finite losses or gradients, no row with a weight, or a "
+                "custom trainer_step_fn that never calls ctx.report_update); see the update_skipped events "
+                "(tools/inspect RUN --kind update_skipped)")
         if failure is not None:
-            status = "failed"
+            status = "interrupted" if isinstance(failure, KeyboardInterrupt) else "failed"
         elif cleanup_error is not None:
             _attempt(lambda: self._run_failed(cleanup_error, False))
             status = "failed"
@@ -133,7 +144,7 @@ class Finalization:
         # drops its own unwritten events only, never the record of the cleanups
         _attempt(rec.flush)
         closing_error: BaseException | None = None  # a failed final LAST, run_finalized or view write
-        if status != "failed" and not stopped_at_update:
+        if status not in ("failed", "interrupted") and not stopped_at_update:
             try:
                 committer.commit_now(epoch=rec.counters.epoch - 1, final=True,
                                      state_may_have_changed=finalization_may_change_state(self.callbacks, self.stages))

@@ -19,13 +19,14 @@ from events.schema import LoaderGeometry
 from nnx_es.errors import ResumeError
 from nnx_es.workers import worker_seeding_refusal
 
-__all__ = ["check_same_loaders", "geometry_mismatch", "loader_geometries", "loader_geometry"]
+__all__ = ["length_of", "check_same_loaders", "geometry_mismatch", "loader_geometries", "loader_geometry"]
 
 _FIELDS = ("batch_size", "batches_per_epoch", "drop_last", "dataset_length")
 _ROLES = {"train": "train loader", "val": "validation loader"}
 
 
-def _length(obj: Any) -> int | None:
+def length_of(obj: Any) -> int | None:
+    """``len(obj)``, or None when it has none (an IterableDataset's loader raises TypeError there)."""
     try:
         return len(obj)
     except (TypeError, NotImplementedError):  # no __len__, or an IterableDataset's loader without one
@@ -39,9 +40,9 @@ def loader_geometry(loader: Any) -> LoaderGeometry:
     dataset = getattr(loader, "dataset", None)
     return LoaderGeometry(
         batch_size=batch_size if isinstance(batch_size, int) and not isinstance(batch_size, bool) else None,
-        batches_per_epoch=_length(loader),
+        batches_per_epoch=length_of(loader),
         drop_last=drop_last if isinstance(drop_last, bool) else None,
-        dataset_length=_length(dataset) if dataset is not None else None,
+        dataset_length=length_of(dataset) if dataset is not None else None,
     )
 
 

@@ -8,7 +8,9 @@ committer, the stage hooks, the validation pass and finalization. Its order is t
 
 from __future__ import annotations
 
+import math
 import time
+import warnings
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -34,15 +36,19 @@ from nnx_es.commit import Committer
 from nnx_es.context import TrainContext
 from nnx_es.data import iterate_batches
 from nnx_es.engine import UpdateEngine
-from nnx_es.errors import ConfigError
+from nnx_es.errors import ConfigError, NonFiniteError, NonFiniteWarning
 from nnx_es.finalize import Finalization
+from nnx_es.loaders import length_of
 from nnx_es.monitor import Monitor
 from nnx_es.progress import Progress
 from nnx_es.run_state import RunState
 from nnx_es.schedulers import Scheduler, step_epoch_clock
 from nnx_es.stages import StageDispatcher, TrainingStage
 
-__all__ = ["Cadence", "TrainingLoop"]
+__all__ = ["NONFINITE", "Cadence", "TrainingLoop"]
+
+#: what a non-finite loss, gradient or validation metric does (``Trainer(nonfinite=...)``)
+NONFINITE = ("skip", "stop", "raise")
 
 log = structlog.get_logger("nnx_es")
 
@@ -73,19 +79,27 @@ class TrainingLoop:
         step_fn / custom_step: the ``trainer_step_fn`` and whether it is the user's.
         batch_gather: see :func:`nnx_es.data.iterate_batches`.
         progress: the progress display.
+        nonfinite: ``"skip"`` an update whose loss or gradient is not finite (warning each epoch
+            with the count), ``"stop"`` the run at the first one (the epoch ends there, is
+            committed, and the run stops with reason ``nonfinite``), or ``"raise"``
+            :class:`~nnx_es.errors.NonFiniteError` (the run fails; LAST stays at the last
+            committed epoch). A non-finite validation metric is warned about, stops or raises alike.
     """
 
     def __init__(self, *, state: RunState, ctx: TrainContext, net: nn.Module, optimizers: dict[str, Optimizer],
                  schedulers: Sequence[Scheduler], monitor: Monitor | None, engine: UpdateEngine,
                  callbacks: CallbackList, stages: StageDispatcher, committer: Committer, finalization: Finalization,
                  validate: Validate, cadence: Cadence, step_fn: Callable[[TrainContext, Any], Any], custom_step: bool,
-                 batch_gather: bool, progress: Progress) -> None:
+                 batch_gather: bool, progress: Progress, nonfinite: str = "skip") -> None:
         self.state, self.ctx, self.net, self.optimizers = state, ctx, net, optimizers
         self.schedulers, self.monitor, self.engine = schedulers, monitor, engine
         self.callbacks, self.stages, self.committer, self.finalization = callbacks, stages, committer, finalization
         self.validate, self.cadence = validate, cadence
         self.step_fn, self.custom_step, self.batch_gather = step_fn, custom_step, batch_gather
         self.progress = progress
+        self.nonfinite = nonfinite
+        self._nonfinite_skips = 0  # this epoch's
+        self._epochs = 0
 
     # --- the run ------------------------------------------------------------------------
 
@@ -106,8 +120,9 @@ class TrainingLoop:
             else:
                 rec.emit(opening)
             ctx.epoch = start_epoch
+            self._epochs = epochs
             self.callbacks.train_begin(ctx, lambda i, cb: rec.emit(CallbackBegan(name=cb.name, index=i)))
-            n_batches = len(train_loader) if hasattr(train_loader, "__len__") else None  # type: ignore[arg-type]
+            n_batches = length_of(train_loader)
             covers = rec.emit(TrainBegan(start_epoch=start_epoch, epochs=epochs, train_batches=n_batches))
             if isinstance(opening, RunStarted) and self.committer.lag > 0:
                 # a new run's opening checkpoint persists while its first epoch trains; its LAST,
@@ -153,7 +168,8 @@ class TrainingLoop:
         self.net.train()
         self.callbacks.epoch_begin(ctx)
         self.stages(TrainingStage.BEFORE_EPOCH, ctx)
-        self.progress.start_epoch(epoch, len(train_loader) if hasattr(train_loader, "__len__") else None)  # type: ignore[arg-type]
+        self.progress.start_epoch(epoch, length_of(train_loader), epochs=self._epochs)
+        self._nonfinite_skips = 0
         step_fn = self.step_fn
         # the per-batch loop: what is absent (stage hooks, batch callbacks, progress, step
         # validation) is decided once per epoch, not per batch
@@ -177,6 +193,8 @@ class TrainingLoop:
                 stages(TrainingStage.AFTER_BATCH, ctx)
             if progress:
                 progress.advance(ctx.loss, ctx.step_count, ctx.rows)
+            if outcome.skipped == "nonfinite" and self._nonfinite_update(epoch, i):
+                break
             if outcome.committed_update:
                 outcome.unreported = 0
                 if committer.pending is not None:
@@ -189,11 +207,14 @@ class TrainingLoop:
             rec.emit(UpdateSkipped(step=ctx.step_count, epoch=epoch, microbatches=outcome.unreported,
                                    reason="unreported", optimizer=",".join(self.optimizers)))
             outcome.unreported = 0
+        outcome.skipped = None
         if engine.finalize_step(ctx):
             committer.on_update()
             self._maybe_validate_on_step(val_loader)
             if self._stop_at_update(epoch):
                 return "update_boundary"
+        if outcome.skipped == "nonfinite":
+            self._nonfinite_update(epoch, ctx.batch_index)
         val: dict[str, float] = {}
         if val_loader is not None and ((epoch + 1) % self.cadence.every == 0 or last):
             val = self._validation_pass(val_loader)
@@ -203,21 +224,62 @@ class TrainingLoop:
                  improved=record.improved)
         return "stop" if state.stop_requested is not None else None
 
+    def _nonfinite_update(self, epoch: int, batch: int) -> bool:
+        """Apply the ``nonfinite`` policy to an update just skipped as non-finite; True: stop the epoch here.
+
+        Raises:
+            NonFiniteError: with ``nonfinite="raise"``.
+        """
+        self._nonfinite_skips += 1
+        where = f"epoch {epoch}, batch {batch}, after {self.ctx.step_count} committed updates"
+        if self.nonfinite == "raise":
+            raise NonFiniteError(f"a loss or gradient was not finite at {where}: the update was skipped and "
+                                 "nonfinite='raise' ends the run (LAST stays at the last committed epoch); check "
+                                 "the inputs and the learning rate, or pass nonfinite='skip' to go on")
+        if self.nonfinite == "stop":
+            self.state.request_stop("nonfinite", f"nonfinite at {where}")
+            return True
+        return False
+
+    def _nonfinite_metrics(self, epoch: int, val: dict[str, float]) -> None:
+        """Warn about, stop at or raise on the epoch's skipped updates and non-finite validation metrics."""
+        bad = sorted(k for k, v in val.items() if not math.isfinite(v))
+        if bad:
+            what = f"epoch {epoch}: validation metrics {bad} are not finite ({', '.join(f'{k}={val[k]}' for k in bad)})"
+            if self.nonfinite == "raise":
+                raise NonFiniteError(f"{what}; nonfinite='raise' ends the run: check the validation inputs "
+                                     "(NaN or inf features?) or pass nonfinite='skip'")
+            if self.nonfinite == "stop":
+                self.state.request_stop("nonfinite", what)
+            else:
+                warnings.warn(f"{what}; the monitor cannot improve on them (nonfinite='skip')", NonFiniteWarning,
+                              stacklevel=2)
+                log.warning("validation metrics not finite", run_id=self.state.run_id, epoch=epoch, metrics=bad)
+        if self._nonfinite_skips and self.nonfinite == "skip":
+            n, total = self._nonfinite_skips, self.engine.epoch.updates + self.engine.epoch.skipped
+            warnings.warn(f"epoch {epoch}: {n} of {total} updates were skipped because a loss or gradient was not "
+                          "finite (nonfinite='skip'; pass 'stop' or 'raise' to end the run instead)",
+                          NonFiniteWarning, stacklevel=2)
+            log.warning("updates skipped: not finite", run_id=self.state.run_id, epoch=epoch, skipped=n)
+
     def _close_epoch(self, epoch: int, val: dict[str, float], t_epoch: float) -> HistoryRecord:
         """Summary, the one monitor decision, epoch-clock schedulers, ``on_epoch_end``, history, commit."""
         state, ctx, rec = self.state, self.ctx, self.state.recorder
         totals = self.engine.epoch
         train = totals.sums.metrics()
         if totals.microbatches == 0:
-            log.warning("epoch had no microbatch: the train loader is empty or exhausted", run_id=state.run_id,
-                        epoch=epoch)
-        elif totals.updates == 0 and not self.custom_step:
+            raise ConfigError(f"the train loader yielded no batch in epoch {epoch}: it is empty or exhausted (an "
+                              "iterator is used up after one epoch: pass a DataLoader or another re-iterable)")
+        if totals.updates == 0 and not self.custom_step:
             log.warning("epoch committed no optimizer update: every window was skipped", run_id=state.run_id,
                         epoch=epoch, skipped=totals.skipped)
-        rec.emit(EpochSummarized(
+        summary = EpochSummarized(
             epoch=epoch, metrics=train, examples=totals.sums.den, microbatches=totals.microbatches,
             updates=totals.updates, skipped=totals.skipped, duration_s=time.time() - t_epoch,
-        ))
+        )
+        rec.emit(summary)
+        ctx.epoch_summary, ctx.train_metrics = summary, train
+        self._nonfinite_metrics(epoch, val)
         decision = None
         if self.monitor is not None:
             metrics = {**train, **val}

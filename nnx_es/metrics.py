@@ -71,10 +71,11 @@ def check_monitor(monitor: Monitor, objective: Objective, metrics: tuple[str, ..
 class MetricSums:
     """Running sums of one epoch's loss terms and accuracy."""
 
-    __slots__ = ("num", "den", "terms", "_correct", "scored", "rows", "with_accuracy", "_checked")
+    __slots__ = ("num", "den", "terms", "_correct", "scored", "rows", "with_accuracy", "_checked", "keep_nonfinite")
 
-    def __init__(self, metrics: tuple[str, ...] = ()) -> None:
+    def __init__(self, metrics: tuple[str, ...] = (), *, keep_nonfinite: bool = False) -> None:
         self.with_accuracy = "accuracy" in metrics
+        self.keep_nonfinite = keep_nonfinite
         self.num = 0.0
         self.den = 0.0
         self.terms: dict[str, float] = {}
@@ -114,9 +115,11 @@ class MetricSums:
 
     def add(self, parts: LossParts, num: float, outputs: Tensor, targets: Tensor, weights: Tensor | None,
             *, rows: int | None = None) -> None:
-        """Add one microbatch (``num``: its total numerator as a float; non-finite ones are left out;
-        ``rows``: its row count, when the caller has it)."""
-        if math.isfinite(num):
+        """Add one microbatch (``num``: its total numerator as a float; non-finite ones are left out --
+        training's skipped updates -- unless ``keep_nonfinite``, as validation keeps them so that a
+        non-finite batch makes ``val_loss`` non-finite rather than vanish; ``rows``: its row count,
+        when the caller has it)."""
+        if self.keep_nonfinite or math.isfinite(num):
             self.num += num
             self.den += parts.den
             if len(parts.terms) > 1:
@@ -166,7 +169,7 @@ def evaluate(
     """
     was_training = net.training
     net.eval()
-    sums = MetricSums(metrics)
+    sums = MetricSums(metrics, keep_nonfinite=True)
     try:
         for batch in iterate_batches(loader, gather=gather):
             outputs, targets, weights = step_fn(net, batch)

@@ -70,6 +70,7 @@ class NNModel:
         loss: Any = None,
         resume_from: str | Path | None = None,
         resume_mode: str = "stateful",
+        resume: str | None = None,
         **trainer_kwargs: Any,
     ) -> RunResult:
         """Train with a :class:`~nnx_es.trainer.Trainer` and return the run.
@@ -83,7 +84,7 @@ class NNModel:
         regression). ``sample_weights=True`` reads a third batch element as per-row loss
         weights (:mod:`nnx_es.batches`). ``resume_from`` (a run directory ``runs/<id>``) and
         ``resume_mode`` (``"stateful"``: continue that run exactly from its LAST;
-        ``"weights_only"``: a new run from its weights) go to
+        ``"weights_only"``: a new run from its weights) and ``resume="auto"`` go to
         :meth:`~nnx_es.trainer.Trainer.fit`, which documents them: a stateful resume
         needs the run's recipe again (loaders with the same generators, the same optimizer,
         hooks, monitor...), and ``epochs`` counts from the run's start. The other keyword
@@ -98,7 +99,7 @@ class NNModel:
         if unknown:
             raise ConfigError(
                 f"NNModel.train got unknown keyword argument(s) {', '.join(map(repr, unknown))}; it takes "
-                "epochs, optimizer, loss, resume_from, resume_mode and the Trainer's "
+                "epochs, optimizer, loss, resume_from, resume_mode, resume and the Trainer's "
                 f"{', '.join(sorted(_TRAINER_KEYWORDS))}"
             )
         if val_loader is not None:
@@ -110,7 +111,7 @@ class NNModel:
             optimizer = optimizer(self.net.parameters())
         trainer = Trainer(self.net, optimizer, loss if loss is not None else nn.CrossEntropyLoss(), **trainer_kwargs)
         self.run = trainer.fit(train_loader, val_loader, epochs=epochs, resume_from=resume_from,
-                               resume_mode=resume_mode)
+                               resume_mode=resume_mode, resume=resume)
         return self.run
 
     def load(self, run_dir: str | Path, which: str = "best", *, weights: str = "evaluated") -> int:

@@ -32,7 +32,8 @@ class Progress:
         self._rows = 0
         self._t0 = 0.0
 
-    def start_epoch(self, epoch: int, total: int | None) -> None:
+    def start_epoch(self, epoch: int, total: int | None, epochs: int | None = None) -> None:
+        """Epoch ``epoch`` (0-based) of ``epochs`` begins, with ``total`` batches (None: unknown)."""
         if not self.enabled:
             return
         if self._bar is None:
@@ -42,7 +43,7 @@ class Progress:
             # on stderr, where the decision to show it was made (stdout stays the program's own)
             console = Console(stderr=True, force_terminal=True if self._forced else None)
             self._bar = RichProgress(
-                TextColumn("epoch {task.fields[epoch]}"), BarColumn(), MofNCompleteColumn(),
+                TextColumn("epoch {task.fields[epoch]}{task.fields[of]}"), BarColumn(), MofNCompleteColumn(),
                 TextColumn("step {task.fields[step]}  loss {task.fields[loss]}  {task.fields[rate]} rows/s"),
                 TimeElapsedColumn(), transient=True, console=console,
                 # prints go where they would: kept above the display on a terminal, into a redirected stdout as they are
@@ -51,7 +52,8 @@ class Progress:
             self._bar.start()
         if self._task is not None:
             self._bar.remove_task(self._task)
-        self._task = self._bar.add_task("train", total=total, epoch=epoch, step=0, loss="-", rate="-")
+        of = f" (of 0-{epochs - 1})" if epochs else ""  # epochs are 0-based, as in the log
+        self._task = self._bar.add_task("train", total=total, epoch=epoch, of=of, step=0, loss="-", rate="-")
         self._rows = 0
         self._t0 = time.perf_counter()
 
@@ -65,7 +67,13 @@ class Progress:
         self._bar.update(self._task, advance=1, step=step, loss=shown, rate=f"{self._rows / dt:.0f}" if dt > 0 else "-")
 
     def end_epoch(self, epoch: int, record: Any) -> None:
-        return None
+        """The epoch's committed history ``record``: one line with its training and validation metrics."""
+        if not self.enabled or self._bar is None:
+            return
+        metrics = {**record.train, **record.val}
+        shown = "  ".join(f"{k} {v:.4g}" for k, v in metrics.items())
+        mark = "  *" if record.improved else ""
+        self._bar.console.print(f"epoch {epoch}: {shown}{mark}", highlight=False)
 
     def close(self) -> None:
         if self._bar is not None:

@@ -49,19 +49,22 @@ class StepOutcome:
 
     ``microbatch_recorded``: a ``microbatch_done`` was emitted for the current batch;
     ``committed_update``: the current batch closed a window with a committed update;
-    ``unreported``: microbatches a custom step recorded since its last reported update.
+    ``unreported``: microbatches a custom step recorded since its last reported update;
+    ``skipped``: the reason of an update the current batch skipped (``"nonfinite"``, ...), or None.
     """
 
-    __slots__ = ("microbatch_recorded", "committed_update", "unreported")
+    __slots__ = ("microbatch_recorded", "committed_update", "unreported", "skipped")
 
     def __init__(self) -> None:
         self.microbatch_recorded = False
         self.committed_update = False
         self.unreported = 0
+        self.skipped: str | None = None
 
     def new_batch(self) -> None:
         self.microbatch_recorded = False
         self.committed_update = False
+        self.skipped = None
 
 
 class RunState:

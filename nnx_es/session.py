@@ -92,6 +92,7 @@ def open_session(
     resume_mode: str,
     epochs: int,
     components: RunComponents,
+    auto: bool = False,
     declare: Declare,
     world: World | None = None,
 ) -> Iterator[Session]:
@@ -103,7 +104,9 @@ def open_session(
     (a stateful resume compares the run's with it).
 
     A stateful resume continues ``resume_from`` (its runs root and id); otherwise the run is
-    ``runs_root / run_id`` (a timestamped id when ``None``). After the session the state's
+    ``runs_root / run_id`` (a timestamped id when ``None``). ``auto`` (``fit(resume="auto")``):
+    ``runs_root / run_id`` is resumed statefully when its log holds a committed LAST; otherwise
+    what is there (a log without a LAST, blobs, views) is removed and the run starts afresh. After the session the state's
     store reads through its own log handles (the session's log is closed).
 
     Raises:
@@ -133,14 +136,24 @@ def open_session(
         lease.acquire()
         created = not run_dir.exists()  # under the lease: what appears in it now is this call's
         has_log = (run_dir / "events.lmdb" / "data.mdb").exists()
+        if auto and has_log:
+            if _has_last(run_dir):
+                stateful = True
+            else:
+                for part in ("events.lmdb", "blobs", "views"):
+                    shutil.rmtree(run_dir / part, ignore_errors=True)
+                log.warning("resume='auto': the run had no committed LAST; cleared it to start afresh",
+                            run_id=run_id, run_dir=str(run_dir))
+                has_log = False
         if stateful and not has_log:
             raise ResumeError(f"cannot resume {run_dir}: it has no event log")
         if not stateful and has_log:
             raise ConfigError(
                 f"run {run_id!r} already has an event log at {run_dir}; a new run or a weights_only "
                 f"continuation writes its own run: continue this one with fit(..., resume_from="
-                f"{str(run_dir)!r}), choose another run_id, or delete {str(run_dir)!r} to start it over "
-                "(a run has nothing to resume until its first LAST commit)"
+                f"{str(run_dir)!r}) or fit(..., resume='auto'), choose another run_id, or delete "
+                f"{str(run_dir)!r} to start it over (a run has nothing to resume until its first LAST commit; "
+                "resume='auto' clears such a run and starts it afresh)"
             )
         removed = clean_stale_temporaries(run_dir)
         if removed:
@@ -187,6 +200,16 @@ def open_session(
         if state is not None:
             state.store = BlobStore(run_dir / "blobs")  # the session's log is closed: later reads open their own
         lease.release()
+
+
+def _has_last(run_dir: Path) -> bool:
+    """Whether the log of ``run_dir`` holds a ``last_committed`` (a log that cannot be read counts as
+    holding one: the stateful resume then names what is wrong, and nothing is cleared)."""
+    try:
+        with LmdbLog(run_dir / "events.lmdb", readonly=True) as event_log:
+            return any(True for _ in event_log.read(kinds=("last_committed",)))
+    except Exception:  # noqa: BLE001 - never clear what cannot be read
+        return True
 
 
 def _require_run_dir(source: Path) -> None:

@@ -120,8 +120,32 @@ def capture(run: RunComponents, epoch: int, world_size: int = 1) -> dict[str, tu
     for cb in run.callbacks:
         cb_state = cb.state_dict()
         if cb_state is not None:
-            parts[f"callback/{cb.name}"] = ("msgpack", _msgpack.encode(cb_state))
+            parts[f"callback/{cb.name}"] = ("msgpack", _callback_state(cb.name, cb_state))
     return parts
+
+
+def _callback_state(name: str, state: Any) -> bytes:
+    """A callback's ``state_dict()`` as msgpack.
+
+    Raises:
+        ConfigError: naming the callback and the first key whose value msgpack cannot hold.
+    """
+    try:
+        return _msgpack.encode(state)
+    except (TypeError, OverflowError, msgspec.EncodeError) as exc:
+        where = "its value"
+        if isinstance(state, dict):
+            for key, value in state.items():
+                try:
+                    _msgpack.encode({key: value})
+                except (TypeError, OverflowError, msgspec.EncodeError):
+                    where = f"state_dict()[{key!r}] ({type(value).__name__})"
+                    break
+        raise ConfigError(
+            f"callback {name!r}: {where} cannot be checkpointed ({exc}); a callback's state_dict() holds "
+            "msgpack-able builtins (str keys; str, numbers, bools, None, lists, dicts): convert tensors with "
+            ".tolist() and objects to their fields"
+        ) from None
 
 
 def _safe_torch_bytes(name: str, value: Any) -> bytes:

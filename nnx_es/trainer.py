@@ -49,9 +49,9 @@ from nnx_es.context import TrainContext
 from nnx_es.engine import UpdateEngine, default_forward, default_train_step
 from nnx_es.errors import ConfigError
 from nnx_es.finalize import Finalization
-from nnx_es.loaders import loader_geometries
+from nnx_es.loaders import length_of, loader_geometries
 from nnx_es.logs import ensure_logging
-from nnx_es.loop import Cadence, TrainingLoop
+from nnx_es.loop import NONFINITE, Cadence, TrainingLoop
 from nnx_es.metrics import check_monitor, evaluate, validate_metrics
 from nnx_es.monitor import Monitor
 from nnx_es.objective import Objective
@@ -123,6 +123,14 @@ class Trainer:
         recipe: your run's configuration as JSON-like builtins (data set, hyperparameters, code
             version); stored verbatim in ``run_started`` so ``tools/inspect`` shows what was run.
 
+        nonfinite: what a non-finite loss, gradient or validation metric does: ``"skip"`` the
+            update (the default; a :class:`~nnx_es.errors.NonFiniteWarning` each epoch names how
+            many were skipped), ``"stop"`` the run at the first one (the epoch ends there and is
+            committed; status ``stopped``, reason ``nonfinite``) or ``"raise"``
+            :class:`~nnx_es.errors.NonFiniteError` (status ``failed``; LAST stays at the last
+            committed epoch). A run that trains microbatches but commits no update never ends
+            ``completed`` (:class:`~nnx_es.errors.NoUpdateError`).
+
     Raises:
         ConfigError: a bad argument (named with the value received).
     """
@@ -157,6 +165,7 @@ class Trainer:
         progress: bool | None = None,
         batch_gather: bool = True,
         recipe: Mapping[str, Any] | None = None,
+        nonfinite: str = "skip",
     ) -> None:
         if not isinstance(net, nn.Module):
             raise ConfigError(f"net must be a torch.nn.Module, got {type(net).__name__}")
@@ -188,6 +197,9 @@ class Trainer:
         self.progress_enabled = progress
         self.batch_gather = batch_gather
         self.recipe = dict(recipe or {})
+        if nonfinite not in NONFINITE:
+            raise ConfigError(f"nonfinite must be one of {NONFINITE}, got {nonfinite!r}")
+        self.nonfinite = nonfinite
         self.metrics = validate_metrics(metrics)
         if self.monitor is not None:
             check_monitor(self.monitor, self.objective, self.metrics)
@@ -262,6 +274,7 @@ class Trainer:
         epochs: int,
         resume_from: str | Path | None = None,
         resume_mode: str = "stateful",
+        resume: str | None = None,
     ) -> RunResult:
         """Train until epoch ``epochs - 1`` (0-based) and return the run.
 
@@ -279,8 +292,15 @@ class Trainer:
                 from the weights alone and records its source (run id, LAST seq,
                 manifest hash). Semantics: spec 004 "Restart semantics".
 
+            resume: ``"auto"``, the one switch a restart script needs: resume this trainer's
+                ``run_id`` statefully when it has a committed LAST, otherwise start it afresh,
+                clearing what a run without any committed LAST left (a run that failed before
+                training, or was killed before its first LAST). A LAST that does not verify is
+                refused, never cleared. Needs ``run_id``; excludes ``resume_from``.
+
         Raises:
-            ConfigError: bad ``epochs``/``resume_mode``, or a run directory in the way.
+            ConfigError: bad ``epochs``/``resume_mode``/``resume``, an empty train or validation
+                loader, or a run directory in the way.
             ResumeError: the resume point is missing or does not verify, the recipe
                 differs from the run's, or a loader has or lacks a generator of its own
                 the run's had (the reason is named; nothing is restored or erased).
@@ -293,13 +313,22 @@ class Trainer:
             raise ConfigError(f"monitor {self.monitor.name!r} needs a validation loader: fit(train, val, ...)")
         if resume_mode not in ("stateful", "weights_only"):
             raise ConfigError(f"resume_mode must be 'stateful' or 'weights_only', got {resume_mode!r}")
+        if resume not in (None, "auto"):
+            raise ConfigError(f"resume must be None or 'auto', got {resume!r}")
+        if resume == "auto" and (self.run_id is None or resume_from is not None):
+            raise ConfigError("resume='auto' continues this trainer's own run: give Trainer(run_id=...) and no "
+                              f"resume_from (got run_id={self.run_id!r}, resume_from={resume_from!r})")
+        for role, loader in (("train_loader", train_loader), ("val_loader", val_loader)):
+            if loader is not None and length_of(loader) == 0:
+                raise ConfigError(f"{role} has no batch (len 0): an empty data set, or drop_last=True with fewer "
+                                  "rows than batch_size; nothing was trained or written")
         ensure_logging()
         self.components.generators = {"train": LoaderGenerators.of(train_loader),
                                       "val": LoaderGenerators.of(val_loader)}
         self.components.loaders = {"train": train_loader, "val": val_loader}  # their geometry goes in run_started
         callbacks = CallbackList(self.callbacks)
         with open_session(runs_root=self.runs_root, run_id=self.run_id, seed=self.seed, resume_from=resume_from,
-                          resume_mode=resume_mode, epochs=epochs, components=self.components,
+                          resume_mode=resume_mode, auto=resume == "auto", epochs=epochs, components=self.components,
                           declare=self._declare) as session:
             state = self.state = self.ctx.state = session.state
             self.run_id, self.runs_root, self.run_dir = state.run_id, state.runs_root, state.run_dir
@@ -312,7 +341,7 @@ class Trainer:
                 monitor=self.monitor, engine=self.engine, callbacks=callbacks, stages=self.stages,
                 committer=committer, finalization=finalization, validate=self.validate, cadence=self.cadence,
                 step_fn=self.trainer_step_fn, custom_step=self.custom_step, batch_gather=self.batch_gather,
-                progress=Progress(self.progress_enabled),
+                progress=Progress(self.progress_enabled), nonfinite=self.nonfinite,
             )
             loop.run(train_loader, val_loader, epochs, session.opening, session.start_epoch)
         if finalization.projection is not None:  # the log as finalization projected it for the views

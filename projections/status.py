@@ -1,4 +1,4 @@
-"""Status projection: running / completed / stopped / failed, with the error."""
+"""Status projection: running / completed / stopped / failed / interrupted (Ctrl-C), with the error."""
 
 from __future__ import annotations
 

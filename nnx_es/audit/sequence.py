@@ -37,7 +37,7 @@ from nnx_es.lifecycle import INITIAL, STATES, TRANSITIONS, compiled_table
 
 __all__ = ["CommitOrderCheck", "FinalizationCheck", "LifecycleCheck"]
 
-_STATUSES = ("completed", "stopped", "failed")
+_STATUSES = ("completed", "stopped", "failed", "interrupted")
 
 
 class LifecycleCheck:
@@ -342,10 +342,10 @@ class FinalizationCheck:
                 )
         if status not in _STATUSES:
             self.sink.add(seq, 8, "run_finalized has an unknown status", expected=" | ".join(_STATUSES), found=status)
-        elif (status == "failed") != self.failed:
+        elif (status in ("failed", "interrupted")) != self.failed:
             self.sink.add(
                 seq, 8, f"run_finalized status {status!r} disagrees with the session's run_failed",
-                expected="failed" if self.failed else "completed | stopped", found=status,
+                expected="failed | interrupted" if self.failed else "completed | stopped", found=status,
             )
         elif status == "stopped" and self.stop is None:
             self.sink.add(seq, 8, "run_finalized status 'stopped' without a stop_requested",

@@ -225,7 +225,7 @@ def test_keyboard_interrupt_in_epoch_end_is_finalized_recorded_and_re_raised(tmp
         fit(make_trainer(runs, RUN_ID, cbs))
     assert seen[-2:] == ["b.end", "a.end"]
     p = project(read_events(runs / RUN_ID))
-    assert p.status.status == "failed" and p.status.error_type == "KeyboardInterrupt"
+    assert p.status.status == "interrupted" and p.status.error_type == "KeyboardInterrupt"  # resumable
     assert p.history.records == () and p.checkpoints.last.epoch == -1
     _audit_ok(runs / RUN_ID)
 

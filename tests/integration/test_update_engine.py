@@ -18,6 +18,7 @@ from torch import nn
 
 import nnx_es.recorder
 from nnx_es import Callback, Objective, Scheduler, Trainer, load_result
+from nnx_es.errors import NoUpdateError
 from nnx_es.lifecycle import IllegalTransitionError
 from trainkit import batches, kinds, loaders, of_kind, params_of, small_net
 
@@ -345,7 +346,12 @@ def _custom_run(tmp_path: Path, run_id: str, report: bool):
     trainer = _trainer(tmp_path, net, opt=opt, run_id=run_id, trainer_step_fn=step,
                        schedulers=[Scheduler(sched, clock="optimizer_update", name="decay")])
     train, val = loaders(batch_size=16, n_train=48, shuffle=False)
-    run = trainer.fit(train, val, epochs=2)
+    if report:
+        run = trainer.fit(train, val, epochs=2)
+    else:  # a run that commits no update never ends "completed"
+        with pytest.raises(NoUpdateError, match="report_update"):
+            trainer.fit(train, val, epochs=2)
+        run = load_result(trainer.run_dir)
     return run, sched, reports
 
 
@@ -365,7 +371,7 @@ def test_a_custom_step_that_reports_steps_the_update_clock_once_per_report(tmp_p
 
 def test_a_custom_step_that_never_reports_never_steps_the_update_clock(tmp_path):
     run, sched, reports = _custom_run(tmp_path, "silent", report=False)
-    assert run.status == "completed"
+    assert run.status == "failed" and "committed no optimizer update" in run.error
     assert of_kind(run.run_dir, "update_committed") == []
     assert of_kind(run.run_dir, "scheduler_stepped") == [] and sched.last_epoch == 0
     assert len(of_kind(run.run_dir, "microbatch_done")) == 6 and len(run.history) == 2
