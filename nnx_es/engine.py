@@ -166,12 +166,14 @@ class UpdateEngine:
         self.epoch = EpochTotals()
         self.state: RunState = None  # type: ignore[assignment]  # bound by begin_run
         self.callbacks = CallbackList([])
+        self._on_update = False
         self._reset_window()
 
     def begin_run(self, state: RunState, callbacks: CallbackList) -> None:
         """Bind the run this engine records into (once per ``fit``)."""
         self.state = state
         self.callbacks = callbacks
+        self._on_update = callbacks.has("on_optimizer_update")
 
     def set_precision(self, precision: str, *, init_scale: float = 2.0**16) -> None:
         """``"fp32"``, ``"bf16"`` (autocast) or ``"fp16"`` (autocast + GradScaler).
@@ -467,7 +469,7 @@ class UpdateEngine:
         for r in receipts:
             rec.emit(r)
         self.epoch.updates += 1
-        if self.callbacks.has("on_optimizer_update"):
+        if self._on_update:
             for r in receipts:
                 self.callbacks.optimizer_update(ctx, r)
         if self.update_clock:

@@ -179,7 +179,8 @@ class TrainingLoop:
         validate_on_step = val_loader is not None and self.cadence.every_steps is not None
         for i, batch in enumerate(iterate_batches(train_loader, gather=self.batch_gather)):
             ctx.batch_index, ctx.batch = i, batch
-            outcome.new_batch()
+            outcome.microbatch_recorded = outcome.committed_update = False  # outcome.new_batch(), inlined
+            outcome.skipped = None
             if stages:
                 stages(TrainingStage.BEFORE_BATCH, ctx)
             out = step_fn(ctx, batch)
@@ -200,7 +201,7 @@ class TrainingLoop:
                 if committer.pending is not None:
                     committer.on_update()
                 rec.maybe_flush()
-                if self._stop_at_update(epoch):
+                if state.stop_at_update_requested and self._stop_at_update(epoch):
                     return "update_boundary"
         if self.custom_step and rec.lifecycle.base_state == "in_window":
             # the custom step recorded microbatches but reported no update for them: say so
