@@ -398,6 +398,17 @@ class LmdbLog(LogBase):
             value = txn.get(bytes(key), db=self._blobs)
         return None if value is None else bytes(value)
 
+    def delete_blobs(self, keys: list[bytes]) -> None:
+        """Delete stored blobs (retention; unsynced: a crash may leave them, which is harmless, since
+        a durable ``checkpoint_pruned`` already says they are gone on purpose). Missing keys are ignored."""
+        if self._closed:
+            raise LogClosedError("delete_blobs on a closed event log")
+        if not keys or self._blobs is None:
+            return
+        with self._env.begin(write=True, db=self._blobs) as txn:
+            for key in keys:
+                txn.delete(bytes(key))
+
     def put_blob_raw(self, key: bytes, value: bytes | None) -> None:
         """Overwrite, add or (``None``) delete a stored blob (tests use it to forge damaged ones)."""
         with self._env.begin(write=True, db=self._blobs) as txn:

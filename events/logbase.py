@@ -45,6 +45,8 @@ class EventLog(Protocol):
 
     def get_blob(self, key: bytes) -> bytes | None: ...
 
+    def delete_blobs(self, keys: list[bytes]) -> None: ...
+
     def read_raw(self, start: int = 0, stop: int | None = None) -> Iterator[tuple[int, bytes]]: ...
 
     def read_chunks(self, start: int = 0, stop: int | None = None) -> Iterator[RawChunk]: ...
@@ -188,6 +190,13 @@ class MemoryLog(LogBase):
         if self._closed:
             raise LogClosedError("read on a closed event log")
         return self._blobs.get(bytes(key))
+
+    def delete_blobs(self, keys: list[bytes]) -> None:
+        """Delete stored blobs (missing keys are ignored)."""
+        if self._closed:
+            raise LogClosedError("delete_blobs on a closed event log")
+        for key in keys:
+            self._blobs.pop(bytes(key), None)
 
     def verify_sums(self, stop: int | None = None) -> Iterator[SumProblem]:
         """Nothing: a memory log keeps no checksums (nothing on a disk can rot under it)."""

@@ -25,6 +25,7 @@ __all__ = [
     "CallbackBegan",
     "CallbackCheckpointed",
     "CallbackFinalized",
+    "CheckpointPruned",
     "CheckpointStored",
     "Counters",
     "EpochBegan",
@@ -441,6 +442,23 @@ class CallbackCheckpointed(Event, frozen=True, kw_only=True, tag="callback_check
     name: str
     epoch: int
     blob: str
+
+
+class CheckpointPruned(Event, frozen=True, kw_only=True, tag="checkpoint_pruned"):
+    """Retention deleted a checkpoint no kept pointer names, in the commit group of the LAST that
+    superseded it (the deletion follows that group's synced write, so a crash leaves the bytes,
+    never a LAST without them).
+
+    manifest: its SHA-256 (hex); epoch: its 0-based epoch; reason: the rule that let it go
+    (e.g. ``"keep_last=1"``); blobs: the blob SHA-256s deleted with it (the manifest and the
+    component files no kept checkpoint shares).
+    """
+
+    KIND: ClassVar[str] = "checkpoint_pruned"
+    manifest: str
+    epoch: int
+    reason: str
+    blobs: list[str] = []
 
 
 # --- ending ----------------------------------------------------------------------------

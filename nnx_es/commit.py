@@ -31,18 +31,23 @@ from __future__ import annotations
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
+import structlog
+
 from events.schema import (
     BestCommitted,
     CallbackCheckpointed,
+    CheckpointPruned,
     CheckpointStored,
     Counters,
     LastCommitted,
     MonitorDecided,
     PhaseCommitted,
 )
-from nnx_es.checkpoint import INLINE_MAX, Manifest, encode_checkpoint
-from nnx_es.errors import ConfigError
+from nnx_es.checkpoint import INLINE_MAX, Manifest, encode_checkpoint, read_manifest
+from nnx_es.errors import ConfigError, CorruptCheckpointError
+from nnx_es.retention import prunable
 from nnx_es.snapshot import RunComponents, capture, encode_parts
+from projections.checkpoints import CheckpointsState, fold_checkpoints
 
 if TYPE_CHECKING:
     from nnx_es.callbacks import CallbackList
@@ -50,6 +55,8 @@ if TYPE_CHECKING:
     from nnx_es.run_state import RunState
 
 __all__ = ["Committer", "checkpoint_lag"]
+
+log = structlog.get_logger("nnx_es")
 
 
 def checkpoint_lag(lag: int | str) -> int:
@@ -92,12 +99,17 @@ class Committer:
         lag: committed updates of the next epoch after which LAST is appended
             (0: at the epoch's own end; :func:`checkpoint_lag` reads ``"epoch"``).
         phase_every / keep_phases: a phase checkpoint every N epochs; keep the newest K.
-        phases: the phase checkpoints the run already holds (a resume's).
+        keep_last / keep_best: checkpoint retention (:mod:`nnx_es.retention`): each commit prunes,
+            in its group, the checkpoints no kept pointer needs; their bytes are deleted after the
+            group's synced write.
+        pointers: the run's checkpoints projection so far (a resume's; empty for a new run), folded
+            on with every commit event this committer writes.
     """
 
     def __init__(self, state: RunState, components: RunComponents, callbacks: CallbackList, ctx: TrainContext, *,
                  lag: int = 0, phase_every: int | None = None, keep_phases: int | None = None,
-                 phases: list[str] | None = None) -> None:
+                 keep_last: int | None = 1, keep_best: bool = True,
+                 pointers: CheckpointsState | None = None) -> None:
         self.state = state
         self.components = components
         self.callbacks = callbacks
@@ -109,7 +121,10 @@ class Committer:
         #: (manifest hash, counters) of the last completed commit
         self.last_done: tuple[str, Counters] | None = None
         self._executor: ThreadPoolExecutor | None = None
-        self.phases: list[str] = list(phases or [])
+        self.keep_last, self.keep_best = keep_last, keep_best
+        self.pointers = pointers or CheckpointsState()
+        self.phases: list[str] = list(self.pointers.phases)
+        self._blobs_of: dict[str, set[str]] = {}  # manifest -> the blobs of its components stored apart
 
     def submit(self, *, epoch: int, covers: int = -1, decision: MonitorDecided | None = None,
                final: bool = False, group: bool = True, opening: bool = False) -> None:
@@ -179,29 +194,68 @@ class Committer:
         store.stage(data)  # written in the synced transaction below, with LAST
         callback_blobs = [(name, blob if state is None else store.stage(state)) for name, blob, state in states]
         rec = self.state.recorder
+        self._blobs_of[digest] = {c.blob for c in manifest.components.values() if c.data is None}
         rec.emit(CheckpointStored(
             manifest=digest, epoch=p.epoch, step=p.counters.step,
             components={k: c.blob for k, c in manifest.components.items()},
             bytes=sum(c.bytes for c in manifest.components.values()),
         ))
-        rec.emit(LastCommitted(manifest=digest, epoch=p.epoch, step=p.counters.step, counters=p.counters,
-                               final=p.final, covers=p.covers))
+        self._emit(LastCommitted(manifest=digest, epoch=p.epoch, step=p.counters.step, counters=p.counters,
+                                 final=p.final, covers=p.covers))
+        doomed: list[str] = []
         try:
             d = p.decision
             if d is not None and d.improved:
-                rec.emit(BestCommitted(manifest=digest, epoch=p.epoch, monitor=d.monitor, value=d.value))
+                self._emit(BestCommitted(manifest=digest, epoch=p.epoch, monitor=d.monitor, value=d.value))
             if p.phase is not None:
                 self.phases.append(p.phase)
                 keep = self.keep_phases
                 removed = self.phases[:-keep] if keep is not None and len(self.phases) > keep else []
                 self.phases = self.phases[len(removed):]
-                rec.emit(PhaseCommitted(name=p.phase, manifest=digest, epoch=p.epoch, removed=removed))
+                self._emit(PhaseCommitted(name=p.phase, manifest=digest, epoch=p.epoch, removed=removed))
             for name, blob in callback_blobs:
                 rec.emit(CallbackCheckpointed(name=name, epoch=p.epoch, blob=blob))
+            doomed = self._prune()
         finally:
             rec.sync()  # LAST and its group: one synced write
         self.last_done = (digest, p.counters)
+        if doomed:  # only once the prunes are durable: a crash before leaves the bytes, never a pointer without them
+            try:
+                self.state.store.delete(doomed)
+            except OSError as exc:
+                log.warning("pruned checkpoint blobs could not be deleted (they stay, marked pruned)",
+                            run_id=self.state.run_id, error=str(exc))
         return digest
+
+    def _emit(self, event: LastCommitted | BestCommitted | PhaseCommitted | CheckpointPruned) -> None:
+        self.state.recorder.emit(event)
+        self.pointers = fold_checkpoints(self.pointers, event)
+
+    def _components(self, manifest: str) -> set[str]:
+        """The blobs a stored checkpoint keeps apart from its manifest (an unreadable one: none)."""
+        if manifest not in self._blobs_of:
+            try:
+                m = read_manifest(self.state.store, manifest)
+                self._blobs_of[manifest] = {c.blob for c in m.components.values() if c.data is None}
+            except CorruptCheckpointError:
+                self._blobs_of[manifest] = set()
+        return self._blobs_of[manifest]
+
+    def _prune(self) -> list[str]:
+        """Emit ``checkpoint_pruned`` for every checkpoint retention lets go; return the blobs to delete
+        (each pruned manifest and the component blobs no kept checkpoint shares)."""
+        doomed: list[str] = []
+        plan = prunable(self.pointers, keep_last=self.keep_last, keep_best=self.keep_best)
+        if not plan:
+            return doomed
+        pruned = {m for m, _, _ in plan}
+        shared = set().union(*(self._components(m) for m in self.pointers.stored if m not in pruned))
+        for manifest, epoch, reason in plan:
+            blobs = [manifest, *sorted(self._components(manifest) - shared)]
+            self._emit(CheckpointPruned(manifest=manifest, epoch=epoch, reason=reason, blobs=blobs))
+            self._blobs_of.pop(manifest, None)
+            doomed += blobs
+        return doomed
 
     def commit_now(self, *, epoch: int, final: bool = False, state_may_have_changed: bool = True) -> None:
         """Commit LAST synchronously: the initial checkpoint and the refresh after finalization.
@@ -229,7 +283,7 @@ class Committer:
         if self.pending is not None or self.last_done is None or self.last_done[1] != rec.counters:
             return False
         digest, counters = self.last_done
-        rec.emit(LastCommitted(manifest=digest, epoch=epoch, step=counters.step, counters=counters, final=True))
+        self._emit(LastCommitted(manifest=digest, epoch=epoch, step=counters.step, counters=counters, final=True))
         rec.sync()
         return True
 

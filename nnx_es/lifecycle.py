@@ -18,8 +18,8 @@ agree on every (state, kind) pair. Order of one run (spec 000 "Lifecycle order")
           ( microbatch_done+  (update_committed+ scheduler_stepped* | update_skipped) )*
           validation_done?  epoch_summarized  monitor_decided?  scheduler_stepped*
           stop_requested?  history_appended  checkpoint_stored?  last_committed
-          best_committed?  phase_committed?  (checkpoint_stored? callback_checkpointed)* )*
-      callback_finalized* (reverse order)  checkpoint_stored?  last_committed(final)  run_finalized
+          best_committed?  phase_committed?  (checkpoint_stored? callback_checkpointed)*  checkpoint_pruned* )*
+      callback_finalized* (reverse order)  checkpoint_stored?  last_committed(final)  checkpoint_pruned*  run_finalized
     failure anywhere:  run_failed  callback_finalized*  run_finalized
     stop at an update boundary:  ... update_committed  stop_requested  callback_finalized*  run_finalized
     resume:  run_resumed  callback_began*  train_began  ...
@@ -102,6 +102,7 @@ _BASE: tuple[dict[str, Any], ...] = (
     _t("best_committed", "committed", "committed"),
     _t("phase_committed", "committed", "committed"),
     _t("callback_checkpointed", "committed", "committed"),
+    _t("checkpoint_pruned", ["committed", "closed"], "="),  # retention, in a LAST's group (the final one too)
     _t("stop_requested", ["updated", "validated"], "stopping"),
     _t("callback_finalized", ["committed", "stopping", "finalizing"], "finalizing"),
     _t("last_committed", ["committed", "finalizing"], "closed"),

@@ -145,6 +145,10 @@ class NNModel:
         pointer = result.best if which == "best" else result.last
         if pointer is None:
             raise ResumeError(f"run {result.run_id!r} has no committed {which.upper()} checkpoint")
+        if pointer.manifest in result.pruned:
+            raise ResumeError(f"the {which.upper()} checkpoint of run {result.run_id!r} (epoch {pointer.epoch}) was "
+                              f"pruned by checkpoint retention ({result.pruned[pointer.manifest]}): train with "
+                              "keep_best=True (the default) to keep BEST's, or keep_last=None to keep every one")
         store = BlobStore(Path(run_dir) / "blobs")  # reads manifests from the run's log, opened read-only
         manifest = verify_checkpoint(store, pointer.manifest)
         state = _averaged_state(store, manifest) if weights != "raw" else None

@@ -17,7 +17,7 @@ __all__ = ["RunResult", "load_result", "open_projections", "result_of"]
 class RunResult(msgspec.Struct, frozen=True, kw_only=True):
     """A run, rebuilt from its event log's committed view.
 
-    status: ``completed`` | ``stopped`` | ``failed`` | ``running``.
+    status: ``completed`` | ``stopped`` | ``failed`` | ``interrupted`` | ``running``.
     history: one record per committed epoch. best / last: checkpoint pointers.
     events: number of events in the log (uncommitted tail included).
     """
@@ -31,6 +31,8 @@ class RunResult(msgspec.Struct, frozen=True, kw_only=True):
     counters: Counters
     events: int
     error: str | None = None
+    #: manifest -> why retention pruned it (its bytes are gone on purpose)
+    pruned: dict[str, str] = {}
 
     @property
     def best_epoch(self) -> int | None:
@@ -66,4 +68,5 @@ def result_of(p: Projections, run_dir: str | Path, n: int) -> RunResult:
         counters=p.counters,
         events=n,
         error=p.status.error,
+        pruned=dict(p.checkpoints.pruned),
     )

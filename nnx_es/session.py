@@ -34,6 +34,7 @@ from nnx_es.rng import seed_everything
 from nnx_es.run_state import RunState, World
 from nnx_es.snapshot import RunComponents, apply_state, load_state
 from nnx_es.storage import BlobStore, Lease, clean_stale_temporaries, validate_run_id
+from projections.checkpoints import CheckpointsState
 
 __all__ = ["Session", "check_epochs", "library_versions", "open_session"]
 
@@ -44,12 +45,12 @@ Declare = Callable[[str, "SourceRef | None"], RunStarted]
 @dataclass
 class Session:
     """An open run: its state, the event that opens this session, the first epoch to train,
-    and the phase checkpoints the run already holds (a resume's)."""
+    and the run's checkpoints projection so far (a resume's; empty for a new run)."""
 
     state: RunState
     opening: RunStarted | RunResumed
     start_epoch: int
-    phases: list[str]
+    checkpoints: CheckpointsState
 
 log = structlog.get_logger("nnx_es")
 
@@ -160,7 +161,7 @@ def open_session(
             log.warning("removed stale temporaries", run_id=run_id, files=[str(p) for p in removed])
         with LmdbLog(run_dir / "events.lmdb") as event_log:
             store = BlobStore(run_dir / "blobs", log=event_log)  # manifests go to the log with LAST
-            phases: list[str] = []
+            checkpoints = CheckpointsState()
             if stateful:
                 point = find_resume_point(run_dir, event_log, expect_run_id=run_id)
                 _check_same_recipe(components, declare(run_id, None), point.started, point.manifest)
@@ -173,7 +174,7 @@ def open_session(
                 if stop is not None and stop != "update_boundary":
                     # the run had decided to stop (early stopping): resuming finishes it, trains nothing more
                     state.request_stop(stop, "resume")
-                phases = list(point.projections.checkpoints.phases)
+                checkpoints = point.projections.checkpoints
                 opening: RunStarted | RunResumed = RunResumed(
                     last_seq=point.last_seq, manifest=point.manifest_hash, epoch=point.manifest.epoch,
                     discard_from=point.discard_from, discard_to=point.discard_to,
@@ -191,7 +192,7 @@ def open_session(
                 opening = declare(run_id, src)
                 start_epoch = 0
             began = True
-            yield Session(state=state, opening=opening, start_epoch=start_epoch, phases=phases)
+            yield Session(state=state, opening=opening, start_epoch=start_epoch, checkpoints=checkpoints)
     except BaseException:
         if not began and created:  # refused before the run began: no empty run to block a retry
             shutil.rmtree(run_dir, ignore_errors=True)

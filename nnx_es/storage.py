@@ -232,6 +232,16 @@ class BlobStore:
             atomic_write_all([(self.path(d), data) for d, data in new.items()])
         return digests
 
+    def delete(self, digests: Sequence[str]) -> None:
+        """Delete blobs: their files, and their values in the writer's log (retention, after the
+        synced write that recorded their ``checkpoint_pruned``); missing ones are ignored."""
+        for digest in digests:
+            p = self._existing(digest)
+            if p is not None:
+                p.unlink(missing_ok=True)
+        if self.log is not None and not self.log.readonly:
+            self.log.delete_blobs([d.encode() for d in digests])
+
     def exists(self, digest: str) -> bool:
         """Whether the blob is stored (a file, or a value of the log)."""
         return self._existing(digest) is not None or self._in_log(digest) is not None

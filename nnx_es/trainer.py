@@ -58,6 +58,7 @@ from nnx_es.objective import Objective
 from nnx_es.progress import Progress
 from nnx_es.recorder import Recorder
 from nnx_es.result import RunResult, load_result, result_of
+from nnx_es.retention import check_retention
 from nnx_es.rng import LoaderGenerators
 from nnx_es.run_state import RunState
 from nnx_es.session import library_versions, open_session
@@ -109,6 +110,10 @@ class Trainer:
         validate_every: validate every N epochs (and after the last epoch).
         validate_every_steps: also validate every N committed updates (no monitor decision).
         phase_every / keep_phases: a phase checkpoint every N epochs; keep the newest K.
+        keep_last / keep_best: checkpoint retention (:mod:`nnx_es.retention`): the checkpoints of
+            the newest ``keep_last`` LASTs and BEST's are kept (``keep_last=None``: every one), every
+            other one is pruned once the LAST superseding it is durable, each deletion recorded as a
+            ``checkpoint_pruned`` event. Default: what a resume and loading BEST need.
         checkpoint_lag: 0 commits each epoch's LAST at its end; N > 0 persists the
             checkpoint on a background thread and appends LAST after N committed
             updates of the next epoch; ``"epoch"``: at the next epoch's end (see
@@ -158,6 +163,8 @@ class Trainer:
         validate_every_steps: int | None = None,
         phase_every: int | None = None,
         keep_phases: int | None = None,
+        keep_last: int | None = 1,
+        keep_best: bool = True,
         checkpoint_lag: int | str = 0,
         runs_root: str | Path = "runs",
         run_id: str | None = None,
@@ -184,6 +191,8 @@ class Trainer:
                        phase_every=phase_every, keep_phases=keep_phases)
         self.cadence = Cadence(validate_every, validate_every_steps)
         self.phase_every, self.keep_phases = phase_every, keep_phases
+        check_retention(keep_last, keep_best)
+        self.keep_last, self.keep_best = keep_last, keep_best
         if not isinstance(sample_weights, bool):
             raise ConfigError(f"sample_weights must be True or False, got {sample_weights!r}")
         forward = weighted_forward if sample_weights else default_forward
@@ -334,7 +343,8 @@ class Trainer:
             self.run_id, self.runs_root, self.run_dir = state.run_id, state.runs_root, state.run_dir
             self.engine.begin_run(state, callbacks)
             committer = Committer(state, self.components, callbacks, self.ctx, lag=self.lag,
-                                  phase_every=self.phase_every, keep_phases=self.keep_phases, phases=session.phases)
+                                  phase_every=self.phase_every, keep_phases=self.keep_phases, keep_last=self.keep_last,
+                                  keep_best=self.keep_best, pointers=session.checkpoints)
             finalization = Finalization(state, callbacks, committer, self.stages, self.ctx)
             loop = TrainingLoop(
                 state=state, ctx=self.ctx, net=self.net, optimizers=self.optimizers, schedulers=self.schedulers,

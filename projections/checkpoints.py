@@ -1,10 +1,11 @@
-"""Checkpoint pointers projection: which manifest is LAST, BEST and each phase."""
+"""Checkpoint pointers projection: which manifest is LAST, BEST and each phase; which checkpoints
+are stored (named by a committed LAST and not pruned) and which retention pruned."""
 
 from __future__ import annotations
 
 import msgspec
 
-from events.schema import BestCommitted, CallbackCheckpointed, Event, LastCommitted, PhaseCommitted
+from events.schema import BestCommitted, CallbackCheckpointed, CheckpointPruned, Event, LastCommitted, PhaseCommitted
 
 __all__ = ["FOLDED","CheckpointsState", "Pointer", "fold_checkpoints"]
 
@@ -24,13 +25,22 @@ class CheckpointsState(msgspec.Struct, frozen=True, kw_only=True):
     phases: dict[str, Pointer] = {}
     callbacks: dict[str, Pointer] = {}
     commits: int = 0
+    #: manifest -> 0-based epoch of every checkpoint a LAST named and retention has not pruned, oldest first
+    stored: dict[str, int] = {}
+    #: manifest -> the reason retention gave when it pruned the checkpoint
+    pruned: dict[str, str] = {}
 
 
 def fold_checkpoints(state: CheckpointsState, event: Event) -> CheckpointsState:
     match event:
         case LastCommitted(manifest=m, epoch=e, step=s):
+            stored = state.stored if m in state.stored else {**state.stored, m: e}
             return msgspec.structs.replace(
-                state, last=Pointer(manifest=m, epoch=e, step=s), commits=state.commits + 1
+                state, last=Pointer(manifest=m, epoch=e, step=s), commits=state.commits + 1, stored=stored
+            )
+        case CheckpointPruned(manifest=m, reason=reason):
+            return msgspec.structs.replace(
+                state, stored={k: v for k, v in state.stored.items() if k != m}, pruned={**state.pruned, m: reason}
             )
         case BestCommitted(manifest=m, epoch=e, value=v):
             step = state.last.step if state.last is not None else 0
@@ -48,4 +58,5 @@ def fold_checkpoints(state: CheckpointsState, event: Event) -> CheckpointsState:
 
 
 #: The event types fold_checkpoints reacts to; every other event leaves its state unchanged (tested).
-FOLDED: tuple[type[Event], ...] = (LastCommitted, BestCommitted, PhaseCommitted, CallbackCheckpointed,)
+FOLDED: tuple[type[Event], ...] = (LastCommitted, BestCommitted, PhaseCommitted, CallbackCheckpointed,
+                                   CheckpointPruned)

@@ -23,7 +23,7 @@ __all__ = ["CLOSING_KINDS", "GROUP_KINDS", "GroupTracker", "commits", "commits_a
 
 #: Kinds that belong to the commit group of the LAST they follow.
 GROUP_KINDS: frozenset[str] = frozenset(
-    {"best_committed", "phase_committed", "callback_checkpointed", "checkpoint_stored"}
+    {"best_committed", "phase_committed", "callback_checkpointed", "checkpoint_stored", "checkpoint_pruned"}
 )
 
 #: Kinds folded from a tail that ends in a durable ``run_finalized``.

@@ -20,6 +20,7 @@ from typing import Any
 from events.schema import (
     BestCommitted,
     CallbackCheckpointed,
+    CheckpointPruned,
     EpochBegan,
     EpochSummarized,
     Event,
@@ -71,6 +72,9 @@ class CommittedCheck:
         self.store = store
         self.run_id = run_id
         self.manifests: dict[str, Manifest | None] = {}  # digest -> verified manifest (None: corrupt)
+        #: digest -> (seq, kind, why) of manifests that did not verify: a violation unless retention pruned them
+        self.unverified: dict[str, tuple[int, str, str]] = {}
+        self.pruned: set[str] = set()
         self.blobs: dict[str, bool] = {}
         self.decls: dict[str, SchedulerDecl] = {}
         self.monitor: MonitorSpec | None = None
@@ -147,6 +151,8 @@ class CommittedCheck:
                 self._manifest(seq, "phase_committed", m)
             case CallbackCheckpointed(name=name, blob=blob):
                 self._blob(seq, name, blob)
+            case CheckpointPruned(manifest=m):
+                self._pruned(seq, m, p)
             case RunFinalized():
                 self._missing_best()
             case _:
@@ -156,6 +162,10 @@ class CommittedCheck:
     def finish(self) -> None:
         if self.owed:
             self._close_window()
+        for digest, (seq, kind, why) in self.unverified.items():
+            if digest not in self.pruned:  # gone on purpose when pruned; missing otherwise
+                self.sink.add(seq, 4, f"{kind} names a checkpoint that does not verify: {why}",
+                              expected=f"manifest {digest} and its blobs intact", found=why)
 
     # --- invariant 4 ----------------------------------------------------------------
 
@@ -165,10 +175,19 @@ class CommittedCheck:
                 self.manifests[digest] = verify_checkpoint(self.store, digest, run_id=self.run_id or None)
             except CorruptCheckpointError as exc:
                 self.manifests[digest] = None
-                self.sink.add(seq, 4, f"{kind} names a checkpoint that does not verify: {exc}",
-                              expected=f"manifest {digest} and its blobs intact", found=str(exc))
+                self.unverified[digest] = (seq, kind, str(exc))  # decided at finish(): pruned later, or missing
                 return None
         return self.manifests[digest]
+
+    def _pruned(self, seq: int, digest: str, p: Projections) -> None:
+        """A ``checkpoint_pruned`` never names a checkpoint a pointer still needs (LAST, BEST, a kept phase)."""
+        c = p.checkpoints
+        named = [what for what, ptr in (("LAST", c.last), ("BEST", c.best)) if ptr is not None and ptr.manifest == digest]
+        named += [f"phase {n!r}" for n, ptr in c.phases.items() if ptr.manifest == digest]
+        if named:
+            self.sink.add(seq, 4, f"checkpoint_pruned deletes a checkpoint {' and '.join(named)} still names",
+                          expected="a checkpoint no pointer names", found=f"manifest {digest}")
+        self.pruned.add(digest)
 
     def _blob(self, seq: int, name: str, digest: str) -> None:
         if digest not in self.blobs:

@@ -24,6 +24,7 @@ LR = 0.1
 
 
 def _trainer(tmp_path: Path, net: nn.Module, opt, run_id: str = "r", **kw) -> Trainer:
+    kw.setdefault("keep_last", None)  # every checkpoint kept: these tests read each one
     return Trainer(net, opt, nn.CrossEntropyLoss(), runs_root=tmp_path / "runs", run_id=run_id, progress=False, **kw)
 
 

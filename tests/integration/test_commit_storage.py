@@ -48,7 +48,8 @@ def make_trainer(runs: Path, run_id: str | None, lag: int | str = 0, *callbacks:
     net = small_net(0)
     opt = torch.optim.Adam(net.parameters(), lr=0.05)
     return Trainer(net, opt, nn.CrossEntropyLoss(), monitor="val_loss", callbacks=[Notes(), *callbacks],
-                   runs_root=runs, run_id=run_id, seed=0, progress=False, checkpoint_lag=lag)
+                   runs_root=runs, run_id=run_id, seed=0, progress=False, checkpoint_lag=lag,
+                   keep_last=None)  # every checkpoint kept: these tests count each commit's writes
 
 
 def _counting(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:

@@ -52,8 +52,8 @@ def _trainer(tmp_path: Path, callbacks=(), **kw) -> Trainer:
     return Trainer(
         net, opt, nn.CrossEntropyLoss(), monitor=Monitor("val_loss"),
         schedulers=[Scheduler(plateau, name="plateau")], callbacks=list(callbacks),
-        runs_root=tmp_path / "runs", run_id="r1", progress=False, **kw,
-    )
+        runs_root=tmp_path / "runs", run_id="r1", progress=False, **{"keep_last": None, **kw},
+    )  # every checkpoint kept: these tests read each one (retention has tests of its own)
 
 
 def test_two_epoch_run_writes_exactly_the_lifecycle_event_sequence(tmp_path):
@@ -161,7 +161,8 @@ def test_the_final_last_is_captured_again_only_when_finalization_could_change_th
     hooks = [AfterTraining()] if finalizer == "stage" else []
     net = small_net(0)
     trainer = Trainer(net, torch.optim.SGD(net.parameters(), lr=0.1), nn.CrossEntropyLoss(),
-                      callbacks=callbacks, hooks=hooks, runs_root=tmp_path / "runs", run_id="f", progress=False)
+                      callbacks=callbacks, hooks=hooks, runs_root=tmp_path / "runs", run_id="f", progress=False,
+                      keep_last=None)  # the sequence at the end is the subject, not retention
     run = trainer.fit(loaders()[0], epochs=2)
     events = [e for _, e in read_events(run.run_dir)]
     lasts = [e for e in events if isinstance(e, LastCommitted)]
@@ -299,7 +300,7 @@ def test_a_deferred_last_lands_where_declared_and_changes_nothing_committed(tmp_
         net = small_net()
         opt = torch.optim.SGD(net.parameters(), lr=0.05)
         t = Trainer(net, opt, nn.CrossEntropyLoss(), monitor="val_loss", runs_root=tmp_path / "runs",
-                    run_id=run_id, progress=False, checkpoint_lag=checkpoint_lag)
+                    run_id=run_id, progress=False, checkpoint_lag=checkpoint_lag, keep_last=None)
         return t, t.fit(*loaders(batch_size=8, n_train=48), epochs=3)  # 6 updates per epoch
 
     sync_t, sync = run("sync", 0)

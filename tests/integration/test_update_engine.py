@@ -426,7 +426,7 @@ def test_accumulation_two_with_a_masked_and_a_nonfinite_window_writes_exactly_th
     opt = torch.optim.SGD(net.parameters(), lr=LR)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 ** s)
     data = batches([3, 3, 3, 3, 3, 3], seed=6, masks={2: [0.0] * 3, 3: [0.0] * 3}, nan_at=(4,))
-    run = _trainer(tmp_path, net, opt=opt, accumulation=2, sample_weights=True,
+    run = _trainer(tmp_path, net, opt=opt, accumulation=2, sample_weights=True, keep_last=None,
                    schedulers=[Scheduler(sched, clock="optimizer_update", name="decay")]).fit(data, None, epochs=1)
 
     assert kinds(run.run_dir) == [

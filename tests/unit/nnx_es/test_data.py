@@ -95,7 +95,7 @@ def _untimed_events(run_dir) -> list:
     out = []
     for seq, e in read_events(run_dir):
         d = msgspec.to_builtins(e)
-        for key in ("wall_time_s", "duration_s", "library_versions", "run_id", "started_at", "manifest"):
+        for key in ("wall_time_s", "duration_s", "library_versions", "run_id", "started_at", "manifest", "blobs"):
             d.pop(key, None)
         if "record" in d:
             d["record"].pop("wall_time_s", None)

@@ -288,7 +288,7 @@ _FOLDS: list[tuple[Any, Any, frozenset[str]]] = [
     (
         fold_checkpoints,
         CheckpointsState(),
-        frozenset({"last_committed", "best_committed", "phase_committed", "callback_checkpointed"}),
+        frozenset({"last_committed", "best_committed", "phase_committed", "callback_checkpointed", "checkpoint_pruned"}),
     ),
     (fold_schedulers, SchedulersState(), frozenset({"run_started", "scheduler_stepped"})),
     (fold_counters, Counters(), frozenset({"microbatch_done", "update_committed", "epoch_began", "epoch_summarized"})),
