@@ -16,7 +16,7 @@ __all__ = ["json_schema", "plot_format_error", "tensorboard_error"]
 def json_schema() -> dict[str, Any]:
     """The JSON Schema (2020-12) of one line of ``inspect RUN_DIR --json``, from the msgspec types.
 
-    Each kind's object is what ``inspect --json`` prints (``nnx_es.cli.inspect._as_json``): ``seq`` (0-based), ``kind``
+    Each kind's object is what ``inspect --json`` prints (``nnx_es.cli.inspect``): ``seq`` (0-based), ``kind``
     (the stable kind name: the stored tag of version N > 1 is ``"<kind>@N"``,
     :mod:`events.schema`, but ``--json`` prints the name and the version apart),
     ``version`` and every field of the struct, defaulted ones too. Only today's

@@ -29,10 +29,9 @@ option, output that cannot be written); 130 interrupted (Ctrl-C).
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -42,11 +41,11 @@ from events.codec import KINDS, decode
 from events.errors import CorruptEventError, EventLogError
 from events.log import LmdbLog
 from events.schema import Event, HistoryAppended, RunFinalized, RunStarted
-from nnx_es.audit import NotARunError, committed_tail, decoded, open_run_log
+from nnx_es.audit import NotARunError, open_run_log
 from nnx_es.cli._common import EXIT_INTERRUPTED, EXIT_OK, EXIT_UNUSABLE, reader_left, writer_alive
+from nnx_es.cli._format import fields, fmt
 from nnx_es.cli._schema import json_schema, plot_format_error, tensorboard_error
-from nnx_es.views import summary as summary_of
-from projections import Projections, project
+from nnx_es.cli.projected import at, summary
 
 __all__ = ["COMMANDS", "json_schema", "main"]
 
@@ -162,47 +161,14 @@ def _kinds(values: list[str]) -> frozenset[str] | None:
 # --- rendering -----------------------------------------------------------------------------
 
 
-def _fmt(value: Any) -> str:
-    """A compact rendering of a field value (floats to 6 significant digits, structs inline)."""
-    if isinstance(value, bool) or value is None:
-        return str(value).lower() if value is not None else "null"
-    if isinstance(value, float):
-        return f"{value:.6g}" if math.isfinite(value) else repr(value)
-    if isinstance(value, msgspec.Struct):
-        shown = list(_fields(value)) or [(f.name, getattr(value, f.name)) for f in msgspec.structs.fields(value)]
-        return "(" + " ".join(f"{k}={_fmt(v)}" for k, v in shown) + ")"
-    if isinstance(value, dict):
-        return "{" + ", ".join(f"{k}: {_fmt(v)}" for k, v in value.items()) + "}"
-    if isinstance(value, (list, tuple)):
-        return "[" + ", ".join(_fmt(v) for v in value) + "]"
-    if isinstance(value, str) and len(value) == 64 and all(c in "0123456789abcdef" for c in value):
-        return value[:12]  # a SHA-256 name
-    return str(value)
-
-
-def _fields(struct: msgspec.Struct) -> Iterator[tuple[str, Any]]:
-    """Non-default fields of ``struct``, in declaration order."""
-    for f in msgspec.structs.fields(struct):
-        value = getattr(struct, f.name)
-        if f.default is not msgspec.NODEFAULT:
-            default = f.default
-        elif f.default_factory is not msgspec.NODEFAULT:
-            default = f.default_factory()
-        else:
-            yield f.name, value  # required
-            continue
-        if value != default:
-            yield f.name, value
-
-
 def _compact(event: Event) -> str:
     parts = []
-    for name, value in _fields(event):
+    for name, value in fields(event):
         if name in _BULKY:
             size = len(value) if hasattr(value, "__len__") else 0
             parts.append(f"{name}=<{size}>")
             continue
-        text = _fmt(value)
+        text = fmt(value)
         if len(text) > _VALUE_CHARS:
             text = text[: _VALUE_CHARS - 3] + "..."
         parts.append(f"{name}={text}")
@@ -308,133 +274,6 @@ def _rows(log: LmdbLog, args: argparse.Namespace, kinds: frozenset[str] | None, 
     return seq + 1
 
 
-def _projected(log: LmdbLog, stop: int) -> tuple[Projections, int]:
-    """The projections of the events in ``[0, stop)`` and their uncommitted tail.
-
-    One pass a chunk at a time, decoding the frequent kinds partially, as the runtime
-    projects (:func:`projections.project`); a log holding a value that does not decode
-    is projected again without it. The tail is read back from the end
-    (:func:`nnx_es.audit.committed_tail`, about one epoch).
-    """
-    try:
-        p = project(log.read(0, stop))
-    except CorruptEventError:
-        p = project(decoded(log, 0, stop))
-    return p, committed_tail(log, stop)
-
-
-def _at(log: LmdbLog, seq: int, as_json: bool) -> None:
-    """Every projection after folding the committed view of the log up to ``seq`` (time travel)."""
-    stop = min(seq + 1, log.next_seq)
-    p, tail = _projected(log, stop)
-    last = p.checkpoints.last
-    doc = {
-        "at": seq,
-        "events": stop,
-        "tail": tail,
-        "checkpoint": None if last is None else msgspec.to_builtins(last),
-        "projections": msgspec.to_builtins(p),
-    }
-    if as_json:
-        sys.stdout.write(msgspec.json.encode(doc).decode() + "\n")
-        return
-    where = "no committed checkpoint yet" if last is None else f"LAST epoch {last.epoch} step {last.step} manifest {last.manifest}"
-    sys.stdout.write(f"at seq {seq}: {stop} events read, {tail} uncommitted; corresponds to {where}\n")
-    for name in ("status", "counters", "checkpoints", "schedulers"):
-        sys.stdout.write(f"{name:<12} {_fmt(getattr(p, name))}\n")
-    for r in p.history.records:
-        sys.stdout.write(f"{'history':<12} epoch {r.epoch}: {_fmt(r.train)} {_fmt(r.val)} improved={_fmt(r.improved)}\n")
-
-
-#: Statuses of a run not finalized ("new": events, none committed yet, as the summary reads the committed view).
-_UNFINISHED = frozenset({"new", "running", "failing"})
-
-
-def _summary(log: LmdbLog, run_dir: Path, as_json: bool) -> None:
-    alive = writer_alive(run_dir)  # before the log: a writer that finalizes meanwhile is not taken for dead
-    stop = log.next_seq
-    p, tail = _projected(log, stop)
-    doc = {**summary_of(p), "events": stop, "tail": tail, "writer_alive": None, "checksums": _checksums(log, stop)}
-    if stop and p.status.status in _UNFINISHED:  # asked again: a writer resuming it meanwhile counts as alive
-        doc["writer_alive"] = alive or writer_alive(run_dir)
-    if p.history.records:
-        doc["lrs"] = {opt: list(lrs) for opt, lrs in p.history.records[-1].lrs.items()}
-    if as_json:
-        sys.stdout.write(msgspec.json.encode(doc).decode() + "\n")
-        return
-    lines = _summary_lines(doc, run_dir)
-    if sys.stdout.isatty():
-        from rich.console import Console
-        from rich.table import Table
-
-        table = Table(show_header=False, box=None, pad_edge=False)
-        table.add_column(style="bold")
-        table.add_column()
-        for key, value in lines:
-            table.add_row(key, value)
-        Console(highlight=False).print(table)
-    else:
-        width = max(len(k) for k, _ in lines)
-        sys.stdout.write("".join(f"{k:<{width}}  {v}\n" for k, v in lines))
-
-
-def _checksums(log: LmdbLog, stop: int) -> str:
-    """Whether the stored values verify against their CRC-32s (:mod:`events.sums`): the one check of
-    the log's bytes ``summary`` makes (a streamed pass, ~0.2 s a million events); ``tools/replay``
-    names what differs."""
-    bad, uncovered = 0, 0
-    for first, last, problem, _, _ in log.verify_sums(stop):
-        if problem == "uncovered":
-            uncovered += last - first + 1
-        else:
-            bad += 1
-    if bad:
-        return f"{bad} range{'s' if bad != 1 else ''} of values do not verify: run tools/replay"
-    if uncovered and uncovered >= stop:
-        return "not verified: the log was written before checksums existed"
-    return "ok" + (f" ({uncovered} values written before checksums existed are not covered)" if uncovered else "")
-
-
-def _pointer(ptr: dict[str, Any] | None) -> str:
-    if ptr is None:
-        return "-"
-    value = "" if ptr.get("value") is None else f"  value={_fmt(ptr['value'])}"
-    return f"epoch {ptr['epoch']}  step {ptr['step']}  manifest {ptr['manifest'][:12]}{value}"
-
-
-def _summary_lines(doc: dict[str, Any], run_dir: Path) -> list[tuple[str, str]]:
-    status = doc["status"]
-    if doc.get("stop_reason"):
-        status += f" (stop: {doc['stop_reason']})"
-    if doc.get("error_type"):
-        status += f" ({doc['error_type']}: {doc['error']})"
-    if doc.get("writer_alive") is False:
-        status += " (no process on this machine is writing it: killed or crashed? " + (
-            f"resume it with fit(..., resume_from={str(run_dir.resolve())!r}))" if doc["last"] is not None
-            else "it has no checkpoint to resume from)")
-    lines = [
-        ("run", f"{doc['run_id'] or run_dir.name}  ({run_dir})"),
-        ("status", status),
-        ("epochs", f"{doc['epochs']} committed" + (f", last epoch {doc['last_epoch']}" if doc["epochs"] else "")),
-        ("LAST", _pointer(doc["last"])),
-        ("BEST", _pointer(doc["best"])),
-    ]
-    for name, ptr in sorted(doc["phases"].items()):
-        lines.append((f"phase {name}", _pointer(ptr)))
-    for opt, lrs in sorted(doc.get("lrs", {}).items()):
-        lines.append((f"lr {opt}", _fmt(lrs)))
-    for name, s in sorted(doc["schedulers"].items()):
-        plateau = "" if s["plateau"] is None else f"  plateau {_fmt(s['plateau'])}"
-        lines.append((f"scheduler {name}", f"{s['clock']}  steps {s['steps']}  lrs {_fmt(s['lrs'])}{plateau}"))
-    lines.append(("counters", " ".join(f"{k}={v}" for k, v in doc["counters"].items())))
-    if doc.get("resumes"):
-        lines.append(("resumes", str(doc["resumes"])))
-    lines.append(("events", str(doc["events"])))
-    lines.append(("checksums", doc["checksums"]))
-    lines.append(("tail", f"{doc['tail']} uncommitted event{'s' if doc['tail'] != 1 else ''}"))
-    return lines
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """Run ``inspect``; return the exit status."""
     parser = _parser()
@@ -477,9 +316,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_UNUSABLE
     try:
         if args.command == "summary":
-            _summary(log, args.run_dir, args.json)
+            summary(log, args.run_dir, args.json)
         elif args.command == "plot":
-            from nnx_es.report import plot_run
+            from nnx_es.plotting import plot_run
 
             log.close()  # the report opens the log itself (LMDB allows one handle per process)
             try:
@@ -488,7 +327,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(f"inspect: cannot write the plot to {args.out}: {exc}", file=sys.stderr)
                 return EXIT_UNUSABLE
         elif args.command == "export":
-            from nnx_es.report import export_tensorboard
+            from nnx_es.plotting import export_tensorboard
 
             log.close()
             try:
@@ -498,7 +337,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 return EXIT_UNUSABLE
             print(f"wrote {n} scalars to {args.tensorboard}")
         elif args.at is not None:
-            _at(log, args.at, args.json)
+            at(log, args.at, args.json)
         else:
             _events(log, args, kinds)
         sys.stdout.flush()
