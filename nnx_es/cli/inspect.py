@@ -23,7 +23,9 @@ commands:
 An option the command would ignore is refused (e.g. summary --at, --at --kind).
 Tables use rich when stdout is a terminal, plain aligned text otherwise.
 exit status: 0 ok; 2 unusable input (missing directory, not a run, bad or inapplicable
-option, output that cannot be written); 130 interrupted (Ctrl-C).
+option, output that cannot be written or whose directory is missing, a damaged log: a key
+out of place or a page LMDB refuses, named on stderr with where it is); 130 interrupted
+(Ctrl-C). With --json, an error is also printed on stdout as {"error": {"type", "message"}}.
 """
 
 from __future__ import annotations
@@ -38,11 +40,21 @@ from typing import Any, TextIO
 import msgspec
 
 from events.codec import KINDS, decode
-from events.errors import CorruptEventError, EventLogError
+from events.errors import CorruptEventError, EventLogError, SequenceGapError
 from events.log import LmdbLog
 from events.schema import Event, HistoryAppended, RunFinalized, RunStarted
 from nnx_es.audit import NotARunError, open_run_log
-from nnx_es.cli._common import EXIT_INTERRUPTED, EXIT_OK, EXIT_UNUSABLE, reader_left, writer_alive
+from nnx_es.cli._common import (
+    EXIT_INTERRUPTED,
+    EXIT_OK,
+    EXIT_UNUSABLE,
+    Parser,
+    UsageError,
+    fail,
+    reader_left,
+    wants_json,
+    writer_alive,
+)
 from nnx_es.cli._format import fields, fmt
 from nnx_es.cli._schema import json_schema, plot_format_error, tensorboard_error
 from nnx_es.cli.projected import at, summary
@@ -60,7 +72,7 @@ _VALUE_CHARS = 80
 
 def _parser() -> argparse.ArgumentParser:
     title, _, details = (__doc__ or "").partition("\n\n")  # the module docstring is the help
-    parser = argparse.ArgumentParser(prog="inspect", description=title.partition(": ")[2], epilog=details,
+    parser = Parser(prog="inspect", description=title.partition(": ")[2], epilog=details,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("run_dir", type=Path, nargs="?", metavar="RUN_DIR", help="the run directory, runs/<id>")
     parser.add_argument("command", nargs="?", choices=COMMANDS, default="events", help="what to show (default: events)")
@@ -220,8 +232,8 @@ def _events(log: LmdbLog, args: argparse.Namespace, kinds: frozenset[str] | None
     table = None if args.json else _Out(out, len(str(max(stop - 1, 0))))
     if table is not None:
         table.header()
-    state = {"shown": 0, "writer_rank": 0, "finalized": False}
-    next_seq = _rows(log, args, kinds, args.start, stop, table, state)
+    state = {"shown": 0, "writer_rank": 0, "finalized": False, "expected": args.start, "broken": False}
+    next_seq = _checked_rows(log, args, kinds, args.start, stop, table, state)
     while args.follow and not state["finalized"] and (args.end is None or next_seq <= args.end):
         if args.limit is not None and state["shown"] >= args.limit:
             break
@@ -229,21 +241,48 @@ def _events(log: LmdbLog, args: argparse.Namespace, kinds: frozenset[str] | None
         time.sleep(args.poll_s)
         end = log.refresh() if args.end is None else min(args.end + 1, log.refresh())
         if end > next_seq:
-            next_seq = _rows(log, args, kinds, next_seq, end, table, state)
+            next_seq = _checked_rows(log, args, kinds, next_seq, end, table, state)
         elif not alive:
             print(f"inspect: no process writes {args.run_dir} any more; stopped following", file=sys.stderr)
             break
         out.flush()
 
 
+def _checked_rows(log: LmdbLog, args: argparse.Namespace, kinds: frozenset[str] | None, start: int, stop: int,
+                  table: _Out | None, state: dict[str, Any]) -> int:
+    """:func:`_rows`, then the damage it met named.
+
+    Raises:
+        EventLogError: LMDB refused a read (a corrupted page), naming the last seq read before it.
+        SequenceGapError: the keys read did not run on (a changed, missing or duplicated key: the
+            rows were printed under their keys as stored), naming the first damaged key of the log.
+    """
+    try:
+        next_seq = _rows(log, args, kinds, start, stop, table, state)
+    except EventLogError as exc:
+        sys.stdout.flush()
+        read = "before any event" if state["expected"] == args.start else f"after seq {state['expected'] - 1}"
+        raise EventLogError(f"{exc}; the listing stopped {read}") from exc
+    if state["broken"]:
+        sys.stdout.flush()
+        log.check_keys()  # names the first damaged key (the read went on past it, by position)
+    return next_seq
+
+
 def _rows(log: LmdbLog, args: argparse.Namespace, kinds: frozenset[str] | None, start: int, stop: int,
           table: _Out | None, state: dict[str, Any]) -> int:
-    """Print the rows of ``[start, stop)``; return the seq after the last one read."""
+    """Print the rows of ``[start, stop)``; return the seq after the last one read.
+
+    ``state["broken"]`` becomes true when a key read is not the seq due after the one before it.
+    """
     out = sys.stdout
     seq = start - 1
     for seq, raw in log.read_raw(start, stop):
         if args.limit is not None and state["shown"] >= args.limit:
             return seq
+        if seq != state["expected"]:
+            state["broken"] = True
+        state["expected"] = seq + 1
         try:
             event = decode(raw, seq)
         except CorruptEventError as exc:
@@ -275,8 +314,14 @@ def _rows(log: LmdbLog, args: argparse.Namespace, kinds: frozenset[str] | None, 
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run ``inspect``; return the exit status."""
+    """Run ``inspect``; return the exit status.
+
+    Every error is said on stderr and, in a ``--json`` mode, also as one JSON object on stdout
+    (:func:`nnx_es.cli._common.fail`); a damaged log (a key out of place, a page LMDB refuses) is
+    an error (exit 2) naming where, never a shorter listing or projection that exits 0.
+    """
     parser = _parser()
+    as_json = wants_json(argv)
     try:
         args = parser.parse_intermixed_args(argv)
         _check_applicable(parser, args)
@@ -284,72 +329,113 @@ def main(argv: Sequence[str] | None = None) -> int:
             parser.error(why)
         if args.command == "export" and args.tensorboard is not None and (why := tensorboard_error(args.tensorboard)):
             parser.error(why)
-    except SystemExit as exc:  # argparse exits 2 on a usage error, 0 on --help
-        return int(exc.code) if isinstance(exc.code, int) else EXIT_UNUSABLE
-    try:
         kinds = _kinds(args.kind)
-    except ValueError as exc:
-        print(f"inspect: {exc}", file=sys.stderr)
-        return EXIT_UNUSABLE
+    except SystemExit as exc:  # --help
+        return int(exc.code) if isinstance(exc.code, int) else EXIT_UNUSABLE
+    except UsageError as exc:
+        return fail("inspect", str(exc), error_type="UsageError", as_json=as_json, usage=parser.format_usage())
+    except ValueError as exc:  # an unknown --kind
+        return fail("inspect", str(exc), error_type="UsageError", as_json=as_json)
     args.poll_s = 0.5
     args.start = args.start or 0
-    if args.end is not None and args.end < args.start:
-        print(f"inspect: --to {args.end} is before --from {args.start}", file=sys.stderr)
-        return EXIT_UNUSABLE
+    if (why := _missing_argument(args)) is not None:
+        return fail("inspect", why, error_type="UsageError", as_json=as_json)
     if args.schema:
         sys.stdout.write(msgspec.json.format(msgspec.json.encode(json_schema())).decode() + "\n")
         return EXIT_OK
-    if args.run_dir is None:
-        print("inspect: RUN_DIR is required (or --schema)", file=sys.stderr)
-        return EXIT_UNUSABLE
-    if args.command == "plot" and args.out is None:
-        print("inspect: plot needs --out FILE (its extension names the format: .png, .pdf, .svg, ...)",
-              file=sys.stderr)
-        return EXIT_UNUSABLE
-    if args.command == "export" and args.tensorboard is None:
-        print("inspect: export needs --tensorboard DIR", file=sys.stderr)
-        return EXIT_UNUSABLE
     try:
         log = open_run_log(args.run_dir)
     except (NotARunError, EventLogError) as exc:
-        print(f"inspect: {exc}", file=sys.stderr)
-        return EXIT_UNUSABLE
+        return fail("inspect", str(exc), error_type=type(exc).__name__, as_json=as_json)
     try:
-        if args.command == "summary":
-            summary(log, args.run_dir, args.json)
-        elif args.command == "plot":
-            from nnx_es.plotting import plot_run
-
-            log.close()  # the report opens the log itself (LMDB allows one handle per process)
-            try:
-                print(f"wrote {plot_run(args.run_dir, args.out)}")
-            except (OSError, ImportError, RuntimeError) as exc:  # RuntimeError: .pgf without a TeX system
-                print(f"inspect: cannot write the plot to {args.out}: {exc}", file=sys.stderr)
-                return EXIT_UNUSABLE
-        elif args.command == "export":
-            from nnx_es.plotting import export_tensorboard
-
-            log.close()
-            try:
-                n = export_tensorboard(args.run_dir, args.tensorboard)
-            except (OSError, ImportError) as exc:
-                print(f"inspect: cannot export to {args.tensorboard}: {exc}", file=sys.stderr)
-                return EXIT_UNUSABLE
-            print(f"wrote {n} scalars to {args.tensorboard}")
-        elif args.at is not None:
-            at(log, args.at, args.json)
-        else:
-            _events(log, args, kinds)
-        sys.stdout.flush()
+        return _run(log, args, kinds)
     except BrokenPipeError:
         reader_left()
     except KeyboardInterrupt:  # Ctrl-C, above all to end --follow: no traceback
         return EXIT_INTERRUPTED
+    except SequenceGapError as exc:
+        return fail("inspect", _damaged(args, exc), error_type=type(exc).__name__, as_json=as_json)
     except EventLogError as exc:
-        print(f"inspect: {exc}", file=sys.stderr)
-        return EXIT_UNUSABLE
+        return fail("inspect", f"{exc}; run tools/replay {args.run_dir} to audit the whole log",
+                    error_type=type(exc).__name__, as_json=as_json)
     finally:
         log.close()
+    return EXIT_OK
+
+
+def _missing_argument(args: argparse.Namespace) -> str | None:
+    """Why the arguments cannot be run (an argument missing, a range backwards), or None."""
+    if args.end is not None and args.end < args.start:
+        return f"--to {args.end} is before --from {args.start}"
+    if args.schema:
+        return None
+    if args.run_dir is None:
+        return "RUN_DIR is required (or --schema)"
+    if args.command == "plot" and args.out is None:
+        return "plot needs --out FILE (its extension names the format: .png, .pdf, .svg, ...)"
+    if args.command == "plot":
+        from nnx_es.plotting import missing_parent
+
+        return missing_parent(args.out)
+    if args.command == "export" and args.tensorboard is None:
+        return "export needs --tensorboard DIR"
+    return None
+
+
+def _damaged(args: argparse.Namespace, exc: SequenceGapError) -> str:
+    """What ``inspect`` says of a log whose keys are damaged."""
+    if args.command == "events" and args.at is None:
+        done = "the events were listed by position, each under its key as stored"
+    else:
+        done = f"no {'summary' if args.command == 'summary' else args.command if args.at is None else 'projection'} " \
+               "is made from a log whose keys are damaged"
+    return (f"the event log of {args.run_dir} is damaged at seq {exc.expected}: {exc}; {done}; "
+            f"run tools/replay {args.run_dir} to audit the whole log")
+
+
+def _run(log: LmdbLog, args: argparse.Namespace, kinds: frozenset[str] | None) -> int:
+    """Run the command on the opened ``log``; return the exit status.
+
+    The commands that fold the log (summary, --at, plot, export) first check its keys
+    (:meth:`~events.log.LmdbLog.check_keys`, a key-only pass): a projection over a damaged key
+    could be silently wrong.
+
+    Raises:
+        SequenceGapError: a key of the log is out of place (for --at: at or before SEQ).
+        EventLogError: LMDB refused a read.
+    """
+    if args.command != "events" or args.at is not None:
+        try:
+            log.check_keys()
+        except SequenceGapError as exc:
+            if args.at is None or exc.expected <= args.at:
+                raise
+    if args.command == "summary":
+        summary(log, args.run_dir, args.json)
+    elif args.command == "plot":
+        from nnx_es.plotting import plot_run
+
+        log.close()  # the plot opens the log itself (LMDB allows one handle per process)
+        try:
+            print(f"wrote {plot_run(args.run_dir, args.out)}")
+        except (OSError, ImportError, RuntimeError) as exc:  # RuntimeError: .pgf without a TeX system
+            print(f"inspect: cannot write the plot to {args.out}: {exc}", file=sys.stderr)
+            return EXIT_UNUSABLE
+    elif args.command == "export":
+        from nnx_es.plotting import export_tensorboard
+
+        log.close()
+        try:
+            n = export_tensorboard(args.run_dir, args.tensorboard)
+        except (OSError, ImportError) as exc:
+            print(f"inspect: cannot export to {args.tensorboard}: {exc}", file=sys.stderr)
+            return EXIT_UNUSABLE
+        print(f"wrote {n} scalars to {args.tensorboard}")
+    elif args.at is not None:
+        at(log, args.at, args.json)
+    else:
+        _events(log, args, kinds)
+    sys.stdout.flush()
     return EXIT_OK
 
 
