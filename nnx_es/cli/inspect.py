@@ -22,10 +22,10 @@ commands:
 
 An option the command would ignore is refused (e.g. summary --at, --at --kind).
 Tables use rich when stdout is a terminal, plain aligned text otherwise.
-exit status: 0 ok; 2 unusable input (missing directory, not a run, bad or inapplicable
-option, output that cannot be written or whose directory is missing, a damaged log: a key
-out of place or a page LMDB refuses, named on stderr with where it is); 130 interrupted
-(Ctrl-C). With --json, an error is also printed on stdout as {"error": {"type", "message"}}.
+exit status: 0 ok; 130 interrupted (Ctrl-C); 2 unusable input (missing directory, not a run,
+bad or inapplicable option, output that cannot be written or whose directory is missing, a
+damaged log: a key out of place or a page LMDB refuses, named on stderr with where it is).
+With --json, an error is also printed on stdout as {"error": {"type", "message"}}.
 """
 
 from __future__ import annotations
@@ -332,8 +332,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         kinds = _kinds(args.kind)
     except SystemExit as exc:  # --help
         return int(exc.code) if isinstance(exc.code, int) else EXIT_UNUSABLE
-    except UsageError as exc:
-        return fail("inspect", str(exc), error_type="UsageError", as_json=as_json, usage=parser.format_usage())
+    except UsageError as exc:  # refusing --json itself (a mode without it, e.g. plot --json): not a --json mode
+        return fail("inspect", str(exc), error_type="UsageError", usage=parser.format_usage(),
+                    as_json=as_json and not str(exc).startswith("argument --json:"))
     except ValueError as exc:  # an unknown --kind
         return fail("inspect", str(exc), error_type="UsageError", as_json=as_json)
     args.poll_s = 0.5
