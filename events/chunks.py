@@ -19,7 +19,7 @@ from events.schema import Event
 if TYPE_CHECKING:
     import lmdb
 
-__all__ = ["RawChunk", "StoredPairs", "cursor_chunks", "keys_back", "runs"]
+__all__ = ["RawChunk", "StoredPairs", "cursor_chunks", "ends_read", "keys_back", "runs"]
 
 #: ``(first_seq, values)``: ``values[i]`` is the stored msgpack value of seq ``first_seq + i``.
 RawChunk = tuple[int, list[Any]]
@@ -90,6 +90,19 @@ def keys_back(cur: lmdb.Cursor, n: int, resting: bool) -> list[int]:
     return [int.from_bytes(key, "big") for key in reversed(keys)]
 
 
+def ends_read(key: int, final: int, following: int | None) -> bool:
+    """Whether ``key``, met at or past a bounded read's ``stop``, ends the read: only when it is in order.
+
+    ``final`` is the log's last key (its last entry, positionally); ``following`` the key stored
+    after ``key`` (None: ``key``'s entry is the last). In a log whose keys run 0, 1, 2, ... the
+    first key at or past ``stop`` ends the read. A key that is past ``final``, or that a lower key
+    follows, is out of order (a changed key: bit rot); ending there would drop every entry after
+    it without a word, so the read goes on and yields it as stored, as an unbounded read does
+    (naming it is :meth:`~events.log.LmdbLog.check_keys`' and the audit's job).
+    """
+    return key <= final and (following is None or following >= key)
+
+
 def runs(pairs: Iterable[tuple[int, bytes]], size: int) -> Iterator[RawChunk]:
     """``(seq, value)`` pairs in seq order as chunks: runs of consecutive seqs, at most ``size`` values each."""
     first, values = 0, list[bytes]()
@@ -113,21 +126,30 @@ def cursor_chunks(cur: lmdb.Cursor, start: int, stop: int | None, size: int) -> 
     end = 1 << 64 if stop is None else stop  # not final + 1: a changed key past it must not end the read
     if not cur.set_range(max(start, 0).to_bytes(8, "big")):
         return
-    before = int.from_bytes(cur.key(), "big") - 1  # the key before the next chunk
+    first = int.from_bytes(cur.key(), "big")
+    before = first - 1  # the key before the next chunk
+    # a chunk's keys did not run on (or the first key is at or past ``end``, or the key after it
+    # does not follow it): read on to a key at or past ``end`` that is in order, judging every
+    # chunk that reaches ``end`` by its keys, as read_raw does
+    suspect = first >= end
+    if cur.next():
+        suspect = suspect or int.from_bytes(cur.key(), "big") != first + 1
+        cur.prev()
+    else:  # the first key is the last: the cursor is put back on it
+        cur.last()
     values_of = cur.iternext(keys=False, values=True)
-    suspect = False  # a chunk's keys did not run on: read on to a key at or past ``end``, as read_raw does
     while suspect or before + 1 < end:
         values = list(itertools.islice(values_of, size))
         if not values:
             return
         # the cursor rests on the last value taken, unless the values ran out
         last = int.from_bytes(cur.key(), "big") if len(values) == size else final
-        if last - before != len(values):  # a gap, or keys out of order: split at the keys
+        if last - before != len(values) or (suspect and last >= end):  # split at the keys
             suspect = True
             pairs = list(zip(keys_back(cur, len(values), len(values) == size), values))
-            below = list(itertools.takewhile(lambda pair: pair[0] < end, pairs))
-            yield from runs(below, size)
-            if len(below) < len(pairs):  # a key at or past ``end``: read_raw stops there too
+            cut = _end_of(pairs, end, final, cur, len(values) == size)
+            yield from runs(pairs[:cut], size)
+            if cut < len(pairs):  # a key at or past ``end``, in order: read_raw stops there too
                 return
         elif last >= end:
             if end - before > 1:
@@ -136,3 +158,24 @@ def cursor_chunks(cur: lmdb.Cursor, start: int, stop: int | None, size: int) -> 
         else:
             yield before + 1, values
         before = last
+
+
+def _end_of(pairs: list[tuple[int, Any]], end: int, final: int, cur: lmdb.Cursor, resting: bool) -> int:
+    """The index of the pair of a chunk (keys read back) whose key ends the read at ``end``
+    (:func:`ends_read`), or ``len(pairs)``. ``resting``: the cursor rests on the last pair's
+    entry (else that entry is the log's last); the key after it is peeked at (and the cursor
+    put back) only when that pair is the one to judge."""
+    for i, (key, _) in enumerate(pairs):
+        if key < end:
+            continue
+        if i + 1 < len(pairs):
+            following: int | None = pairs[i + 1][0]
+        elif not resting or not cur.next():  # the log's last entry: nothing follows
+            following = None
+        else:
+            following = int.from_bytes(cur.key(), "big")
+            cur.prev()
+        if ends_read(key, final, following):
+            return i
+    return len(pairs)
+

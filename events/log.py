@@ -35,7 +35,7 @@ from pathlib import Path
 
 import lmdb
 
-from events.chunks import RawChunk, StoredPairs, cursor_chunks
+from events.chunks import RawChunk, StoredPairs, cursor_chunks, ends_read
 from events.errors import EventLogError, LogClosedError, TruncatedLogError
 from events.keys import check_keys
 from events.logbase import EventLog, MemoryLog, LogBase, seq_key  # noqa: F401 (EventLog, MemoryLog: re-exported)
@@ -259,7 +259,11 @@ class LmdbLog(LogBase):
     def read_raw(self, start: int = 0, stop: int | None = None) -> Iterator[tuple[int, bytes]]:
         """Yield ``(seq, raw bytes)`` of stored values in key order, ``start <= seq < stop``.
 
-        Keys are yielded as stored: a gap in the sequence shows as a jump in seq.
+        Keys are yielded as stored: a gap in the sequence shows as a jump in seq. A key out of
+        order (a changed key: bit rot) is yielded as stored too, never taken for the end of the
+        range: a bounded read ends at the first key at or past ``stop`` that is in order
+        (:func:`events.chunks.ends_read`), so no entry after a damaged key is dropped silently.
+        :meth:`check_keys` names such a key.
         """
         if self._closed:
             raise LogClosedError("read on a closed event log")
@@ -268,13 +272,23 @@ class LmdbLog(LogBase):
 
     def _stored(self, txn: lmdb.Transaction, start: int, stop: int | None) -> Iterator[tuple[int, bytes]]:
         cur = txn.cursor(self._events)
+        if stop is None:
+            if cur.set_range(seq_key(max(start, 0))):
+                yield from ((int.from_bytes(key, "big"), value) for key, value in cur)
+            return
+        if not cur.last():
+            return
+        final = int.from_bytes(cur.key(), "big")
         if not cur.set_range(seq_key(max(start, 0))):
             return
-        for key, value in cur:
-            seq = int.from_bytes(key, "big")
-            if stop is not None and seq >= stop:
-                return
-            yield seq, value
+        entries = iter(cur)
+        entry = next(entries, None)
+        while entry is not None:
+            seq, following = int.from_bytes(entry[0], "big"), next(entries, None)
+            if seq >= stop and ends_read(seq, final, None if following is None else int.from_bytes(following[0], "big")):
+                return  # in order: the end of the range (a changed key past it does not end the read)
+            yield seq, entry[1]
+            entry = following
 
     def read_chunks(self, start: int = 0, stop: int | None = None) -> Iterator[RawChunk]:
         """Yield the stored values with ``start <= seq < stop`` as ``(first_seq, values)`` chunks.
@@ -286,7 +300,8 @@ class LmdbLog(LogBase):
         (the cursor walks back over them) and is split where they do not run on, as
         :meth:`read_raw` yields them: no value is dropped or repeated. A changed key
         inside a chunk whose ends still agree is not seen (its values get the seqs of
-        their positions): :meth:`check_keys` reads every key.
+        their positions): :meth:`check_keys` reads every key. A key out of order at or past
+        ``stop`` does not end the read, as in :meth:`read_raw`.
 
         Raises:
             EventLogError: LMDB refused a read (a corrupted page).

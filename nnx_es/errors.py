@@ -12,6 +12,7 @@ __all__ = [
     "EventLogError",
     "InvalidRunIdError",
     "LeaseHeldError",
+    "MissingDirectoryError",
     "NnxError",
     "NoUpdateError",
     "NonFiniteError",
@@ -43,6 +44,10 @@ class UnsafePayloadError(CorruptCheckpointError):
 
 class CheckpointWriteError(NnxError, OSError):
     """A checkpoint or view file could not be made durable."""
+
+
+class MissingDirectoryError(NnxError, FileNotFoundError):
+    """The directory a file was to be written into does not exist (it is never created implicitly)."""
 
 
 class ResumeError(NnxError, RuntimeError):

@@ -1,16 +1,63 @@
-"""What the command-line tools share: exit statuses, a reader that left, whether a run has a live writer."""
+"""What the command-line tools share: exit statuses, how an error is said (also as JSON), a reader
+that left, whether a run has a live writer."""
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
+from collections.abc import Sequence
 from pathlib import Path
+from typing import NoReturn
 
-__all__ = ["EXIT_INTERRUPTED", "EXIT_OK", "EXIT_UNUSABLE", "EXIT_VIOLATIONS", "reader_left", "writer_alive"]
+import msgspec
+
+__all__ = ["EXIT_INTERRUPTED", "EXIT_OK", "EXIT_UNUSABLE", "EXIT_VIOLATIONS", "Parser", "UsageError", "fail",
+           "reader_left", "wants_json", "writer_alive"]
 
 EXIT_OK, EXIT_VIOLATIONS, EXIT_UNUSABLE = 0, 1, 2
 #: Stopped by Ctrl-C (SIGINT): 128 + 2, as a shell reports it.
 EXIT_INTERRUPTED = 130
+
+
+class UsageError(Exception):
+    """A command line :class:`Parser` refused (its message is argparse's)."""
+
+
+class Parser(argparse.ArgumentParser):
+    """An ``ArgumentParser`` whose ``error`` raises :class:`UsageError` instead of exiting, so a tool
+    can also say it as JSON (``--help`` still exits 0)."""
+
+    def error(self, message: str) -> NoReturn:
+        raise UsageError(message)
+
+
+def wants_json(argv: Sequence[str] | None) -> bool:
+    """Whether ``argv`` (``sys.argv[1:]`` when None) asks for ``--json`` (or an abbreviation argparse
+    accepts), read even when the rest of it does not parse."""
+    args = sys.argv[1:] if argv is None else argv
+    return any(len(a) > 2 and "--json".startswith(a) for a in args)
+
+
+def fail(tool: str, message: str, *, error_type: str, as_json: bool, usage: str | None = None,
+         status: int = 2) -> int:
+    """Say why ``tool`` stopped; return ``status`` (2: unusable input, :data:`EXIT_UNUSABLE`).
+
+    Always ``tool: message`` on stderr (a usage error as argparse says it: ``usage``, then
+    ``tool: error: message``); in a ``--json`` mode also one line ``{"error": {"type": error_type,
+    "message": message}}`` on stdout, so a program reading stdout learns why it got nothing (or
+    less) rather than a silence.
+    """
+    if usage is not None:
+        sys.stderr.write(usage)
+    print(f"{tool}: {'error: ' if usage is not None else ''}{message}", file=sys.stderr)
+    if as_json:
+        try:
+            sys.stdout.write(msgspec.json.encode({"error": {"type": error_type, "message": message}}).decode() + "\n")
+            sys.stdout.flush()
+        except BrokenPipeError:
+            reader_left()
+    return status
 
 
 def reader_left() -> None:

@@ -16,7 +16,7 @@ __all__ = ["json_schema", "plot_format_error", "tensorboard_error"]
 def json_schema() -> dict[str, Any]:
     """The JSON Schema (2020-12) of one line of ``inspect RUN_DIR --json``, from the msgspec types.
 
-    Each kind's object is what ``inspect --json`` prints (``nnx_es.cli.inspect._as_json``): ``seq`` (0-based), ``kind``
+    Each kind's object is what ``inspect --json`` prints (``nnx_es.cli.inspect``): ``seq`` (0-based), ``kind``
     (the stable kind name: the stored tag of version N > 1 is ``"<kind>@N"``,
     :mod:`events.schema`, but ``--json`` prints the name and the version apart),
     ``version`` and every field of the struct, defaulted ones too. Only today's
@@ -24,7 +24,8 @@ def json_schema() -> dict[str, Any]:
     A float that is not finite prints as ``null`` (msgspec's JSON has no NaN or
     infinity), so every number may be ``null``. ``$defs.Event`` is the union of
     the kinds, with an OpenAPI ``discriminator`` on ``kind``; ``$defs.Undecodable``
-    is the line printed for a stored value that does not decode.
+    is the line printed for a stored value that does not decode, ``$defs.Error`` the last line
+    printed when inspect fails (a damaged log, an unusable input: ``{"error": {"type", "message"}}``).
     """
     (union,), defs = msgspec.json.schema_components([Union[CURRENT_TYPES]], ref_template="#/$defs/{name}")  # type: ignore[valid-type]
     seq = {"type": "integer", "minimum": 0, "description": "the event's position in the log (0-based)"}
@@ -44,8 +45,16 @@ def json_schema() -> dict[str, Any]:
         "type": "object", "properties": {"seq": seq, "kind": {"type": "null"}, "error": {"type": "string"}},
         "required": ["seq", "kind", "error"], "additionalProperties": False,
     }
+    defs["Error"] = {
+        "title": "Error", "description": "Why inspect stopped or failed (the last line; exit status 2).",
+        "type": "object", "properties": {"error": {
+            "type": "object", "properties": {"type": {"type": "string"}, "message": {"type": "string"}},
+            "required": ["type", "message"], "additionalProperties": False}},
+        "required": ["error"], "additionalProperties": False,
+    }
     return {"$schema": "https://json-schema.org/draft/2020-12/schema", "title": "nnx_es inspect --json line",
-            "anyOf": [{"$ref": "#/$defs/Event"}, {"$ref": "#/$defs/Undecodable"}], "$defs": defs}
+            "anyOf": [{"$ref": "#/$defs/Event"}, {"$ref": "#/$defs/Undecodable"}, {"$ref": "#/$defs/Error"}],
+            "$defs": defs}
 
 
 def _nullable_numbers(node: Any) -> None:

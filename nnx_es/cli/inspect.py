@@ -22,31 +22,42 @@ commands:
 
 An option the command would ignore is refused (e.g. summary --at, --at --kind).
 Tables use rich when stdout is a terminal, plain aligned text otherwise.
-exit status: 0 ok; 2 unusable input (missing directory, not a run, bad or inapplicable
-option, output that cannot be written); 130 interrupted (Ctrl-C).
+exit status: 0 ok; 130 interrupted (Ctrl-C); 2 unusable input (missing directory, not a run,
+bad or inapplicable option, output that cannot be written or whose directory is missing, a
+damaged log: a key out of place or a page LMDB refuses, named on stderr with where it is).
+With --json, an error is also printed on stdout as {"error": {"type", "message"}}.
 """
 
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
 import msgspec
 
 from events.codec import KINDS, decode
-from events.errors import CorruptEventError, EventLogError
+from events.errors import CorruptEventError, EventLogError, SequenceGapError
 from events.log import LmdbLog
 from events.schema import Event, HistoryAppended, RunFinalized, RunStarted
-from nnx_es.audit import NotARunError, committed_tail, decoded, open_run_log
-from nnx_es.cli._common import EXIT_INTERRUPTED, EXIT_OK, EXIT_UNUSABLE, reader_left, writer_alive
+from nnx_es.audit import NotARunError, open_run_log
+from nnx_es.cli._common import (
+    EXIT_INTERRUPTED,
+    EXIT_OK,
+    EXIT_UNUSABLE,
+    Parser,
+    UsageError,
+    fail,
+    reader_left,
+    wants_json,
+    writer_alive,
+)
+from nnx_es.cli._format import fields, fmt
 from nnx_es.cli._schema import json_schema, plot_format_error, tensorboard_error
-from nnx_es.views import summary as summary_of
-from projections import Projections, project
+from nnx_es.cli.projected import at, summary
 
 __all__ = ["COMMANDS", "json_schema", "main"]
 
@@ -61,7 +72,7 @@ _VALUE_CHARS = 80
 
 def _parser() -> argparse.ArgumentParser:
     title, _, details = (__doc__ or "").partition("\n\n")  # the module docstring is the help
-    parser = argparse.ArgumentParser(prog="inspect", description=title.partition(": ")[2], epilog=details,
+    parser = Parser(prog="inspect", description=title.partition(": ")[2], epilog=details,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("run_dir", type=Path, nargs="?", metavar="RUN_DIR", help="the run directory, runs/<id>")
     parser.add_argument("command", nargs="?", choices=COMMANDS, default="events", help="what to show (default: events)")
@@ -162,47 +173,14 @@ def _kinds(values: list[str]) -> frozenset[str] | None:
 # --- rendering -----------------------------------------------------------------------------
 
 
-def _fmt(value: Any) -> str:
-    """A compact rendering of a field value (floats to 6 significant digits, structs inline)."""
-    if isinstance(value, bool) or value is None:
-        return str(value).lower() if value is not None else "null"
-    if isinstance(value, float):
-        return f"{value:.6g}" if math.isfinite(value) else repr(value)
-    if isinstance(value, msgspec.Struct):
-        shown = list(_fields(value)) or [(f.name, getattr(value, f.name)) for f in msgspec.structs.fields(value)]
-        return "(" + " ".join(f"{k}={_fmt(v)}" for k, v in shown) + ")"
-    if isinstance(value, dict):
-        return "{" + ", ".join(f"{k}: {_fmt(v)}" for k, v in value.items()) + "}"
-    if isinstance(value, (list, tuple)):
-        return "[" + ", ".join(_fmt(v) for v in value) + "]"
-    if isinstance(value, str) and len(value) == 64 and all(c in "0123456789abcdef" for c in value):
-        return value[:12]  # a SHA-256 name
-    return str(value)
-
-
-def _fields(struct: msgspec.Struct) -> Iterator[tuple[str, Any]]:
-    """Non-default fields of ``struct``, in declaration order."""
-    for f in msgspec.structs.fields(struct):
-        value = getattr(struct, f.name)
-        if f.default is not msgspec.NODEFAULT:
-            default = f.default
-        elif f.default_factory is not msgspec.NODEFAULT:
-            default = f.default_factory()
-        else:
-            yield f.name, value  # required
-            continue
-        if value != default:
-            yield f.name, value
-
-
 def _compact(event: Event) -> str:
     parts = []
-    for name, value in _fields(event):
+    for name, value in fields(event):
         if name in _BULKY:
             size = len(value) if hasattr(value, "__len__") else 0
             parts.append(f"{name}=<{size}>")
             continue
-        text = _fmt(value)
+        text = fmt(value)
         if len(text) > _VALUE_CHARS:
             text = text[: _VALUE_CHARS - 3] + "..."
         parts.append(f"{name}={text}")
@@ -254,8 +232,8 @@ def _events(log: LmdbLog, args: argparse.Namespace, kinds: frozenset[str] | None
     table = None if args.json else _Out(out, len(str(max(stop - 1, 0))))
     if table is not None:
         table.header()
-    state = {"shown": 0, "writer_rank": 0, "finalized": False}
-    next_seq = _rows(log, args, kinds, args.start, stop, table, state)
+    state = {"shown": 0, "writer_rank": 0, "finalized": False, "expected": args.start, "broken": False}
+    next_seq = _checked_rows(log, args, kinds, args.start, stop, table, state)
     while args.follow and not state["finalized"] and (args.end is None or next_seq <= args.end):
         if args.limit is not None and state["shown"] >= args.limit:
             break
@@ -263,21 +241,48 @@ def _events(log: LmdbLog, args: argparse.Namespace, kinds: frozenset[str] | None
         time.sleep(args.poll_s)
         end = log.refresh() if args.end is None else min(args.end + 1, log.refresh())
         if end > next_seq:
-            next_seq = _rows(log, args, kinds, next_seq, end, table, state)
+            next_seq = _checked_rows(log, args, kinds, next_seq, end, table, state)
         elif not alive:
             print(f"inspect: no process writes {args.run_dir} any more; stopped following", file=sys.stderr)
             break
         out.flush()
 
 
+def _checked_rows(log: LmdbLog, args: argparse.Namespace, kinds: frozenset[str] | None, start: int, stop: int,
+                  table: _Out | None, state: dict[str, Any]) -> int:
+    """:func:`_rows`, then the damage it met named.
+
+    Raises:
+        EventLogError: LMDB refused a read (a corrupted page), naming the last seq read before it.
+        SequenceGapError: the keys read did not run on (a changed, missing or duplicated key: the
+            rows were printed under their keys as stored), naming the first damaged key of the log.
+    """
+    try:
+        next_seq = _rows(log, args, kinds, start, stop, table, state)
+    except EventLogError as exc:
+        sys.stdout.flush()
+        read = "before any event" if state["expected"] == args.start else f"after seq {state['expected'] - 1}"
+        raise EventLogError(f"{exc}; the listing stopped {read}") from exc
+    if state["broken"]:
+        sys.stdout.flush()
+        log.check_keys()  # names the first damaged key (the read went on past it, by position)
+    return next_seq
+
+
 def _rows(log: LmdbLog, args: argparse.Namespace, kinds: frozenset[str] | None, start: int, stop: int,
           table: _Out | None, state: dict[str, Any]) -> int:
-    """Print the rows of ``[start, stop)``; return the seq after the last one read."""
+    """Print the rows of ``[start, stop)``; return the seq after the last one read.
+
+    ``state["broken"]`` becomes true when a key read is not the seq due after the one before it.
+    """
     out = sys.stdout
     seq = start - 1
     for seq, raw in log.read_raw(start, stop):
         if args.limit is not None and state["shown"] >= args.limit:
             return seq
+        if seq != state["expected"]:
+            state["broken"] = True
+        state["expected"] = seq + 1
         try:
             event = decode(raw, seq)
         except CorruptEventError as exc:
@@ -308,136 +313,15 @@ def _rows(log: LmdbLog, args: argparse.Namespace, kinds: frozenset[str] | None, 
     return seq + 1
 
 
-def _projected(log: LmdbLog, stop: int) -> tuple[Projections, int]:
-    """The projections of the events in ``[0, stop)`` and their uncommitted tail.
-
-    One pass a chunk at a time, decoding the frequent kinds partially, as the runtime
-    projects (:func:`projections.project`); a log holding a value that does not decode
-    is projected again without it. The tail is read back from the end
-    (:func:`nnx_es.audit.committed_tail`, about one epoch).
-    """
-    try:
-        p = project(log.read(0, stop))
-    except CorruptEventError:
-        p = project(decoded(log, 0, stop))
-    return p, committed_tail(log, stop)
-
-
-def _at(log: LmdbLog, seq: int, as_json: bool) -> None:
-    """Every projection after folding the committed view of the log up to ``seq`` (time travel)."""
-    stop = min(seq + 1, log.next_seq)
-    p, tail = _projected(log, stop)
-    last = p.checkpoints.last
-    doc = {
-        "at": seq,
-        "events": stop,
-        "tail": tail,
-        "checkpoint": None if last is None else msgspec.to_builtins(last),
-        "projections": msgspec.to_builtins(p),
-    }
-    if as_json:
-        sys.stdout.write(msgspec.json.encode(doc).decode() + "\n")
-        return
-    where = "no committed checkpoint yet" if last is None else f"LAST epoch {last.epoch} step {last.step} manifest {last.manifest}"
-    sys.stdout.write(f"at seq {seq}: {stop} events read, {tail} uncommitted; corresponds to {where}\n")
-    for name in ("status", "counters", "checkpoints", "schedulers"):
-        sys.stdout.write(f"{name:<12} {_fmt(getattr(p, name))}\n")
-    for r in p.history.records:
-        sys.stdout.write(f"{'history':<12} epoch {r.epoch}: {_fmt(r.train)} {_fmt(r.val)} improved={_fmt(r.improved)}\n")
-
-
-#: Statuses of a run not finalized ("new": events, none committed yet, as the summary reads the committed view).
-_UNFINISHED = frozenset({"new", "running", "failing"})
-
-
-def _summary(log: LmdbLog, run_dir: Path, as_json: bool) -> None:
-    alive = writer_alive(run_dir)  # before the log: a writer that finalizes meanwhile is not taken for dead
-    stop = log.next_seq
-    p, tail = _projected(log, stop)
-    doc = {**summary_of(p), "events": stop, "tail": tail, "writer_alive": None, "checksums": _checksums(log, stop)}
-    if stop and p.status.status in _UNFINISHED:  # asked again: a writer resuming it meanwhile counts as alive
-        doc["writer_alive"] = alive or writer_alive(run_dir)
-    if p.history.records:
-        doc["lrs"] = {opt: list(lrs) for opt, lrs in p.history.records[-1].lrs.items()}
-    if as_json:
-        sys.stdout.write(msgspec.json.encode(doc).decode() + "\n")
-        return
-    lines = _summary_lines(doc, run_dir)
-    if sys.stdout.isatty():
-        from rich.console import Console
-        from rich.table import Table
-
-        table = Table(show_header=False, box=None, pad_edge=False)
-        table.add_column(style="bold")
-        table.add_column()
-        for key, value in lines:
-            table.add_row(key, value)
-        Console(highlight=False).print(table)
-    else:
-        width = max(len(k) for k, _ in lines)
-        sys.stdout.write("".join(f"{k:<{width}}  {v}\n" for k, v in lines))
-
-
-def _checksums(log: LmdbLog, stop: int) -> str:
-    """Whether the stored values verify against their CRC-32s (:mod:`events.sums`): the one check of
-    the log's bytes ``summary`` makes (a streamed pass, ~0.2 s a million events); ``tools/replay``
-    names what differs."""
-    bad, uncovered = 0, 0
-    for first, last, problem, _, _ in log.verify_sums(stop):
-        if problem == "uncovered":
-            uncovered += last - first + 1
-        else:
-            bad += 1
-    if bad:
-        return f"{bad} range{'s' if bad != 1 else ''} of values do not verify: run tools/replay"
-    if uncovered and uncovered >= stop:
-        return "not verified: the log was written before checksums existed"
-    return "ok" + (f" ({uncovered} values written before checksums existed are not covered)" if uncovered else "")
-
-
-def _pointer(ptr: dict[str, Any] | None) -> str:
-    if ptr is None:
-        return "-"
-    value = "" if ptr.get("value") is None else f"  value={_fmt(ptr['value'])}"
-    return f"epoch {ptr['epoch']}  step {ptr['step']}  manifest {ptr['manifest'][:12]}{value}"
-
-
-def _summary_lines(doc: dict[str, Any], run_dir: Path) -> list[tuple[str, str]]:
-    status = doc["status"]
-    if doc.get("stop_reason"):
-        status += f" (stop: {doc['stop_reason']})"
-    if doc.get("error_type"):
-        status += f" ({doc['error_type']}: {doc['error']})"
-    if doc.get("writer_alive") is False:
-        status += " (no process on this machine is writing it: killed or crashed? " + (
-            f"resume it with fit(..., resume_from={str(run_dir.resolve())!r}))" if doc["last"] is not None
-            else "it has no checkpoint to resume from)")
-    lines = [
-        ("run", f"{doc['run_id'] or run_dir.name}  ({run_dir})"),
-        ("status", status),
-        ("epochs", f"{doc['epochs']} committed" + (f", last epoch {doc['last_epoch']}" if doc["epochs"] else "")),
-        ("LAST", _pointer(doc["last"])),
-        ("BEST", _pointer(doc["best"])),
-    ]
-    for name, ptr in sorted(doc["phases"].items()):
-        lines.append((f"phase {name}", _pointer(ptr)))
-    for opt, lrs in sorted(doc.get("lrs", {}).items()):
-        lines.append((f"lr {opt}", _fmt(lrs)))
-    for name, s in sorted(doc["schedulers"].items()):
-        plateau = "" if s["plateau"] is None else f"  plateau {_fmt(s['plateau'])}"
-        lines.append((f"scheduler {name}", f"{s['clock']}  steps {s['steps']}  lrs {_fmt(s['lrs'])}{plateau}"))
-    lines.append(("counters", " ".join(f"{k}={v}" for k, v in doc["counters"].items())))
-    if doc.get("resumes"):
-        lines.append(("resumes", str(doc["resumes"])))
-    lines.append(("events", str(doc["events"])))
-    lines.append(("checksums", doc["checksums"]))
-    lines.append(("tail", f"{doc['tail']} uncommitted event{'s' if doc['tail'] != 1 else ''}"))
-    return lines
-
-
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run ``inspect``; return the exit status."""
+    """Run ``inspect``; return the exit status.
+
+    Every error is said on stderr and, in a ``--json`` mode, also as one JSON object on stdout
+    (:func:`nnx_es.cli._common.fail`); a damaged log (a key out of place, a page LMDB refuses) is
+    an error (exit 2) naming where, never a shorter listing or projection that exits 0.
+    """
     parser = _parser()
+    as_json = wants_json(argv)
     try:
         args = parser.parse_intermixed_args(argv)
         _check_applicable(parser, args)
@@ -445,72 +329,114 @@ def main(argv: Sequence[str] | None = None) -> int:
             parser.error(why)
         if args.command == "export" and args.tensorboard is not None and (why := tensorboard_error(args.tensorboard)):
             parser.error(why)
-    except SystemExit as exc:  # argparse exits 2 on a usage error, 0 on --help
-        return int(exc.code) if isinstance(exc.code, int) else EXIT_UNUSABLE
-    try:
         kinds = _kinds(args.kind)
-    except ValueError as exc:
-        print(f"inspect: {exc}", file=sys.stderr)
-        return EXIT_UNUSABLE
+    except SystemExit as exc:  # --help
+        return int(exc.code) if isinstance(exc.code, int) else EXIT_UNUSABLE
+    except UsageError as exc:  # refusing --json itself (a mode without it, e.g. plot --json): not a --json mode
+        return fail("inspect", str(exc), error_type="UsageError", usage=parser.format_usage(),
+                    as_json=as_json and not str(exc).startswith("argument --json:"))
+    except ValueError as exc:  # an unknown --kind
+        return fail("inspect", str(exc), error_type="UsageError", as_json=as_json)
     args.poll_s = 0.5
     args.start = args.start or 0
-    if args.end is not None and args.end < args.start:
-        print(f"inspect: --to {args.end} is before --from {args.start}", file=sys.stderr)
-        return EXIT_UNUSABLE
+    if (why := _missing_argument(args)) is not None:
+        return fail("inspect", why, error_type="UsageError", as_json=as_json)
     if args.schema:
         sys.stdout.write(msgspec.json.format(msgspec.json.encode(json_schema())).decode() + "\n")
         return EXIT_OK
-    if args.run_dir is None:
-        print("inspect: RUN_DIR is required (or --schema)", file=sys.stderr)
-        return EXIT_UNUSABLE
-    if args.command == "plot" and args.out is None:
-        print("inspect: plot needs --out FILE (its extension names the format: .png, .pdf, .svg, ...)",
-              file=sys.stderr)
-        return EXIT_UNUSABLE
-    if args.command == "export" and args.tensorboard is None:
-        print("inspect: export needs --tensorboard DIR", file=sys.stderr)
-        return EXIT_UNUSABLE
     try:
         log = open_run_log(args.run_dir)
     except (NotARunError, EventLogError) as exc:
-        print(f"inspect: {exc}", file=sys.stderr)
-        return EXIT_UNUSABLE
+        return fail("inspect", str(exc), error_type=type(exc).__name__, as_json=as_json)
     try:
-        if args.command == "summary":
-            _summary(log, args.run_dir, args.json)
-        elif args.command == "plot":
-            from nnx_es.report import plot_run
-
-            log.close()  # the report opens the log itself (LMDB allows one handle per process)
-            try:
-                print(f"wrote {plot_run(args.run_dir, args.out)}")
-            except (OSError, ImportError, RuntimeError) as exc:  # RuntimeError: .pgf without a TeX system
-                print(f"inspect: cannot write the plot to {args.out}: {exc}", file=sys.stderr)
-                return EXIT_UNUSABLE
-        elif args.command == "export":
-            from nnx_es.report import export_tensorboard
-
-            log.close()
-            try:
-                n = export_tensorboard(args.run_dir, args.tensorboard)
-            except (OSError, ImportError) as exc:
-                print(f"inspect: cannot export to {args.tensorboard}: {exc}", file=sys.stderr)
-                return EXIT_UNUSABLE
-            print(f"wrote {n} scalars to {args.tensorboard}")
-        elif args.at is not None:
-            _at(log, args.at, args.json)
-        else:
-            _events(log, args, kinds)
-        sys.stdout.flush()
+        return _run(log, args, kinds)
     except BrokenPipeError:
         reader_left()
     except KeyboardInterrupt:  # Ctrl-C, above all to end --follow: no traceback
         return EXIT_INTERRUPTED
+    except SequenceGapError as exc:
+        return fail("inspect", _damaged(args, exc), error_type=type(exc).__name__, as_json=as_json)
     except EventLogError as exc:
-        print(f"inspect: {exc}", file=sys.stderr)
-        return EXIT_UNUSABLE
+        return fail("inspect", f"{exc}; run tools/replay {args.run_dir} to audit the whole log",
+                    error_type=type(exc).__name__, as_json=as_json)
     finally:
         log.close()
+    return EXIT_OK
+
+
+def _missing_argument(args: argparse.Namespace) -> str | None:
+    """Why the arguments cannot be run (an argument missing, a range backwards), or None."""
+    if args.end is not None and args.end < args.start:
+        return f"--to {args.end} is before --from {args.start}"
+    if args.schema:
+        return None
+    if args.run_dir is None:
+        return "RUN_DIR is required (or --schema)"
+    if args.command == "plot" and args.out is None:
+        return "plot needs --out FILE (its extension names the format: .png, .pdf, .svg, ...)"
+    if args.command == "plot":
+        from nnx_es.plotting import missing_parent
+
+        return missing_parent(args.out)
+    if args.command == "export" and args.tensorboard is None:
+        return "export needs --tensorboard DIR"
+    return None
+
+
+def _damaged(args: argparse.Namespace, exc: SequenceGapError) -> str:
+    """What ``inspect`` says of a log whose keys are damaged."""
+    if args.command == "events" and args.at is None:
+        done = "the events were listed by position, each under its key as stored"
+    else:
+        done = f"no {'summary' if args.command == 'summary' else args.command if args.at is None else 'projection'} " \
+               "is made from a log whose keys are damaged"
+    return (f"the event log of {args.run_dir} is damaged at seq {exc.expected}: {exc}; {done}; "
+            f"run tools/replay {args.run_dir} to audit the whole log")
+
+
+def _run(log: LmdbLog, args: argparse.Namespace, kinds: frozenset[str] | None) -> int:
+    """Run the command on the opened ``log``; return the exit status.
+
+    The commands that fold the log (summary, --at, plot, export) first check its keys
+    (:meth:`~events.log.LmdbLog.check_keys`, a key-only pass): a projection over a damaged key
+    could be silently wrong.
+
+    Raises:
+        SequenceGapError: a key of the log is out of place (for --at: at or before SEQ).
+        EventLogError: LMDB refused a read.
+    """
+    if args.command != "events" or args.at is not None:
+        try:
+            log.check_keys()
+        except SequenceGapError as exc:
+            if args.at is None or exc.expected <= args.at:
+                raise
+    if args.command == "summary":
+        summary(log, args.run_dir, args.json)
+    elif args.command == "plot":
+        from nnx_es.plotting import plot_run
+
+        log.close()  # the plot opens the log itself (LMDB allows one handle per process)
+        try:
+            print(f"wrote {plot_run(args.run_dir, args.out)}")
+        except (OSError, ImportError, RuntimeError) as exc:  # RuntimeError: .pgf without a TeX system
+            print(f"inspect: cannot write the plot to {args.out}: {exc}", file=sys.stderr)
+            return EXIT_UNUSABLE
+    elif args.command == "export":
+        from nnx_es.plotting import export_tensorboard
+
+        log.close()
+        try:
+            n = export_tensorboard(args.run_dir, args.tensorboard)
+        except (OSError, ImportError) as exc:
+            print(f"inspect: cannot export to {args.tensorboard}: {exc}", file=sys.stderr)
+            return EXIT_UNUSABLE
+        print(f"wrote {n} scalars to {args.tensorboard}")
+    elif args.at is not None:
+        at(log, args.at, args.json)
+    else:
+        _events(log, args, kinds)
+    sys.stdout.flush()
     return EXIT_OK
 
 

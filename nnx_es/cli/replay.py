@@ -2,7 +2,8 @@
 
 Exit status: 0 when every invariant holds, 1 when any is violated (each
 violation is named: event seq, invariant, expected, found), 2 when the input
-is unusable (missing directory, not a run, unreadable log).
+is unusable (missing directory, not a run, unreadable log); with ``--json`` such an error is
+also printed on stdout as ``{"error": {"type", "message"}}``.
 """
 
 from __future__ import annotations
@@ -15,7 +16,17 @@ from pathlib import Path
 import msgspec
 
 from events.errors import EventLogError
-from nnx_es.cli._common import EXIT_INTERRUPTED, EXIT_OK, EXIT_UNUSABLE, EXIT_VIOLATIONS, reader_left
+from nnx_es.cli._common import (
+    EXIT_INTERRUPTED,
+    EXIT_OK,
+    EXIT_UNUSABLE,
+    EXIT_VIOLATIONS,
+    Parser,
+    UsageError,
+    fail,
+    reader_left,
+    wants_json,
+)
 from nnx_es.audit import INVARIANTS, AuditReport, NotARunError, audit_run
 
 __all__ = ["main", "render"]
@@ -23,7 +34,7 @@ __all__ = ["main", "render"]
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="replay",
         description="Replay a run's event log and check the invariants of docs/INVARIANTS.md "
         "(exit 0: all hold, 1: violations, 2: unusable input).",
@@ -51,16 +62,23 @@ def render(report: AuditReport) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run ``replay``; return the exit status."""
+    """Run ``replay``; return the exit status.
+
+    An error (a usage error, an unusable input) is said on stderr and, with ``--json``, also as
+    one JSON object ``{"error": {"type", "message"}}`` on stdout (:func:`nnx_es.cli._common.fail`).
+    """
+    parser = _parser()
+    as_json = wants_json(argv)
     try:
-        args = _parser().parse_args(argv)
-    except SystemExit as exc:  # argparse exits 2 on a usage error, 0 on --help
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # --help
         return int(exc.code) if isinstance(exc.code, int) else EXIT_UNUSABLE
+    except UsageError as exc:
+        return fail("replay", str(exc), error_type="UsageError", as_json=as_json, usage=parser.format_usage())
     try:
         report = audit_run(args.run_dir)
     except (NotARunError, EventLogError) as exc:
-        print(f"replay: {exc}", file=sys.stderr)
-        return EXIT_UNUSABLE
+        return fail("replay", str(exc), error_type=type(exc).__name__, as_json=as_json)
     except KeyboardInterrupt:  # Ctrl-C on a long audit: no traceback
         return EXIT_INTERRUPTED
     try:

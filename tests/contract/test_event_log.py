@@ -350,6 +350,29 @@ class TestLmdbLog(EventLogContract):
             with pytest.raises(SequenceGapError, match=f"changed key: key {new} follows key 9 and precedes key 11"):
                 lg.check_keys()
 
+    @pytest.mark.parametrize("new", [1 << 40, 15, 19], ids=lambda k: f"key 10 -> {k}")
+    def test_a_bounded_read_does_not_end_at_a_changed_key_past_its_stop(self, tmp_path: Path, new: int) -> None:
+        """Bit rot turned key 10 into a key at or past ``stop``: the read goes on by position (the
+        entries after it are not dropped silently) and ends at the first key past ``stop`` in order."""
+        path = tmp_path / "events.lmdb"
+        with LmdbLog(path) as lg:
+            for e in _mixed(20):
+                lg.append(e)
+            lg.flush()
+        change_key(path, 10, new)
+        with LmdbLog(path, readonly=True) as lg:
+            for start, stop in [(0, 20), (0, 14), (4, 12), (10, 20)]:
+                want = [*range(start, 10), new, *range(11, stop)] if start <= 10 else [*range(start, stop)]
+                raw = list(lg.read_raw(start, stop))
+                assert [s for s, _ in raw] == want, (start, stop)
+                for size in (2, 3, 4, 7, 64):  # the same values (a key inside a chunk may read as its place)
+                    lg.read_chunk = size
+                    assert [v for _, values in lg.read_chunks(start, stop) for v in values] == [v for _, v in raw]
+                lg.read_chunk = 1  # every key a chunk boundary: the seqs are the keys, as read_raw yields them
+                flat = [(first + i, v) for first, values in lg.read_chunks(start, stop) for i, v in enumerate(values)]
+                assert flat == raw, (start, stop)
+                assert [s for s, _ in lg.read(start, stop)] == want
+
     def test_reopen_sees_same_events_and_continues_sequence(self, tmp_path: Path) -> None:
         path = tmp_path / "events.lmdb"
         events = _mixed(6)

@@ -13,7 +13,7 @@ from logkit import logs, memory_log
 
 from bench.logbench import long_run_log
 from events.schema import HistoryAppended, UpdateCommitted
-from nnx_es.report import Envelope, _committed_curves, export_tensorboard, run_curves
+from nnx_es.plotting import Envelope, _committed_curves, export_tensorboard, run_curves
 from projections import committed, project
 
 

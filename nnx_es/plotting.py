@@ -33,9 +33,10 @@ from events.schema import (
     RunResumed,
     UpdateCommitted,
 )
+from nnx_es.errors import MissingDirectoryError
 from projections.view import MicrobatchRequired, committed
 
-__all__ = ["PLOT_BUCKETS", "Envelope", "export_tensorboard", "plot_run", "run_curves"]
+__all__ = ["PLOT_BUCKETS", "Envelope", "export_tensorboard", "missing_parent", "plot_run", "run_curves"]
 
 #: most buckets of steps the plot's per-update loss is drawn with (a min and a max each)
 PLOT_BUCKETS = 4096
@@ -172,12 +173,26 @@ def run_curves(run_dir: str | Path, buckets: int = PLOT_BUCKETS) -> tuple[tuple[
     return history, envelope
 
 
+def missing_parent(out: Path) -> str | None:
+    """Why ``out`` cannot be written because its directory does not exist (naming it), or None."""
+    parent = out.parent
+    if parent.is_dir():
+        return None
+    what = "is not a directory" if parent.exists() else "does not exist"
+    return f"cannot write {str(out)!r}: its directory {str(parent)!r} {what}; create it first or choose another path"
+
+
 def plot_run(run_dir: str | Path, out: str | Path) -> Path:
     """Write a PNG with loss, metric and learning-rate curves, per epoch and per committed update.
 
     Raises:
+        MissingDirectoryError: ``out``'s directory does not exist (it is not created: a mistyped
+            path would otherwise leave the image somewhere unexpected); checked before anything is read.
         ImportError: matplotlib is not installed (``pip install nnx_es[plots]``).
     """
+    out = Path(out)
+    if why := missing_parent(out):
+        raise MissingDirectoryError(why)
     import matplotlib
 
     matplotlib.use("Agg")
@@ -212,8 +227,6 @@ def plot_run(run_dir: str | Path, out: str | Path) -> Path:
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=8)
     fig.suptitle(f"run {Path(run_dir).name}")
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=110)
     plt.close(fig)
     return out
