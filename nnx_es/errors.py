@@ -13,8 +13,10 @@ __all__ = [
     "InvalidRunIdError",
     "LeaseHeldError",
     "NnxError",
+    "RecipeError",
     "ResumeError",
     "UnsafePayloadError",
+    "UnsafeRecipeError",
 ]
 
 
@@ -44,3 +46,13 @@ class CheckpointWriteError(NnxError, OSError):
 
 class ResumeError(NnxError, RuntimeError):
     """A run cannot be resumed from its LAST commit (the reason is named)."""
+
+
+class RecipeError(ConfigError):
+    """A recipe cannot be made or rebuilt: an argument that cannot be recovered, a misspelt
+    keyword, a target that is not importable (the argument or path is named)."""
+
+
+class UnsafeRecipeError(RecipeError):
+    """A recipe names something outside the allowed module prefixes, a private name, or an
+    alias that resolves elsewhere; nothing it names was imported."""
