@@ -131,7 +131,12 @@ def to_spec(obj: Any, *, net: nn.Module | None = None, optimizers: Mapping[str, 
                     f"{name!r}); store it as self.{name} = {name}, or give the class a recipe_kwargs() method"
                 )
     kwargs = {k: _encode(v, f"{where}({k}=...)", net, opts) for k, v in raw.items()}
-    return Recipe(target=target, kwargs=kwargs)
+    return _normal(Recipe(target=target, kwargs=kwargs))
+
+
+def _normal(recipe: Recipe) -> Recipe:
+    """``recipe`` with nested recipes as their JSON mappings: one form, so equal recipes compare equal."""
+    return Recipe(target=recipe.target, kwargs=msgspec.to_builtins(recipe.kwargs))
 
 
 def _weakrefable(obj: Any) -> bool:
@@ -190,7 +195,7 @@ def _optimizer_spec(opt: Optimizer, net: nn.Module | None) -> Recipe:
         groups.append(entry)
     kwargs = {k: _encode(v, f"{target}({k}=...)", net, {}) for k, v in defaults.items()}
     kwargs["params"] = {"@params": [{k: _encode(v, target, net, {}) for k, v in g.items()} for g in groups]}
-    return Recipe(target=target, kwargs=kwargs)
+    return _normal(Recipe(target=target, kwargs=kwargs))
 
 
 # --- recipe -> object --------------------------------------------------------------------
@@ -269,7 +274,7 @@ def _build(recipe: Recipe, allowed: Allowed, context: BuildContext) -> Any:
     check_signature(target, kwargs, recipe.target, partial=False)
     obj = target(**kwargs)
     if _weakrefable(obj):
-        _BUILT[obj] = recipe
+        _BUILT[obj] = _normal(recipe)
     return obj
 
 
