@@ -183,6 +183,11 @@ class RunStarted(Event, frozen=True, kw_only=True, tag="run_started"):
     wall_time_s: float = 0.0
     #: each loader's geometry by role (``"train"``, ``"val"`` when given); None: a run recorded before it was
     loaders: dict[str, LoaderGeometry] | None = None
+    #: the run's spec (``nnx_es.recipes.RunSpec`` as JSON: import paths and constructor keywords) when the
+    #: trainer recorded one (``recipe_required=True``, the ``nnx-es`` CLI); None: none (and every older run)
+    spec: dict[str, Any] | None = None
+    #: SHA-256 of ``spec``'s canonical JSON (sorted keys); "" without a spec
+    spec_hash: str = ""
 
 
 class RunResumed(Event, frozen=True, kw_only=True, tag="run_resumed"):

@@ -16,8 +16,10 @@ from nnx_es.errors import (
     InvalidRunIdError,
     LeaseHeldError,
     NnxError,
+    RecipeError,
     ResumeError,
     UnsafePayloadError,
+    UnsafeRecipeError,
 )
 
 if TYPE_CHECKING:
@@ -84,6 +86,7 @@ __all__ = [
     "NNModel",
     "NnxError",
     "Objective",
+    "RecipeError",
     "ResumeError",
     "RunResult",
     "Scheduler",
@@ -92,6 +95,7 @@ __all__ = [
     "Trainer",
     "TrainingStage",
     "UnsafePayloadError",
+    "UnsafeRecipeError",
     "UpdateHook",
     "default_forward",
     "default_train_step",

@@ -187,6 +187,10 @@ class LambdaCallback(Callback):
     def has(self, hook: str) -> bool:
         return hook in self._hooks
 
+    def recipe_kwargs(self) -> dict[str, Any]:
+        """Its constructor's keywords, for :func:`nnx_es.recipes.to_spec` (the hooks by import path)."""
+        return {"name": self._name, **{hook: getattr(self, hook) for hook in sorted(self._hooks)}}
+
 
 class EarlyStopping(Callback):
     """Stop training after ``patience`` epochs without improvement of the run's monitor.

@@ -17,8 +17,10 @@ __all__ = [
     "NoUpdateError",
     "NonFiniteError",
     "NonFiniteWarning",
+    "RecipeError",
     "ResumeError",
     "UnsafePayloadError",
+    "UnsafeRecipeError",
 ]
 
 
@@ -64,3 +66,13 @@ class NonFiniteWarning(RuntimeWarning):
 
 class NoUpdateError(NnxError, RuntimeError):
     """A run trained microbatches but committed no optimizer update: it does not end "completed"."""
+
+
+class RecipeError(ConfigError):
+    """A recipe cannot be made or rebuilt: an argument that cannot be recovered, a misspelt
+    keyword, a target that is not importable (the argument or path is named)."""
+
+
+class UnsafeRecipeError(RecipeError):
+    """A recipe names something outside the allowed module prefixes, a private name, or an
+    alias that resolves elsewhere; nothing it names was imported."""

@@ -78,8 +78,12 @@ _SUM_PROBLEMS = {
 }
 
 
-def find_resume_point(run_dir: Path, log: EventLog, *, expect_run_id: str | None = None) -> ResumePoint:
+def find_resume_point(run_dir: Path, log: EventLog, *, expect_run_id: str | None = None,
+                      at: int | str | None = None) -> ResumePoint:
     """Locate and verify the LAST commit of the run whose log is ``log``.
+
+    ``at``: another committed LAST than the latest -- its seq, or ``"best"`` (the latest LAST
+    naming BEST's manifest): where a new run forks from (the projections stay the latest's).
 
     Raises:
         ResumeError: the log's keys are not 0, 1, 2, ... (a gap, a duplicate or a key out
@@ -107,6 +111,7 @@ def find_resume_point(run_dir: Path, log: EventLog, *, expect_run_id: str | None
         if event.KIND == "run_resumed":
             boundary = seq
     kept: set[int] = set()
+    lasts: list[tuple[int, LastCommitted]] = []
     for seq, event in committed(events):
         if seq > boundary:
             break
@@ -114,9 +119,19 @@ def find_resume_point(run_dir: Path, log: EventLog, *, expect_run_id: str | None
         proj = fold(proj, seq, event)
         if isinstance(event, LastCommitted):
             last = (seq, event)
+            lasts.append(last)
     if last is None:
         raise ResumeError(f"run at {run_dir} has no committed LAST checkpoint to resume from")
+    if at is not None:
+        last = _chosen_last(run_dir, lasts, at, proj)
     seq, event = last
+    pruned = proj.checkpoints.pruned.get(event.manifest)
+    if pruned is not None:
+        raise ResumeError(
+            f"LAST (seq {seq}, epoch {event.epoch}) is refused: checkpoint retention pruned it ({pruned}); "
+            "start from a kept checkpoint (the latest LAST, or BEST), or train with keep_last=None to keep "
+            "every one; nothing was restored"
+        )
     store = BlobStore(Path(run_dir) / "blobs", log=log)
     try:
         manifest = verify_checkpoint(store, event.manifest, run_id=run_id)
@@ -140,3 +155,25 @@ def find_resume_point(run_dir: Path, log: EventLog, *, expect_run_id: str | None
         projections=proj,
         started=started,
     )
+
+
+def _chosen_last(run_dir: Path, lasts: list[tuple[int, LastCommitted]], at: int | str,
+                 proj: Projections) -> tuple[int, LastCommitted]:
+    """The committed LAST ``at`` names (a seq, or ``"best"``).
+
+    Raises:
+        ResumeError: no committed LAST at that seq (the committed ones named), or no BEST.
+    """
+    if at == "best":
+        best = proj.checkpoints.best
+        chosen = [x for x in lasts if best is not None and x[1].manifest == best.manifest]
+        if not chosen:
+            raise ResumeError(f"run at {run_dir} has no committed BEST checkpoint to start from")
+        return chosen[-1]
+    if isinstance(at, bool) or not isinstance(at, int):
+        raise ResumeError(f"resume_at must be a LAST's seq or 'best', got {at!r}")
+    for x in lasts:
+        if x[0] == at:
+            return x
+    seqs = [s for s, _ in lasts]
+    raise ResumeError(f"run at {run_dir} has no committed LAST at seq {at}; its committed LASTs are at {seqs}")

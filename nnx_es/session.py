@@ -96,6 +96,7 @@ def open_session(
     auto: bool = False,
     declare: Declare,
     world: World | None = None,
+    resume_at: int | str | None = None,
 ) -> Iterator[Session]:
     """Hold the lease and the open log of a run; yield its :class:`Session`.
 
@@ -116,6 +117,8 @@ def open_session(
     if resume_mode not in ("stateful", "weights_only"):
         raise ConfigError(f"resume_mode must be 'stateful' or 'weights_only', got {resume_mode!r}")
     stateful = resume_from is not None and resume_mode == "stateful"
+    if resume_at is not None and (resume_from is None or stateful):  # an older LAST forks a new run
+        raise ConfigError(f"resume_at={resume_at!r} starts a new run from that checkpoint: use resume_mode='weights_only'")
     if resume_from is not None:
         _require_run_dir(Path(resume_from))
         resume_from = Path(resume_from).resolve()  # ".", a symlink: the run itself (its lease, its id)
@@ -186,7 +189,7 @@ def open_session(
                 seed_everything(seed)
                 src = None
                 if resume_from is not None:
-                    src = _load_weights_from(components, resume_from, own=run_dir)
+                    src = _load_weights_from(components, resume_from, own=run_dir, at=resume_at)
                 state = RunState(run_id=run_id, runs_root=runs_root, recorder=Recorder(event_log), store=store,
                                  world=world)
                 opening = declare(run_id, src)
@@ -268,7 +271,7 @@ def _check_same_recipe(components: RunComponents, mine: RunStarted, started: Run
             )
 
 
-def _load_weights_from(components: RunComponents, source: Path, *, own: Path) -> SourceRef:
+def _load_weights_from(components: RunComponents, source: Path, *, own: Path, at: int | str | None = None) -> SourceRef:
     """Load the model weights of ``source``'s verified LAST into ``components``' net; return the
     source reference. ``own``: the new run's directory (never its own source)."""
     if source.resolve() == own.resolve():
@@ -276,7 +279,7 @@ def _load_weights_from(components: RunComponents, source: Path, *, own: Path) ->
     if not (source / "events.lmdb" / "data.mdb").exists():
         raise ResumeError(f"cannot start from {source}: it has no event log; nothing was restored or written")
     with LmdbLog(source / "events.lmdb", readonly=True) as src_log:
-        point = find_resume_point(source, src_log)
+        point = find_resume_point(source, src_log, at=at)
         apply_state(components, load_state(BlobStore(source / "blobs", log=src_log), point.manifest),
                     weights_only=True)
     return SourceRef(run_id=point.run_id, last_seq=point.last_seq, manifest=point.manifest_hash)

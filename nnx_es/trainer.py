@@ -56,6 +56,7 @@ from nnx_es.metrics import check_monitor, evaluate, validate_metrics
 from nnx_es.monitor import Monitor
 from nnx_es.objective import Objective
 from nnx_es.progress import Progress
+from nnx_es.recipes.runspec import record_spec, spec_hash
 from nnx_es.recorder import Recorder
 from nnx_es.result import RunResult, load_result, result_of
 from nnx_es.retention import check_retention
@@ -127,7 +128,9 @@ class Trainer:
             draws (see :mod:`nnx_es.data`); ``False`` iterates every loader as given.
         recipe: your run's configuration as JSON-like builtins (data set, hyperparameters, code
             version); stored verbatim in ``run_started`` so ``tools/inspect`` shows what was run.
-
+        recipe_required / spec: record the run's spec (:mod:`nnx_es.recipes`: import paths and
+            constructor keywords) in ``run_started``, refusing now, named, what cannot be recovered;
+            ``spec``: the ``RunSpec`` this trainer was built from (its data and epochs are recorded).
         nonfinite: what a non-finite loss, gradient or validation metric does: ``"skip"`` the
             update (the default; a :class:`~nnx_es.errors.NonFiniteWarning` each epoch names how
             many were skipped), ``"stop"`` the run at the first one (the epoch ends there and is
@@ -173,6 +176,8 @@ class Trainer:
         batch_gather: bool = True,
         recipe: Mapping[str, Any] | None = None,
         nonfinite: str = "skip",
+        recipe_required: bool = False,
+        spec: Any = None,
     ) -> None:
         if not isinstance(net, nn.Module):
             raise ConfigError(f"net must be a torch.nn.Module, got {type(net).__name__}")
@@ -224,6 +229,15 @@ class Trainer:
                                         callbacks=self.callbacks)
         self.ctx = TrainContext(net=net, optimizers=self.optimizers, schedulers=self.schedulers, monitor=self.monitor,
                                 engine=self.engine, trainer=self)
+        self.spec = record_spec(
+            recipe_required, spec, net=net, optimizers=self.optimizers, objective=self.objective, monitor=self.monitor,
+            metrics=self.metrics, schedulers=self.schedulers, callbacks=self.callbacks, update_hooks=self.update_hooks,
+            hooks=hooks, steps={"train_step_fn": train_step_fn, "eval_step_fn": eval_step_fn,
+                                "trainer_step_fn": trainer_step_fn}, seed=self.seed,
+            settings=dict(validate_every=validate_every, validate_every_steps=validate_every_steps, phase_every=phase_every,
+                          keep_phases=keep_phases, checkpoint_lag=checkpoint_lag, sample_weights=sample_weights,
+                          track_grad_norm=track_grad_norm, batch_gather=batch_gather, keep_last=keep_last,
+                          keep_best=keep_best, nonfinite=nonfinite))
         #: the run of the latest ``fit`` (``None`` before the first)
         self.state: RunState | None = None
 
@@ -271,6 +285,7 @@ class Trainer:
             monitor=self.monitor.spec if self.monitor else None, accumulation=self.engine.accumulation,
             update=UpdateSpec(precision=self.engine.precision, clip_grad_norm=self.engine.clip_grad_norm),
             source=source, wall_time_s=time.time(), loaders=loader_geometries(self.components.loaders),
+            spec=self.spec, spec_hash=spec_hash(self.spec),
         )
 
     # --- the run ------------------------------------------------------------------------
@@ -284,6 +299,7 @@ class Trainer:
         resume_from: str | Path | None = None,
         resume_mode: str = "stateful",
         resume: str | None = None,
+        resume_at: int | str | None = None,
     ) -> RunResult:
         """Train until epoch ``epochs - 1`` (0-based) and return the run.
 
@@ -300,6 +316,8 @@ class Trainer:
                 ``"weights_only"`` starts a new run (this trainer's ``run_id``)
                 from the weights alone and records its source (run id, LAST seq,
                 manifest hash). Semantics: spec 004 "Restart semantics".
+            resume_at: with ``"weights_only"``, the source's checkpoint to start from: the seq of
+                one of its committed LASTs, or ``"best"`` (default: its latest LAST).
 
             resume: ``"auto"``, the one switch a restart script needs: resume this trainer's
                 ``run_id`` statefully when it has a committed LAST, otherwise start it afresh,
@@ -337,7 +355,8 @@ class Trainer:
         self.components.loaders = {"train": train_loader, "val": val_loader}  # their geometry goes in run_started
         callbacks = CallbackList(self.callbacks)
         with open_session(runs_root=self.runs_root, run_id=self.run_id, seed=self.seed, resume_from=resume_from,
-                          resume_mode=resume_mode, auto=resume == "auto", epochs=epochs, components=self.components,
+                          resume_mode=resume_mode, auto=resume == "auto", resume_at=resume_at, epochs=epochs,
+                          components=self.components,
                           declare=self._declare) as session:
             state = self.state = self.ctx.state = session.state
             self.run_id, self.runs_root, self.run_dir = state.run_id, state.runs_root, state.run_dir

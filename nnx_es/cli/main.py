@@ -1,6 +1,7 @@
 """``nnx-es <command>``: the project's command, with sub-commands (also ``python -m nnx_es``).
 
     nnx-es crashtest train.py [--points N] [--seed S] [--jobs J] [-- script arguments]
+    nnx-es init | report | run | resume ...   (training from a spec: nnx_es.cli.train)
 
 ``crashtest`` runs a script that calls ``fit`` itself under crash injection
 (:mod:`nnx_es.testing.script`) and prints the report: exit 0 when every point holds,
@@ -14,6 +15,7 @@ import sys
 from collections.abc import Sequence
 
 from nnx_es.cli._common import EXIT_OK, EXIT_UNUSABLE, EXIT_VIOLATIONS
+from nnx_es.cli.train import add_commands
 
 __all__ = ["main"]
 
@@ -56,6 +58,7 @@ def _parser() -> argparse.ArgumentParser:
     crash.add_argument("--seed", type=int, default=0, help="seed of the draw of the points (default 0)")
     crash.add_argument("--jobs", type=int, default=2, help="points checked side by side (default 2)")
     crash.set_defaults(run=_crashtest)
+    add_commands(sub)
     return parser
 
 

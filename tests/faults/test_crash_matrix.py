@@ -94,7 +94,7 @@ def make_trainer(runs: Path, run_id: str | None, lag: int = 0) -> Trainer:
     return Trainer(
         net, opt, nn.CrossEntropyLoss(), monitor="val_loss", schedulers=[plateau], callbacks=[Tally()],
         accumulation=2, phase_every=1, keep_phases=2, checkpoint_lag=lag, runs_root=runs, run_id=run_id, seed=0,
-        progress=False,
+        progress=False, keep_last=None,  # every checkpoint kept: the reference reads each LAST
     )
 
 

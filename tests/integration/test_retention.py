@@ -119,3 +119,15 @@ def test_kills_before_during_and_after_a_prune_leave_a_resumable_run_that_audits
     report = crash_test(build, epochs=3, points="all", runs_root=tmp_path)
     assert report.ok, report
     assert any("sync" in p for p in report.tried) and len(report.tried) == report.available
+
+
+def test_a_fork_from_a_pruned_last_is_refused_with_the_reason(tmp_path):
+    _, run = _fit(tmp_path, "src", 3)
+    first_last = next(seq for seq, e in read_events(run.run_dir) if e.KIND == "last_committed")
+    net = _wide_net()
+    child = Trainer(net, torch.optim.Adam(net.parameters(), lr=1e-3), nn.CrossEntropyLoss(), monitor="val_loss",
+                    runs_root=tmp_path, run_id="child", progress=False)
+    with pytest.raises(ResumeError, match=r"checkpoint retention pruned it \(keep_last=1\)"):
+        child.fit(*loaders(), epochs=1, resume_from=tmp_path / "src", resume_mode="weights_only",
+                  resume_at=first_last)
+    assert not (tmp_path / "child").exists()

@@ -1,0 +1,356 @@
+"""``nnx-es init | report | run | resume``: training from a spec file (:mod:`nnx_es.recipes.runspec`).
+
+    nnx-es init --out spec.json [--dataset digits|breast_cancer|PATH.npz] [--model mlp] [--lr LR] [--epochs N] ...
+    nnx-es report spec.json [--png lr.png] [--allow PKG]
+    nnx-es run spec.json [--runs-dir runs] [--run-id ID] [--allow PKG]
+    nnx-es resume runs/<id> [--spec spec.json] [--from last|best|SEQ] [--run-id ID] [--epochs N] [--allow PKG]
+
+Exit status: 0 success, 1 the run failed, 2 bad input (one line on stderr naming what was wrong).
+Rebuilding imports only from ``torch``, ``nnx_es`` and the packages ``--allow`` names: the spec
+file, or a stored run, cannot widen that.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from nnx_es.cli._common import EXIT_OK, EXIT_UNUSABLE, EXIT_VIOLATIONS
+from nnx_es.errors import ConfigError, NnxError, ResumeError
+
+__all__ = ["add_commands"]
+
+#: a learning rate outside this range is reported as unusual
+LR_RANGE = (1e-6, 1.0)
+
+
+class BadInput(Exception):
+    """Exit 2 with this one-line message."""
+
+
+def _say(command: str, exc: BaseException) -> None:
+    print(f"nnx-es {command}: {' '.join(str(exc).split())}", file=sys.stderr)
+
+
+def _allowed(args: argparse.Namespace) -> Any:
+    from nnx_es.recipes import Allowed
+
+    return Allowed(args.allow or ())
+
+
+def _load(path: str) -> Any:
+    from nnx_es.recipes.runspec import load_spec
+
+    return load_spec(path)
+
+
+# --- init ----------------------------------------------------------------------------------
+
+
+def _init(args: argparse.Namespace) -> int:
+    from nnx_es.recipes.runspec import scaffold
+
+    out = Path(args.out)
+    if out.exists() and not args.force:
+        raise BadInput(f"--out {str(out)!r} already exists (pass --force to overwrite)")
+    hidden = tuple(int(h) for h in args.hidden.split(",") if h)
+    spec = scaffold(dataset=args.dataset, model=args.model, lr=args.lr, epochs=args.epochs, seed=args.seed,
+                    batch_size=args.batch_size, hidden=hidden, val_fraction=args.val_fraction)
+    out.write_bytes(msgspec.json.format(msgspec.json.encode(spec), indent=2) + b"\n")
+    print(f"wrote {out}: {args.model} on {args.dataset}, {args.epochs} epochs; next: nnx-es report {out}")
+    return EXIT_OK
+
+
+# --- report --------------------------------------------------------------------------------
+
+
+def _kw(recipe: Any) -> dict[str, Any]:
+    return dict(recipe.kwargs) if recipe is not None else {}
+
+
+def _short(target: str) -> str:
+    return target.rsplit(":", 1)[-1]
+
+
+def plan_warnings(spec: Any) -> list[str]:
+    """The common mistakes ``report`` warns about, one line each."""
+    warnings = []
+    monitor = _kw(spec.monitor)
+    data = _kw(spec.data)
+    no_val = spec.data is None or (spec.data.target.endswith(":tabular") and not data.get("val_fraction", 0.2))
+    if spec.monitor is not None and str(monitor.get("name", "")).startswith("val_") and no_val:
+        warnings.append(f"monitor {monitor.get('name')!r} watches validation, but the data has no validation split")
+    for s in spec.schedulers:
+        inner = s.kwargs.get("scheduler")
+        if isinstance(inner, dict) and str(inner.get("target", "")).endswith("ReduceLROnPlateau"):
+            mode = inner.get("kwargs", {}).get("mode", "min")
+            if spec.monitor is not None and mode != monitor.get("mode", "min"):
+                warnings.append(f"scheduler {s.kwargs.get('name')!r}: ReduceLROnPlateau mode {mode!r} disagrees with "
+                                f"the monitor's mode {monitor.get('mode', 'min')!r}")
+            if spec.monitor is None:
+                warnings.append(f"scheduler {s.kwargs.get('name')!r}: ReduceLROnPlateau without a monitor")
+    for name, o in spec.optimizers.items():
+        lrs = [o.kwargs.get("lr")]
+        groups = o.kwargs.get("params", {})
+        if isinstance(groups, dict) and isinstance(groups.get("@params"), list):
+            lrs += [g.get("lr") for g in groups["@params"]]
+        for lr in lrs:
+            if isinstance(lr, (int, float)) and not LR_RANGE[0] <= lr <= LR_RANGE[1]:
+                warnings.append(f"optimizer {name!r}: learning rate {lr:g} is far outside the usual range "
+                                f"[{LR_RANGE[0]:g}, {LR_RANGE[1]:g}]")
+    if "keep_last" in spec.trainer and spec.trainer["keep_last"] is None:
+        warnings.append("no checkpoint retention: keep_last is null, so every checkpoint a LAST names is kept and "
+                        "the run grows each epoch (set trainer.keep_last, e.g. 1)")
+    if spec.trainer.get("phase_every") is not None and spec.trainer.get("keep_phases") is None:
+        warnings.append("phase checkpoints are never rotated: keep_phases is unset")
+    if spec.epochs < 1:
+        warnings.append(f"epochs is {spec.epochs}: nothing will be trained")
+    return warnings
+
+
+def _updates_per_epoch(spec: Any) -> tuple[int, bool]:
+    """(optimizer updates per epoch, whether that is known) -- from the data recipe's size, no loading."""
+    from nnx_es.recipes.data import BUILTIN_DATASETS
+
+    if spec.data is None or not spec.data.target.endswith("nnx_es.recipes.data:tabular"):
+        return 1, False
+    kw = _kw(spec.data)
+    rows = {"digits": 1797, "breast_cancer": 569}.get(kw.get("dataset", "digits"))
+    if rows is None or kw.get("dataset") not in BUILTIN_DATASETS:
+        return 1, False
+    train = rows - int(kw.get("val_fraction", 0.2) * rows)
+    accumulation = next((h.kwargs.get("steps", 1) for h in spec.hooks if h.target.endswith(":GradientAccumulation")), 1)
+    return max(1, math.ceil(math.ceil(train / kw.get("batch_size", 32)) / accumulation)), True
+
+
+def lr_curve(spec: Any, allowed: Any) -> tuple[dict[str, list[float]], int]:
+    """Each optimizer's first group's learning rate at every planned update, and updates per epoch.
+
+    Builds the model, optimizers and schedulers (no data); a plateau scheduler is drawn as if
+    the monitor improved every epoch (it never reduces).
+    """
+    from nnx_es.recipes import BuildContext, Recipe, from_spec
+
+    net = from_spec(spec.model, allowed=allowed)
+    ctx = BuildContext(net=net)
+    for name, r in spec.optimizers.items():
+        if "params" not in r.kwargs:
+            r = Recipe(target=r.target, kwargs={**r.kwargs, "params": {"@params": None}})
+        ctx.optimizers[name] = from_spec(r, allowed=allowed, context=ctx)
+    schedulers = [from_spec(r, allowed=allowed, context=ctx) for r in spec.schedulers]
+    per_epoch, _ = _updates_per_epoch(spec)
+    curves: dict[str, list[float]] = {name: [] for name in ctx.optimizers}
+    for _epoch in range(max(spec.epochs, 0)):
+        for _ in range(per_epoch):
+            for name, opt in ctx.optimizers.items():
+                curves[name].append(float(opt.param_groups[0]["lr"]))
+                opt.step()
+            for s in schedulers:
+                if getattr(s, "clock", "epoch") == "optimizer_update":
+                    s.scheduler.step()
+        for s in schedulers:
+            if getattr(s, "clock", "epoch") == "epoch" and not getattr(s, "plateau", False):
+                s.scheduler.step()
+    return curves, per_epoch
+
+
+def _report(args: argparse.Namespace) -> int:
+    spec = _load(args.spec)
+    allowed = _allowed(args)
+    from nnx_es.recipes.runspec import validate_spec
+
+    validate_spec(spec, allowed)
+    print(f"spec {args.spec}: valid (imports allowed from {', '.join(allowed.prefixes)})")
+    print(f"model       {spec.model.target}  {_fmt(spec.model.kwargs)}")
+    for name, o in spec.optimizers.items():
+        groups = o.kwargs.get("params", {})
+        n = len(groups["@params"]) if isinstance(groups, dict) and isinstance(groups.get("@params"), list) else 1
+        print(f"optimizer   {name}: {_short(o.target)} lr={o.kwargs.get('lr', 'default')}, {n} parameter group(s)")
+    for s in spec.schedulers:
+        inner = s.kwargs.get("scheduler", {})
+        inner_kw = {k: v for k, v in inner.get("kwargs", {}).items() if k != "optimizer"}
+        opt = inner.get("kwargs", {}).get("optimizer", {}).get("@optimizer", "?")
+        print(f"scheduler   {s.kwargs.get('name')}: {_short(inner.get('target', '?'))} on {opt}, clock "
+              f"{s.kwargs.get('clock', 'epoch')}  {_fmt(inner_kw)}")
+    print(f"loss        {_short(spec.loss.target)}  {_fmt(spec.loss.kwargs)}")
+    for c in spec.callbacks:
+        print(f"callback    {_short(c.target)}  {_fmt(c.kwargs)}")
+    for h in spec.hooks:
+        print(f"hook        {_short(h.target)}  {_fmt(h.kwargs)}")
+    m = _kw(spec.monitor)
+    print(f"monitor     {m.get('name')} (mode {m.get('mode', 'min')}, min_delta {m.get('min_delta', 0.0)})"
+          if spec.monitor else "monitor     none: no BEST, no plateau, no early stopping")
+    t = spec.trainer
+    print(f"cadences    validate every {t.get('validate_every', 1)} epoch(s)"
+          f"{', every %s updates' % t['validate_every_steps'] if t.get('validate_every_steps') else ''}; "
+          f"phase every {t.get('phase_every')} epoch(s), keep {t.get('keep_phases')}; "
+          f"checkpoint_lag {t.get('checkpoint_lag', 0)}")
+    print(f"run         {spec.epochs} epochs, seed {spec.seed}, metrics {spec.metrics}; data "
+          f"{_short(spec.data.target) + ' ' + _fmt(spec.data.kwargs) if spec.data else 'none'}")
+    for w in plan_warnings(spec):
+        print(f"warning: {w}")
+    png = Path(args.png) if args.png else Path(args.spec).with_suffix(".lr.png")
+    curves, per_epoch = lr_curve(spec, allowed)
+    known = _updates_per_epoch(spec)[1]
+    _plot(curves, png, per_epoch, known)
+    print(f"learning-rate preview: {png} ({sum(map(len, curves.values())) // max(len(curves), 1)} planned updates, "
+          f"{per_epoch} per epoch{'' if known else ' (unknown: one per epoch drawn)'})")
+    return EXIT_OK
+
+
+def _fmt(kwargs: dict[str, Any]) -> str:
+    text = msgspec.json.encode({k: v for k, v in kwargs.items() if k != "params"}).decode()
+    return text if len(text) < 120 else text[:117] + "..."
+
+
+def _plot(curves: dict[str, list[float]], png: Path, per_epoch: int, known: bool) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise BadInput("the learning-rate preview needs matplotlib: pip install 'nnx_es[plots]'") from None
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    for name, lrs in curves.items():
+        ax.plot(range(len(lrs)), lrs, label=name)
+    ax.set_xlabel("optimizer update" + ("" if known else " (one per epoch: batches unknown)"))
+    ax.set_ylabel("learning rate")
+    ax.set_title(f"planned learning rate ({per_epoch} updates/epoch; plateau drawn as always improving)",
+                 fontsize=8)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(png)
+    plt.close(fig)
+
+
+# --- run / resume ----------------------------------------------------------------------------
+
+
+def _train(built: Any, command: str, **fit: Any) -> int:
+    try:
+        run = built.trainer.fit(built.train_loader, built.val_loader, epochs=fit.pop("epochs", built.epochs), **fit)
+    except (ConfigError, ResumeError) as exc:
+        raise BadInput(str(exc)) from None
+    except Exception as exc:  # the run failed: it is recorded in its log
+        _say(command, f"the run failed: {type(exc).__name__}: {exc}")
+        return EXIT_VIOLATIONS
+    best = f", BEST epoch {run.best.epoch}" if run.best else ""
+    print(f"run {run.run_id} {run.status}: {len(run.history)} epochs committed, {run.counters.step} updates{best}")
+    print(f"  {run.run_dir}  (audit: nnx-replay {run.run_dir}; continue: nnx-es resume {run.run_dir})")
+    return EXIT_OK if run.status in ("completed", "stopped") else EXIT_VIOLATIONS
+
+
+def _run(args: argparse.Namespace) -> int:
+    from nnx_es.recipes.runspec import build_run
+
+    spec = _load(args.spec)
+    built = build_run(spec, allowed=_allowed(args), runs_root=args.runs_dir, run_id=args.run_id)
+    return _train(built, "run")
+
+
+def stored_spec(run_dir: Path) -> Any:
+    """The spec a run recorded in its ``run_started`` (None when it recorded none)."""
+    from events.log import LmdbLog
+    from events.schema import RunStarted
+    from nnx_es.recipes.runspec import decode_spec
+
+    if not (run_dir / "events.lmdb").is_dir():
+        raise BadInput(f"{str(run_dir)!r} is not a run directory (no events.lmdb)")
+    with LmdbLog(run_dir / "events.lmdb", readonly=True) as log:
+        first = next(iter(log.read()), None)
+    if first is None or not isinstance(first[1], RunStarted):
+        raise BadInput(f"{str(run_dir)!r}: its log does not start with run_started")
+    return decode_spec(first[1].spec) if first[1].spec is not None else None
+
+
+def _resume(args: argparse.Namespace) -> int:
+    from nnx_es.recipes.runspec import build_run
+
+    run_dir = Path(args.run_dir).resolve()
+    spec = _load(args.spec) if args.spec else stored_spec(run_dir)
+    if spec is None:
+        raise BadInput(f"run {run_dir.name!r} recorded no spec (it was not run with recipe_required): pass --spec")
+    epochs = args.epochs if args.epochs is not None else spec.epochs
+    allowed = _allowed(args)
+    if args.from_ == "last":
+        if args.run_id not in (None, run_dir.name):
+            raise BadInput(f"--run-id {args.run_id!r}: resuming from LAST continues run {run_dir.name!r}; "
+                           "--from best|SEQ forks a new run")
+        built = build_run(spec, allowed=allowed, runs_root=run_dir.parent, run_id=run_dir.name)
+        return _train(built, "resume", epochs=epochs, resume_from=run_dir)
+    at: int | str = "best" if args.from_ == "best" else int(args.from_)
+    run_id = args.run_id or f"{run_dir.name}-from-{at}"
+    built = build_run(spec, allowed=allowed, runs_root=run_dir.parent, run_id=run_id)
+    return _train(built, "resume", epochs=epochs, resume_from=run_dir, resume_mode="weights_only", resume_at=at)
+
+
+def _from(text: str) -> str:
+    if text in ("last", "best") or text.isdigit():
+        return text
+    raise argparse.ArgumentTypeError(f"--from takes 'last', 'best' or a LAST's seq, got {text!r}")
+
+
+def _guarded(command: str, fn: Any) -> Any:
+    def run(args: argparse.Namespace) -> int:
+        try:
+            return int(fn(args))
+        except (BadInput, NnxError, OSError) as exc:
+            _say(command, exc)
+            return EXIT_UNUSABLE
+    return run
+
+
+def add_commands(sub: Any) -> None:
+    """Add ``init``, ``report``, ``run`` and ``resume`` to the ``nnx-es`` sub-parsers ``sub``."""
+    allow = {"action": "append", "metavar": "PKG", "default": [],
+             "help": "also allow recipes to import from package PKG (repeatable; default: torch, nnx_es)"}
+    p = sub.add_parser("init", help="write a complete spec that runs as is",
+                       description="Scaffold a spec: an MLP on a tabular data set, Adam, ReduceLROnPlateau, "
+                       "EarlyStopping and BEST on val_loss.")
+    p.add_argument("--out", required=True, help="the spec file to write (JSON)")
+    p.add_argument("--dataset", default="digits", help="digits, breast_cancer or a .npz file with arrays x, y")
+    p.add_argument("--model", default="mlp", help="mlp (default)")
+    p.add_argument("--hidden", default="128", help="hidden widths, comma-separated (default 128)")
+    p.add_argument("--lr", type=float, default=3e-3, help="Adam's learning rate (default 3e-3)")
+    p.add_argument("--epochs", type=int, default=20, help="epoch budget (default 20)")
+    p.add_argument("--batch-size", type=int, default=32, help="training batch size (default 32)")
+    p.add_argument("--val-fraction", type=float, default=0.2, help="rows held out for validation (default 0.2)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the run and the split (default 0)")
+    p.add_argument("--force", action="store_true", help="overwrite --out")
+    p.set_defaults(run=_guarded("init", _init))
+
+    p = sub.add_parser("report", help="validate a spec, print its plan and warnings, preview its learning rate",
+                       description="Validate SPEC without loading data: print optimizers, schedulers and their "
+                       "clocks, callbacks, monitor and cadences, warn on common mistakes, and write a PNG of the "
+                       "learning rate over the planned updates.")
+    p.add_argument("spec", help="the spec file")
+    p.add_argument("--png", default=None, help="where the preview goes (default: SPEC with .lr.png)")
+    p.add_argument("--allow", **allow)
+    p.set_defaults(run=_guarded("report", _report))
+
+    p = sub.add_parser("run", help="train the run a spec describes",
+                       description="Build everything SPEC names (imports checked) and train; exit 0 when the run "
+                       "completes or stops, 1 when it fails, 2 on bad input.")
+    p.add_argument("spec", help="the spec file")
+    p.add_argument("--runs-dir", default="runs", help="the runs root (default runs/)")
+    p.add_argument("--run-id", default=None, help="the run id (default: a timestamp and a random suffix)")
+    p.add_argument("--allow", **allow)
+    p.set_defaults(run=_guarded("run", _run))
+
+    p = sub.add_parser("resume", help="continue a run, or fork a new one from an older checkpoint",
+                       description="--from last (default) continues RUN_DIR from its LAST; --from best or a LAST's "
+                       "seq starts a new run from that checkpoint's weights, recording its source (run id, LAST "
+                       "seq, manifest hash); the source run is never written.")
+    p.add_argument("run_dir", help="the run directory, runs/<id>")
+    p.add_argument("--spec", default=None, help="the spec (default: the one the run recorded)")
+    p.add_argument("--from", dest="from_", type=_from, default="last", help="last (default), best or SEQ")
+    p.add_argument("--run-id", default=None, help="the new run's id with --from best|SEQ")
+    p.add_argument("--epochs", type=int, default=None, help="epoch budget, counted from the run's start")
+    p.add_argument("--allow", **allow)
+    p.set_defaults(run=_guarded("resume", _resume))

@@ -1,0 +1,128 @@
+"""The digits main job from a spec through the CLI: init -> report -> run -> replay clean -> resume (and a fork);
+typed decisions on the trained model."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from events.log import LmdbLog
+from events.schema import RunStarted
+from nnx_es import ConfigError, load_result
+from nnx_es.decisions import ClassifyQuestion, FixedHeadProvider
+from nnx_es.recipes.data import tabular
+from nnx_es.recipes.models import MLP
+from nnx_es.recipes.runspec import spec_hash
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def nnx_es(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    return subprocess.run([sys.executable, "-m", "nnx_es", *args], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=300)
+
+
+def started(run_dir: Path) -> RunStarted:
+    with LmdbLog(run_dir / "events.lmdb", readonly=True) as log:
+        return next(iter(log.read()))[1]
+
+
+@pytest.fixture(scope="module")
+def digits_run(tmp_path_factory) -> Path:
+    tmp = tmp_path_factory.mktemp("cli")
+    init = nnx_es(tmp, "init", "--out", "spec.json", "--epochs", "2")
+    assert init.returncode == 0, init.stderr
+    spec = json.loads((tmp / "spec.json").read_text())
+    spec.setdefault("trainer", {})["keep_last"] = None  # every LAST kept: the fork test starts from an older one
+    (tmp / "spec.json").write_text(json.dumps(spec))
+    report = nnx_es(tmp, "report", "spec.json")
+    assert report.returncode == 0, report.stderr
+    assert "scheduler   plateau: ReduceLROnPlateau on main, clock epoch" in report.stdout
+    assert (tmp / "spec.lr.png").stat().st_size > 0
+    run = nnx_es(tmp, "run", "spec.json", "--run-id", "digits")
+    assert run.returncode == 0, run.stderr
+    return tmp / "runs" / "digits"
+
+
+def test_the_digits_job_runs_from_a_spec_audits_clean_and_resumes(digits_run: Path) -> None:
+    tmp = digits_run.parents[1]
+    first = started(digits_run)
+    assert first.spec is not None and first.spec_hash == spec_hash(first.spec)
+    assert first.spec["model"]["target"] == "nnx_es.recipes.models:MLP"
+    replay = subprocess.run([sys.executable, str(REPO / "tools" / "replay"), str(digits_run)], capture_output=True,
+                            text=True, timeout=300)
+    assert replay.returncode == 0, replay.stdout + replay.stderr
+    resume = nnx_es(tmp, "resume", "runs/digits", "--epochs", "3")  # the spec the run recorded
+    assert resume.returncode == 0, resume.stderr
+    assert len(load_result(digits_run).history) == 3
+
+
+def test_resume_from_an_older_last_forks_a_new_run_recording_its_source(digits_run: Path) -> None:
+    tmp = digits_run.parents[1]
+    with LmdbLog(digits_run / "events.lmdb", readonly=True) as log:
+        lasts = [seq for seq, e in log.read() if e.KIND == "last_committed"]
+    before = (digits_run / "events.lmdb" / "data.mdb").read_bytes()
+    fork = nnx_es(tmp, "resume", "runs/digits", "--from", str(lasts[1]), "--run-id", "fork", "--epochs", "1")
+    assert fork.returncode == 0, fork.stderr
+    source = started(tmp / "runs" / "fork").source
+    assert source is not None and source.run_id == "digits" and source.last_seq == lasts[1]
+    assert (digits_run / "events.lmdb" / "data.mdb").read_bytes() == before  # the source is never written
+    bad = nnx_es(tmp, "resume", "runs/digits", "--from", "3", "--run-id", "fork2")
+    assert bad.returncode == 2 and "no committed LAST at seq 3" in bad.stderr
+
+
+def test_bad_input_exits_2_with_one_line_naming_it(tmp_path: Path) -> None:
+    assert nnx_es(tmp_path, "init", "--out", "s.json", "--epochs", "1").returncode == 0
+    spec = json.loads((tmp_path / "s.json").read_text())
+    spec["callbacks"][0]["kwargs"]["patiense"] = 3
+    (tmp_path / "typo.json").write_text(json.dumps(spec))
+    out = nnx_es(tmp_path, "run", "typo.json")
+    assert out.returncode == 2 and "patiense" in out.stderr and len(out.stderr.strip().splitlines()) == 1
+    spec["callbacks"][0] = {"@type": "recipe", "target": "os:system", "kwargs": {"command": "true"}}
+    (tmp_path / "evil.json").write_text(json.dumps(spec))
+    out = nnx_es(tmp_path, "report", "evil.json")
+    assert out.returncode == 2 and "os:system" in out.stderr
+    for command in ("init", "report", "run", "resume"):
+        assert nnx_es(tmp_path, command, "--help").returncode == 0
+
+
+def test_report_warns_on_common_mistakes(tmp_path: Path) -> None:
+    assert nnx_es(tmp_path, "init", "--out", "s.json", "--lr", "5", "--epochs", "1").returncode == 0
+    spec = json.loads((tmp_path / "s.json").read_text())
+    spec["schedulers"][0]["kwargs"]["scheduler"]["kwargs"]["mode"] = "max"
+    spec["data"]["kwargs"]["val_fraction"] = 0.0
+    spec["trainer"] = {"keep_last": None}  # every checkpoint kept: no retention
+    (tmp_path / "s.json").write_text(json.dumps(spec))
+    out = nnx_es(tmp_path, "report", "s.json")
+    assert out.returncode == 0, out.stderr
+    warnings = [line for line in out.stdout.splitlines() if line.startswith("warning:")]
+    assert any("no validation split" in w for w in warnings)
+    assert any("mode 'max' disagrees" in w for w in warnings)
+    assert any("far outside the usual range" in w for w in warnings)
+    assert any("no checkpoint retention" in w for w in warnings)
+
+
+def test_decisions_on_the_trained_model_are_typed_validated_and_traceable(digits_run: Path) -> None:
+    provider = FixedHeadProvider.from_run(MLP(64, 10, hidden=[128]), digits_run, "best", n_features=64,
+                                          threshold=0.0)
+    result = load_result(digits_run)
+    assert provider.source.run_id == "digits" and provider.source.manifest == result.best.manifest
+    _, val = tabular("digits", val_fraction=0.2, seed=0)
+    x, y = next(iter(val))
+    answers = provider.decide([ClassifyQuestion(features=row.tolist()) for row in x[:64]])
+    assert len(answers) == 64 and all(abs(sum(a.probabilities) - 1) < 1e-5 for a in answers)
+    assert sum(a.label == int(t) for a, t in zip(answers, y[:64])) >= 48  # a trained model, two epochs
+    assert all(a.source == provider.source for a in answers)
+    cautious = FixedHeadProvider.from_run(MLP(64, 10, hidden=[128]), digits_run, "last", n_features=64,
+                                          threshold=0.999)
+    assert any(a.abstained and a.label is None for a in cautious.decide([{"features": r.tolist()} for r in x[:64]]))
+    with pytest.raises(ConfigError, match=r"question 1: .*features"):
+        provider.decide([{"features": x[0].tolist()}, {"features": ["a"] * 64}])
+    with pytest.raises(ConfigError, match=r"question 0: field `\$.features` has 3 values, expected 64"):
+        provider.decide([{"features": [0.0, 1.0, 2.0]}])
