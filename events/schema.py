@@ -133,11 +133,17 @@ class LoaderGeometry(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class SourceRef(msgspec.Struct, frozen=True, kw_only=True):
-    """Where a continuation came from: source run, its LAST seq and manifest hash."""
+    """Where a continuation came from: source run, its LAST seq and manifest hash.
+
+    state: what it took from there: ``"weights"`` (a ``weights_only`` continuation) or ``"full"``
+    (a ``fork``: weights, optimizers, schedulers, RNG streams, callback state; a fresh monitor
+    and counters).
+    """
 
     run_id: str
     last_seq: int
     manifest: str
+    state: str = "weights"
 
 
 class HistoryRecord(msgspec.Struct, frozen=True, kw_only=True):

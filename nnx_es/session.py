@@ -36,7 +36,10 @@ from nnx_es.snapshot import RunComponents, apply_state, load_state
 from nnx_es.storage import BlobStore, Lease, clean_stale_temporaries, validate_run_id
 from projections.checkpoints import CheckpointsState
 
-__all__ = ["Session", "check_epochs", "library_versions", "open_session"]
+__all__ = ["RESUME_MODES", "Session", "check_epochs", "library_versions", "open_session"]
+
+#: ``fit(resume_mode=...)``: continue the run itself, or start a new run from its weights or its whole state
+RESUME_MODES = ("stateful", "weights_only", "fork")
 
 #: builds the run's ``run_started`` declaration: ``declare(run_id, source)``
 Declare = Callable[[str, "SourceRef | None"], RunStarted]
@@ -114,11 +117,12 @@ def open_session(
     Raises:
         ConfigError / ResumeError / LeaseHeldError: see :meth:`nnx_es.Trainer.fit`.
     """
-    if resume_mode not in ("stateful", "weights_only"):
-        raise ConfigError(f"resume_mode must be 'stateful' or 'weights_only', got {resume_mode!r}")
+    if resume_mode not in RESUME_MODES:
+        raise ConfigError(f"resume_mode must be one of {RESUME_MODES}, got {resume_mode!r}")
     stateful = resume_from is not None and resume_mode == "stateful"
     if resume_at is not None and (resume_from is None or stateful):  # an older LAST forks a new run
-        raise ConfigError(f"resume_at={resume_at!r} starts a new run from that checkpoint: use resume_mode='weights_only'")
+        raise ConfigError(f"resume_at={resume_at!r} starts a new run from that checkpoint: use resume_mode='fork' "
+                          "(its whole state) or 'weights_only' (its weights)")
     if resume_from is not None:
         _require_run_dir(Path(resume_from))
         resume_from = Path(resume_from).resolve()  # ".", a symlink: the run itself (its lease, its id)
@@ -153,7 +157,7 @@ def open_session(
             raise ResumeError(f"cannot resume {run_dir}: it has no event log")
         if not stateful and has_log:
             raise ConfigError(
-                f"run {run_id!r} already has an event log at {run_dir}; a new run or a weights_only "
+                f"run {run_id!r} already has an event log at {run_dir}; a new run, a fork or a weights_only "
                 f"continuation writes its own run: continue this one with fit(..., resume_from="
                 f"{str(run_dir)!r}) or fit(..., resume='auto'), choose another run_id, or delete "
                 f"{str(run_dir)!r} to start it over (a run has nothing to resume until its first LAST commit; "
@@ -189,7 +193,8 @@ def open_session(
                 seed_everything(seed)
                 src = None
                 if resume_from is not None:
-                    src = _load_weights_from(components, resume_from, own=run_dir, at=resume_at)
+                    src = _load_from(components, resume_from, own=run_dir, at=resume_at,
+                                     fork=resume_mode == "fork", declared=declare(run_id, None))
                 state = RunState(run_id=run_id, runs_root=runs_root, recorder=Recorder(event_log), store=store,
                                  world=world)
                 opening = declare(run_id, src)
@@ -271,15 +276,32 @@ def _check_same_recipe(components: RunComponents, mine: RunStarted, started: Run
             )
 
 
-def _load_weights_from(components: RunComponents, source: Path, *, own: Path, at: int | str | None = None) -> SourceRef:
-    """Load the model weights of ``source``'s verified LAST into ``components``' net; return the
-    source reference. ``own``: the new run's directory (never its own source)."""
+def _load_from(components: RunComponents, source: Path, *, own: Path, at: int | str | None, fork: bool,
+               declared: RunStarted) -> SourceRef:
+    """Load ``source``'s verified LAST (or the committed one ``at`` names) into ``components``; return
+    the source reference. ``own``: the new run's directory (never its own source).
+
+    ``fork``: the whole state (as a stateful resume restores it, after the same recipe checks against
+    the source's ``run_started``), except what counts the new run's own epochs: its monitor starts
+    afresh (its BEST is the best of its own epochs) and its schedulers count their steps from 0
+    (their torch state goes on). Otherwise the model weights alone.
+    """
+    what = "fork" if fork else "weights_only continuation"
     if source.resolve() == own.resolve():
-        raise ConfigError(f"a weights_only continuation must write its own run, not its source {source}")
+        raise ConfigError(f"a {what} must write its own run, not its source {source}")
     if not (source / "events.lmdb" / "data.mdb").exists():
         raise ResumeError(f"cannot start from {source}: it has no event log; nothing was restored or written")
     with LmdbLog(source / "events.lmdb", readonly=True) as src_log:
         point = find_resume_point(source, src_log, at=at)
+        if fork:
+            _check_same_recipe(components, declared, point.started, point.manifest)
+        fresh_monitor = components.monitor.state_dict() if components.monitor is not None else None
         apply_state(components, load_state(BlobStore(source / "blobs", log=src_log), point.manifest),
-                    weights_only=True)
-    return SourceRef(run_id=point.run_id, last_seq=point.last_seq, manifest=point.manifest_hash)
+                    weights_only=not fork)
+    if fork:
+        for s in components.schedulers:
+            s.steps = 0  # the new run's scheduler_stepped events count its own steps
+        if components.monitor is not None and fresh_monitor is not None:
+            components.monitor.load_state_dict(fresh_monitor)
+    return SourceRef(run_id=point.run_id, last_seq=point.last_seq, manifest=point.manifest_hash,
+                     state="full" if fork else "weights")

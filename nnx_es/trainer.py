@@ -62,7 +62,7 @@ from nnx_es.result import RunResult, load_result, result_of
 from nnx_es.retention import check_retention
 from nnx_es.rng import LoaderGenerators
 from nnx_es.run_state import RunState
-from nnx_es.session import library_versions, open_session
+from nnx_es.session import RESUME_MODES, library_versions, open_session
 from nnx_es.snapshot import RunComponents
 from nnx_es.schedulers import wrap_schedulers
 from nnx_es.storage import BlobStore, validate_run_id
@@ -315,9 +315,16 @@ class Trainer:
                 the same optimizers, schedulers, monitor, window and EMA hooks.
                 ``"weights_only"`` starts a new run (this trainer's ``run_id``)
                 from the weights alone and records its source (run id, LAST seq,
-                manifest hash). Semantics: spec 004 "Restart semantics".
-            resume_at: with ``"weights_only"``, the source's checkpoint to start from: the seq of
-                one of its committed LASTs, or ``"best"`` (default: its latest LAST).
+                manifest hash). ``"fork"`` starts a new run from the whole state -- a
+                branch of history, the source never written: weights, optimizers,
+                schedulers, RNG streams (the loaders' included) and callback state as a
+                stateful resume restores them (the same recipe checks), with its own
+                epochs, counters and monitor counting from 0 (its BEST is the best of its
+                own epochs); ``source.state`` is ``"full"``. Semantics: spec 004
+                "Restart semantics".
+            resume_at: with ``"weights_only"`` or ``"fork"``, the source's checkpoint to start
+                from: the seq of one of its committed LASTs, or ``"best"`` (default: its latest
+                LAST).
 
             resume: ``"auto"``, the one switch a restart script needs: resume this trainer's
                 ``run_id`` statefully when it has a committed LAST, otherwise start it afresh,
@@ -338,8 +345,8 @@ class Trainer:
             raise ConfigError(f"epochs must be an int >= 0, got {epochs!r}")
         if val_loader is None and self.monitor is not None and self.monitor.name.startswith("val_"):
             raise ConfigError(f"monitor {self.monitor.name!r} needs a validation loader: fit(train, val, ...)")
-        if resume_mode not in ("stateful", "weights_only"):
-            raise ConfigError(f"resume_mode must be 'stateful' or 'weights_only', got {resume_mode!r}")
+        if resume_mode not in RESUME_MODES:
+            raise ConfigError(f"resume_mode must be one of {RESUME_MODES}, got {resume_mode!r}")
         if resume not in (None, "auto"):
             raise ConfigError(f"resume must be None or 'auto', got {resume!r}")
         if resume == "auto" and (self.run_id is None or resume_from is not None):

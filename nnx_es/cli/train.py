@@ -287,7 +287,7 @@ def _resume(args: argparse.Namespace) -> int:
     at: int | str = "best" if args.from_ == "best" else int(args.from_)
     run_id = args.run_id or f"{run_dir.name}-from-{at}"
     built = build_run(spec, allowed=allowed, runs_root=run_dir.parent, run_id=run_id)
-    return _train(built, "resume", epochs=epochs, resume_from=run_dir, resume_mode="weights_only", resume_at=at)
+    return _train(built, "resume", epochs=epochs, resume_from=run_dir, resume_mode="fork", resume_at=at)
 
 
 def _from(text: str) -> str:
