@@ -169,7 +169,7 @@ def choose_points(sites: list[Site], points: Points, seed: int) -> list[Site]:
 # --- one point -------------------------------------------------------------------------------
 
 
-def _run_in_child(target: Callable[[], Any]) -> str:
+def run_in_child(target: Callable[[], Any]) -> str:
     """Run ``target`` in a forked child: ``"killed"``, ``"completed"`` or ``"error: <type>: <message>"``."""
     r, w = os.pipe()
     pid = os.fork()
@@ -217,7 +217,7 @@ def _resume(job: _Job, ref: Reference, runs: Path, k: int) -> str:
 
 def _crash_point(job: _Job, ref: Reference, runs: Path, site: Site, fault: int | None) -> str:
     del fault
-    outcome = _run_in_child(lambda: (install_kill(site.point), job.fit(runs)))
+    outcome = run_in_child(lambda: (install_kill(site.point), job.fit(runs)))
     if outcome != "killed":
         raise Finding("the run is killed at the point", "SIGKILL", outcome)
     events = ref.check_prefix(runs / RUN_ID)

@@ -20,6 +20,7 @@ from typing import Any
 from events.log import LmdbLog
 from nnx_es import injection
 from nnx_es.injection import Point, install_kill
+from nnx_es.testing.harness import run_in_child as run_forked
 
 
 def copy_run(template: Path, dest: Path) -> Path:
@@ -59,31 +60,9 @@ def sigkill() -> None:
 
 
 def run_killed(target: Callable[[], Any], kill: Callable[[], None] | None = None) -> str:
-    """Run ``target`` in a forked child; return ``"killed"``, ``"completed"`` or ``"error: ..."``."""
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # child
-        os.close(r)
-        code = 0
-        try:
-            if kill is not None:
-                kill()
-            target()
-        except BaseException as exc:  # noqa: BLE001
-            os.write(w, f"{type(exc).__name__}: {exc}".encode()[:2000])
-            code = 3
-        finally:
-            os.close(w)
-            os._exit(code)
-    os.close(w)
-    with os.fdopen(r, "rb") as f:
-        message = f.read().decode(errors="replace")
-    _, status = os.waitpid(pid, 0)
-    if os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL:
-        return "killed"
-    if os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0:
-        return "completed"
-    return f"error: {message or status}"
+    """Run ``target`` in a forked child (the harness's :func:`nnx_es.testing.harness.run_in_child`),
+    after installing ``kill``; return ``"killed"``, ``"completed"`` or ``"error: ..."``."""
+    return run_forked(lambda: (kill() if kill is not None else None, target()))
 
 
 def kill_at_event(n: int) -> Callable[[], None]:
