@@ -20,6 +20,12 @@ commands:
                     TensorBoard scalars, into a DIR holding no TensorBoard event files yet
   --schema          (no RUN_DIR) the JSON Schema of the event lines --json prints (not of --at or summary)
 
+inspect RUNS_ROOT [--json]       (a directory of runs) one row per run: id, status, epochs, BEST's
+                                 value, started (UTC), size on disk
+inspect diff RUN_A RUN_B [--json]
+                                 the first event where two runs differ (seq, kind, field, both values),
+                                 wall clock times, ids and checkpoint hashes aside; exit 0 the same, 1 differ
+
 An option the command would ignore is refused (e.g. summary --at, --at --kind).
 Tables use rich when stdout is a terminal, plain aligned text otherwise.
 exit status: 0 ok; 130 interrupted (Ctrl-C); 2 unusable input (missing directory, not a run,
@@ -57,6 +63,7 @@ from nnx_es.cli._common import (
 )
 from nnx_es.cli._format import fields, fmt
 from nnx_es.cli._schema import json_schema, plot_format_error, tensorboard_error
+from nnx_es.cli.many import diff_command, is_runs_root, list_command
 from nnx_es.cli.projected import at, summary
 
 __all__ = ["COMMANDS", "json_schema", "main"]
@@ -320,8 +327,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     (:func:`nnx_es.cli._common.fail`); a damaged log (a key out of place, a page LMDB refuses) is
     an error (exit 2) naming where, never a shorter listing or projection that exits 0.
     """
-    parser = _parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
     as_json = wants_json(argv)
+    if argv[:1] == ["diff"]:
+        return diff_command(argv[1:], as_json)
+    parser = _parser()
     try:
         args = parser.parse_intermixed_args(argv)
         _check_applicable(parser, args)
@@ -344,6 +354,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.schema:
         sys.stdout.write(msgspec.json.format(msgspec.json.encode(json_schema())).decode() + "\n")
         return EXIT_OK
+    if args.run_dir is not None and len(set(argv) - {"--json"}) == 1 and is_runs_root(args.run_dir):
+        return list_command(args.run_dir, as_json)
     try:
         log = open_run_log(args.run_dir)
     except (NotARunError, EventLogError) as exc:

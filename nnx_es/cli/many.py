@@ -1,0 +1,165 @@
+"""``inspect`` over several runs: the runs under a root, and where two runs first differ.
+
+``tools/inspect runs/`` (a directory holding runs rather than a run) lists each run: id, status,
+committed epochs, BEST's monitored value, when it started, and its size on disk.
+``tools/inspect diff runs/a runs/b`` names the first event where two runs' logs differ -- a loss,
+a learning rate, a batch -- ignoring what differs between any two runs (wall clock times, run ids,
+library versions, the hashes of checkpoints that hold another run id): for reproducibility and
+resume debugging. Both read the logs read-only.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from events.errors import EventLogError
+from events.log import LmdbLog
+from nnx_es.cli._common import EXIT_OK, fail
+from nnx_es.result import load_result
+
+__all__ = ["RunRow", "diff_command", "first_difference", "is_runs_root", "list_command", "list_runs"]
+
+#: fields that differ between any two runs, whatever they computed
+_INCIDENTAL = frozenset({"wall_time_s", "duration_s", "library_versions", "run_id", "started_at", "manifest",
+                         "blobs", "components", "traceback", "cleaned_temporaries"})
+
+
+class RunRow(msgspec.Struct, frozen=True, kw_only=True):
+    """One run of a runs root. best: BEST's monitored value (None: no BEST); started: ISO time, UTC."""
+
+    run_id: str
+    status: str
+    epochs: int
+    best: float | None
+    started: str | None
+    bytes: int
+
+
+def is_runs_root(path: Path) -> bool:
+    """Whether ``path`` holds runs (``<id>/events.lmdb``) rather than being one."""
+    return path.is_dir() and not (path / "events.lmdb").is_dir() and any(_run_dirs(path))
+
+
+def _run_dirs(root: Path) -> Iterator[Path]:
+    for p in sorted(root.iterdir()):
+        if not p.name.startswith(".") and (p / "events.lmdb" / "data.mdb").exists():
+            yield p
+
+
+def _size(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file() and f.name != "lock.mdb")
+
+
+def list_runs(root: Path) -> list[RunRow]:
+    """Every run under ``root``, by id. A run whose log cannot be read is listed with status ``unreadable``."""
+    rows = []
+    for run_dir in _run_dirs(root):
+        try:
+            r = load_result(run_dir)
+            with LmdbLog(run_dir / "events.lmdb", readonly=True) as log:
+                first = next(iter(log.read(0, 1)), None)
+            t = getattr(first[1], "wall_time_s", None) if first is not None else None
+            started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t)) if t else None
+            best = r.best.value if r.best is not None else None
+            rows.append(RunRow(run_id=run_dir.name, status=r.status, epochs=len(r.history), best=best,
+                               started=started, bytes=_size(run_dir)))
+        except Exception:  # noqa: BLE001 - one damaged run does not hide the others
+            rows.append(RunRow(run_id=run_dir.name, status="unreadable", epochs=0, best=None, started=None,
+                               bytes=_size(run_dir)))
+    return rows
+
+
+def _strip(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _strip(v) for k, v in value.items() if k not in _INCIDENTAL}
+    if isinstance(value, list):
+        return [_strip(v) for v in value]
+    return value
+
+
+def _comparable(event: Any) -> Any:
+    """The event as builtins without what differs between any two runs (at any depth)."""
+    return _strip(msgspec.to_builtins(event))
+
+
+def _first_field(a: Any, b: Any, path: str = "") -> tuple[str, Any, Any]:
+    """The first (dotted) field where ``a`` and ``b`` differ, with both values."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        for k in [*a, *(k for k in b if k not in a)]:
+            if a.get(k) != b.get(k):
+                return _first_field(a.get(k), b.get(k), f"{path}.{k}" if path else str(k))
+    if isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
+        for i, (x, y) in enumerate(zip(a, b)):
+            if x != y:
+                return _first_field(x, y, f"{path}[{i}]")
+    return path or "(event)", a, b
+
+
+def first_difference(a: Path, b: Path) -> dict[str, Any] | None:
+    """Where the logs of runs ``a`` and ``b`` first differ: ``{"seq", "kind_a", "kind_b", "field", "a", "b"}``
+    (``kind_x`` None where one log ends first); None when they hold the same events."""
+    with LmdbLog(a / "events.lmdb", readonly=True) as la, LmdbLog(b / "events.lmdb", readonly=True) as lb:
+        ia, ib = la.read(), lb.read()
+        while True:
+            ea, eb = next(ia, None), next(ib, None)
+            if ea is None and eb is None:
+                return None
+            if ea is None or eb is None:
+                seq = (ea or eb)[0]  # type: ignore[index]
+                return {"seq": seq, "kind_a": ea[1].KIND if ea else None, "kind_b": eb[1].KIND if eb else None,
+                        "field": "(end of log)", "a": None, "b": None}
+            (seq, x), (_, y) = ea, eb
+            if x.KIND != y.KIND:
+                return {"seq": seq, "kind_a": x.KIND, "kind_b": y.KIND, "field": "kind", "a": x.KIND, "b": y.KIND}
+            cx, cy = _comparable(x), _comparable(y)
+            if cx != cy:
+                field, va, vb = _first_field(cx, cy)
+                return {"seq": seq, "kind_a": x.KIND, "kind_b": y.KIND, "field": field, "a": va, "b": vb}
+
+
+def list_command(root: Path, as_json: bool) -> int:
+    """``inspect RUNS_ROOT [--json]``: one row (one JSON object) per run; exit 0."""
+    rows = list_runs(root)
+    if as_json:
+        for row in rows:
+            sys.stdout.write(msgspec.json.encode(row).decode() + "\n")
+        return EXIT_OK
+    header = ("run", "status", "epochs", "best", "started", "size")
+    table = [header] + [(r.run_id, r.status, str(r.epochs), "-" if r.best is None else f"{r.best:.6g}",
+                         r.started or "-", f"{r.bytes / 2**20:.1f} MiB") for r in rows]
+    widths = [max(len(row[i]) for row in table) for i in range(len(header))]
+    for row in table:
+        sys.stdout.write("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() + "\n")
+    return EXIT_OK
+
+
+def diff_command(argv: list[str], as_json: bool) -> int:
+    """``inspect diff RUN_A RUN_B [--json]``: exit 0 the same, 1 they differ, 2 unusable input."""
+    runs = [a for a in argv if a != "--json"]
+    if len(runs) != 2 or len(argv) - len(runs) > 1:
+        return fail("inspect", "diff takes two run directories (and --json): inspect diff RUN_A RUN_B",
+                    error_type="UsageError", as_json=as_json)
+    a, b = (Path(r) for r in runs)
+    for r in (a, b):
+        if not (r / "events.lmdb" / "data.mdb").exists():
+            return fail("inspect", f"{r} is not a run directory (no events.lmdb)", error_type="NotARunError",
+                        as_json=as_json)
+    try:
+        found = first_difference(a, b)
+    except EventLogError as exc:
+        return fail("inspect", f"{exc}; run tools/replay on each run to audit it", error_type=type(exc).__name__,
+                    as_json=as_json)
+    if as_json:
+        sys.stdout.write(msgspec.json.encode({"same": found is None, "first_difference": found}).decode() + "\n")
+    elif found is None:
+        sys.stdout.write(f"{a} and {b} hold the same events (wall clock times, ids and checkpoint hashes aside)\n")
+    else:
+        sys.stdout.write(f"first difference at seq {found['seq']}: {found['kind_a']} / {found['kind_b']}, "
+                         f"{found['field']}: {found['a']!r} in {a}, {found['b']!r} in {b}\n")
+    return EXIT_OK if found is None else 1

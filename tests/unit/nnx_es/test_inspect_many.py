@@ -1,0 +1,43 @@
+"""inspect over several runs: a runs root lists its runs; diff names where two runs first differ."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+from torch import nn
+
+from nnx_es import Trainer
+from nnx_es.cli.inspect import main
+from trainkit import loaders, small_net
+
+
+def _run(root, run_id, *, lr=0.1, epochs=2):
+    net = small_net(0)
+    Trainer(net, torch.optim.SGD(net.parameters(), lr=lr), nn.CrossEntropyLoss(), monitor="val_loss",
+            runs_root=root, run_id=run_id, progress=False).fit(*loaders(), epochs=epochs)
+
+
+def test_a_runs_root_lists_each_run_with_status_epochs_best_and_size(tmp_path, capsys):
+    _run(tmp_path, "a")
+    _run(tmp_path, "b", epochs=3)
+    assert main([str(tmp_path), "--json"]) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [(r["run_id"], r["status"], r["epochs"]) for r in rows] == [("a", "completed", 2), ("b", "completed", 3)]
+    assert all(r["bytes"] > 0 and r["best"] is not None and r["started"].endswith("Z") for r in rows)
+    assert main([str(tmp_path)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].split() == ["run", "status", "epochs", "best", "started", "size"] and out[2].startswith("b ")
+
+
+def test_diff_names_the_first_event_where_two_runs_differ(tmp_path, capsys):
+    _run(tmp_path, "a")
+    _run(tmp_path, "same")
+    _run(tmp_path, "faster", lr=0.2)
+    assert main(["diff", str(tmp_path / "a"), str(tmp_path / "same")]) == 0  # ids, clocks and hashes aside
+    capsys.readouterr()
+    assert main(["diff", str(tmp_path / "a"), str(tmp_path / "faster"), "--json"]) == 1
+    found = json.loads(capsys.readouterr().out)["first_difference"]
+    assert found["kind_a"] == found["kind_b"] == "update_committed" and found["field"] == "lrs[0]"
+    assert (found["a"], found["b"]) == (0.1, 0.2)
+    assert main(["diff", str(tmp_path / "a")]) == 2
