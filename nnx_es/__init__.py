@@ -16,6 +16,9 @@ from nnx_es.errors import (
     InvalidRunIdError,
     LeaseHeldError,
     NnxError,
+    NoUpdateError,
+    NonFiniteError,
+    NonFiniteWarning,
     RecipeError,
     ResumeError,
     UnsafePayloadError,
@@ -31,6 +34,7 @@ if TYPE_CHECKING:
     from nnx_es.objective import Objective, Term
     from nnx_es.result import RunResult, load_result
     from nnx_es.schedulers import Scheduler
+    from nnx_es.sinks import CsvSink, MlflowSink, TensorBoardSink
     from nnx_es.stages import TrainingStage
     from nnx_es.trainer import Trainer
     from nnx_es.update_hooks import EMA, GradientAccumulation, GradientClipping, MixedPrecision, UpdateHook
@@ -47,6 +51,7 @@ _LAZY = {
     "EMA": "nnx_es.update_hooks", "GradientAccumulation": "nnx_es.update_hooks",
     "GradientClipping": "nnx_es.update_hooks", "MixedPrecision": "nnx_es.update_hooks",
     "UpdateHook": "nnx_es.update_hooks",
+    "CsvSink": "nnx_es.sinks", "MlflowSink": "nnx_es.sinks", "TensorBoardSink": "nnx_es.sinks",
 }
 
 
@@ -68,28 +73,34 @@ def __dir__() -> list[str]:
 __version__ = "0.1.0"
 
 __all__ = [
-    "EMA",
     "Callback",
     "CheckpointWriteError",
     "ConfigError",
     "CorruptCheckpointError",
     "CorruptEventError",
-    "EventLogError",
+    "CsvSink",
+    "EMA",
     "EarlyStopping",
+    "EventLogError",
     "GradientAccumulation",
     "GradientClipping",
     "InvalidRunIdError",
     "LambdaCallback",
     "LeaseHeldError",
     "MixedPrecision",
+    "MlflowSink",
     "Monitor",
     "NNModel",
     "NnxError",
+    "NoUpdateError",
+    "NonFiniteError",
+    "NonFiniteWarning",
     "Objective",
     "RecipeError",
     "ResumeError",
     "RunResult",
     "Scheduler",
+    "TensorBoardSink",
     "Term",
     "TrainContext",
     "Trainer",

@@ -28,6 +28,7 @@ it stay uncommitted (:func:`projections.view.committed`).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
@@ -125,6 +126,8 @@ class Committer:
         self.pointers = pointers or CheckpointsState()
         self.phases: list[str] = list(self.pointers.phases)
         self._blobs_of: dict[str, set[str]] = {}  # manifest -> the blobs of its components stored apart
+        #: called (no arguments) after each commit is durable, on the training thread (live sinks collect then)
+        self.on_durable: Callable[[], None] | None = None
 
     def submit(self, *, epoch: int, covers: int = -1, decision: MonitorDecided | None = None,
                final: bool = False, group: bool = True, opening: bool = False) -> None:
@@ -219,6 +222,8 @@ class Committer:
         finally:
             rec.sync()  # LAST and its group: one synced write
         self.last_done = (digest, p.counters)
+        if self.on_durable is not None:
+            self.on_durable()
         if doomed:  # only once the prunes are durable: a crash before leaves the bytes, never a pointer without them
             try:
                 self.state.store.delete(doomed)

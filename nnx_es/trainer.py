@@ -63,6 +63,7 @@ from nnx_es.retention import check_retention
 from nnx_es.rng import LoaderGenerators
 from nnx_es.run_state import RunState
 from nnx_es.session import RESUME_MODES, library_versions, open_session
+from nnx_es.sinks import LiveSinks
 from nnx_es.snapshot import RunComponents
 from nnx_es.schedulers import wrap_schedulers
 from nnx_es.storage import BlobStore, validate_run_id
@@ -131,6 +132,9 @@ class Trainer:
         recipe_required / spec: record the run's spec (:mod:`nnx_es.recipes`: import paths and
             constructor keywords) in ``run_started``, refusing now, named, what cannot be recovered;
             ``spec``: the ``RunSpec`` this trainer was built from (its data and epochs are recorded).
+        sinks: live logging (:mod:`nnx_es.sinks`): ``TensorBoardSink``, ``CsvSink``, ``MlflowSink``, fed the
+            committed events on a thread of their own, on the writer rank; a failing sink is warned
+            about (``SinkWarning``) and dropped, never failing the run.
         nonfinite: what a non-finite loss, gradient or validation metric does: ``"skip"`` the
             update (the default; a :class:`~nnx_es.errors.NonFiniteWarning` each epoch names how
             many were skipped), ``"stop"`` the run at the first one (the epoch ends there and is
@@ -176,6 +180,7 @@ class Trainer:
         batch_gather: bool = True,
         recipe: Mapping[str, Any] | None = None,
         nonfinite: str = "skip",
+        sinks: Sequence[Any] = (),
         recipe_required: bool = False,
         spec: Any = None,
     ) -> None:
@@ -214,6 +219,11 @@ class Trainer:
         if nonfinite not in NONFINITE:
             raise ConfigError(f"nonfinite must be one of {NONFINITE}, got {nonfinite!r}")
         self.nonfinite = nonfinite
+        if isinstance(sinks, (str, bytes)) or not isinstance(sinks, Iterable) or not all(
+                callable(getattr(s, "write", None)) for s in sinks):
+            raise ConfigError(f"sinks must be a list of live logging sinks (TensorBoardSink, CsvSink, MlflowSink or "
+                              f"objects with open/write/close), got {sinks!r}")
+        self.sinks = list(sinks)
         self.metrics = validate_metrics(metrics)
         if self.monitor is not None:
             check_monitor(self.monitor, self.objective, self.metrics)
@@ -379,7 +389,15 @@ class Trainer:
                 step_fn=self.trainer_step_fn, custom_step=self.custom_step, batch_gather=self.batch_gather,
                 progress=Progress(self.progress_enabled), nonfinite=self.nonfinite,
             )
-            loop.run(train_loader, val_loader, epochs, session.opening, session.start_epoch)
+            live = None
+            if self.sinks and state.world.is_writer:
+                live = LiveSinks(state.run_dir, state.recorder.log, state.recorder.log.next_seq, self.sinks)
+                committer.on_durable = live.collect
+            try:
+                loop.run(train_loader, val_loader, epochs, session.opening, session.start_epoch)
+            finally:
+                if live is not None:
+                    live.close()
         if finalization.projection is not None:  # the log as finalization projected it for the views
             projections, n_events = finalization.projection
             return result_of(projections, state.run_dir, n_events)
