@@ -15,6 +15,7 @@ The script must train one run (one ``fit``) and be deterministic given its own s
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import runpy
@@ -45,10 +46,12 @@ def drive(mode: str, runs: Path, out: Path, argv: list[str]) -> None:
     init, fit = Trainer.__init__, Trainer.fit
     seen: dict[str, Any] = {}
 
+    @functools.wraps(init)  # the signature stays the Trainer's (NNModel.train reads its keywords from it)
     def patched_init(self: Trainer, *args: Any, **kwargs: Any) -> None:
         kwargs.update(runs_root=runs, run_id=RUN_ID)
         init(self, *args, **kwargs)
 
+    @functools.wraps(fit)
     def patched_fit(self: Trainer, *args: Any, **kwargs: Any) -> Any:
         if mode == "resume":
             kwargs["resume_from"] = runs / RUN_ID
