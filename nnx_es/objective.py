@@ -58,6 +58,7 @@ class Term:
     def __init__(self, fn: LossFn | nn.Module, weight: float = 1.0) -> None:
         self.sum_fn: LossFn | None = None  # the same loss summed over every row, when one exists
         if isinstance(fn, nn.Module) and hasattr(fn, "reduction"):
+            _refuse_own_normaliser(fn)
             summed = copy.copy(fn)
             summed.reduction = "sum"
             self.sum_fn = summed
@@ -290,3 +291,27 @@ def accuracy(outputs: Tensor, targets: Tensor, weights: Tensor | None = None) ->
         return float(hit.sum()), float(hit.numel())
     w = weights.to(torch.float64)
     return float((hit * w).sum()), float(w.sum())
+
+
+def _refuse_own_normaliser(fn: nn.Module) -> None:
+    """Refuse a torch loss whose reduction is not the per-row mean the trainer computes: another
+    ``reduction`` (``"sum"``, ``"batchmean"``) or class ``weight=`` of ``CrossEntropyLoss``/``NLLLoss``
+    (torch's mean then divides by the rows' class weights). Training on it would silently optimise
+    another loss than the one given.
+
+    Raises:
+        ConfigError: naming the loss and the argument, and what to pass instead.
+    """
+    name = type(fn).__name__
+    if fn.reduction not in ("mean", "none"):  # "none": per-row losses, reduced here by the mean
+        raise ConfigError(
+            f"{name}(reduction={fn.reduction!r}): the trainer reduces per-row losses by their mean over the "
+            f"window's rows (torch's reduction='mean'); pass {name}() with the default reduction, or a "
+            "callable returning per-row losses (B,) to reduce your own way"
+        )
+    if isinstance(fn, (nn.CrossEntropyLoss, nn.NLLLoss)) and getattr(fn, "weight", None) is not None:
+        raise ConfigError(
+            f"{name}(weight=...): torch's mean over class-weighted rows divides by the sum of the rows' class "
+            "weights, which the per-row mean would not: give each row its class weight as a sample weight "
+            "(Trainer(sample_weights=True), batches (x, y, w)) and drop weight="
+        )

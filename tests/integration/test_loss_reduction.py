@@ -84,3 +84,18 @@ def test_targets_broadcast_across_rows_are_refused_naming_both_shapes(tmp_path, 
         Trainer(net, torch.optim.SGD(net.parameters(), lr=0.1), nn.MSELoss(), runs_root=tmp_path / "runs",
                 run_id="r", progress=False).fit(DataLoader(TensorDataset(x, y), batch_size=8), epochs=1)
     assert all(torch.equal(v, params_of(net)[k]) for k, v in before.items())
+
+
+@pytest.mark.parametrize("loss, named", [
+    (lambda: nn.CrossEntropyLoss(reduction="sum"), r"CrossEntropyLoss\(reduction='sum'\)"),
+    (lambda: nn.MSELoss(reduction="sum"), r"MSELoss\(reduction='sum'\)"),
+    (lambda: nn.KLDivLoss(reduction="batchmean"), r"KLDivLoss\(reduction='batchmean'\)"),
+    (lambda: nn.CrossEntropyLoss(weight=torch.tensor([1.0, 5.0, 0.2])), r"CrossEntropyLoss\(weight=\.\.\.\)"),
+    (lambda: nn.NLLLoss(weight=torch.tensor([1.0, 5.0, 0.2])), r"NLLLoss\(weight=\.\.\.\)"),
+])
+def test_a_loss_that_normalises_itself_otherwise_is_refused_instead_of_silently_replaced(loss, named):
+    from nnx_es import Objective
+    from nnx_es.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=named):
+        Objective(loss())
