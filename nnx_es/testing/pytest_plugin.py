@@ -19,8 +19,7 @@ from typing import Any
 
 import pytest
 
-from nnx_es.testing.harness import crash_test as _crash_test
-from nnx_es.testing.harness import fault_test as _fault_test
+from nnx_es.testing import harness  # the fixtures below take its functions' names
 
 __all__ = ["crash_test", "fault_test", "pytest_addoption"]
 
@@ -47,10 +46,10 @@ def _bind(request: Any, tmp_path: Any, fn: Any) -> Any:
 @pytest.fixture
 def crash_test(request: Any, tmp_path: Any) -> Any:
     """:func:`nnx_es.testing.crash_test`, runs under ``tmp_path``, points from ``--nnx-crash-points``."""
-    return _bind(request, tmp_path, _crash_test)
+    return _bind(request, tmp_path, harness.crash_test)
 
 
 @pytest.fixture
 def fault_test(request: Any, tmp_path: Any) -> Any:
     """:func:`nnx_es.testing.fault_test`, runs under ``tmp_path``, points from ``--nnx-crash-points``."""
-    return _bind(request, tmp_path, _fault_test)
+    return _bind(request, tmp_path, harness.fault_test)
