@@ -14,6 +14,7 @@ from typing import Any
 
 import msgspec
 import structlog
+import torch
 from torch import nn
 from torch.optim import Optimizer
 
@@ -73,19 +74,20 @@ class TrainingLoop:
         step_fn / custom_step: the ``trainer_step_fn`` and whether it is the user's.
         batch_gather: see :func:`nnx_es.data.iterate_batches`.
         progress: the progress display.
+        device: where each training batch's tensors are moved (``None``: as they come).
     """
 
     def __init__(self, *, state: RunState, ctx: TrainContext, net: nn.Module, optimizers: dict[str, Optimizer],
                  schedulers: Sequence[Scheduler], monitor: Monitor | None, engine: UpdateEngine,
                  callbacks: CallbackList, stages: StageDispatcher, committer: Committer, finalization: Finalization,
                  validate: Validate, cadence: Cadence, step_fn: Callable[[TrainContext, Any], Any], custom_step: bool,
-                 batch_gather: bool, progress: Progress) -> None:
+                 batch_gather: bool, progress: Progress, device: torch.device | None = None) -> None:
         self.state, self.ctx, self.net, self.optimizers = state, ctx, net, optimizers
         self.schedulers, self.monitor, self.engine = schedulers, monitor, engine
         self.callbacks, self.stages, self.committer, self.finalization = callbacks, stages, committer, finalization
         self.validate, self.cadence = validate, cadence
         self.step_fn, self.custom_step, self.batch_gather = step_fn, custom_step, batch_gather
-        self.progress = progress
+        self.progress, self.device = progress, device
 
     # --- the run ------------------------------------------------------------------------
 
@@ -161,7 +163,7 @@ class TrainingLoop:
         batch_end = self.callbacks.batch_end if self.callbacks.has("on_batch_end") else None
         progress = self.progress if self.progress.enabled else None
         validate_on_step = val_loader is not None and self.cadence.every_steps is not None
-        for i, batch in enumerate(iterate_batches(train_loader, gather=self.batch_gather)):
+        for i, batch in enumerate(iterate_batches(train_loader, gather=self.batch_gather, device=self.device)):
             ctx.batch_index, ctx.batch = i, batch
             outcome.new_batch()
             if stages:

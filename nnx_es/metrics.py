@@ -154,10 +154,12 @@ def evaluate(
     metrics: tuple[str, ...] = (),
     *,
     gather: bool = True,
+    device: torch.device | None = None,
 ) -> tuple[dict[str, float], int]:
     """One validation pass in eval mode: (``val_`` metrics, rows scored). The net's mode is restored.
 
-    ``gather``: iterate through :func:`nnx_es.data.iterate_batches` (same batches, gathered).
+    ``gather``: iterate through :func:`nnx_es.data.iterate_batches` (same batches, gathered);
+    ``device``: move each batch there first (``None``: as it comes).
     Batches follow ``step_fn``'s contract (the default one: :mod:`nnx_es.batches`).
 
     Raises:
@@ -168,7 +170,7 @@ def evaluate(
     net.eval()
     sums = MetricSums(metrics)
     try:
-        for batch in iterate_batches(loader, gather=gather):
+        for batch in iterate_batches(loader, gather=gather, device=device):
             outputs, targets, weights = step_fn(net, batch)
             sums.check(outputs, targets)
             parts = objective(outputs, targets, weights)
