@@ -178,7 +178,8 @@ class TrainingLoop:
             if stages:
                 stages(TrainingStage.AFTER_BATCH, ctx)
             if progress:
-                progress.advance(ctx.loss, ctx.step_count, ctx.rows)
+                # the loss is read at updates only (once per update: no host read inside a window)
+                progress.advance(ctx.loss if outcome.committed_update else None, ctx.step_count, ctx.rows)
             if outcome.committed_update:
                 outcome.unreported = 0
                 if committer.pending is not None:

@@ -116,12 +116,23 @@ class MetricSums:
             *, rows: int | None = None) -> None:
         """Add one microbatch (``num``: its total numerator as a float; non-finite ones are left out;
         ``rows``: its row count, when the caller has it)."""
+        self.add_loss(num, parts.den, parts.terms if len(parts.terms) > 1 else None)
+        self.add_rows(outputs, targets, weights, rows=rows)
+
+    def add_loss(self, num: float, den: float, terms: dict[str, Any] | None = None) -> None:
+        """Add one microbatch's loss: ``num`` its total numerator, ``den`` its denominator, ``terms``
+        its per-term numerators (several terms only; floats, or 0-dim tensors read with ``float``).
+        A non-finite ``num`` is left out."""
         if math.isfinite(num):
             self.num += num
-            self.den += parts.den
-            if len(parts.terms) > 1:
-                for name, v in parts.terms.items():
+            self.den += den
+            if terms:
+                for name, v in terms.items():
                     self.terms[name] = self.terms.get(name, 0.0) + float(v)
+
+    def add_rows(self, outputs: Tensor, targets: Tensor, weights: Tensor | None, *, rows: int | None = None) -> None:
+        """Count one microbatch's rows and score its accuracy (kept as a tensor: no host read
+        without weights)."""
         if rows is None:
             rows = int(targets.shape[0]) if targets.dim() > 0 else 1
         if self.with_accuracy:
