@@ -28,7 +28,7 @@ from sklearn.datasets import load_digits
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-__all__ = ["CONTENDERS", "digits_loader", "make_net", "run_hand_gathered", "run_nnx", "run_nnx_as_given",
+__all__ = ["CONTENDERS", "WIDE", "WORKLOAD", "digits_loader", "make_net", "run_hand_gathered", "run_nnx", "run_nnx_as_given",
            "run_nnx_lagged"]
 
 
@@ -38,9 +38,54 @@ def digits_loader(seed: int = 0) -> DataLoader:
     return DataLoader(ds, batch_size=32, shuffle=True, generator=torch.Generator().manual_seed(seed))
 
 
+#: the model of the runs: "mlp" (64-128-10, the overhead workload) or "wide" (64-1024-1024-10, compute dominates)
+WORKLOAD = {"name": "mlp"}
+
+
 def make_net() -> nn.Module:
     torch.manual_seed(0)
+    if WORKLOAD["name"] == "wide":
+        return nn.Sequential(nn.Linear(64, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 10))
     return nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 10))
+
+
+def _atomic_save(obj: object, path: Path) -> None:
+    """torch.save through an owned temporary file, fsync, atomic rename and a directory fsync."""
+    import os
+
+    tmp = path.with_suffix(".tmp")
+    with open(tmp, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def run_hand_durable(epochs: int) -> float:
+    """The hand-written loop saving a resumable checkpoint (model, optimizer, epoch) atomically each epoch."""
+    net, loader = make_net(), digits_loader()
+    opt = torch.optim.Adam(net.parameters(), lr=1e-3)
+    loss_fn = nn.CrossEntropyLoss()
+    root = Path(tempfile.mkdtemp(prefix="hand_bench_"))
+    try:
+        t0 = time.perf_counter()
+        for epoch in range(epochs):
+            for x, y in loader:
+                opt.zero_grad(set_to_none=True)
+                loss = loss_fn(net(x), y)
+                loss.backward()
+                opt.step()
+            _atomic_save({"model": net.state_dict(), "optimizer": opt.state_dict(), "epoch": epoch,
+                          "rng": torch.get_rng_state(), "loader_rng": loader.generator.get_state()},
+                         root / "last.pt")
+        return time.perf_counter() - t0
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
 
 
 def run_hand(epochs: int) -> float:
@@ -103,7 +148,32 @@ def run_ignite(epochs: int) -> float:
     return time.perf_counter() - t0
 
 
-def run_lightning(epochs: int) -> float:
+def run_ignite_durable(epochs: int) -> float:
+    """Ignite with a ``Checkpoint`` (DiskSaver) of the model, optimizer and trainer each epoch."""
+    from ignite.engine import Events, create_supervised_trainer
+    from ignite.handlers import Checkpoint, DiskSaver
+
+    net, loader = make_net(), digits_loader()
+    opt = torch.optim.Adam(net.parameters(), lr=1e-3)
+    engine = create_supervised_trainer(net, opt, nn.CrossEntropyLoss())
+    root = tempfile.mkdtemp(prefix="ignite_bench_")
+    try:
+        handler = Checkpoint({"model": net, "optimizer": opt, "trainer": engine},
+                             DiskSaver(root, require_empty=False), n_saved=1)
+        engine.add_event_handler(Events.EPOCH_COMPLETED, handler)
+        t0 = time.perf_counter()
+        engine.run(loader, max_epochs=epochs)
+        return time.perf_counter() - t0
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def run_lightning_durable(epochs: int) -> float:
+    """Lightning with ``ModelCheckpoint(save_last=True)`` each epoch."""
+    return run_lightning(epochs, durable=True)
+
+
+def run_lightning(epochs: int, durable: bool = False) -> float:
     import logging
     import warnings
 
@@ -128,9 +198,14 @@ def run_lightning(epochs: int) -> float:
 
     root = tempfile.mkdtemp(prefix="pl_bench_")
     try:
+        callbacks = []
+        if durable:
+            from pytorch_lightning.callbacks import ModelCheckpoint
+
+            callbacks = [ModelCheckpoint(dirpath=root, save_last=True, every_n_epochs=1)]
         trainer = pl.Trainer(
-            max_epochs=epochs, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
-            enable_progress_bar=False, enable_model_summary=False, default_root_dir=root,
+            max_epochs=epochs, accelerator="cpu", devices=1, logger=False, enable_checkpointing=durable,
+            enable_progress_bar=False, enable_model_summary=False, default_root_dir=root, callbacks=callbacks,
         )
         module, loader = Module(), digits_loader()
         t0 = time.perf_counter()
@@ -156,6 +231,16 @@ CONTENDERS: dict[str, Callable[[int], float]] = {
     "nnx_es": run_nnx,
     "nnx_es, batch_gather=False": run_nnx_as_given,
     "nnx_es, checkpoint_lag='epoch'": run_nnx_lagged,
+    "hand-written torch loop + atomic torch.save each epoch": run_hand_durable,
     "pytorch-ignite": run_ignite,
+    "pytorch-ignite + Checkpoint each epoch": run_ignite_durable,
     "pytorch-lightning": run_lightning,
+    "pytorch-lightning + ModelCheckpoint(save_last) each epoch": run_lightning_durable,
+}
+
+#: the compute-dominated workload's contenders (WORKLOAD "wide"): the like-for-like rows
+WIDE: dict[str, Callable[[int], float]] = {
+    "hand-written torch loop": run_hand,
+    "hand-written torch loop + atomic torch.save each epoch": run_hand_durable,
+    "nnx_es, batch_gather=False": run_nnx_as_given,
 }

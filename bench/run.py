@@ -63,13 +63,23 @@ def main(argv: list[str] | None = None) -> int:
             __import__(module)
         except ImportError:
             missing.append(name)
-            contenders.pop(name)
+            for key in [k for k in contenders if k.startswith(name)]:
+                contenders.pop(key)
     for fn in contenders.values():  # warm-up
         fn(1)
     times: dict[str, list[float]] = {k: [] for k in contenders}
     for _ in range(args.reps):
         for name, fn in contenders.items():
             times[name].append(fn(args.epochs))
+    overhead.WORKLOAD["name"] = "wide"  # the compute-dominated workload: fewer reps, same interleaving
+    wide: dict[str, list[float]] = {k: [] for k in overhead.WIDE}
+    for fn in overhead.WIDE.values():
+        fn(1)
+    for _ in range(max(3, args.reps // 3)):
+        for name, fn in overhead.WIDE.items():
+            wide[name].append(fn(args.epochs))
+    overhead.WORKLOAD["name"] = "mlp"
+    wide_med = {k: statistics.median(v) for k, v in wide.items()}
     base = statistics.median(times[HAND])
     med = {k: statistics.median(v) for k, v in times.items()}
     ratio = med[NNX] / base
@@ -91,10 +101,17 @@ def main(argv: list[str] | None = None) -> int:
     def verdict(ok: bool) -> str:
         return "met" if ok else "**missed**"
 
+    like = med[NNX_ROWS] / base
     summary = [
-        "| target (issue 5) | measured | |",
+        "| target (issues 5, 17) | measured | |",
         "|---|---|---|",
-        f"| nnx_es at most 1.05x the hand-written loop | {ratio:.3f}x (every default) | {verdict(ratio <= 1.05)} |",
+        f"| like for like (every contender iterating the DataLoader as given; nnx_es events every microbatch and "
+        f"commits LAST each epoch): nnx_es at most 1.05x the hand-written loop without checkpoints | {like:.3f}x | "
+        f"{verdict(like <= 1.05)} |",
+        f"| nnx_es's own overhead at most 25 µs per microbatch (like for like, the durable commit excluded) | "
+        f"{per_microbatch_us:.0f} µs | {verdict(per_microbatch_us <= 25)} |",
+        f"| (a separate speed-up, not like for like) nnx_es with every default, batch_gather fetching the "
+        f"in-memory TensorDataset by one gather per tensor | {ratio:.3f}x | |",
         f"| (not a target of the issue, disclosed) the trainer's own overhead: each nnx_es row against a "
         f"hand-written loop fetching batches alike | {min(own.values()):.2f}-{max(own.values()):.2f}x | "
         f"{'within 1.05x' if max(own.values()) <= 1.05 else 'above 1.05x'} |",
@@ -153,6 +170,13 @@ def main(argv: list[str] | None = None) -> int:
         "checkpoint's encoding and any blob files off the training thread (the capture and the log sync stay "
         "on it) but gains nothing measurable here (a crash "
         "can then lose up to one more epoch, and a run has no resume point during its first epoch).",
+        "",
+        f"1b. A workload where compute dominates: MLP 64-1024-1024-10, otherwise the same, "
+        f"{max(3, args.reps // 3)} interleaved reps",
+        "",
+        "| contender | median s | ratio to hand-written |",
+        "|---|---|---|",
+        *[f"| {name} | {m:.3f} | {m / wide_med['hand-written torch loop']:.3f}x |" for name, m in wide_med.items()],
         "",
         "2. Event log",
         "",

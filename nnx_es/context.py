@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING, Any
 
 from events.schema import Counters, EpochSummarized, MonitorDecided
@@ -53,12 +54,43 @@ class TrainContext:
         self.batch_index = 0
         self.predictions: Tensor | None = None
         self.targets: Tensor | None = None
-        self.loss: float | None = None
+        self._loss: float | None = None
+        self._loss_deferred: tuple[Tensor, float] | None = None
         self.rows = 0
         self.validation: dict[str, float] | None = None
         self.decision: MonitorDecided | None = None
         self.epoch_summary: EpochSummarized | None = None
         self.train_metrics: dict[str, float] = {}
+
+    @property
+    def loss(self) -> float | None:
+        """The current microbatch's mean loss (float; ``nan`` when its denominator is 0).
+
+        The engine keeps it on the device until it is read: reading it inside an accumulation
+        window costs one host read (a device sync), once; the window's end reads it with the
+        rest of the window at no extra cost.
+        """
+        deferred = self._loss_deferred
+        if deferred is not None:
+            self._loss_deferred = None
+            total, den = deferred
+            num = total.item()
+            self._loss = num / den if den > 0 else math.nan
+        return self._loss
+
+    @loss.setter
+    def loss(self, value: float | None) -> None:
+        self._loss, self._loss_deferred = value, None
+
+    def defer_loss(self, total: Tensor, den: float) -> None:
+        """Set :attr:`loss` to ``total / den``, read from ``total`` (0-dim, any device) only when asked for."""
+        self._loss_deferred = (total, den)
+
+    def settle_loss(self, total: Tensor, value: float) -> None:
+        """``total``'s mean loss is known on the host now: :attr:`loss` is ``value`` if it still waits for ``total``."""
+        deferred = self._loss_deferred
+        if deferred is not None and deferred[0] is total:
+            self._loss, self._loss_deferred = value, None
 
     @property
     def run_dir(self) -> Any:

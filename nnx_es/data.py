@@ -36,6 +36,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 from torch.utils.data._utils.collate import default_collate
 
+from nnx_es.device import move_batch
 from nnx_es.workers import reseed_workers
 
 __all__ = ["gatherable", "iterate_batches"]
@@ -59,8 +60,19 @@ def gatherable(loader: Iterable[Any]) -> bool:
     )
 
 
-def iterate_batches(loader: Iterable[Any], *, gather: bool = True) -> Iterator[Any]:
-    """Iterate ``loader`` once: by gathering when :func:`gatherable`, else as given."""
+def iterate_batches(loader: Iterable[Any], *, gather: bool = True, device: torch.device | None = None) -> Iterator[Any]:
+    """Iterate ``loader`` once: by gathering when :func:`gatherable`, else as given.
+
+    ``device``: move each batch's tensors there (:func:`nnx_es.device.move_batch`; without blocking
+    when the loader pins memory); ``None``: batches as they come.
+    """
+    if device is None:
+        return _batches(loader, gather)
+    non_blocking = bool(getattr(loader, "pin_memory", False)) and device.type != "cpu"
+    return (move_batch(batch, device, non_blocking) for batch in _batches(loader, gather))
+
+
+def _batches(loader: Iterable[Any], gather: bool) -> Iterator[Any]:
     reseed_workers(loader)
     if not (gather and gatherable(loader)):
         yield from loader

@@ -4,8 +4,18 @@ Per microbatch (:meth:`UpdateEngine.microbatch`)::
 
     outputs, targets, weights = train_step_fn(net, batch)        # under autocast when enabled
     parts = objective(outputs, targets, weights)                 # numerators + denominator
-    backward(parts.total)   (scaled by the GradScaler if any; skipped when not finite or den == 0)
-    -> microbatch_done
+    backward(parts.total)   (scaled by the GradScaler if any; skipped when den == 0, and, with a
+                             GradScaler's backward, when the loss is not finite)
+    -> microbatch_done      held: its loss stays on the device until the window's end
+
+Host reads (each stalls an accelerator's queue): none inside a window; at its end one
+transfer reads every microbatch's loss (and terms) together with the gradients' finiteness
+flag, or their total norm (``torch.stack(...).tolist()``): the skip decision, the held
+``microbatch_done`` events' floats, the receipt's loss and the epoch's sums all come from
+it, the same floats a read per microbatch gave. With a GradScaler, or a stage hook before
+the optimizer step (which may change the gradients), the losses are read first and the
+gradients' check after (two reads); a GradScaler's backward reads each microbatch's loss.
+``ctx.loss`` is read only when someone reads it (:class:`~nnx_es.context.TrainContext`).
 
 At the window's end (:meth:`UpdateEngine.finalize_step`), in this order
 (spec 000 "Lifecycle order" and §3 "One update")::
@@ -167,6 +177,10 @@ class UpdateEngine:
         self.state: RunState = None  # type: ignore[assignment]  # bound by begin_run
         self.callbacks = CallbackList([])
         self._on_update = False
+        #: microbatches whose loss is still on the device: (seq, epoch, batch, rows, den, term names, loss)
+        self._pending: list[tuple[int, int, int, int, float, tuple[str, ...], Tensor]] = []
+        self._pending_t: list[Tensor] = []  # their 0-dim values, in reading order (loss, then terms)
+        self._ctx: TrainContext | None = None
         self._reset_window()
 
     def begin_run(self, state: RunState, callbacks: CallbackList) -> None:
@@ -174,6 +188,8 @@ class UpdateEngine:
         self.state = state
         self.callbacks = callbacks
         self._on_update = callbacks.has("on_optimizer_update")
+        self._pending, self._pending_t = [], []
+        state.recorder.settle = self._settle
 
     def set_precision(self, precision: str, *, init_scale: float = 2.0**16) -> None:
         """``"fp32"``, ``"bf16"`` (autocast) or ``"fp16"`` (autocast + GradScaler).
@@ -204,7 +220,7 @@ class UpdateEngine:
     def _reset_window(self) -> None:
         self.w_microbatches = 0
         self.w_den = 0.0
-        self.w_num = 0.0
+        self.w_num = 0.0  # filled when the window's losses are read (_settle)
         self.w_nonfinite = False
         self.w_divided = False  # the window's gradient already is the mean (one microbatch)
 
@@ -217,6 +233,8 @@ class UpdateEngine:
         return self.w_microbatches >= self.accumulation
 
     def begin_epoch(self) -> None:
+        if self._pending:  # a custom step left microbatches unread: they belong to the epoch before
+            self._settle()
         self.epoch = EpochTotals(self.metrics)
 
     # --- one microbatch -------------------------------------------------------------------
@@ -234,48 +252,95 @@ class UpdateEngine:
                 stages(TrainingStage.BEFORE_LOSS, ctx)
             parts = self.objective(outputs, targets, weights)
         self.epoch.sums.check(outputs, targets)  # a declared metric that cannot score them: before backward
-        num = parts.total.item()
+        total = parts.total
         den = parts.den
-        ctx.loss = num / den if den > 0 else math.nan
-        finite = math.isfinite(num)
+        loss_t = total.detach()  # stays on the device: read with the window (see _settle)
+        ctx.defer_loss(loss_t, den)
         if stages:
             stages(TrainingStage.AFTER_LOSS, ctx)
             stages(TrainingStage.BEFORE_BACKWARD, ctx)
-        if finite and den > 0:
+        if den > 0:
             owner = self.orchestrator.backward_owner
             if owner is not None:
-                owner.backward(ctx, parts.total)
+                # an owned backward (a GradScaler's) is never handed a non-finite loss: read it now
+                if math.isfinite(loss_t.item()):
+                    owner.backward(ctx, total)
             elif self.accumulation == 1:
                 # a one-microbatch window: its W is this den, so the mean is taken here, not on the
-                # grads: backward starts from d(total/den)/d(total) = 1/den (no division op in the graph)
-                parts.total.backward(self._inverse(den, parts.total))
+                # grads: backward starts from d(total/den)/d(total) = 1/den (no division op in the graph).
+                # A non-finite loss is backpropagated too (no host read to tell): the window's end reads
+                # it and skips the update, and its gradients are zeroed unused.
+                total.backward(self._inverse(den, total))
                 self.w_divided = True
             else:
-                parts.total.backward()
-        elif not finite:
-            self.w_nonfinite = True
+                total.backward()
         if stages:
             stages(TrainingStage.AFTER_BACKWARD, ctx)
         self.w_microbatches += 1
         self.w_den += den
-        self.w_num += num
-        self.epoch.microbatches += 1
+        epoch = self.epoch
+        epoch.microbatches += 1
         rows = int(targets.shape[0]) if hasattr(targets, "shape") and targets.dim() > 0 else 1
-        self.epoch.sums.add(parts, num, outputs, targets, weights, rows=rows)
+        epoch.sums.add_rows(outputs, targets, weights, rows=rows)
         ctx.rows = rows
-        self.state.outcome.microbatch_recorded = True
-        self.state.recorder.emit(
-            MicrobatchDone(
-                epoch=ctx.epoch,
-                batch=ctx.batch_index,
-                rows=rows,
-                examples=den,
-                loss=ctx.loss,
-                terms={k: (float(v) / den if den > 0 else math.nan) for k, v in parts.terms.items()}
-                if len(parts.terms) > 1
-                else {},
-            )
-        )
+        state = self.state
+        state.outcome.microbatch_recorded = True
+        # held: its loss is filled in when the window's values are read (one transfer, _settle)
+        rec = state.recorder
+        rec.hold()
+        seq = rec.emit(MicrobatchDone(epoch=ctx.epoch, batch=ctx.batch_index, rows=rows, examples=den, loss=math.nan))
+        terms = parts.terms
+        if len(terms) > 1:
+            self._pending.append((seq, ctx.epoch, ctx.batch_index, rows, den, tuple(terms), loss_t))
+            self._pending_t.append(loss_t)
+            self._pending_t.extend(terms.values())
+        else:
+            self._pending.append((seq, ctx.epoch, ctx.batch_index, rows, den, (), loss_t))
+            self._pending_t.append(loss_t)
+        self._ctx = ctx
+
+    def _settle(self, flag: Tensor | None = None) -> float | None:
+        """Read the pending microbatches' losses (and ``flag``, 0-dim) in one transfer; return ``flag``'s value.
+
+        The one host read of a window: its values fill the held ``microbatch_done`` events, the
+        window's numerator and non-finite mark, the epoch's sums (in microbatch order, so every
+        float is what a read per microbatch gave) and ``ctx.loss``. Also called by the recorder
+        before any write while microbatches are pending (a flush inside a window).
+        """
+        pending, tensors = self._pending, self._pending_t
+        self._pending, self._pending_t = [], []
+        if flag is not None:
+            if tensors and flag.device != tensors[0].device:
+                flag = flag.to(tensors[0].device)
+            tensors.append(flag)
+        if not tensors:
+            return None
+        values = torch.stack(tensors).tolist()  # dtypes promote exactly (fp16/bf16 -> fp32 -> fp64)
+        final: dict[int, MicrobatchDone] = {}
+        sums = self.epoch.sums
+        nan = math.nan
+        i = 0
+        loss = nan
+        for seq, epoch, batch, rows, den, names, _ in pending:
+            num = values[i]
+            i += 1
+            terms: dict[str, float] = {}
+            if names:
+                nums = dict(zip(names, values[i:i + len(names)]))
+                i += len(names)
+                terms = {k: (v / den if den > 0 else nan) for k, v in nums.items()}
+                sums.add_loss(num, den, nums)
+            else:
+                sums.add_loss(num, den)
+            if not math.isfinite(num):
+                self.w_nonfinite = True
+            self.w_num += num
+            loss = num / den if den > 0 else nan
+            final[seq] = MicrobatchDone(epoch=epoch, batch=batch, rows=rows, examples=den, loss=loss, terms=terms)
+        if pending and self._ctx is not None:
+            self._ctx.settle_loss(pending[-1][-1], loss)
+        self.state.recorder.release(final)
+        return values[-1] if flag is not None else None
 
     def _inverse(self, den: float, like: Tensor) -> Tensor:
         """``1/den`` as a 0-dim tensor like ``like`` (cached: a loader's microbatches share one size)."""
@@ -299,47 +364,65 @@ class UpdateEngine:
         unscaled = False
         clipped, lrs = False, {}
         if W <= 0:
+            self._settle()
             reason = "masked"
-        elif self.w_nonfinite:
-            reason, detail = "nonfinite", "a microbatch loss was not finite"
         else:
-            if self.scaler is not None:
-                for opt in optimizers.values():
-                    self.scaler.unscale_(opt)
-                unscaled = True
-            if self._sparse or self._unseen:
-                grads = self._window_grads()
+            # the window's one host read: its losses with the gradients' finiteness (or norm), after
+            # both are formed; read first on their own when a GradScaler must not unscale a window whose
+            # loss was not finite, or a stage hook before the step may change the gradients
+            early = self.scaler is not None or self.stages.has(TrainingStage.BEFORE_OPTIMIZER_STEP)
+            if early:
+                self._settle()
+            if self.w_nonfinite:
+                reason, detail = "nonfinite", "a microbatch loss was not finite"
             else:
-                grads = [p.grad for p in self._params if p.grad is not None]
-            if W != 1.0 and not self.w_divided:
-                torch._foreach_div_(grads, W)
-            if self.stages.by_stage:
-                self.stages(TrainingStage.BEFORE_OPTIMIZER_STEP, ctx)
-            norm_t = None
-            if self.clip_grad_norm is not None or self.track_grad_norm:
-                # the total L2 norm before clipping (what torch.nn.utils.get_total_norm computes, minus its checks)
-                norm_t = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads))) if grads else torch.zeros(())
-                norm = float(norm_t)
-                finite = math.isfinite(norm)
-            else:
-                finite = self._grads_finite(grads)
-            if not finite:
-                reason, detail = "nonfinite", "a gradient is not finite"
-            elif self.orchestrator.can_veto and self.orchestrator.vetoed(ctx):
-                reason, detail = "vetoed", "an update hook vetoed the step"
-            else:
-                clipped = self.clip_grad_norm is not None and norm > self.clip_grad_norm
-                if clipped:
-                    assert norm_t is not None
-                    torch.nn.utils.clip_grads_with_norm_(self._params, self.clip_grad_norm, norm_t)
-                lrs = {n: [float(g["lr"]) for g in optimizers[n].param_groups] for n in names}
-                owner = self.orchestrator.step_owner
-                if owner is not None:
-                    owner.step(ctx, optimizers)
-                else:
+                if self.scaler is not None:
                     for opt in optimizers.values():
-                        opt.step()
-                self.orchestrator.after_step(ctx)
+                        self.scaler.unscale_(opt)
+                    unscaled = True
+                if self._sparse or self._unseen:
+                    grads = self._window_grads()
+                else:
+                    grads = [p.grad for p in self._params if p.grad is not None]
+                if W != 1.0 and not self.w_divided:
+                    torch._foreach_div_(grads, W)
+                if self.stages.by_stage:
+                    self.stages(TrainingStage.BEFORE_OPTIMIZER_STEP, ctx)
+                norm_t = found = None
+                if self.clip_grad_norm is not None or self.track_grad_norm:
+                    # the total L2 norm before clipping (what torch.nn.utils.get_total_norm computes, minus its checks)
+                    norm_t = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads))) if grads else torch.zeros(())
+                    flag = norm_t
+                else:
+                    flag, found = self._nonfinite_flag(grads)
+                value = self._settle(flag)
+                if found is not None and value:
+                    found.zero_()  # found stays 0 until a check finds a non-finite value
+                if norm_t is not None:
+                    norm = value
+                    finite = math.isfinite(norm)
+                else:
+                    finite = value is None or (value == 0.0 if found is not None else math.isfinite(value))
+                if self.w_nonfinite:  # read with the gradients' check
+                    reason, detail = "nonfinite", "a microbatch loss was not finite"
+                    norm = None
+                elif not finite:
+                    reason, detail = "nonfinite", "a gradient is not finite"
+                elif self.orchestrator.can_veto and self.orchestrator.vetoed(ctx):
+                    reason, detail = "vetoed", "an update hook vetoed the step"
+                else:
+                    clipped = self.clip_grad_norm is not None and norm > self.clip_grad_norm
+                    if clipped:
+                        assert norm_t is not None
+                        torch.nn.utils.clip_grads_with_norm_(self._params, self.clip_grad_norm, norm_t)
+                    lrs = {n: [float(g["lr"]) for g in optimizers[n].param_groups] for n in names}
+                    owner = self.orchestrator.step_owner
+                    if owner is not None:
+                        owner.step(ctx, optimizers)
+                    else:
+                        for opt in optimizers.values():
+                            opt.step()
+                    self.orchestrator.after_step(ctx)
         if unscaled:
             assert self.scaler is not None
             self.scaler.update()  # after a step, or after an overflow (which lowers the scale)
@@ -393,16 +476,19 @@ class UpdateEngine:
             grads.append(g)
         return grads
 
-    def _grads_finite(self, grads: list[Tensor]) -> bool:
-        """Whether every gradient is finite, in one fused op and one sync (no norm).
+    def _nonfinite_flag(self, grads: list[Tensor]) -> tuple[Tensor | None, Tensor | None]:
+        """A 0-dim tensor telling whether every gradient is finite, in one fused op (no norm), unread.
 
         ``grads``: strided tensors (a sparse gradient's values, see :meth:`_window_grads`).
+        Returns ``(flag, found)``: ``found`` is the fused check's buffer (``flag`` is a view of it:
+        nonzero when a value is not finite; the caller zeroes it then), or ``None`` when the flag
+        is a total norm (not finite when a value is not). No gradients: ``(None, None)``.
 
         Uses the check behind ``GradScaler.unscale_`` with a scale of exactly 1.0
         (the gradients are unchanged); gradients on several devices fall back to the norm.
         """
         if not grads:
-            return True
+            return None, None
         device = grads[0].device
         bufs = self._found_inf.get(device)
         if bufs is None:
@@ -411,12 +497,20 @@ class UpdateEngine:
         try:
             torch._amp_foreach_non_finite_check_and_unscale_(grads, found, one)
         except RuntimeError:  # mixed devices or dtypes the fused check does not take
-            return math.isfinite(float(torch.linalg.vector_norm(torch.stack(
-                [torch.linalg.vector_norm(g).to(device) for g in grads]))))
-        if found.item():
-            found.zero_()
-            return False
-        return True
+            return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g).to(device) for g in grads])), None
+        return found.view(()), found
+
+    def _grads_finite(self, grads: list[Tensor]) -> bool:
+        """Whether every gradient is finite: :meth:`_nonfinite_flag` read at once (one host read)."""
+        flag, found = self._nonfinite_flag(grads)
+        if flag is None:
+            return True
+        value = flag.item()
+        if found is not None:
+            if value:
+                found.zero_()
+            return not value
+        return math.isfinite(value)
 
     def report_update(
         self,

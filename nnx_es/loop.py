@@ -16,6 +16,7 @@ from typing import Any
 
 import msgspec
 import structlog
+import torch
 from torch import nn
 from torch.optim import Optimizer
 
@@ -84,19 +85,21 @@ class TrainingLoop:
             committed, and the run stops with reason ``nonfinite``), or ``"raise"``
             :class:`~nnx_es.errors.NonFiniteError` (the run fails; LAST stays at the last
             committed epoch). A non-finite validation metric is warned about, stops or raises alike.
+        device: where each training batch's tensors are moved (``None``: as they come).
     """
 
     def __init__(self, *, state: RunState, ctx: TrainContext, net: nn.Module, optimizers: dict[str, Optimizer],
                  schedulers: Sequence[Scheduler], monitor: Monitor | None, engine: UpdateEngine,
                  callbacks: CallbackList, stages: StageDispatcher, committer: Committer, finalization: Finalization,
                  validate: Validate, cadence: Cadence, step_fn: Callable[[TrainContext, Any], Any], custom_step: bool,
-                 batch_gather: bool, progress: Progress, nonfinite: str = "skip") -> None:
+                 batch_gather: bool, progress: Progress, nonfinite: str = "skip",
+                 device: torch.device | None = None) -> None:
         self.state, self.ctx, self.net, self.optimizers = state, ctx, net, optimizers
         self.schedulers, self.monitor, self.engine = schedulers, monitor, engine
         self.callbacks, self.stages, self.committer, self.finalization = callbacks, stages, committer, finalization
         self.validate, self.cadence = validate, cadence
         self.step_fn, self.custom_step, self.batch_gather = step_fn, custom_step, batch_gather
-        self.progress = progress
+        self.progress, self.device = progress, device
         self.nonfinite = nonfinite
         self._nonfinite_skips = 0  # this epoch's
         self._epochs = 0
@@ -177,7 +180,7 @@ class TrainingLoop:
         batch_end = self.callbacks.batch_end if self.callbacks.has("on_batch_end") else None
         progress = self.progress if self.progress.enabled else None
         validate_on_step = val_loader is not None and self.cadence.every_steps is not None
-        for i, batch in enumerate(iterate_batches(train_loader, gather=self.batch_gather)):
+        for i, batch in enumerate(iterate_batches(train_loader, gather=self.batch_gather, device=self.device)):
             ctx.batch_index, ctx.batch = i, batch
             outcome.microbatch_recorded = outcome.committed_update = False  # outcome.new_batch(), inlined
             outcome.skipped = None
@@ -193,7 +196,8 @@ class TrainingLoop:
             if stages:
                 stages(TrainingStage.AFTER_BATCH, ctx)
             if progress:
-                progress.advance(ctx.loss, ctx.step_count, ctx.rows)
+                # the loss is read at updates only (once per update: no host read inside a window)
+                progress.advance(ctx.loss if outcome.committed_update else None, ctx.step_count, ctx.rows)
             if outcome.skipped == "nonfinite" and self._nonfinite_update(epoch, i):
                 break
             if outcome.committed_update:

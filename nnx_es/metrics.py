@@ -115,16 +115,27 @@ class MetricSums:
 
     def add(self, parts: LossParts, num: float, outputs: Tensor, targets: Tensor, weights: Tensor | None,
             *, rows: int | None = None) -> None:
-        """Add one microbatch (``num``: its total numerator as a float; non-finite ones are left out --
-        training's skipped updates -- unless ``keep_nonfinite``, as validation keeps them so that a
-        non-finite batch makes ``val_loss`` non-finite rather than vanish; ``rows``: its row count,
+        """Add one microbatch (``num``: its total numerator as a float; ``rows``: its row count,
         when the caller has it)."""
+        self.add_loss(num, parts.den, parts.terms if len(parts.terms) > 1 else None)
+        self.add_rows(outputs, targets, weights, rows=rows)
+
+    def add_loss(self, num: float, den: float, terms: dict[str, Any] | None = None) -> None:
+        """Add one microbatch's loss: ``num`` its total numerator, ``den`` its denominator, ``terms``
+        its per-term numerators (several terms only; floats, or 0-dim tensors read with ``float``).
+        A non-finite ``num`` is left out -- training's skipped updates -- unless ``keep_nonfinite``,
+        as validation keeps them so that a non-finite batch makes ``val_loss`` non-finite rather
+        than vanish."""
         if self.keep_nonfinite or math.isfinite(num):
             self.num += num
-            self.den += parts.den
-            if len(parts.terms) > 1:
-                for name, v in parts.terms.items():
+            self.den += den
+            if terms:
+                for name, v in terms.items():
                     self.terms[name] = self.terms.get(name, 0.0) + float(v)
+
+    def add_rows(self, outputs: Tensor, targets: Tensor, weights: Tensor | None, *, rows: int | None = None) -> None:
+        """Count one microbatch's rows and score its accuracy (kept as a tensor: no host read
+        without weights)."""
         if rows is None:
             rows = int(targets.shape[0]) if targets.dim() > 0 else 1
         if self.with_accuracy:
@@ -157,10 +168,12 @@ def evaluate(
     metrics: tuple[str, ...] = (),
     *,
     gather: bool = True,
+    device: torch.device | None = None,
 ) -> tuple[dict[str, float], int]:
     """One validation pass in eval mode: (``val_`` metrics, rows scored). The net's mode is restored.
 
-    ``gather``: iterate through :func:`nnx_es.data.iterate_batches` (same batches, gathered).
+    ``gather``: iterate through :func:`nnx_es.data.iterate_batches` (same batches, gathered);
+    ``device``: move each batch there first (``None``: as it comes).
     Batches follow ``step_fn``'s contract (the default one: :mod:`nnx_es.batches`).
 
     Raises:
@@ -171,7 +184,7 @@ def evaluate(
     net.eval()
     sums = MetricSums(metrics, keep_nonfinite=True)
     try:
-        for batch in iterate_batches(loader, gather=gather):
+        for batch in iterate_batches(loader, gather=gather, device=device):
             outputs, targets, weights = step_fn(net, batch)
             sums.check(outputs, targets)
             parts = objective(outputs, targets, weights)

@@ -31,6 +31,7 @@ class Progress:
         self._task: Any = None
         self._rows = 0
         self._t0 = 0.0
+        self._loss = "-"
 
     def start_epoch(self, epoch: int, total: int | None, epochs: int | None = None) -> None:
         """Epoch ``epoch`` (0-based) of ``epochs`` begins, with ``total`` batches (None: unknown)."""
@@ -54,17 +55,21 @@ class Progress:
             self._bar.remove_task(self._task)
         of = f" (of 0-{epochs - 1})" if epochs else ""  # epochs are 0-based, as in the log
         self._task = self._bar.add_task("train", total=total, epoch=epoch, of=of, step=0, loss="-", rate="-")
+        self._loss = "-"
         self._rows = 0
         self._t0 = time.perf_counter()
 
     def advance(self, loss: float | None, step: int, rows: int = 1) -> None:
-        """One microbatch of ``rows`` rows done; ``loss`` is its mean loss, ``step`` the committed updates."""
+        """One microbatch of ``rows`` rows done; ``loss`` is its mean loss (``None``: not read for this
+        microbatch, the last one shown stays), ``step`` the committed updates."""
         if not self.enabled or self._task is None:
             return
         self._rows += rows
         dt = time.perf_counter() - self._t0
-        shown = f"{loss:.4f}" if loss is not None and math.isfinite(loss) else "-"
-        self._bar.update(self._task, advance=1, step=step, loss=shown, rate=f"{self._rows / dt:.0f}" if dt > 0 else "-")
+        if loss is not None:
+            self._loss = f"{loss:.4f}" if math.isfinite(loss) else "-"
+        self._bar.update(self._task, advance=1, step=step, loss=self._loss,
+                         rate=f"{self._rows / dt:.0f}" if dt > 0 else "-")
 
     def end_epoch(self, epoch: int, record: Any) -> None:
         """The epoch's committed history ``record``: one line with its training and validation metrics."""

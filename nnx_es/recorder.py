@@ -3,12 +3,20 @@
 It also folds the live counters from the same events (the counters projection's own fold,
 ``projections.counters.CountersAccumulator``),
 so the counters a checkpoint stores are, by construction, the counters projection.
+
+An event whose values still live on a device (a microbatch's loss, read back once per
+window: :mod:`nnx_es.engine`) is emitted *held*: it passes the machine and the counters
+at once and takes its seq, but it and every event after it wait in order until the
+holder releases it (:meth:`Recorder.release`) with its final values. Before any write
+the recorder asks the holder to settle (``settle``), so nothing is ever written out of
+order or with a placeholder value.
 """
 
 from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 
 from events.log import EventLog
 from events.schema import Counters, Event
@@ -26,7 +34,8 @@ class Recorder:
             machine refuses the event's kind; nothing is appended then.
     """
 
-    __slots__ = ("log", "lifecycle", "live", "_frozen", "last_seq", "flush_interval_s", "_last_flush", "_written")
+    __slots__ = ("log", "lifecycle", "live", "_frozen", "last_seq", "flush_interval_s", "_last_flush", "_written",
+                 "_held", "_hold", "settle")
 
     def __init__(self, log: EventLog, lifecycle: Lifecycle | None = None, counters: Counters | None = None) -> None:
         self.log = log
@@ -39,6 +48,11 @@ class Recorder:
         self._last_flush = time.monotonic()
         #: (lifecycle state, counters, last seq) as of the last successful write: what a dropped buffer returns to
         self._written = (self.lifecycle.state, self.live.freeze(), -1)
+        #: events waiting for a held one's values, in seq order (see the module docstring)
+        self._held: list[Event] = []
+        self._hold = False  # the next emitted event is held
+        #: called before a write while events are held; must :meth:`release` them
+        self.settle: Callable[[], None] | None = None
 
     @property
     def counters(self) -> Counters:
@@ -48,12 +62,43 @@ class Recorder:
         return self._frozen
 
     def emit(self, event: Event) -> int:
-        """Append ``event`` to the buffer (written at the next flush)."""
+        """Append ``event`` to the buffer (written at the next flush); held after :meth:`hold`."""
+        hold, self._hold = self._hold, False
         self.lifecycle.advance(event.KIND)
         if self.live.apply(event):
             self._frozen = None
-        self.last_seq = self.log.append(event)
+        if hold or self._held:
+            self._held.append(event)
+            self.last_seq = self.log.next_seq + len(self._held) - 1
+        else:
+            self.last_seq = self.log.append(event)
         return self.last_seq
+
+    def hold(self) -> None:
+        """Hold the next emitted event: its values are not final yet; it (and what follows) waits
+        for :meth:`release` (see the module docstring)."""
+        self._hold = True
+
+    @property
+    def holding(self) -> bool:
+        """Whether events are held (see the module docstring)."""
+        return bool(self._held)
+
+    def release(self, final: dict[int, Event]) -> None:
+        """Append the held events, each replaced by ``final[seq]`` when given, in seq order."""
+        held, self._held = self._held, []
+        seq = self.log.next_seq
+        for i, event in enumerate(held):
+            self.log.append(final.get(seq + i, event))
+
+    def _settle(self) -> None:
+        if self._held:
+            try:
+                if self.settle is not None:
+                    self.settle()
+            finally:
+                if self._held:  # nobody settled them (or settling failed): written as they are
+                    self.release({})
 
     def commit(self, event: Event) -> int:
         """Append ``event`` and make it and everything before it durable (one sync).
@@ -73,6 +118,7 @@ class Recorder:
         last one written (a failed first commit leaves an empty log, never a ``run_failed`` at
         seq 0 without its ``run_started``).
         """
+        self._settle()
         try:
             self.log.flush(sync=True)
         except BaseException:
@@ -92,6 +138,7 @@ class Recorder:
         """Flush (no sync) when ``flush_interval_s`` has passed: live readers see progress."""
         now = time.monotonic()
         if now - self._last_flush >= self.flush_interval_s:
+            self._settle()
             self.log.flush()
             self._wrote()
 
@@ -99,6 +146,7 @@ class Recorder:
         return self.lifecycle.accepts(kind)
 
     def flush(self) -> None:
+        self._settle()
         self.log.flush()
         self._wrote()
 

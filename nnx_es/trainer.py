@@ -36,6 +36,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch import nn
 from torch.optim import Optimizer
 
@@ -46,6 +47,7 @@ from nnx_es.batches import weighted_forward
 from nnx_es.commit import Committer
 from nnx_es.commit import checkpoint_lag as lag_in_updates
 from nnx_es.context import TrainContext
+from nnx_es.device import place_model, resolve_device
 from nnx_es.engine import UpdateEngine, default_forward, default_train_step
 from nnx_es.errors import ConfigError
 from nnx_es.finalize import Finalization
@@ -142,6 +144,12 @@ class Trainer:
             :class:`~nnx_es.errors.NonFiniteError` (status ``failed``; LAST stays at the last
             committed epoch). A run that trains microbatches but commits no update never ends
             ``completed`` (:class:`~nnx_es.errors.NoUpdateError`).
+        device: where to train: ``"cpu"``, ``"cuda"``, ``"cuda:N"``, ``"mps"`` or a ``torch.device``;
+            default: the model's own device. The model (and any optimizer state) is moved there
+            now, and every batch's tensors (nested tuples, lists, mappings, dataclasses) before the
+            batch's stages, without blocking when the loader pins memory. Checkpoints stay
+            device-independent (see :mod:`nnx_es.device`). A device this machine does not have
+            is refused now.
 
     Raises:
         ConfigError: a bad argument (named with the value received).
@@ -183,12 +191,15 @@ class Trainer:
         sinks: Sequence[Any] = (),
         recipe_required: bool = False,
         spec: Any = None,
+        device: str | torch.device | None = None,
     ) -> None:
         if not isinstance(net, nn.Module):
             raise ConfigError(f"net must be a torch.nn.Module, got {type(net).__name__}")
         self.net = net
         self.custom_step = trainer_step_fn is not None
         self.optimizers: dict[str, Optimizer] = optimizers_of(net, optimizer, custom_step=self.custom_step)
+        self.device = resolve_device(device, net)
+        place_model(net, self.optimizers, self.device)
         if not (isinstance(loss, (Objective, Mapping, nn.Module)) or callable(loss)):
             raise ConfigError(f"loss must be a loss module, a callable, {{name: fn}} or an Objective, got {loss!r}")
         self.objective = loss if isinstance(loss, Objective) else Objective(loss)
@@ -387,7 +398,7 @@ class Trainer:
                 monitor=self.monitor, engine=self.engine, callbacks=callbacks, stages=self.stages,
                 committer=committer, finalization=finalization, validate=self.validate, cadence=self.cadence,
                 step_fn=self.trainer_step_fn, custom_step=self.custom_step, batch_gather=self.batch_gather,
-                progress=Progress(self.progress_enabled), nonfinite=self.nonfinite,
+                progress=Progress(self.progress_enabled), nonfinite=self.nonfinite, device=self.device,
             )
             live = None
             if self.sinks and state.world.is_writer:
@@ -411,4 +422,5 @@ class Trainer:
         With an :class:`~nnx_es.update_hooks.EMA` update hook, the averaged weights are evaluated.
         """
         net = self.engine.orchestrator.averaged_module() or self.net
-        return evaluate(net, loader, self.objective, self.eval_step_fn, self.metrics, gather=self.batch_gather)
+        return evaluate(net, loader, self.objective, self.eval_step_fn, self.metrics, gather=self.batch_gather,
+                        device=self.device)
