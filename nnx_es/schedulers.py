@@ -22,6 +22,10 @@ from events.schema import MonitorDecided, PlateauState, SchedulerDecl, Scheduler
 from nnx_es.errors import ConfigError
 from nnx_es.monitor import Monitor, step_plateau
 
+#: torch's default ``ReduceLROnPlateau(threshold=1e-4, threshold_mode="rel")``: accepted and not
+#: applied (the monitor's ``min_delta`` decides improvement); any other threshold is refused
+PLATEAU_DEFAULT_THRESHOLD = 1e-4
+
 if TYPE_CHECKING:
     from nnx_es.recorder import Recorder
 
@@ -140,6 +144,16 @@ def wrap_schedulers(schedulers: Iterable[Any], optimizers: Mapping[str, Optimize
                     f"scheduler {w.name!r} is ReduceLROnPlateau(mode={w.scheduler.mode!r}) but the monitor "
                     f"{monitor.name!r} has mode={monitor.mode!r}: one decision drives both, so give the "
                     f"scheduler mode={monitor.mode!r}"
+                )
+            threshold, threshold_mode = float(w.scheduler.threshold), w.scheduler.threshold_mode
+            torch_default = threshold == PLATEAU_DEFAULT_THRESHOLD and threshold_mode == "rel"
+            if not torch_default and not (threshold_mode == "abs" and threshold == monitor.min_delta):
+                raise ConfigError(
+                    f"scheduler {w.name!r} is ReduceLROnPlateau(threshold={threshold!r}, "
+                    f"threshold_mode={threshold_mode!r}), but whether an epoch improved is decided once, by "
+                    f"the monitor {monitor.name!r} (min_delta={monitor.min_delta!r}), and the scheduler's own "
+                    f"threshold would be ignored: give the margin to Monitor({monitor.name!r}, "
+                    f"min_delta=...) and leave the scheduler's threshold at its default"
                 )
         out.append(w)
     return out

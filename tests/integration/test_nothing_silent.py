@@ -114,6 +114,27 @@ def test_a_plateau_scheduler_whose_mode_disagrees_with_the_monitor_is_refused_at
                 schedulers=[Scheduler(plateau)], runs_root=tmp_path)
 
 
+@pytest.mark.parametrize("kwargs", [dict(threshold=0.01), dict(threshold=1e-4, threshold_mode="abs"),
+                                    dict(threshold=0.5, threshold_mode="abs")])
+def test_a_plateau_threshold_the_monitor_would_not_apply_is_refused(tmp_path, kwargs):
+    net = small_net()
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(opt, **kwargs)
+    with pytest.raises(ConfigError, match=rf"threshold={kwargs['threshold']!r}.*min_delta=0.0.*Monitor\('val_loss'"):
+        Trainer(net, opt, nn.CrossEntropyLoss(), monitor=Monitor("val_loss"),
+                schedulers=[Scheduler(plateau)], runs_root=tmp_path)
+
+
+def test_a_plateau_threshold_equal_to_the_monitors_min_delta_or_torchs_default_is_accepted(tmp_path):
+    net = small_net()
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    for plateau in (torch.optim.lr_scheduler.ReduceLROnPlateau(opt),
+                    torch.optim.lr_scheduler.ReduceLROnPlateau(opt, threshold=0.5, threshold_mode="abs")):
+        trainer = Trainer(net, opt, nn.CrossEntropyLoss(), monitor=Monitor("val_loss", min_delta=0.5),
+                          schedulers=[Scheduler(plateau)], runs_root=tmp_path)
+        assert trainer.monitor.min_delta == 0.5
+
+
 class _FailAt(Callback):
     def __init__(self, hook: str, epoch: int = 0) -> None:
         self.hook, self.epoch = hook, epoch
