@@ -194,6 +194,9 @@ class RunStarted(Event, frozen=True, kw_only=True, tag="run_started"):
     spec: dict[str, Any] | None = None
     #: SHA-256 of ``spec``'s canonical JSON (sorted keys); "" without a spec
     spec_hash: str = ""
+    #: each loss term by name, as ``nnx_es.declare.describe_objective`` describes it (a stateful resume
+    #: with another loss is refused); None: a run recorded before it was declared here
+    objective: dict[str, str] | None = None
 
 
 class RunResumed(Event, frozen=True, kw_only=True, tag="run_resumed"):

@@ -241,8 +241,8 @@ def _require_run_dir(source: Path) -> None:
 
 def _check_same_recipe(components: RunComponents, mine: RunStarted, started: RunStarted | None,
                        manifest: Manifest) -> None:
-    """A stateful resume continues the same recipe: optimizers, schedulers, monitor, window and
-    averaging update hooks.
+    """A stateful resume continues the same recipe: optimizers, schedulers, monitor, window, loss
+    (:mod:`nnx_es.declare`), averaging update hooks, and a callback for every callback state LAST holds.
 
     The averaging hooks (:class:`~nnx_es.update_hooks.EMA`) are not declared in ``run_started``:
     they are read from the LAST ``manifest``'s ``update_hook/<name>`` components, in order (the
@@ -262,13 +262,23 @@ def _check_same_recipe(components: RunComponents, mine: RunStarted, started: Run
             "dropped or restarted); pass the run's EMA hooks (EMA(decay, name=...)) in the same order, or use "
             "resume_mode='weights_only' to start a new run; nothing was restored or written"
         )
+    held = [n.removeprefix("callback/") for n in manifest.components if n.startswith("callback/")]
+    dropped = sorted(set(held) - {cb.name for cb in components.callbacks})
+    if dropped:
+        raise ResumeError(
+            f"cannot resume run {manifest.run_id!r} statefully without its callback(s) {dropped}: its LAST holds "
+            f"their state (early stopping's patience, a callback's counters) and the run would go on deciding "
+            f"without them; pass them again (same names), or use resume_mode='weights_only' to start a new "
+            "run; nothing was restored or written"
+        )
     check_same_loaders(manifest.run_id, started.loaders if started else None, components.loaders)
     if started is None:
         return
     for field, label in (("optimizers", "optimizers"), ("schedulers", "schedulers"), ("monitor", "monitor"),
-                         ("accumulation", "accumulation window"), ("update", "precision or gradient clipping")):
+                         ("accumulation", "accumulation window"), ("update", "precision or gradient clipping"),
+                         ("objective", "loss")):
         theirs, ours = getattr(started, field), getattr(mine, field)
-        if theirs != ours and not (field == "update" and theirs is None):  # None: an older run declared none
+        if theirs != ours and not (field in ("update", "objective") and theirs is None):  # None: an older run declared none
             raise ResumeError(
                 f"cannot resume run {started.run_id!r} statefully with a different {label}: the run declared "
                 f"{theirs!r}, this trainer has {ours!r} (use resume_mode='weights_only' to start a new run); "

@@ -56,6 +56,7 @@ from nnx_es.logs import ensure_logging
 from nnx_es.loop import NONFINITE, Cadence, TrainingLoop
 from nnx_es.metrics import check_monitor, evaluate, validate_metrics
 from nnx_es.monitor import Monitor
+from nnx_es.declare import describe_objective
 from nnx_es.objective import Objective
 from nnx_es.progress import Progress
 from nnx_es.recipes.runspec import record_spec, spec_hash
@@ -306,7 +307,7 @@ class Trainer:
             monitor=self.monitor.spec if self.monitor else None, accumulation=self.engine.accumulation,
             update=UpdateSpec(precision=self.engine.precision, clip_grad_norm=self.engine.clip_grad_norm),
             source=source, wall_time_s=time.time(), loaders=loader_geometries(self.components.loaders),
-            spec=self.spec, spec_hash=spec_hash(self.spec),
+            spec=self.spec, spec_hash=spec_hash(self.spec), objective=describe_objective(self.objective),
         )
 
     # --- the run ------------------------------------------------------------------------

@@ -284,3 +284,53 @@ def test_a_run_recorded_without_loader_geometry_resumes_as_before(tmp_path, monk
         _batch_size_fit(runs, 20, 1)
     assert next(e for _, e in read_events(runs / "r") if e.KIND == "run_started").loaders is None
     assert len(_batch_size_fit(runs, 50, 2, resume_from=runs / "r").history) == 2
+
+
+# --- another loss, a dropped stateful callback -------------------------------------------------
+
+
+class _Counting(Callback):
+    """A stateful callback: counts epochs (its state is in every LAST)."""
+
+    def __init__(self) -> None:
+        self.epochs = 0
+
+    def on_epoch_end(self, ctx):
+        self.epochs += 1
+
+    def state_dict(self):
+        return {"epochs": self.epochs}
+
+    def load_state_dict(self, state):
+        self.epochs = state["epochs"]
+
+
+@pytest.mark.parametrize("loss", [torch.nn.CrossEntropyLoss(label_smoothing=0.1), torch.nn.NLLLoss(),
+                                  torch.nn.CrossEntropyLoss(weight=torch.tensor([1.0, 2.0, 1.0]))],
+                         ids=["smoothed", "other_class", "class_weighted"])
+def test_a_stateful_resume_with_another_loss_is_refused_and_writes_nothing(tmp_path, loss):
+    runs = tmp_path / "runs"
+    train(runs, 1, [])
+    before = _tree(runs / "r")
+    if getattr(loss, "weight", None) is not None:  # class weight= is refused at construction anyway
+        with pytest.raises(ConfigError, match="weight"):
+            train(runs, 2, [], resume_from=runs / "r", loss=loss)
+        return
+    with pytest.raises(ResumeError, match=r"with a different loss: the run declared \{'loss': 'CrossEntropyLoss\("):
+        train(runs, 2, [], resume_from=runs / "r", loss=loss)
+    assert _tree(runs / "r") == before
+    assert train(runs, 2, [], resume_from=runs / "r").status == "completed"  # the run's own loss continues
+
+
+def test_a_stateful_resume_without_a_callback_whose_state_last_holds_is_refused(tmp_path):
+    runs = tmp_path / "runs"
+    train(runs, 1, [], callbacks=[_Counting()])
+    before = _tree(runs / "r")
+    with pytest.raises(ResumeError, match=r"without its callback\(s\) \['_Counting'\]"):
+        train(runs, 2, [], resume_from=runs / "r")
+    assert _tree(runs / "r") == before
+    counting = _Counting()
+    assert train(runs, 2, [], resume_from=runs / "r", callbacks=[counting]).status == "completed"
+    assert counting.epochs == 2  # restored (1) and one more epoch
+    # a new, stateless callback is welcome on resume
+    assert train(runs, 3, [], resume_from=runs / "r", callbacks=[_Counting(), Callback()]).status == "completed"
