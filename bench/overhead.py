@@ -22,14 +22,32 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from sklearn.datasets import load_digits
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-__all__ = ["CONTENDERS", "WIDE", "WORKLOAD", "digits_loader", "make_net", "run_hand_gathered", "run_nnx", "run_nnx_as_given",
+__all__ = ["CONTENDERS", "Timing", "clock", "since", "WIDE", "WORKLOAD", "digits_loader", "make_net", "run_hand_gathered", "run_nnx", "run_nnx_as_given",
            "run_nnx_lagged"]
+
+
+class Timing(NamedTuple):
+    """One run's time, seconds: ``wall`` (perf_counter) and ``cpu`` (process_time: the CPU time of
+    every thread of the process, which a machine shared with other jobs disturbs far less than wall
+    time; an fsync's wait is not CPU time)."""
+
+    wall: float
+    cpu: float
+
+
+def clock() -> tuple[float, float]:
+    return time.perf_counter(), time.process_time()
+
+
+def since(t0: tuple[float, float]) -> Timing:
+    return Timing(time.perf_counter() - t0[0], time.process_time() - t0[1])
 
 
 def digits_loader(seed: int = 0) -> DataLoader:
@@ -66,14 +84,14 @@ def _atomic_save(obj: object, path: Path) -> None:
         os.close(fd)
 
 
-def run_hand_durable(epochs: int) -> float:
+def run_hand_durable(epochs: int) -> Timing:
     """The hand-written loop saving a resumable checkpoint (model, optimizer, epoch) atomically each epoch."""
     net, loader = make_net(), digits_loader()
     opt = torch.optim.Adam(net.parameters(), lr=1e-3)
     loss_fn = nn.CrossEntropyLoss()
     root = Path(tempfile.mkdtemp(prefix="hand_bench_"))
     try:
-        t0 = time.perf_counter()
+        t0 = clock()
         for epoch in range(epochs):
             for x, y in loader:
                 opt.zero_grad(set_to_none=True)
@@ -83,26 +101,26 @@ def run_hand_durable(epochs: int) -> float:
             _atomic_save({"model": net.state_dict(), "optimizer": opt.state_dict(), "epoch": epoch,
                           "rng": torch.get_rng_state(), "loader_rng": loader.generator.get_state()},
                          root / "last.pt")
-        return time.perf_counter() - t0
+        return since(t0)
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
 
-def run_hand(epochs: int) -> float:
+def run_hand(epochs: int) -> Timing:
     net, loader = make_net(), digits_loader()
     opt = torch.optim.Adam(net.parameters(), lr=1e-3)
     loss_fn = nn.CrossEntropyLoss()
-    t0 = time.perf_counter()
+    t0 = clock()
     for _ in range(epochs):
         for x, y in loader:
             opt.zero_grad(set_to_none=True)
             loss = loss_fn(net(x), y)
             loss.backward()
             opt.step()
-    return time.perf_counter() - t0
+    return since(t0)
 
 
-def run_hand_gathered(epochs: int) -> float:
+def run_hand_gathered(epochs: int) -> Timing:
     """The hand-written loop fed by nnx_es's batch gather (the same batches): the fair baseline
     for the default nnx_es row."""
     from nnx_es.data import iterate_batches
@@ -110,17 +128,17 @@ def run_hand_gathered(epochs: int) -> float:
     net, loader = make_net(), digits_loader()
     opt = torch.optim.Adam(net.parameters(), lr=1e-3)
     loss_fn = nn.CrossEntropyLoss()
-    t0 = time.perf_counter()
+    t0 = clock()
     for _ in range(epochs):
         for x, y in iterate_batches(loader):
             opt.zero_grad(set_to_none=True)
             loss = loss_fn(net(x), y)
             loss.backward()
             opt.step()
-    return time.perf_counter() - t0
+    return since(t0)
 
 
-def run_nnx(epochs: int, *, batch_gather: bool = True, checkpoint_lag: int | str = 0) -> float:
+def run_nnx(epochs: int, *, batch_gather: bool = True, checkpoint_lag: int | str = 0) -> Timing:
     """nnx_es with every default (``batch_gather`` and ``checkpoint_lag`` can be changed)."""
     from nnx_es import Trainer
 
@@ -130,25 +148,25 @@ def run_nnx(epochs: int, *, batch_gather: bool = True, checkpoint_lag: int | str
     try:
         trainer = Trainer(net, opt, nn.CrossEntropyLoss(), runs_root=root, run_id="bench", progress=False,
                           checkpoint_lag=checkpoint_lag, batch_gather=batch_gather)
-        t0 = time.perf_counter()
+        t0 = clock()
         trainer.fit(loader, epochs=epochs)
-        return time.perf_counter() - t0
+        return since(t0)
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
 
-def run_ignite(epochs: int) -> float:
+def run_ignite(epochs: int) -> Timing:
     from ignite.engine import create_supervised_trainer
 
     net, loader = make_net(), digits_loader()
     opt = torch.optim.Adam(net.parameters(), lr=1e-3)
     engine = create_supervised_trainer(net, opt, nn.CrossEntropyLoss())
-    t0 = time.perf_counter()
+    t0 = clock()
     engine.run(loader, max_epochs=epochs)
-    return time.perf_counter() - t0
+    return since(t0)
 
 
-def run_ignite_durable(epochs: int) -> float:
+def run_ignite_durable(epochs: int) -> Timing:
     """Ignite with a ``Checkpoint`` (DiskSaver) of the model, optimizer and trainer each epoch."""
     from ignite.engine import Events, create_supervised_trainer
     from ignite.handlers import Checkpoint, DiskSaver
@@ -161,19 +179,19 @@ def run_ignite_durable(epochs: int) -> float:
         handler = Checkpoint({"model": net, "optimizer": opt, "trainer": engine},
                              DiskSaver(root, require_empty=False), n_saved=1)
         engine.add_event_handler(Events.EPOCH_COMPLETED, handler)
-        t0 = time.perf_counter()
+        t0 = clock()
         engine.run(loader, max_epochs=epochs)
-        return time.perf_counter() - t0
+        return since(t0)
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
 
-def run_lightning_durable(epochs: int) -> float:
+def run_lightning_durable(epochs: int) -> Timing:
     """Lightning with ``ModelCheckpoint(save_last=True)`` each epoch."""
     return run_lightning(epochs, durable=True)
 
 
-def run_lightning(epochs: int, durable: bool = False) -> float:
+def run_lightning(epochs: int, durable: bool = False) -> Timing:
     import logging
     import warnings
 
@@ -208,24 +226,24 @@ def run_lightning(epochs: int, durable: bool = False) -> float:
             enable_progress_bar=False, enable_model_summary=False, default_root_dir=root, callbacks=callbacks,
         )
         module, loader = Module(), digits_loader()
-        t0 = time.perf_counter()
+        t0 = clock()
         trainer.fit(module, loader)
-        return time.perf_counter() - t0
+        return since(t0)
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
 
-def run_nnx_as_given(epochs: int) -> float:
+def run_nnx_as_given(epochs: int) -> Timing:
     """nnx_es iterating the DataLoader row by row, as the other contenders do (its own overhead)."""
     return run_nnx(epochs, batch_gather=False)
 
 
-def run_nnx_lagged(epochs: int) -> float:
+def run_nnx_lagged(epochs: int) -> Timing:
     """nnx_es persisting each checkpoint on a background thread while the next epoch trains."""
     return run_nnx(epochs, checkpoint_lag="epoch")
 
 
-CONTENDERS: dict[str, Callable[[int], float]] = {
+CONTENDERS: dict[str, Callable[[int], Timing]] = {
     "hand-written torch loop": run_hand,
     "hand-written torch loop, batches gathered": run_hand_gathered,
     "nnx_es": run_nnx,
@@ -239,7 +257,7 @@ CONTENDERS: dict[str, Callable[[int], float]] = {
 }
 
 #: the compute-dominated workload's contenders (WORKLOAD "wide"): the like-for-like rows
-WIDE: dict[str, Callable[[int], float]] = {
+WIDE: dict[str, Callable[[int], Timing]] = {
     "hand-written torch loop": run_hand,
     "hand-written torch loop + atomic torch.save each epoch": run_hand_durable,
     "nnx_es, batch_gather=False": run_nnx_as_given,
