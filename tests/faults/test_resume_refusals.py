@@ -15,7 +15,7 @@ import torch
 from events.schema import LastCommitted
 from nnx_es import EMA, Callback, NNModel, Trainer
 from nnx_es.errors import ConfigError, ResumeError
-from trainkit import loaders, read_events, small_net, write_blob
+from trainkit import EpochCounter, loaders, read_events, small_net, write_blob
 
 torch.set_num_threads(1)
 
@@ -289,22 +289,6 @@ def test_a_run_recorded_without_loader_geometry_resumes_as_before(tmp_path, monk
 # --- another loss, a dropped stateful callback -------------------------------------------------
 
 
-class _Counting(Callback):
-    """A stateful callback: counts epochs (its state is in every LAST)."""
-
-    def __init__(self) -> None:
-        self.epochs = 0
-
-    def on_epoch_end(self, ctx):
-        self.epochs += 1
-
-    def state_dict(self):
-        return {"epochs": self.epochs}
-
-    def load_state_dict(self, state):
-        self.epochs = state["epochs"]
-
-
 @pytest.mark.parametrize("loss", [torch.nn.CrossEntropyLoss(label_smoothing=0.1), torch.nn.NLLLoss(),
                                   torch.nn.CrossEntropyLoss(weight=torch.tensor([1.0, 2.0, 1.0]))],
                          ids=["smoothed", "other_class", "class_weighted"])
@@ -324,13 +308,13 @@ def test_a_stateful_resume_with_another_loss_is_refused_and_writes_nothing(tmp_p
 
 def test_a_stateful_resume_without_a_callback_whose_state_last_holds_is_refused(tmp_path):
     runs = tmp_path / "runs"
-    train(runs, 1, [], callbacks=[_Counting()])
+    train(runs, 1, [], callbacks=[EpochCounter()])
     before = _tree(runs / "r")
-    with pytest.raises(ResumeError, match=r"without its callback\(s\) \['_Counting'\]"):
+    with pytest.raises(ResumeError, match=r"without its callback\(s\) \['EpochCounter'\]"):
         train(runs, 2, [], resume_from=runs / "r")
     assert _tree(runs / "r") == before
-    counting = _Counting()
+    counting = EpochCounter()
     assert train(runs, 2, [], resume_from=runs / "r", callbacks=[counting]).status == "completed"
     assert counting.epochs == 2  # restored (1) and one more epoch
     # a new, stateless callback is welcome on resume
-    assert train(runs, 3, [], resume_from=runs / "r", callbacks=[_Counting(), Callback()]).status == "completed"
+    assert train(runs, 3, [], resume_from=runs / "r", callbacks=[EpochCounter(), Callback()]).status == "completed"
