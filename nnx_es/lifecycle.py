@@ -23,6 +23,7 @@ agree on every (state, kind) pair. Order of one run (spec 000 "Lifecycle order")
     failure anywhere:  run_failed  callback_finalized*  run_finalized
     stop at an update boundary:  ... update_committed  stop_requested  callback_finalized*  run_finalized
     resume:  run_resumed  callback_began*  train_began  ...
+    after the run:  run_finalized  evaluation_recorded*
 """
 
 from __future__ import annotations
@@ -110,6 +111,8 @@ _BASE: tuple[dict[str, Any], ...] = (
     _t("run_failed", _ALIVE + ["finalizing", "closed"], "failed"),
     _t("callback_finalized", "failed", "failed"),
     _t("run_finalized", "failed", "finalized"),
+    # an evaluation of one of the run's checkpoints, recorded after the run (NNModel.evaluate)
+    _t("evaluation_recorded", "finalized", "finalized"),
 )
 
 #: States of the epoch body in which the previous epoch's LAST may still be in flight.
