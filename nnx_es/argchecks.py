@@ -117,15 +117,18 @@ def optimizers_of(net: nn.Module, optimizer: Any, *, custom_step: bool) -> dict[
     return dict(optimizer)
 
 
-def monitor_of(monitor: Monitor | str | None) -> Monitor | None:
+def monitor_of(monitor: Monitor | str | None, higher_is_better: Mapping[str, bool] | None = None) -> Monitor | None:
     """``Trainer(monitor=...)`` as a :class:`~nnx_es.monitor.Monitor` (a name containing ``acc``
-    is maximized, any other minimized).
+    is maximized, any other minimized, unless ``higher_is_better`` -- metric name without
+    ``val_`` -> whether larger is better, as a metric declares it -- says otherwise).
 
     Raises:
         ConfigError: neither a Monitor, a metric name nor None.
     """
     if isinstance(monitor, str):
-        monitor = Monitor(monitor, mode="max" if "acc" in monitor else "min")
+        said = (higher_is_better or {}).get(monitor.removeprefix("val_"))
+        maximize = said if said is not None else "acc" in monitor
+        monitor = Monitor(monitor, mode="max" if maximize else "min")
     if monitor is not None and not isinstance(monitor, Monitor):
         raise ConfigError(f"monitor must be a Monitor or a metric name, got {monitor!r}")
     return monitor

@@ -71,6 +71,7 @@ from nnx_es.snapshot import RunComponents
 from nnx_es.schedulers import wrap_schedulers
 from nnx_es.storage import BlobStore, validate_run_id
 from nnx_es.update_hooks import GradientAccumulation, GradientClipping, MixedPrecision, collect
+from nnx_es.user_metrics import UserMetric, higher_is_better, metric_names
 
 __all__ = ["Trainer"]
 
@@ -91,7 +92,9 @@ class Trainer:
         metrics: declared metrics besides the loss, reported per epoch for training and
             validation (``"accuracy"``: argmax of ``(B, C)`` outputs against ``(B,)`` class ids, or
             one logit ``(B, 1)`` at probability 0.5 against 0/1 targets; other shapes are refused
-            on the first batch, before backward).
+            on the first batch, before backward), named callables ``(outputs, targets) -> per-row
+            values`` and ``torchmetrics`` metrics, in a list or as ``{name: metric}``: each is exact
+            over the epoch's rows and monitorable by name (:mod:`nnx_es.user_metrics`).
         schedulers: torch schedulers (epoch clock) or :class:`~nnx_es.schedulers.Scheduler`.
         callbacks: :class:`~nnx_es.callbacks.Callback` objects, dispatched in list order.
         hooks: stage hooks (``stage``, ``frequency``, ``__call__(ctx, stage)``, see
@@ -163,7 +166,7 @@ class Trainer:
         loss: Any,
         *,
         monitor: Monitor | str | None = None,
-        metrics: Sequence[str] = (),
+        metrics: Sequence[Any] | Mapping[str, Any] = (),
         schedulers: Sequence[Any] = (),
         callbacks: Sequence[Callback] = (),
         hooks: Sequence[Any] = (),
@@ -204,7 +207,8 @@ class Trainer:
         if not (isinstance(loss, (Objective, Mapping, nn.Module)) or callable(loss)):
             raise ConfigError(f"loss must be a loss module, a callable, {{name: fn}} or an Objective, got {loss!r}")
         self.objective = loss if isinstance(loss, Objective) else Objective(loss)
-        self.monitor: Monitor | None = monitor_of(monitor)
+        self.metrics = validate_metrics(metrics)
+        self.monitor: Monitor | None = monitor_of(monitor, higher_is_better(self.metrics))
         if isinstance(callbacks, Callback) or not isinstance(callbacks, Iterable):
             raise ConfigError(f"callbacks must be a list of Callback, got {callbacks!r}")
         self.schedulers = wrap_schedulers(schedulers, self.optimizers, self.monitor)
@@ -236,7 +240,6 @@ class Trainer:
             raise ConfigError(f"sinks must be a list of live logging sinks (TensorBoardSink, CsvSink, MlflowSink or "
                               f"objects with open/write/close), got {sinks!r}")
         self.sinks = list(sinks)
-        self.metrics = validate_metrics(metrics)
         if self.monitor is not None:
             check_monitor(self.monitor, self.objective, self.metrics)
         if not isinstance(track_grad_norm, bool):
@@ -251,9 +254,13 @@ class Trainer:
                                         callbacks=self.callbacks)
         self.ctx = TrainContext(net=net, optimizers=self.optimizers, schedulers=self.schedulers, monitor=self.monitor,
                                 engine=self.engine, trainer=self)
+        if (recipe_required or spec is not None) and any(isinstance(m, UserMetric) for m in self.metrics):
+            raise ConfigError(f"metrics {[m.name for m in self.metrics if isinstance(m, UserMetric)]} are callables or "
+                              "metric objects, which a recorded spec cannot hold yet: declare built-in metric names "
+                              "only with recipe_required=True or a spec")
         self.spec = record_spec(
             recipe_required, spec, net=net, optimizers=self.optimizers, objective=self.objective, monitor=self.monitor,
-            metrics=self.metrics, schedulers=self.schedulers, callbacks=self.callbacks, update_hooks=self.update_hooks,
+            metrics=metric_names(self.metrics), schedulers=self.schedulers, callbacks=self.callbacks, update_hooks=self.update_hooks,
             hooks=hooks, steps={"train_step_fn": train_step_fn, "eval_step_fn": eval_step_fn,
                                 "trainer_step_fn": trainer_step_fn}, seed=self.seed,
             settings=dict(validate_every=validate_every, validate_every_steps=validate_every_steps, phase_every=phase_every,
