@@ -345,8 +345,9 @@ class UpdateSkipped(Event, frozen=True, kw_only=True, tag="update_skipped"):
 class ValidationDone(Event, frozen=True, kw_only=True, tag="validation_done"):
     """Validation metrics (``val_`` prefixed) over ``examples`` held-out rows.
 
-    trigger: ``"epoch"`` (the epoch-cadence pass the monitor decides on) or
-    ``"steps"`` (a step-cadence pass, which makes no decision).
+    trigger: ``"epoch"`` (the epoch-cadence pass the monitor decides on),
+    ``"steps"`` (a step-cadence pass, which makes no decision) or ``"final"`` (the pass
+    once training ended, before finalization; no decision either).
     """
 
     KIND: ClassVar[str] = "validation_done"

@@ -194,11 +194,14 @@ def evaluate(
     *,
     gather: bool = True,
     device: torch.device | None = None,
+    on_batch: Callable[..., Any] | None = None,
 ) -> tuple[dict[str, float], int]:
     """One validation pass in eval mode: (``val_`` metrics, rows scored). The net's mode is restored.
 
     ``gather``: iterate through :func:`nnx_es.data.iterate_batches` (same batches, gathered);
-    ``device``: move each batch there first (``None``: as it comes).
+    ``device``: move each batch there first (``None``: as it comes). ``on_batch(*, batch, predictions,
+    loss, batch_count)``: called after each batch is scored, with the batch (moved), its outputs,
+    its mean loss (float; ``nan`` when no row counts) and its 0-based index in the pass.
     Batches follow ``step_fn``'s contract (the default one: :mod:`nnx_es.batches`).
 
     Raises:
@@ -209,11 +212,15 @@ def evaluate(
     net.eval()
     sums = MetricSums(metrics, keep_nonfinite=True)
     try:
-        for batch in iterate_batches(loader, gather=gather, device=device):
+        for index, batch in enumerate(iterate_batches(loader, gather=gather, device=device)):
             outputs, targets, weights = step_fn(net, batch)
             sums.check(outputs, targets)
             parts = objective(outputs, targets, weights)
-            sums.add(parts, float(parts.total), outputs, targets, weights)
+            num = float(parts.total)
+            sums.add(parts, num, outputs, targets, weights)
+            if on_batch is not None:
+                on_batch(batch=batch, predictions=outputs, loss=num / parts.den if parts.den > 0 else math.nan,
+                         batch_count=index)
     finally:
         net.train(was_training)
     return sums.metrics("val_"), sums.rows

@@ -41,7 +41,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from events.schema import RunStarted, SourceRef, UpdateSpec
-from nnx_es.argchecks import check_cadences, check_run_args, monitor_of, optimizers_of
+from nnx_es.argchecks import check_batch_callback, check_cadences, check_run_args, monitor_of, optimizers_of
 from nnx_es.callbacks import Callback, CallbackList
 from nnx_es.batches import weighted_forward
 from nnx_es.commit import Committer
@@ -154,6 +154,16 @@ class Trainer:
             batch's stages, without blocking when the loader pins memory. Checkpoints stay
             device-independent (see :mod:`nnx_es.device`). A device this machine does not have
             is refused now.
+        val_batch_callback: called after each validation batch with the keyword-only signature
+            ``(*, batch, predictions, loss, batch_count, step_count, epoch)``: the batch (moved to
+            the device), its outputs ``(B, ...)``, its mean loss (float), its 0-based index in the
+            pass, the committed updates so far and the 0-based epoch (spec 004 "Per-batch
+            validation callback"): a tap for per-row predictions or a custom sink.
+        final_validation: a validation pass on the final weights once training ends
+            (``validation_done`` with ``trigger="final"``, ``on_validation_end``, ``AFTER_VALIDATION``;
+            no monitor decision): ``True`` always (with a validation loader), ``"auto"`` (default)
+            when the final weights are not the ones last validated (a stop at an update boundary, or
+            updates after a step-cadence pass), ``False`` never.
 
     Raises:
         ConfigError: a bad argument (named with the value received).
@@ -196,6 +206,8 @@ class Trainer:
         recipe_required: bool = False,
         spec: Any = None,
         device: str | torch.device | None = None,
+        val_batch_callback: Callable[..., Any] | None = None,
+        final_validation: bool | str = "auto",
     ) -> None:
         if not isinstance(net, nn.Module):
             raise ConfigError(f"net must be a torch.nn.Module, got {type(net).__name__}")
@@ -207,6 +219,10 @@ class Trainer:
         if not (isinstance(loss, (Objective, Mapping, nn.Module)) or callable(loss)):
             raise ConfigError(f"loss must be a loss module, a callable, {{name: fn}} or an Objective, got {loss!r}")
         self.objective = loss if isinstance(loss, Objective) else Objective(loss)
+        self.val_batch_callback = check_batch_callback(val_batch_callback)
+        if final_validation not in (True, False, "auto"):
+            raise ConfigError(f"final_validation must be True, False or 'auto', got {final_validation!r}")
+        self.final_validation = final_validation
         self.metrics = validate_metrics(metrics)
         self.monitor: Monitor | None = monitor_of(monitor, higher_is_better(self.metrics))
         if isinstance(callbacks, Callback) or not isinstance(callbacks, Iterable):
@@ -407,6 +423,7 @@ class Trainer:
                 committer=committer, finalization=finalization, validate=self.validate, cadence=self.cadence,
                 step_fn=self.trainer_step_fn, custom_step=self.custom_step, batch_gather=self.batch_gather,
                 progress=Progress(self.progress_enabled), nonfinite=self.nonfinite, device=self.device,
+                final_validation=self.final_validation,
             )
             live = None
             if self.sinks and state.world.is_writer:
@@ -430,5 +447,11 @@ class Trainer:
         With an :class:`~nnx_es.update_hooks.EMA` update hook, the averaged weights are evaluated.
         """
         net = self.engine.orchestrator.averaged_module() or self.net
+        on_batch = None
+        if self.val_batch_callback is not None:
+            cb, ctx = self.val_batch_callback, self.ctx
+
+            def on_batch(**seen: Any) -> None:
+                cb(**seen, step_count=ctx.step_count, epoch=ctx.epoch)
         return evaluate(net, loader, self.objective, self.eval_step_fn, self.metrics, gather=self.batch_gather,
-                        device=self.device)
+                        device=self.device, on_batch=on_batch)
