@@ -257,6 +257,8 @@ class UpdateEngine:
             if stages:
                 stages(TrainingStage.AFTER_FORWARD, ctx)
                 stages(TrainingStage.BEFORE_LOSS, ctx)
+            if self.objective.scheduled:  # scheduled loss weights: a function of the counters
+                self.objective.at(ctx.step_count, ctx.epoch)
             parts = self.objective(outputs, targets, weights)
         self.epoch.sums.check(outputs, targets)  # a declared metric that cannot score them: before backward
         total = parts.total
@@ -580,6 +582,7 @@ class UpdateEngine:
             UpdateCommitted(
                 step=step, epoch=ctx.epoch, microbatches=microbatches, loss=loss, grad_norm=grad_norm,
                 clipped=clipped, lrs=lrs[n], optimizer=n, precision=self.precision, **counts,
+                loss_weights=self.objective.weights() if self.objective.scheduled else {},
             )
             for n in names
         ]
