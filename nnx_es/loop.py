@@ -172,6 +172,9 @@ class TrainingLoop:
         self.callbacks.epoch_begin(ctx)
         self.stages(TrainingStage.BEFORE_EPOCH, ctx)
         self.progress.start_epoch(epoch, length_of(train_loader), epochs=self._epochs)
+        set_epoch = getattr(getattr(train_loader, "sampler", None), "set_epoch", None)
+        if set_epoch is not None:  # a partition (nnx_es.distributed.train_loader, DistributedSampler) deals this epoch
+            set_epoch(epoch)
         self._nonfinite_skips = 0
         step_fn = self.step_fn
         # the per-batch loop: what is absent (stage hooks, batch callbacks, progress, step

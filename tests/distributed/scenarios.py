@@ -67,6 +67,89 @@ def partitions(world: World, out: Path) -> dict[str, Any]:
             "expect_val": shard_indices(11, rank=world.rank, world_size=world.size)}
 
 
+# --- part 2: the trainer path ------------------------------------------------------------
+
+
+def _train(world: World, out: Path, run_id: str, epochs: int = 2, **kw: Any) -> tuple[Any, Any, Any]:
+    import ddpkit
+    from nnx_es.distributed import DDP, train_loader
+
+    model = ddpkit.net()
+    t = ddpkit.trainer(model, runs_root=out / "runs", run_id=run_id, distributed=DDP(timeout_seconds=30), **kw)
+    loader = train_loader(ddpkit.dataset(), ddpkit.BATCH, seed=ddpkit.SEED)
+    result = t.fit(loader, epochs=epochs)
+    return model, t, result
+
+
+@case
+def equivalence(world: World, out: Path) -> dict[str, Any]:
+    import ddpkit
+
+    model, t, result = _train(world, out, "equiv")
+    return {"params": ddpkit.params(model), "digest": ddpkit.digest(model), "status": result.status,
+            "steps": result.counters.step, "wrapped": type(t.net).__name__,
+            "keys": sorted(model.state_dict()), "runs_listing": sorted(p.name for p in (out / "runs").iterdir())
+            if (out / "runs").exists() else []}
+
+
+def _fit_rows(out: Path, run_id: str, data: Any, **kw: Any) -> tuple[Any, Any]:
+    import ddpkit
+    from nnx_es.distributed import DDP, train_loader
+
+    model = ddpkit.net()
+    t = ddpkit.trainer(model, runs_root=out / "runs", run_id=run_id, distributed=DDP(timeout_seconds=30),
+                       accumulation=1, **kw)
+    result = t.fit(train_loader(data, 2, shuffle=False), epochs=1)
+    return model, result
+
+
+@case
+def masked_window(world: World, out: Path) -> dict[str, Any]:
+    """Rows are dealt in order (rank r: r, r+2, ...), 2 per batch. Batch 0: every weight 0 on both ranks
+    (W == 0: skipped everywhere); batch 1: 0 on rank 0 only (W > 0: committed everywhere)."""
+    import ddpkit
+
+    x = torch.randn(12, 5, generator=torch.Generator().manual_seed(0))
+    y = torch.arange(12) % 3
+    w = torch.ones(12)
+    w[[0, 1, 2, 3, 4, 6]] = 0.0
+    model, result = _fit_rows(out, "masked", torch.utils.data.TensorDataset(x, y, w))
+    return {"digest": ddpkit.digest(model), "steps": result.counters.step, "status": result.status}
+
+
+@case
+def nonfinite_window(world: World, out: Path) -> dict[str, Any]:
+    """A NaN feature in rank 1's batch 1 only: that update is skipped on both ranks."""
+    import ddpkit
+
+    x = torch.randn(12, 5, generator=torch.Generator().manual_seed(0))
+    x[5, 2] = float("nan")  # row 5: rank 1, its batch 1 (rows 5, 7)
+    y = torch.arange(12) % 3
+    model, result = _fit_rows(out, "nonfinite", torch.utils.data.TensorDataset(x, y, torch.ones(12)))
+    return {"digest": ddpkit.digest(model), "steps": result.counters.step, "status": result.status,
+            "finite": all(bool(torch.isfinite(p).all()) for p in model.parameters())}
+
+
+@case
+def refusals(world: World, out: Path) -> dict[str, Any]:
+    import ddpkit
+    from nnx_es.distributed import DDP
+
+    got: dict[str, Any] = {}
+    try:
+        ddpkit.trainer(torch.nn.Sequential(torch.nn.Linear(5, 3), torch.nn.BatchNorm1d(3)), runs_root=out / "r",
+                       run_id="bn", distributed=DDP())
+    except Exception as exc:  # noqa: BLE001
+        got["batchnorm"] = [type(exc).__name__, str(exc)]
+    try:
+        t = ddpkit.trainer(ddpkit.net(), runs_root=out / "r", run_id="single")
+        t.fit([(torch.zeros(2, 5), torch.zeros(2, dtype=torch.long), torch.ones(2))], epochs=1)
+    except Exception as exc:  # noqa: BLE001
+        got["single"] = [type(exc).__name__, str(exc)]
+    got["wrote"] = (out / "r").exists()
+    return got
+
+
 def main() -> None:
     out = Path(sys.argv[1])
     names = [n for n in sys.argv[2].split(",") if n]
