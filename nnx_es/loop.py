@@ -274,6 +274,7 @@ class TrainingLoop:
         """Summary, the one monitor decision, epoch-clock schedulers, ``on_epoch_end``, history, commit."""
         state, ctx, rec = self.state, self.ctx, self.state.recorder
         totals = self.engine.epoch
+        totals.sums.agree(state.world, self.engine.objective.terms)  # the union's sums on every rank
         train = totals.sums.metrics()
         if totals.microbatches == 0:
             raise ConfigError(f"the train loader yielded no batch in epoch {epoch}: it is empty or exhausted (an "
@@ -302,6 +303,7 @@ class TrainingLoop:
         step_epoch_clock(self.schedulers, decision, rec, epoch=epoch, step=ctx.step_count)
         self.callbacks.epoch_end(ctx)
         self.stages(TrainingStage.AFTER_EPOCH, ctx)
+        state.agree_stop()  # a stop one rank asked for (from a rank-local quantity too) stops them all
         if state.stop_requested is not None:
             state.record_stop(epoch=epoch, step=ctx.step_count)
         record = HistoryRecord(

@@ -449,4 +449,4 @@ class Trainer:
         """
         net = self.engine.orchestrator.averaged_module() or self.net
         return evaluate(net, loader, self.objective, self.eval_step_fn, self.metrics, gather=self.batch_gather,
-                        device=self.device)
+                        device=self.device, world=self.state.world if self.state is not None else None)

@@ -150,6 +150,74 @@ def refusals(world: World, out: Path) -> dict[str, Any]:
     return got
 
 
+# --- part 3: records and decisions agreed ------------------------------------------------
+
+
+class Seen:
+    """What this rank decided each epoch (validation, the monitor, lrs, stop), to compare the ranks."""
+
+    distributed = "all"
+
+    def __init__(self, stop_rank: int | None = None, stop_epoch: int = 1) -> None:
+        from nnx_es import Callback
+
+        seen: list[dict[str, Any]] = []
+        stop_rank_, stop_epoch_ = stop_rank, stop_epoch
+
+        class _Seen(Callback):
+            distributed = "all"
+
+            def on_epoch_end(self, ctx: Any) -> None:
+                d = ctx.decision
+                seen.append({"epoch": ctx.epoch, "val": dict(ctx.validation or {}), "train": dict(ctx.train_metrics),
+                             "improved": d.improved if d is not None else None,
+                             "lrs": [g["lr"] for g in next(iter(ctx.optimizers.values())).param_groups]})
+                if stop_rank_ is not None and ctx.state.world.rank == stop_rank_ and ctx.epoch == stop_epoch_:
+                    ctx.request_stop("rank_local", f"rank {stop_rank_}")
+
+        self.callback = _Seen()
+        self.seen = seen
+
+
+def _decide(out: Path, run_id: str, *, stop_rank: int | None, epochs: int = 4) -> dict[str, Any]:
+    import ddpkit
+    from nnx_es import EarlyStopping, Scheduler
+    from nnx_es.distributed import DDP, train_loader, validation_loader
+
+    model = ddpkit.net()
+    seen = Seen(stop_rank)
+    opt = torch.optim.SGD(model.parameters(), lr=0.3)
+    from nnx_es import Trainer
+
+    plateau = Scheduler(torch.optim.lr_scheduler.ReduceLROnPlateau(opt, patience=0, factor=0.5), name="plateau")
+    t = Trainer(model, opt, torch.nn.CrossEntropyLoss(), sample_weights=True, metrics=["accuracy"],
+                monitor="val_loss", schedulers=[plateau], callbacks=[seen.callback, EarlyStopping(patience=1)],
+                runs_root=out / "runs", run_id=run_id, distributed=DDP(timeout_seconds=30), progress=False)
+    data = ddpkit.dataset()
+    val = torch.utils.data.TensorDataset(*(x[:7] for x in ddpkit.dataset(31).tensors))
+    result = t.fit(train_loader(data, ddpkit.BATCH, seed=ddpkit.SEED), validation_loader(val, 2), epochs=epochs)
+    from nnx_es.batches import weighted_forward
+    from nnx_es.metrics import evaluate
+
+    world = t.state.world
+    whole = evaluate(model, torch.utils.data.DataLoader(val, 7), t.objective, weighted_forward, ("accuracy",))
+    shards = evaluate(model, validation_loader(val, 2), t.objective, weighted_forward, ("accuracy",), world=world)
+    return {"seen": seen.seen, "status": result.status, "epochs": len(result.history), "whole": whole,
+            "shards": shards, "shard_rows": len(validation_loader(val, 2).sampler),
+            "history": [{"val": h.val, "train": h.train, "improved": h.improved} for h in result.history],
+            "best": result.best_epoch, "digest": ddpkit.digest(model)}
+
+
+@case
+def decisions(world: World, out: Path) -> dict[str, Any]:
+    return _decide(out, "decide", stop_rank=None)
+
+
+@case
+def local_stop(world: World, out: Path) -> dict[str, Any]:
+    return _decide(out, "localstop", stop_rank=1)
+
+
 def main() -> None:
     out = Path(sys.argv[1])
     names = [n for n in sys.argv[2].split(",") if n]

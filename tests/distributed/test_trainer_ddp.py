@@ -11,7 +11,7 @@ import ddpkit
 from launch import results, torchrun
 
 SCRIPT = Path(__file__).resolve().parent / "scenarios.py"
-CASES = ["equivalence", "masked_window", "nonfinite_window", "refusals"]
+CASES = ["equivalence", "masked_window", "nonfinite_window", "refusals", "decisions", "local_stop"]
 
 
 @pytest.fixture(scope="module")
@@ -88,3 +88,28 @@ def test_batchnorm_and_a_single_process_fit_in_a_group_are_refused_on_every_rank
         assert r["batchnorm"][0] == "ConfigError" and "SyncBatchNorm" in r["batchnorm"][1]
         assert r["single"][0] == "ConfigError" and "distributed=nnx_es.distributed.DDP()" in r["single"][1]
         assert r["wrote"] is False
+
+
+def test_records_monitor_plateau_and_best_agree_on_every_rank_and_with_the_union(ddp_run: Path) -> None:
+    r0, r1 = _ok(ddp_run, "decisions")
+    assert r0["seen"] == r1["seen"]  # each rank's own validation, decision and lr, epoch by epoch
+    assert r0["digest"] == r1["digest"]
+    assert [s["val"] for s in r0["seen"]] == [h["val"] for h in r0["history"]]
+    # the agreed validation is the union's: every one of the 7 rows scored once (4 on rank 0, 3 on rank 1)
+    assert (r0["shard_rows"], r1["shard_rows"]) == (4, 3)
+    for r in (r0, r1):
+        whole, shards = r["whole"], r["shards"]
+        assert shards[1] == whole[1] == 7
+        assert shards[0].keys() == whole[0].keys() == {"val_loss", "val_accuracy"}
+        for k in whole[0]:
+            assert shards[0][k] == pytest.approx(whole[0][k], rel=1e-6)  # float32 sums in other batches
+    assert any(s["improved"] is False for s in r0["seen"])  # the monitor, plateau and early stopping were exercised
+    assert len({tuple(s["lrs"]) for s in r0["seen"]}) > 1
+    assert r0["epochs"] >= 2
+
+
+def test_a_stop_asked_on_one_rank_from_a_local_quantity_stops_every_rank(ddp_run: Path) -> None:
+    r0, r1 = _ok(ddp_run, "local_stop")
+    assert len(r0["seen"]) == len(r1["seen"]) == 2  # both ranks ended after epoch 1
+    assert r0["status"] == r1["status"] == "stopped"
+    assert r0["epochs"] == 2
