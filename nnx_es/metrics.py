@@ -148,6 +148,24 @@ class MetricSums:
                 self.scored += s
         self.rows += rows
 
+    def agree(self, world: Any, term_names: Iterable[str] = ()) -> None:
+        """Sum these sums over the ranks of ``world`` (a :class:`~nnx_es.run_state.World`), in ONE
+        all-reduce: afterwards every rank holds the union's sums, so its metrics, records and
+        decisions are the same (spec 000 §3 "Records and decisions"). ``term_names``: the
+        objective's terms (a rank that scored no batch has none of its own). One process: nothing.
+        """
+        if not world.distributed:
+            return
+        names = list(term_names)
+        if len(names) <= 1:  # one term: the loss itself
+            names = []
+        values = [self.num, self.den, self.correct, self.scored, float(self.rows)]
+        values += [float(self.terms.get(n, 0.0)) for n in names]
+        out = world.agree(torch.tensor(values, dtype=torch.float64)).tolist()
+        self.num, self.den, self._correct, self.scored, self.rows = out[0], out[1], out[2], out[3], int(out[4])
+        if names:
+            self.terms = dict(zip(names, out[5:]))
+
     def metrics(self, prefix: str = "") -> dict[str, float]:
         """``{prefix+"loss", prefix+<term> (several terms only), prefix+"accuracy"}`` as floats."""
         den = self.den
@@ -169,11 +187,14 @@ def evaluate(
     *,
     gather: bool = True,
     device: torch.device | None = None,
+    world: Any = None,
 ) -> tuple[dict[str, float], int]:
     """One validation pass in eval mode: (``val_`` metrics, rows scored). The net's mode is restored.
 
     ``gather``: iterate through :func:`nnx_es.data.iterate_batches` (same batches, gathered);
-    ``device``: move each batch there first (``None``: as it comes).
+    ``device``: move each batch there first (``None``: as it comes). ``world``: under data
+    parallelism each rank scores its own shard (no collective inside the loop), then the sums
+    are agreed once (:meth:`MetricSums.agree`): the metrics are the union's, every row once.
     Batches follow ``step_fn``'s contract (the default one: :mod:`nnx_es.batches`).
 
     Raises:
@@ -191,4 +212,6 @@ def evaluate(
             sums.add(parts, float(parts.total), outputs, targets, weights)
     finally:
         net.train(was_training)
+    if world is not None:
+        sums.agree(world, objective.terms)
     return sums.metrics("val_"), sums.rows
