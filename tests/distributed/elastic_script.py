@@ -1,14 +1,15 @@
 """A restartable 2-rank training script for the elastic test (run under torchrun).
 
-    python -m torch.distributed.run --max-restarts=1 ... elastic_script.py OUT_DIR [KILL]
+    python -m torch.distributed.run --max-restarts=1 ... elastic_script.py OUT_DIR [KILL [RUNS]]
 
-Trains the same small deterministic model twice, in one process group, with
-``Trainer(distributed=DDP())`` and ``fit(..., resume="auto")``:
-
-1. run ``reference``: uninterrupted (a restarted generation skips it: its results exist);
-2. run ``elastic``: ``KILL`` = ``rank:epoch:batch`` makes that rank SIGKILL itself after that
-   microbatch (0-based), once -- a marker file ``OUT_DIR/elastic.killed`` records that it did --
-   so torchrun restarts the group and the new generation continues the run from LAST.
+Trains the same small deterministic model once per name of ``RUNS`` (default
+``reference,elastic``), one after another in one process group, with
+``Trainer(run_id=<name>, runs_root=OUT_DIR/runs, distributed=DDP())`` and
+``fit(..., resume="auto")``. A run whose results this rank already wrote is skipped (a
+restarted generation goes on where the killed one was). In run ``elastic``, ``KILL`` =
+``rank:epoch:batch`` (``""``: none) makes that rank SIGKILL itself after that microbatch
+(0-based), once -- a marker file ``OUT_DIR/elastic.killed`` records that it did -- so torchrun
+restarts the group and the new generation continues the run from LAST.
 
 Each rank writes ``OUT_DIR/<run>.rank<r>.json``: its final parameters (float64 lists, exact for
 float32), the run's status and counters, and the restart count torchrun gave it.
@@ -83,18 +84,20 @@ def _train(out: Path, ddp: DDP, run_id: str, callbacks: list) -> dict:
 def main() -> int:
     out = Path(sys.argv[1])
     kill = sys.argv[2] if len(sys.argv) > 2 else ""
+    names = (sys.argv[3] if len(sys.argv) > 3 else "reference,elastic").split(",")
     ddp = DDP(timeout_seconds=20)
     if not dist.is_initialized():  # a restarted generation must not read the killed one's addresses
         init_process_group("gloo", rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]),
                            timeout=datetime.timedelta(seconds=20))
     world = ddp.world()
-    if not (out / f"reference.rank{world.rank}.json").exists():  # both ranks wrote theirs before any kill
-        launch.write_result(out, "reference", world.rank, _train(out, ddp, "reference", []))
-    callbacks = []
-    if kill:
-        r, e, b = (int(v) for v in kill.split(":"))
-        callbacks.append(KillOnce(r, e, b, out / "elastic.killed"))
-    launch.write_result(out, "elastic", world.rank, _train(out, ddp, "elastic", callbacks))
+    for name in names:
+        if (out / f"{name}.rank{world.rank}.json").exists():  # a restarted generation skips a finished run
+            continue  # (both ranks wrote theirs before any kill: the test kills in a later run)
+        callbacks = []
+        if kill and name == "elastic":
+            r, e, b = (int(v) for v in kill.split(":"))
+            callbacks.append(KillOnce(r, e, b, out / "elastic.killed"))
+        launch.write_result(out, name, world.rank, _train(out, ddp, name, callbacks))
     shutdown(timeout_seconds=20)
     return 0
 
