@@ -403,6 +403,7 @@ class Trainer:
         self.components.generators = {"train": LoaderGenerators.of(train_loader),
                                       "val": LoaderGenerators.of(val_loader)}
         self.components.loaders = {"train": train_loader, "val": val_loader}  # their geometry goes in run_started
+        self.components.world = world
         callbacks = CallbackList(self.callbacks)
         with open_session(runs_root=self.runs_root, run_id=self.run_id, seed=self.seed, resume_from=resume_from,
                           resume_mode=resume_mode, auto=resume == "auto", resume_at=resume_at, epochs=epochs,
