@@ -206,7 +206,7 @@ class LmdbLog(LogBase):
                         added = {key: value for key, value in self._staged.items()
                                  if txn.put(key, value, db=self._blobs, overwrite=False)}
                         for seq, raw in self._buffer:
-                            if not txn.put(seq_key(seq), raw, append=True):
+                            if not txn.put(seq.to_bytes(8, "big"), raw, append=True):  # seq_key(seq), inlined
                                 # MDB_APPEND refuses a key at or below the last one: another
                                 # writer stored it. Abort the whole batch, never drop silently.
                                 raise EventLogError(
