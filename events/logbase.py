@@ -57,6 +57,10 @@ class EventLog(Protocol):
 
     def verify_sums(self, stop: int | None = None) -> Iterator[SumProblem]: ...
 
+    def put_snapshot(self, seq: int, value: bytes) -> None: ...
+
+    def read_snapshots(self, stop: int | None = None, *, newest_first: bool = True) -> Iterator[tuple[int, bytes]]: ...
+
     def check_keys(self) -> int: ...
 
     def close(self) -> None: ...
@@ -165,6 +169,7 @@ class MemoryLog(LogBase):
         super().__init__(0)
         self._stored: list[bytes] = []
         self._blobs: dict[bytes, bytes] = {}
+        self._snapshots: dict[int, bytes] = {}
 
     def flush(self, *, sync: bool = False) -> None:
         if self._closed:
@@ -197,6 +202,19 @@ class MemoryLog(LogBase):
             raise LogClosedError("delete_blobs on a closed event log")
         for key in keys:
             self._blobs.pop(bytes(key), None)
+
+    def put_snapshot(self, seq: int, value: bytes) -> None:
+        """Store the projection snapshot ``value`` under ``seq`` (see :mod:`events.log`)."""
+        if self._closed:
+            raise LogClosedError("put_snapshot on a closed event log")
+        self._snapshots[seq] = value
+
+    def read_snapshots(self, stop: int | None = None, *, newest_first: bool = True) -> Iterator[tuple[int, bytes]]:
+        """``(seq, value)`` of the stored snapshots with ``seq < stop``, newest first (or oldest first)."""
+        if self._closed:
+            raise LogClosedError("read on a closed event log")
+        seqs = sorted((s for s in self._snapshots if stop is None or s < stop), reverse=newest_first)
+        return iter([(s, self._snapshots[s]) for s in seqs])
 
     def verify_sums(self, stop: int | None = None) -> Iterator[SumProblem]:
         """Nothing: a memory log keeps no checksums (nothing on a disk can rot under it)."""
