@@ -35,12 +35,34 @@ from nnx_es.lifecycle import Lifecycle
 from projections.counters import CountersAccumulator
 from projections.snapshots import SnapshotFolder, encode_snapshot, newest_usable
 
-__all__ = ["SNAPSHOT_EVERY", "Recorder"]
+__all__ = ["SNAPSHOT_EVERY", "Recorder", "snapshot_folder", "store_snapshot"]
 
 log = structlog.get_logger("nnx_es")
 
 #: at least this many events between two projection snapshots (0: none are written)
 SNAPSHOT_EVERY = 1 << 16
+
+
+def snapshot_folder(log: EventLog, every: int) -> SnapshotFolder:
+    """The writer's snapshot fold of ``log``, from its newest usable snapshot (or from 0)."""
+    return SnapshotFolder(newest_usable(log.read_snapshots(log.durable_seq), []), every=every)
+
+
+def store_snapshot(log: EventLog, folder: SnapshotFolder) -> int | None:
+    """Fold what ``log`` stored since ``folder`` last looked, when a snapshot is due, and store the
+    snapshot due (see the module docstring); return its seq, or None.
+
+    Raises:
+        CorruptEventError / EventLogError: a stored value does not decode, or a read or the write failed.
+    """
+    durable = log.durable_seq
+    if not folder.due(durable):
+        return None
+    snapshot = folder.advance(log.read_chunks(folder.next_seq, durable))
+    if snapshot is None:
+        return None
+    log.put_snapshot(snapshot.seq, encode_snapshot(snapshot))
+    return snapshot.seq
 
 
 class Recorder:
@@ -153,23 +175,17 @@ class Recorder:
 
     def _snapshot(self) -> None:
         """Store a projection snapshot when one is due (see the module docstring); never raises."""
-        durable = self.log.durable_seq
         try:
             folder = self._snapshots
             if folder is None:  # the first commit: continue from the newest snapshot the log holds
-                folder = self._snapshots = SnapshotFolder(newest_usable(self.log.read_snapshots(durable), []),
-                                                          every=SNAPSHOT_EVERY)
+                folder = self._snapshots = snapshot_folder(self.log, SNAPSHOT_EVERY)
             assert isinstance(folder, SnapshotFolder)
-            if not folder.due(durable):
-                return
-            snapshot = folder.advance(self.log.read_chunks(folder.next_seq, durable))
-            if snapshot is not None:
-                self.log.put_snapshot(snapshot.seq, encode_snapshot(snapshot))
+            store_snapshot(self.log, folder)
         except Exception as exc:  # a cache: the run goes on without it
             self._snapshots = False
             log.warning("projection snapshots turned off for this run: one could not be made; readers fold "
                         "the log from the last snapshot written", error=f"{type(exc).__name__}: {exc}",
-                        durable_seq=durable)
+                        durable_seq=self.log.durable_seq)
 
     def _wrote(self) -> None:
         self._last_flush = time.monotonic()
