@@ -34,6 +34,7 @@ so losing one to a crash costs a longer fold, nothing else.
 
 from __future__ import annotations
 
+import itertools
 import os
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
@@ -319,8 +320,12 @@ class LmdbLog(LogBase):
         with self._reading(), self._txn() as txn:
             yield from cursor_chunks(txn.cursor(self._events), start, stop, self.read_chunk)
 
-    def check_keys(self) -> int:
+    def check_keys(self, start: int = 0, stop: int | None = None) -> int:
         """Check that the stored keys are 0, 1, 2, ... in stored order; return how many there are.
+
+        With ``start`` / ``stop``: only the keys of the entries from the first at or past
+        ``start`` (it must be ``start``), at most ``stop - start`` of them, are read (a reader
+        folding from a snapshot checks the keys it folds); the count returned is theirs.
 
         One key-only pass of the cursor (no value is read; ``events.keys``): about
         0.1 µs a key.
@@ -333,7 +338,13 @@ class LmdbLog(LogBase):
         if self._closed:
             raise LogClosedError("read on a closed event log")
         with self._reading(), self._txn() as txn:
-            return check_keys(txn.cursor(self._events).iternext(keys=True, values=False))
+            cur = txn.cursor(self._events)
+            if start > 0 and not cur.set_range(seq_key(start)):
+                return 0
+            keys = cur.iternext(keys=True, values=False)
+            if stop is not None:
+                keys = itertools.islice(keys, max(stop - start, 0))
+            return check_keys(keys, start)
 
     def read(
         self, start: int = 0, stop: int | None = None, kinds: Iterable[str] | None = None

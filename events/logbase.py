@@ -61,7 +61,7 @@ class EventLog(Protocol):
 
     def read_snapshots(self, stop: int | None = None, *, newest_first: bool = True) -> Iterator[tuple[int, bytes]]: ...
 
-    def check_keys(self) -> int: ...
+    def check_keys(self, start: int = 0, stop: int | None = None) -> int: ...
 
     def close(self) -> None: ...
 
@@ -220,9 +220,10 @@ class MemoryLog(LogBase):
         """Nothing: a memory log keeps no checksums (nothing on a disk can rot under it)."""
         return iter(())
 
-    def check_keys(self) -> int:
-        """The number of stored values: a list's positions are its keys, always 0, 1, 2, ..."""
-        return len(self._stored)
+    def check_keys(self, start: int = 0, stop: int | None = None) -> int:
+        """The number of stored values in ``[start, stop)``: a list's positions are its keys, always 0, 1, 2, ..."""
+        end = len(self._stored) if stop is None else min(stop, len(self._stored))
+        return max(end - start, 0)
 
     def put_raw(self, seq: int, raw: bytes) -> None:
         """Overwrite or add a stored value (tests use it to forge broken logs)."""

@@ -24,15 +24,21 @@ from projections import Projections
 __all__ = ["at", "projected", "summary"]
 
 
-def projected(log: LmdbLog, stop: int) -> tuple[Projections, int]:
+def projected(log: LmdbLog, stop: int, *, check_keys: bool = False) -> tuple[Projections, int]:
     """The projections of the events in ``[0, stop)`` and their uncommitted tail.
 
     From the newest usable snapshot below ``stop`` on, a chunk at a time, decoding the
     frequent kinds partially, as the runtime projects (:func:`nnx_es.audit.project_log`); a
     log holding a value that does not decode there is projected again without it. The tail
     is read back from the end (:func:`nnx_es.audit.committed_tail`, about one epoch).
+    ``check_keys``: check the keys of the events folded (the snapshot's seq + 1 to ``stop``).
+
+    Raises:
+        SequenceGapError: ``check_keys`` and a key folded is out of place.
     """
-    p, _, notes = project_log(log, stop, skip_undecodable=True)
+    p, start, notes = project_log(log, stop, skip_undecodable=True)
+    if check_keys:
+        log.check_keys(start, stop)
     for note in notes:
         print(f"inspect: {note}", file=sys.stderr)
     return p, committed_tail(log, stop)
@@ -41,7 +47,7 @@ def projected(log: LmdbLog, stop: int) -> tuple[Projections, int]:
 def at(log: LmdbLog, seq: int, as_json: bool) -> None:
     """Every projection after folding the committed view of the log up to ``seq`` (time travel)."""
     stop = min(seq + 1, log.next_seq)
-    p, tail = projected(log, stop)
+    p, tail = projected(log, stop, check_keys=True)
     last = p.checkpoints.last
     doc = {
         "at": seq,
