@@ -26,6 +26,7 @@ import torch
 from events.log import LmdbLog
 from events.schema import RunResumed, RunStarted, SourceRef, UpdateSpec
 from nnx_es.checkpoint import Manifest
+from nnx_es.distributed.verdict import describe_error, raise_described
 from nnx_es.errors import ConfigError, ResumeError
 from nnx_es.lifecycle import Lifecycle
 from nnx_es.loaders import check_same_loaders
@@ -33,7 +34,7 @@ from nnx_es.recorder import Recorder
 from nnx_es.resume import find_resume_point
 from nnx_es.rng import seed_everything
 from nnx_es.run_state import RunState, World
-from nnx_es.snapshot import RunComponents, apply_state, load_state
+from nnx_es.snapshot import RunComponents, apply_state, check_world_size, load_state
 from nnx_es.storage import BlobStore, Lease, clean_stale_temporaries, validate_run_id
 from projections.checkpoints import CheckpointsState
 
@@ -134,7 +135,7 @@ def open_session(
         stateful, resume_from, runs_root, run_id = _target(runs_root, run_id, resume_from, resume_mode, resume_at)
     except BaseException as exc:
         if world.distributed:  # the same refusal on every rank
-            world.share({"ok": False, "error": _refusal(exc)})
+            world.share({"ok": False, "error": describe_error(exc)})
         raise
     run_dir = runs_root / run_id
     lease = Lease(runs_root, run_id)
@@ -171,6 +172,7 @@ def open_session(
             checkpoints = CheckpointsState()
             if stateful:
                 point = find_resume_point(run_dir, event_log, expect_run_id=run_id)
+                check_world_size(point.manifest.world_size, components.world.size)  # before the recipe's details
                 _check_same_recipe(components, declare(run_id, None), point.started, point.manifest)
                 check_epochs(epochs, point.manifest.epoch + 1)
                 seed_everything(seed)  # then the checkpoint's RNG streams are restored over it
@@ -213,7 +215,7 @@ def open_session(
         if not began and created:  # refused before the run began: no empty run to block a retry
             shutil.rmtree(run_dir, ignore_errors=True)
         if not began and world.distributed:  # the same refusal on every rank
-            world.share({"ok": False, "error": _refusal(exc)})
+            world.share({"ok": False, "error": describe_error(exc)})
         raise
     finally:
         if state is not None:
@@ -357,24 +359,6 @@ def apply_loaded(components: RunComponents, loaded: dict[str, Any], *, fork: boo
             components.monitor.load_state_dict(fresh_monitor)
 
 
-def _refusal(exc: BaseException) -> dict[str, str]:
-    """How the writer's refusal travels to the other ranks: its class (module, name) and message."""
-    return {"module": type(exc).__module__, "name": type(exc).__qualname__, "message": str(exc)}
-
-
-def _raise_refusal(error: dict[str, str]) -> None:
-    """Raise the writer's refusal on this rank: the same class (when it takes a message) and message."""
-    import importlib
-
-    message = f"{error['message']} (decided by the writer rank)"
-    try:
-        cls = getattr(importlib.import_module(error["module"]), error["name"])
-        exc = cls(message) if isinstance(cls, type) and issubclass(cls, Exception) else RuntimeError(message)
-    except Exception:  # noqa: BLE001 - a class that cannot be rebuilt: the message still travels
-        exc = RuntimeError(f"{error['name']}: {message}")
-    raise exc
-
-
 def _follow(world: World, *, runs_root: Path, run_id: str | None, resume_from: str | Path | None, seed: int,
             components: RunComponents) -> Session:
     """A rank that is not the writer: take the writer's verdict (its refusal, raised here alike), then
@@ -384,7 +368,7 @@ def _follow(world: World, *, runs_root: Path, run_id: str | None, resume_from: s
 
     verdict = world.share(None)
     if not verdict["ok"]:
-        _raise_refusal(verdict["error"])
+        raise_described(verdict["error"])
     run_id = verdict["run_id"]
     runs_root = Path(verdict["runs_root"])
     seed_everything(seed)

@@ -90,7 +90,10 @@ def data_parallel(ddp: DDP | None, net: nn.Module, engine: Any, train_loader: An
             "them with nnx_es.distributed.train_loader(dataset, batch_size) on the same data set; nothing was trained")
     device_ids = [torch.device(world.device).index] if world.device.startswith("cuda") else None
     # broadcast_buffers=False: no collective per forward (BatchNorm is refused; buffers agree from the start)
-    wrapper = DistributedDataParallel(net, device_ids=device_ids, broadcast_buffers=False)
+    try:
+        wrapper = DistributedDataParallel(net, device_ids=device_ids, forward_sync_buffers=False)
+    except TypeError:  # a torch before forward_sync_buffers
+        wrapper = DistributedDataParallel(net, device_ids=device_ids, broadcast_buffers=False)
     engine.use_ddp(wrapper)
     try:
         yield world

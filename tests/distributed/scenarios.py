@@ -70,15 +70,21 @@ def partitions(world: World, out: Path) -> dict[str, Any]:
 # --- part 2: the trainer path ------------------------------------------------------------
 
 
-def _train(world: World, out: Path, run_id: str, epochs: int = 2, **kw: Any) -> tuple[Any, Any, Any]:
+def _train(world: World, out: Path, run_id: str, epochs: int = 2, runs_root: Path | None = None,
+           fit: dict[str, Any] | None = None, **kw: Any) -> tuple[Any, Any, Any]:
     import ddpkit
     from nnx_es.distributed import DDP, train_loader
 
     model = ddpkit.net()
-    t = ddpkit.trainer(model, runs_root=out / "runs", run_id=run_id, distributed=DDP(timeout_seconds=30), **kw)
+    t = ddpkit.trainer(model, runs_root=runs_root or out / "runs", run_id=run_id,
+                       distributed=DDP(timeout_seconds=30), **kw)
     loader = train_loader(ddpkit.dataset(), ddpkit.BATCH, seed=ddpkit.SEED)
-    result = t.fit(loader, epochs=epochs)
+    result = t.fit(loader, epochs=epochs, **(fit or {}))
     return model, t, result
+
+
+def _error(exc: BaseException) -> list[str]:
+    return [type(exc).__name__, str(exc), *[c.__name__ for c in type(exc).__mro__]]
 
 
 @case
@@ -216,6 +222,98 @@ def decisions(world: World, out: Path) -> dict[str, Any]:
 @case
 def local_stop(world: World, out: Path) -> dict[str, Any]:
     return _decide(out, "localstop", stop_rank=1)
+
+
+# --- part 4: one writer, agreed commits, resume ------------------------------------------
+
+
+@case
+def writer_only(world: World, out: Path) -> dict[str, Any]:
+    """Each rank names its own runs root: only the writer's may appear on disk."""
+    import ddpkit
+
+    model, t, result = _train(world, out, "wo", epochs=1, runs_root=out / f"roots-rank{world.rank}")
+    return {"digest": ddpkit.digest(model), "run_dir": result.run_dir, "status": result.status,
+            "own_root_exists": (out / f"roots-rank{world.rank}").exists(),
+            "history": len(result.history), "last": result.last.manifest if result.last else None}
+
+
+@case
+def commit_fault(world: World, out: Path) -> dict[str, Any]:
+    """A write fault on the writer at epoch 1's commit stops both ranks; epoch 0 stays committed."""
+    import nnx_es.commit as commit_mod
+    from nnx_es.errors import CheckpointWriteError
+
+    real = commit_mod.encode_checkpoint
+    calls = {"n": 0}
+
+    def faulty(*a: Any, **k: Any) -> Any:
+        calls["n"] += 1
+        if calls["n"] == 3:  # the opening checkpoint, epoch 0, then epoch 1
+            raise CheckpointWriteError("injected: disk full while writing the epoch-1 checkpoint")
+        return real(*a, **k)
+
+    if world.is_writer:
+        commit_mod.encode_checkpoint = faulty
+    try:
+        _train(world, out, "fault", epochs=3)
+        return {"raised": None}
+    except Exception as exc:  # noqa: BLE001
+        return {"raised": _error(exc)}
+    finally:
+        commit_mod.encode_checkpoint = real
+
+
+@case
+def resume_other_world(world: World, out: Path) -> dict[str, Any]:
+    """A one-process run's LAST resumed statefully by 2 ranks: refused on both, nothing restored."""
+    ref = Path(os.environ["NNX_TEST_REF"])
+    try:
+        _train(world, out, ref.name, epochs=3, runs_root=ref.parent, fit={"resume": "auto"})
+        return {"raised": None}
+    except Exception as exc:  # noqa: BLE001
+        return {"raised": _error(exc)}
+
+
+@case
+def resume_auto(world: World, out: Path) -> dict[str, Any]:
+    """1 epoch, then resume='auto' to 2: the parameters of the uninterrupted 2-epoch run (equivalence)."""
+    import ddpkit
+
+    _train(world, out, "resumed", epochs=1, fit={"resume": "auto"})
+    model, t, result = _train(world, out, "resumed", epochs=2, fit={"resume": "auto"})
+    return {"digest": ddpkit.digest(model), "status": result.status, "history": len(result.history)}
+
+
+@case
+def sha_refusal(world: World, out: Path) -> dict[str, Any]:
+    """The LAST's model blob corrupted on disk: the writer's check refuses the resume on every rank."""
+    import datetime as _dt
+
+    from events.log import LmdbLog
+    from nnx_es.result import load_result
+
+    _train(world, out, "corrupt", epochs=1)
+    if world.is_writer:
+        run_dir = out / "runs" / "corrupt"
+        manifest = load_result(run_dir).last.manifest
+        from nnx_es.checkpoint import read_manifest
+        from nnx_es.storage import BlobStore
+
+        m = read_manifest(BlobStore(run_dir / "blobs"), manifest)
+        blob = m.components["model"].blob
+        path = run_dir / "blobs" / "sha256" / blob
+        if path.exists():
+            path.write_bytes(b"not the model")
+        else:  # a small model lives in its manifest, in the log: corrupt the manifest there
+            with LmdbLog(run_dir / "events.lmdb") as log:
+                log.put_blob_raw(manifest.encode(), b"not the manifest")
+    dist.monitored_barrier(timeout=_dt.timedelta(seconds=30))
+    try:
+        _train(world, out, "corrupt", epochs=2, fit={"resume": "auto"})
+        return {"raised": None}
+    except Exception as exc:  # noqa: BLE001
+        return {"raised": _error(exc)}
 
 
 def main() -> None:

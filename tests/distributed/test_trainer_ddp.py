@@ -11,13 +11,14 @@ import ddpkit
 from launch import results, torchrun
 
 SCRIPT = Path(__file__).resolve().parent / "scenarios.py"
-CASES = ["equivalence", "masked_window", "nonfinite_window", "refusals", "decisions", "local_stop"]
+CASES = ["equivalence", "masked_window", "nonfinite_window", "refusals", "decisions", "local_stop", "writer_only",
+         "commit_fault", "resume_other_world", "resume_auto", "sha_refusal"]
 
 
 @pytest.fixture(scope="module")
-def ddp_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def ddp_run(tmp_path_factory: pytest.TempPathFactory, reference) -> Path:
     out = tmp_path_factory.mktemp("ddp")
-    proc = torchrun(SCRIPT, str(out), ",".join(CASES), timeout_s=150)
+    proc = torchrun(SCRIPT, str(out), ",".join(CASES), timeout_s=180, env={"NNX_TEST_REF": str(reference[1])})
     assert proc.returncode == 0, proc.stdout[-6000:]
     return out
 
@@ -113,3 +114,62 @@ def test_a_stop_asked_on_one_rank_from_a_local_quantity_stops_every_rank(ddp_run
     assert len(r0["seen"]) == len(r1["seen"]) == 2  # both ranks ended after epoch 1
     assert r0["status"] == r1["status"] == "stopped"
     assert r0["epochs"] == 2
+
+
+def test_only_the_writer_touches_the_run_directory(ddp_run: Path) -> None:
+    r0, r1 = _ok(ddp_run, "writer_only")
+    assert r0["own_root_exists"] is True and r1["own_root_exists"] is False
+    assert not (ddp_run / "roots-rank1").exists()
+    run = ddp_run / "roots-rank0" / "wo"
+    assert (run / "events.lmdb").is_dir() and (run / "views").is_dir()
+    assert r0["run_dir"] == r1["run_dir"] == str(run)  # every rank returns the writer's run
+    assert r0["last"] == r1["last"] and r0["digest"] == r1["digest"]
+    from nnx_es.result import load_result
+
+    assert load_result(run).status == "completed"
+
+
+def test_a_write_fault_on_the_writer_stops_every_rank_and_loses_nothing_committed(ddp_run: Path) -> None:
+    from nnx_es.result import load_result
+
+    r0, r1 = _ok(ddp_run, "commit_fault")
+    assert r0["raised"][0] == r1["raised"][0] == "CheckpointWriteError"
+    assert "injected" in r0["raised"][1] and "injected" in r1["raised"][1]
+    run = load_result(ddp_run / "runs" / "fault")
+    assert run.status == "failed"
+    assert [h.epoch for h in run.history] == [0] and run.last is not None and run.last.epoch == 0
+
+
+def test_a_stateful_resume_on_another_world_size_is_refused_before_anything_is_restored(ddp_run: Path,
+                                                                                        reference, tmp_path) -> None:
+    r0, r1 = _ok(ddp_run, "resume_other_world")
+    for r in (r0, r1):
+        assert r["raised"][0] == "ResumeError" and "trained on 1 rank(s) and this run has 2" in r["raised"][1]
+    # and the other way: one process resuming the 2-rank run statefully
+    from nnx_es.errors import ResumeError
+
+    model = ddpkit.net(5)
+    before = ddpkit.digest(model)
+    t = ddpkit.trainer(model, runs_root=ddp_run / "runs", run_id="equiv")
+    with pytest.raises(ResumeError, match="trained on 2 rank"):
+        t.fit(ddpkit.UnionLoader(ddpkit.dataset()), epochs=3, resume="auto")
+    assert ddpkit.digest(model) == before
+    # weights_only starts fresh from its weights
+    t = ddpkit.trainer(model, runs_root=tmp_path, run_id="fresh")
+    assert t.fit(ddpkit.UnionLoader(ddpkit.dataset()), epochs=1, resume_from=ddp_run / "runs" / "equiv",
+                 resume_mode="weights_only").status == "completed"
+
+
+def test_resume_auto_under_ddp_continues_bitwise(ddp_run: Path) -> None:
+    r0, r1 = _ok(ddp_run, "resume_auto")
+    whole = _ok(ddp_run, "equivalence")[0]
+    assert r0["digest"] == r1["digest"] == whole["digest"]
+    assert r0["history"] == 2 and r0["status"] == "completed"
+
+
+def test_a_corrupt_resume_point_is_refused_on_every_rank_with_the_same_reason(ddp_run: Path) -> None:
+    r0, r1 = _ok(ddp_run, "sha_refusal")
+    assert r0["raised"] and r1["raised"]
+    assert r0["raised"][0] == r1["raised"][0]
+    assert r1["raised"][1].startswith(r0["raised"][1]) and "writer rank" in r1["raised"][1]
+    assert "NnxError" in r0["raised"]
