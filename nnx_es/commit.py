@@ -212,7 +212,7 @@ class Committer:
     def _complete(self, p: _Pending) -> str:
         digest, manifest, data, states = p.future.result()
         store = self.state.store
-        store.stage(data)  # written in the synced transaction below, with LAST
+        store.stage(data, digest)  # written in the synced transaction below, with LAST (digest: data's hash)
         callback_blobs = [(name, blob if state is None else store.stage(state)) for name, blob, state in states]
         rec = self.state.recorder
         self._blobs_of[digest] = {c.blob for c in manifest.components.values() if c.data is None}

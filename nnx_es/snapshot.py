@@ -108,7 +108,8 @@ def capture(run: RunComponents, epoch: int, world_size: int = 1) -> dict[str, tu
     when the commit is deferred) when that codec cannot hold them; ``"msgpack"``
     components are encoded here.
     """
-    parts: dict[str, tuple[str, Any]] = {"model": _state_part(run.net.state_dict())}
+    weights = run.net.state_dict()
+    parts: dict[str, tuple[str, Any]] = {"model": _state_part(weights)}
     for n, o in run.optimizers.items():
         parts[f"optimizer/{n}"] = _state_part(o.state_dict())
     for s in run.schedulers:
@@ -125,7 +126,7 @@ def capture(run: RunComponents, epoch: int, world_size: int = 1) -> dict[str, tu
         "data": {"next_epoch": epoch + 1},
         "topology": {
             "module": type(run.net).__qualname__,
-            "parameters": {k: list(v.shape) for k, v in run.net.state_dict().items()},
+            "parameters": {k: list(v.shape) for k, v in weights.items()},
             "world_size": world_size,
         },
     }

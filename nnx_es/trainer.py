@@ -41,7 +41,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from events.schema import RunStarted, SourceRef, UpdateSpec
-from nnx_es.argchecks import check_cadences, check_run_args, monitor_of, optimizers_of
+from nnx_es.argchecks import check_batch_callback, check_cadences, check_run_args, monitor_of, optimizers_of
 from nnx_es.callbacks import Callback, CallbackList
 from nnx_es.batches import weighted_forward
 from nnx_es.commit import Committer
@@ -73,6 +73,7 @@ from nnx_es.snapshot import RunComponents
 from nnx_es.schedulers import wrap_schedulers
 from nnx_es.storage import BlobStore, validate_run_id
 from nnx_es.update_hooks import GradientAccumulation, GradientClipping, MixedPrecision, collect
+from nnx_es.user_metrics import UserMetric, higher_is_better, metric_names
 
 __all__ = ["Trainer"]
 
@@ -93,7 +94,9 @@ class Trainer:
         metrics: declared metrics besides the loss, reported per epoch for training and
             validation (``"accuracy"``: argmax of ``(B, C)`` outputs against ``(B,)`` class ids, or
             one logit ``(B, 1)`` at probability 0.5 against 0/1 targets; other shapes are refused
-            on the first batch, before backward).
+            on the first batch, before backward), named callables ``(outputs, targets) -> per-row
+            values`` and ``torchmetrics`` metrics, in a list or as ``{name: metric}``: each is exact
+            over the epoch's rows and monitorable by name (:mod:`nnx_es.user_metrics`).
         schedulers: torch schedulers (epoch clock) or :class:`~nnx_es.schedulers.Scheduler`.
         callbacks: :class:`~nnx_es.callbacks.Callback` objects, dispatched in list order.
         hooks: stage hooks (``stage``, ``frequency``, ``__call__(ctx, stage)``, see
@@ -161,6 +164,16 @@ class Trainer:
             them with ``torch.nn.SyncBatchNorm.convert_sync_batchnorm`` or remove them), a
             ``trainer_step_fn``, ``precision="fp16"``. Without it, a process that is one of several
             ranks is refused (every rank would write the same run alone).
+        val_batch_callback: called after each validation batch with the keyword-only signature
+            ``(*, batch, predictions, loss, batch_count, step_count, epoch)``: the batch (moved to
+            the device), its outputs ``(B, ...)``, its mean loss (float), its 0-based index in the
+            pass, the committed updates so far and the 0-based epoch (spec 004 "Per-batch
+            validation callback"): a tap for per-row predictions or a custom sink.
+        final_validation: a validation pass on the final weights once training ends
+            (``validation_done`` with ``trigger="final"``, ``on_validation_end``, ``AFTER_VALIDATION``;
+            no monitor decision): ``True`` always (with a validation loader), ``"auto"`` (default)
+            when the final weights are not the ones last validated (a stop at an update boundary, or
+            updates after a step-cadence pass), ``False`` never.
 
     Raises:
         ConfigError: a bad argument (named with the value received).
@@ -173,7 +186,7 @@ class Trainer:
         loss: Any,
         *,
         monitor: Monitor | str | None = None,
-        metrics: Sequence[str] = (),
+        metrics: Sequence[Any] | Mapping[str, Any] = (),
         schedulers: Sequence[Any] = (),
         callbacks: Sequence[Callback] = (),
         hooks: Sequence[Any] = (),
@@ -204,6 +217,8 @@ class Trainer:
         spec: Any = None,
         device: str | torch.device | None = None,
         distributed: Any = None,
+        val_batch_callback: Callable[..., Any] | None = None,
+        final_validation: bool | str = "auto",
     ) -> None:
         if not isinstance(net, nn.Module):
             raise ConfigError(f"net must be a torch.nn.Module, got {type(net).__name__}")
@@ -216,7 +231,12 @@ class Trainer:
         if not (isinstance(loss, (Objective, Mapping, nn.Module)) or callable(loss)):
             raise ConfigError(f"loss must be a loss module, a callable, {{name: fn}} or an Objective, got {loss!r}")
         self.objective = loss if isinstance(loss, Objective) else Objective(loss)
-        self.monitor: Monitor | None = monitor_of(monitor)
+        self.val_batch_callback = check_batch_callback(val_batch_callback)
+        if final_validation not in (True, False, "auto"):
+            raise ConfigError(f"final_validation must be True, False or 'auto', got {final_validation!r}")
+        self.final_validation = final_validation
+        self.metrics = validate_metrics(metrics)
+        self.monitor: Monitor | None = monitor_of(monitor, higher_is_better(self.metrics))
         if isinstance(callbacks, Callback) or not isinstance(callbacks, Iterable):
             raise ConfigError(f"callbacks must be a list of Callback, got {callbacks!r}")
         self.schedulers = wrap_schedulers(schedulers, self.optimizers, self.monitor)
@@ -252,7 +272,6 @@ class Trainer:
             raise ConfigError(f"sinks must be a list of live logging sinks (TensorBoardSink, CsvSink, MlflowSink or "
                               f"objects with open/write/close), got {sinks!r}")
         self.sinks = list(sinks)
-        self.metrics = validate_metrics(metrics)
         if self.monitor is not None:
             check_monitor(self.monitor, self.objective, self.metrics)
         if not isinstance(track_grad_norm, bool):
@@ -267,9 +286,13 @@ class Trainer:
                                         callbacks=self.callbacks)
         self.ctx = TrainContext(net=net, optimizers=self.optimizers, schedulers=self.schedulers, monitor=self.monitor,
                                 engine=self.engine, trainer=self)
+        if (recipe_required or spec is not None) and any(isinstance(m, UserMetric) for m in self.metrics):
+            raise ConfigError(f"metrics {[m.name for m in self.metrics if isinstance(m, UserMetric)]} are callables or "
+                              "metric objects, which a recorded spec cannot hold yet: declare built-in metric names "
+                              "only with recipe_required=True or a spec")
         self.spec = record_spec(
             recipe_required, spec, net=net, optimizers=self.optimizers, objective=self.objective, monitor=self.monitor,
-            metrics=self.metrics, schedulers=self.schedulers, callbacks=self.callbacks, update_hooks=self.update_hooks,
+            metrics=metric_names(self.metrics), schedulers=self.schedulers, callbacks=self.callbacks, update_hooks=self.update_hooks,
             hooks=hooks, steps={"train_step_fn": train_step_fn, "eval_step_fn": eval_step_fn,
                                 "trainer_step_fn": trainer_step_fn}, seed=self.seed,
             settings=dict(validate_every=validate_every, validate_every_steps=validate_every_steps, phase_every=phase_every,
@@ -427,6 +450,7 @@ class Trainer:
                 committer=committer, finalization=finalization, validate=self.validate, cadence=self.cadence,
                 step_fn=self.trainer_step_fn, custom_step=self.custom_step, batch_gather=self.batch_gather,
                 progress=Progress(self.progress_enabled), nonfinite=self.nonfinite, device=self.device,
+                final_validation=self.final_validation,
             )
             live = None
             if self.sinks and state.world.is_writer:
@@ -454,5 +478,12 @@ class Trainer:
         With an :class:`~nnx_es.update_hooks.EMA` update hook, the averaged weights are evaluated.
         """
         net = self.engine.orchestrator.averaged_module() or self.net
+        on_batch = None
+        if self.val_batch_callback is not None:
+            cb, ctx = self.val_batch_callback, self.ctx
+
+            def on_batch(**seen: Any) -> None:
+                cb(**seen, step_count=ctx.step_count, epoch=ctx.epoch)
         return evaluate(net, loader, self.objective, self.eval_step_fn, self.metrics, gather=self.batch_gather,
-                        device=self.device, world=self.state.world if self.state is not None else None)
+                        device=self.device, world=self.state.world if self.state is not None else None,
+                        on_batch=on_batch)
