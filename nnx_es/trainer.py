@@ -48,7 +48,8 @@ from nnx_es.commit import Committer
 from nnx_es.commit import checkpoint_lag as lag_in_updates
 from nnx_es.context import TrainContext
 from nnx_es.device import place_model, resolve_device
-from nnx_es.distributed.wrap import check_distributed, data_parallel
+from nnx_es.distributed.roles import check_declared, for_rank
+from nnx_es.distributed.wrap import check_distributed, data_parallel, is_writer_rank
 from nnx_es.engine import UpdateEngine, default_forward, default_train_step
 from nnx_es.errors import ConfigError
 from nnx_es.finalize import Finalization
@@ -239,7 +240,11 @@ class Trainer:
         if isinstance(callbacks, Callback) or not isinstance(callbacks, Iterable):
             raise ConfigError(f"callbacks must be a list of Callback, got {callbacks!r}")
         self.schedulers = wrap_schedulers(schedulers, self.optimizers, self.monitor)
-        self.callbacks: list[Callback] = CallbackList(callbacks).callbacks  # checked now; listed again per fit
+        callbacks = CallbackList(callbacks).callbacks  # checked now; listed again per fit
+        if self.distributed is not None:
+            check_declared(callbacks)  # on every rank, before training
+        self.callbacks: list[Callback] = for_rank(callbacks, is_writer=self.distributed is None or is_writer_rank(
+            self.distributed))
         check_cadences(validate_every=validate_every, validate_every_steps=validate_every_steps,
                        phase_every=phase_every, keep_phases=keep_phases)
         self.cadence = Cadence(validate_every, validate_every_steps)
