@@ -57,7 +57,7 @@ class FollowerBlobStore(BlobStore):
         super().__init__(root, log=None)
         self._blobs: dict[str, bytes] = {}
 
-    def stage(self, data: bytes) -> str:
+    def stage(self, data: bytes, digest: str | None = None) -> str:
         return self.put(data)
 
     def put_all(self, datas: Sequence[bytes]) -> list[str]:
