@@ -227,13 +227,14 @@ class Lifecycle:
             accepted in the current state; the state is left unchanged.
     """
 
-    __slots__ = ("state", "_table")
+    __slots__ = ("state", "table")
 
     def __init__(self, state: str = INITIAL) -> None:
         if state not in STATES:
             raise ValueError(f"state must be one of {STATES}, got {state!r}")
         self.state = state
-        self._table = compiled_table()
+        #: :func:`compiled_table` (read-only): the recorder looks a transition up here itself on the hot path
+        self.table = compiled_table()
 
     @property
     def base_state(self) -> str:
@@ -241,10 +242,10 @@ class Lifecycle:
         return self.state.rstrip(PENDING + JUST_COMMITTED)
 
     def accepts(self, kind: str) -> bool:
-        return (self.state, kind) in self._table
+        return (self.state, kind) in self.table
 
     def advance(self, kind: str, seq: int | None = None) -> str:
-        nxt = self._table.get((self.state, kind))
+        nxt = self.table.get((self.state, kind))
         if nxt is None:
             raise IllegalTransitionError(self.state, kind, seq)
         self.state = nxt

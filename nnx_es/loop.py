@@ -183,6 +183,9 @@ class TrainingLoop:
         self.callbacks.epoch_begin(ctx)
         self.stages(TrainingStage.BEFORE_EPOCH, ctx)
         self.progress.start_epoch(epoch, length_of(train_loader), epochs=self._epochs)
+        set_epoch = getattr(getattr(train_loader, "sampler", None), "set_epoch", None)
+        if set_epoch is not None:  # a partition (nnx_es.distributed.train_loader, DistributedSampler) deals this epoch
+            set_epoch(epoch)
         self._nonfinite_skips = 0
         step_fn = self.step_fn
         # the per-batch loop: what is absent (stage hooks, batch callbacks, progress, step
@@ -283,6 +286,7 @@ class TrainingLoop:
         """Summary, the one monitor decision, epoch-clock schedulers, ``on_epoch_end``, history, commit."""
         state, ctx, rec = self.state, self.ctx, self.state.recorder
         totals = self.engine.epoch
+        totals.sums.agree(state.world, self.engine.objective.terms)  # the union's sums on every rank
         train = totals.sums.metrics()
         if totals.microbatches == 0:
             raise ConfigError(f"the train loader yielded no batch in epoch {epoch}: it is empty or exhausted (an "
@@ -311,6 +315,7 @@ class TrainingLoop:
         step_epoch_clock(self.schedulers, decision, rec, epoch=epoch, step=ctx.step_count)
         self.callbacks.epoch_end(ctx)
         self.stages(TrainingStage.AFTER_EPOCH, ctx)
+        state.agree_stop()  # a stop one rank asked for (from a rank-local quantity too) stops them all
         if state.stop_requested is not None:
             state.record_stop(epoch=epoch, step=ctx.step_count)
         record = HistoryRecord(

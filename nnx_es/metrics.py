@@ -90,12 +90,14 @@ class MetricSums:
     """Running sums of one epoch's loss terms and accuracy."""
 
     __slots__ = ("num", "den", "terms", "_correct", "scored", "rows", "with_accuracy", "_checked", "keep_nonfinite",
-                 "user")
+                 "user", "scores_rows")
 
     def __init__(self, metrics: tuple[Any, ...] = (), *, keep_nonfinite: bool = False) -> None:
         self.with_accuracy = "accuracy" in metric_names(metrics)
         #: this epoch's (or pass's) own, reset state of each user metric
         self.user: list[UserMetric] = [m.fresh() for m in metrics if isinstance(m, UserMetric)]
+        #: whether :meth:`add_rows` does more than count rows (accuracy or a user metric scores them)
+        self.scores_rows = self.with_accuracy or bool(self.user)
         self.keep_nonfinite = keep_nonfinite
         self.num = 0.0
         self.den = 0.0
@@ -171,6 +173,24 @@ class MetricSums:
                 self.scored += s
         self.rows += rows
 
+    def agree(self, world: Any, term_names: Iterable[str] = ()) -> None:
+        """Sum these sums over the ranks of ``world`` (a :class:`~nnx_es.run_state.World`), in ONE
+        all-reduce: afterwards every rank holds the union's sums, so its metrics, records and
+        decisions are the same (spec 000 §3 "Records and decisions"). ``term_names``: the
+        objective's terms (a rank that scored no batch has none of its own). One process: nothing.
+        """
+        if not world.distributed:
+            return
+        names = list(term_names)
+        if len(names) <= 1:  # one term: the loss itself
+            names = []
+        values = [self.num, self.den, self.correct, self.scored, float(self.rows)]
+        values += [float(self.terms.get(n, 0.0)) for n in names]
+        out = world.agree(torch.tensor(values, dtype=torch.float64)).tolist()
+        self.num, self.den, self._correct, self.scored, self.rows = out[0], out[1], out[2], out[3], int(out[4])
+        if names:
+            self.terms = dict(zip(names, out[5:]))
+
     def metrics(self, prefix: str = "") -> dict[str, float]:
         """``{prefix+"loss", prefix+<term> (several terms only), prefix+"accuracy"}`` as floats."""
         den = self.den
@@ -194,11 +214,15 @@ def evaluate(
     *,
     gather: bool = True,
     device: torch.device | None = None,
+    world: Any = None,
     on_batch: Callable[..., Any] | None = None,
 ) -> tuple[dict[str, float], int]:
     """One validation pass in eval mode: (``val_`` metrics, rows scored). The net's mode is restored.
 
     ``gather``: iterate through :func:`nnx_es.data.iterate_batches` (same batches, gathered);
+    ``world``: under data
+    parallelism each rank scores its own shard (no collective inside the loop), then the sums
+    are agreed once (:meth:`MetricSums.agree`): the metrics are the union's, every row once.
     ``device``: move each batch there first (``None``: as it comes). ``on_batch(*, batch, predictions,
     loss, batch_count)``: called after each batch is scored, with the batch (moved), its outputs,
     its mean loss (float; ``nan`` when no row counts) and its 0-based index in the pass.
@@ -223,4 +247,6 @@ def evaluate(
                          batch_count=index)
     finally:
         net.train(was_training)
+    if world is not None:
+        sums.agree(world, objective.terms)
     return sums.metrics("val_"), sums.rows

@@ -58,8 +58,8 @@ from projections.history import HistoryState, fold_history
 from projections.schedulers import SchedulersState, fold_schedulers
 from projections.status import StatusState, fold_status
 
-__all__ = ["CLOSING_KINDS", "GROUP_KINDS", "MicrobatchRequired", "Projections", "committed", "fold", "project",
-           "tail_length"]
+__all__ = ["CLOSING_KINDS", "GROUP_KINDS", "MicrobatchRequired", "Projections", "Projector", "committed", "fold",
+           "project", "tail_length"]
 
 
 
@@ -192,7 +192,7 @@ _NOT = bytes([1]) + bytes(255)  # for masks of 0 and 1
 _Segment = tuple[Sequence[int], Sequence[Any], bytes]
 
 
-class _Projector:
+class Projector:
     """The committed view and every projection, folded a segment at a time.
 
     Fed the log's events in order (:meth:`feed`), it keeps the state of
@@ -201,18 +201,66 @@ class _Projector:
     byte each (:data:`~events.codec.TYPE_CODES`), so finding commit markers and
     counting microbatches are ``bytes`` searches; the counters are folded by
     counting, the other projections event by event over the few events they react to.
+
+    It can be fed a log in pieces (:meth:`feed_chunk`, :meth:`feed_pairs`): a writer keeps
+    one open to snapshot its run (:mod:`projections.snapshots`), whose state it freezes
+    (:meth:`state`) whenever the view holds nothing back (:attr:`clean`). ``start`` and
+    ``in_group`` resume one from such a state: the projections of the log up to
+    ``start.seq``... and whether that point sits in a LAST's commit group.
     """
 
     __slots__ = ("states", "records", "counters", "last", "pending", "in_group")
 
-    def __init__(self, start: Projections) -> None:
+    def __init__(self, start: Projections, in_group: bool = False) -> None:
         self.states: list[Any] = [start.history, start.checkpoints, start.schedulers, start.status]
         #: the history projection's records, appended in place (a tuple per record would be O(epochs²))
         self.records: list[HistoryRecord] = list(start.history.records)
         self.counters = CountersAccumulator(start.counters)
         self.last = start.seq
         self.pending: list[_Segment] = []
-        self.in_group = False
+        self.in_group = in_group
+
+    @property
+    def clean(self) -> bool:
+        """Whether the committed view holds nothing back: every event fed is folded."""
+        return not self.pending
+
+    def feed_chunk(self, first: int, values: Sequence[bytes]) -> None:
+        """Feed a stored chunk (:data:`~events.chunks.RawChunk`), decoding what the folds read.
+
+        Raises:
+            CorruptEventError: a value does not decode (names its seq); nothing of the chunk is fed.
+        """
+        self.feed(range(first, first + len(values)), *_decode_for_folds(values, first))
+
+    def feed_pairs(self, pairs: Iterable[tuple[int, Event]]) -> None:
+        """Feed decoded ``(seq, event)`` pairs in seq order (a :class:`~events.chunks.StoredPairs`
+        is taken as its undecoded chunks)."""
+        chunks = pairs.raw_chunks() if isinstance(pairs, StoredPairs) else None
+        if chunks is not None:
+            for first, values in chunks:
+                self.feed_chunk(first, values)
+            return
+        it = iter(pairs)
+        while batch := list(itertools.islice(it, 1024)):
+            seqs, events = zip(*batch)
+            self.feed(seqs, events, type_codes(events))
+
+    def state(self) -> Projections:
+        """The projections of what was fed, without a finalized tail's closing events; only while
+        :attr:`clean` (the state a snapshot holds; then :meth:`finish` returns the same).
+
+        Raises:
+            ValueError: the view holds events back (not clean).
+        """
+        if self.pending:
+            raise ValueError(f"the committed view holds {sum(len(s[0]) for s in self.pending)} events back: "
+                             "no state to snapshot")
+        s = self.states
+        return Projections(
+            history=HistoryState(records=tuple(self.records)), checkpoints=s[1], schedulers=s[2],
+            counters=self.counters.freeze(), status=s[3], seq=self.last,
+        )
 
     def feed(self, seqs: Sequence[int], events: Sequence[Any], codes: bytes) -> None:
         """Take the next events of the log: ``seqs[i]`` is the seq of ``events[i]``, ``codes[i]`` its type code."""
@@ -357,14 +405,6 @@ def project(pairs: Iterable[tuple[int, Event]], start: Projections | None = None
     Raises:
         CorruptEventError: a stored value does not decode (names its seq).
     """
-    projector = _Projector(start if start is not None else Projections())
-    chunks = pairs.raw_chunks() if isinstance(pairs, StoredPairs) else None
-    if chunks is not None:
-        for first, values in chunks:
-            projector.feed(range(first, first + len(values)), *_decode_for_folds(values, first))
-    else:
-        it = iter(pairs)
-        while batch := list(itertools.islice(it, 1024)):
-            seqs, events = zip(*batch)
-            projector.feed(seqs, events, type_codes(events))
+    projector = Projector(start if start is not None else Projections())
+    projector.feed_pairs(pairs)
     return projector.finish()
