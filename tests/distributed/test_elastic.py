@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from launch import REPO, results, torchrun
+from nnx_es.audit import audit_run
 from trainkit import of_kind
 
 SCRIPT = REPO / "tests" / "distributed" / "elastic_script.py"
@@ -41,3 +42,6 @@ def test_a_rank_killed_mid_epoch_restarts_and_resumes_to_the_uninterrupted_param
     assert resumed.epoch == 0
     assert len(of_kind(run_dir, "run_started")) == 1
     assert not of_kind(tmp_path / "runs" / "reference", "run_resumed")
+    for run in (run_dir, tmp_path / "runs" / "reference"):  # tools/replay accepts the killed-and-resumed log
+        report = audit_run(run)
+        assert report.ok, [str(v) for v in report.violations]

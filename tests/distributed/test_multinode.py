@@ -12,6 +12,7 @@ import msgspec
 import pytest
 
 from launch import REPO, free_port, kill, results, torchrun
+from nnx_es.audit import audit_run
 from nnx_es.checkpoint import read_manifest
 from nnx_es.result import load_result
 from nnx_es.storage import BlobStore
@@ -84,3 +85,5 @@ def test_two_agents_give_the_single_node_run_and_only_the_writer_writes(tmp_path
         assert (a["epoch"], a["step"]) == (b["epoch"], b["step"])
     assert _history(writer / "runs" / RUN) == _history(single / "runs" / RUN)
     assert _last_components(writer / "runs" / RUN) == _last_components(single / "runs" / RUN)
+    report = audit_run(writer / "runs" / RUN)
+    assert report.ok, [str(v) for v in report.violations]
