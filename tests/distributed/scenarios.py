@@ -357,6 +357,27 @@ def callback_roles(world: World, out: Path) -> dict[str, Any]:
     return got
 
 
+# --- part 6: the parameter digest ----------------------------------------------------------
+
+
+@case
+def divergence(world: World, out: Path) -> dict[str, Any]:
+    """Rank 1 alone nudges a weight at the start of epoch 1: the epoch's digest catches it on both ranks."""
+    from nnx_es import LambdaCallback
+
+    def nudge(ctx: Any) -> None:
+        if ctx.epoch == 1 and ctx.state.world.rank == 1:
+            with torch.no_grad():
+                next(ctx.net.parameters()).view(-1)[0] += 1e-6
+
+    try:
+        _train(world, out, "diverged", epochs=3,
+               callbacks=[LambdaCallback(name="nudge", distributed="all", on_epoch_begin=nudge)])
+        return {"raised": None}
+    except Exception as exc:  # noqa: BLE001
+        return {"raised": _error(exc)}
+
+
 def main() -> None:
     out = Path(sys.argv[1])
     names = [n for n in sys.argv[2].split(",") if n]

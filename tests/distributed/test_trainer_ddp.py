@@ -12,7 +12,8 @@ from launch import results, torchrun
 
 SCRIPT = Path(__file__).resolve().parent / "scenarios.py"
 CASES = ["equivalence", "masked_window", "nonfinite_window", "refusals", "decisions", "local_stop", "writer_only",
-         "commit_fault", "resume_other_world", "resume_auto", "sha_refusal", "callback_roles"]
+         "commit_fault", "resume_other_world", "resume_auto", "sha_refusal", "callback_roles",
+         "divergence"]
 
 
 @pytest.fixture(scope="module")
@@ -183,3 +184,39 @@ def test_callbacks_run_where_they_declare_and_an_undeclared_one_is_refused_on_ev
         assert r["undeclared_written"] is False
     assert r0["built"] == [0] and r1["built"] == []  # the factory runs on the writer alone
     assert r0["ran"] == ["logger", "writes", "every"] and r1["ran"] == ["every"]
+
+
+def test_the_parameter_digest_catches_a_planted_divergence_on_every_rank(ddp_run: Path) -> None:
+    from nnx_es.audit import audit_run
+    from nnx_es.result import load_result
+    from trainkit import of_kind
+
+    r0, r1 = _ok(ddp_run, "divergence")
+    for r in (r0, r1):
+        assert r["raised"][0] == "DivergenceError"
+        assert "rank(s) [1]" in r["raised"][1] and "after 4 committed updates (epoch 1)" in r["raised"][1]
+        assert "first differed after step 2" in r["raised"][1]
+    run_dir = ddp_run / "runs" / "diverged"
+    digests = of_kind(run_dir, "params_digested")
+    assert [(d.step, d.diverged, d.since_step) for d in digests] == [(2, False, 0), (4, True, 2)]
+    assert digests[1].digests[0] != digests[1].digests[1] and len(set(digests[0].digests)) == 1
+    assert load_result(run_dir).status == "failed"
+    report = audit_run(run_dir)
+    assert not report.ok and {v.invariant for v in report.violations} == {11}
+
+
+def test_replay_audits_a_two_rank_run_clean(ddp_run: Path) -> None:
+    import subprocess
+    import sys
+
+    from launch import REPO
+
+    _ok(ddp_run, "equivalence")
+    run_dir = ddp_run / "runs" / "equiv"
+    proc = subprocess.run([sys.executable, str(REPO / "tools" / "replay"), str(run_dir)], capture_output=True,
+                          text=True, timeout=60, cwd=str(REPO))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    from trainkit import of_kind
+
+    digests = of_kind(run_dir, "params_digested")
+    assert [d.step for d in digests] == [2, 4] and all(not d.diverged and len(d.digests) == 2 for d in digests)
