@@ -312,6 +312,9 @@ class UpdateCommitted(Event, frozen=True, kw_only=True, tag="update_committed@2"
     accumulation_steps: int = 1
     collective_bytes: int = 0
     skipped: bool = False
+    #: each loss term's weight in this update's window, by name, when some weight follows a
+    #: schedule (``nnx_es.loss_weights``); empty otherwise
+    loss_weights: dict[str, float] = {}
 
 
 class UpdateSkipped(Event, frozen=True, kw_only=True, tag="update_skipped"):
