@@ -108,3 +108,15 @@ def test_distillation_resumes_bitwise_after_sigkill(tmp_path):
 
     report = crash_test(build, epochs=3, points=5)
     assert report.ok, report
+
+
+def test_the_digits_distillation_example_audits_both_runs_clean(tmp_path, capsys):
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[2] / "examples" / "digits_distill.py"
+    spec = importlib.util.spec_from_file_location("digits_distill", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert module.main(["--epochs", "2", "--runs", str(tmp_path / "runs"), "--run-id", "ex"]) == 0
+    out = capsys.readouterr().out
+    assert "audit ex-teacher: clean" in out and "audit ex-student: clean" in out
