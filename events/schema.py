@@ -38,6 +38,7 @@ __all__ = [
     "Lineage",
     "LoaderGeometry",
     "MicrobatchDone",
+    "ModelDecl",
     "MonitorDecided",
     "MonitorSpec",
     "ParamsDigested",
@@ -169,6 +170,19 @@ class Lineage(msgspec.Struct, frozen=True, kw_only=True):
     new: list[str] = []
 
 
+class ModelDecl(msgspec.Struct, frozen=True, kw_only=True):
+    """One model of a several-model run (``Trainer({"student": s, "teacher": t}, ...)``).
+
+    frozen: no optimizer holds its parameters (a teacher: eval mode, no gradients, kept out of
+    the checkpoints). parameters: its parameter count. sha256: a frozen model's state
+    fingerprint (``nnx_es.evaluation.state_fingerprint``), "" for a trainable one.
+    """
+
+    frozen: bool = False
+    parameters: int = 0
+    sha256: str = ""
+
+
 class HistoryRecord(msgspec.Struct, frozen=True, kw_only=True):
     """One committed epoch of history.
 
@@ -225,6 +239,9 @@ class RunStarted(Event, frozen=True, kw_only=True, tag="run_started"):
     #: each optimizer's parameter group names, in order (a group without a ``name`` is ``"group<i>"``);
     #: the receipts' ``lrs`` are in this order. None: a run recorded before it was declared here
     param_groups: dict[str, list[str]] | None = None
+    #: the models of a several-model run by name (a frozen one by the hash of its state: a stateful
+    #: resume with other frozen weights is refused); None: a run of one net
+    models: dict[str, ModelDecl] | None = None
 
 
 class RunResumed(Event, frozen=True, kw_only=True, tag="run_resumed"):

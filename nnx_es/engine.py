@@ -68,6 +68,7 @@ from nnx_es.batches import split_batch
 from nnx_es.callbacks import CallbackList
 from nnx_es.errors import ConfigError
 from nnx_es.metrics import MetricSums
+from nnx_es.objective import batch_rows
 from nnx_es.objective import LossParts, Objective
 from nnx_es.schedulers import Scheduler, step_update_clock
 from nnx_es.stages import StageDispatcher, TrainingStage
@@ -322,7 +323,7 @@ class UpdateEngine:
         self.w_den += den
         epoch = self.epoch
         epoch.microbatches += 1
-        rows = int(targets.shape[0]) if hasattr(targets, "shape") and targets.dim() > 0 else 1
+        rows = batch_rows(targets)
         if sums.scores_rows:
             sums.add_rows(outputs, targets, weights, rows=rows)
         else:

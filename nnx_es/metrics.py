@@ -29,7 +29,7 @@ from torch import Tensor, nn
 from nnx_es.data import iterate_batches
 from nnx_es.errors import ConfigError
 from nnx_es.monitor import Monitor
-from nnx_es.objective import LossParts, Objective, accuracy, accuracy_kind, hits
+from nnx_es.objective import LossParts, Objective, accuracy, accuracy_kind, batch_rows, hits
 from nnx_es.user_metrics import UserMetric, metric_names, split_declared, user_metric
 
 __all__ = ["METRICS", "MetricSums", "check_monitor", "evaluate", "reported_metrics", "validate_metrics"]
@@ -160,7 +160,7 @@ class MetricSums:
         """Count one microbatch's rows and score its accuracy (kept as a tensor: no host read
         without weights)."""
         if rows is None:
-            rows = int(targets.shape[0]) if targets.dim() > 0 else 1
+            rows = batch_rows(targets)
         for m in self.user:
             m.update(outputs, targets, weights)
         if self.with_accuracy:
