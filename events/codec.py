@@ -22,6 +22,7 @@ from events.schema import (
     CheckpointStored,
     EpochBegan,
     EpochSummarized,
+    EvaluationRecorded,
     Event,
     HistoryAppended,
     LastCommitted,
@@ -82,6 +83,7 @@ CURRENT_TYPES: tuple[type[Event], ...] = (
     CallbackFinalized,
     RunFailed,
     RunFinalized,
+    EvaluationRecorded,
 )
 
 
@@ -117,9 +119,9 @@ _encoder = msgspec.msgpack.Encoder()
 _decoder: msgspec.msgpack.Decoder[Any] = msgspec.msgpack.Decoder(AnyEvent)
 
 
-def encode(event: Event) -> bytes:
-    """Serialize one event to msgpack bytes (the tag names kind and version)."""
-    return _encoder.encode(event)
+#: ``encode(event) -> bytes``: one event as msgpack bytes (the tag names kind and version). The
+#: encoder's own method, so a call costs no Python frame: every event of a run passes here.
+encode: Callable[[Event], bytes] = _encoder.encode
 
 
 def upcast(event: Event) -> Event:

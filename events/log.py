@@ -204,18 +204,20 @@ class LmdbLog(LogBase):
             raise LogClosedError("flush on a closed event log")
         if self.readonly:
             raise EventLogError(f"event log at {self.path} is open read-only")
-        if self._buffer or self._staged:
+        if self._buffer or self._staged or self._doomed:
             # the batch's checksum record, written atomically with it (none for blobs alone)
             record = (seq_key(self._buffer[0][0]), pack_sum(self._buffer[-1][0], batch_crc(
                 [raw for _, raw in self._buffer]))) if self._buffer else None
             while True:
                 try:
                     with self._env.begin(write=True, db=self._events) as txn:
+                        for key in self._doomed:  # retention's deletions first: a blob staged again stays
+                            txn.delete(key, db=self._blobs)
                         # the blobs this write adds (a key stored before keeps its value)
                         added = {key: value for key, value in self._staged.items()
                                  if txn.put(key, value, db=self._blobs, overwrite=False)}
                         for seq, raw in self._buffer:
-                            if not txn.put(seq_key(seq), raw, append=True):
+                            if not txn.put(seq.to_bytes(8, "big"), raw, append=True):  # seq_key(seq), inlined
                                 # MDB_APPEND refuses a key at or below the last one: another
                                 # writer stored it. Abort the whole batch, never drop silently.
                                 raise EventLogError(
@@ -232,6 +234,7 @@ class LmdbLog(LogBase):
             batch = list(self._buffer)
             self._buffer.clear()
             self._staged.clear()
+            self._doomed.clear()
             self._flushed = self._next
         else:
             batch, added = [], {}
@@ -495,15 +498,15 @@ class LmdbLog(LogBase):
         return None if value is None else bytes(value)
 
     def delete_blobs(self, keys: list[bytes]) -> None:
-        """Delete stored blobs (retention; unsynced: a crash may leave them, which is harmless, since
-        a durable ``checkpoint_pruned`` already says they are gone on purpose). Missing keys are ignored."""
+        """Delete stored blobs with the next flush, in its transaction (retention: no write of their
+        own; unsynced: a crash may leave them, which is harmless, since a durable ``checkpoint_pruned``
+        already says they are gone on purpose). Missing keys are ignored."""
         if self._closed:
             raise LogClosedError("delete_blobs on a closed event log")
-        if not keys or self._blobs is None:
-            return
-        with self._env.begin(write=True, db=self._blobs) as txn:
-            for key in keys:
-                txn.delete(bytes(key))
+        if self.readonly:
+            raise EventLogError(f"event log at {self.path} is open read-only")
+        if keys and self._blobs is not None:
+            self._doomed.extend(bytes(key) for key in keys)
 
     def put_blob_raw(self, key: bytes, value: bytes | None) -> None:
         """Overwrite, add or (``None``) delete a stored blob (tests use it to forge damaged ones)."""

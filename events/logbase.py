@@ -74,6 +74,7 @@ class LogBase:
     def __init__(self, next_seq: int) -> None:
         self._buffer: list[tuple[int, bytes]] = []
         self._staged: dict[bytes, bytes] = {}  # blobs written with the next flush
+        self._doomed: list[bytes] = []  # blobs deleted with the next flush (LmdbLog.delete_blobs)
         self._flushed = next_seq
         self._next = next_seq
         self._syncs = 0

@@ -171,6 +171,8 @@ class Finalization:
         from nnx_es.audit.snapshots import project_log
         from nnx_es.views import write_views
 
+        if not self.state.world.is_writer:  # only the writer materializes views (and holds the log to project)
+            return
         log = self.state.recorder.log
         p = project_log(log).projections  # from the newest projection snapshot on: O(events since it)
         write_views(self.state.run_dir, p)

@@ -108,7 +108,11 @@ class Recorder:
     def emit(self, event: Event) -> int:
         """Append ``event`` to the buffer (written at the next flush); held after :meth:`hold`."""
         hold, self._hold = self._hold, False
-        self.lifecycle.advance(event.KIND)
+        lifecycle = self.lifecycle
+        nxt = lifecycle.table.get((lifecycle.state, event.KIND))  # Lifecycle.advance, inlined (every event)
+        if nxt is None:
+            lifecycle.advance(event.KIND)  # raises IllegalTransitionError
+        lifecycle.state = nxt
         if self.live.apply(event):
             self._frozen = None
         if hold or self._held:

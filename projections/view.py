@@ -13,7 +13,8 @@ The committed view is the prefix of the log that readers trust:
 * a tail after the last LAST is ignored, except that, when the log ends with a
   durable ``RunFinalized``, the closing events of that tail (stop requested,
   run failed, callback finalized, run finalized) are folded, so the status of
-  a stopped or failed run is known while its unfinished epoch stays out.
+  a stopped or failed run is known while its unfinished epoch stays out; the
+  evaluations recorded after the run (``evaluation_recorded``) may follow it.
 
 :func:`committed` and :func:`fold` define the view and the aggregate one event at
 a time; :func:`project` computes the same a segment at a time (a run of events
@@ -52,7 +53,7 @@ from projections import schedulers as schedulers_mod
 from projections import status as status_mod
 from projections.checkpoints import CheckpointsState, fold_checkpoints
 from projections.counters import CountersAccumulator, fold_counters
-from projections.commits import CLOSING_KINDS, GROUP_KINDS, commits, commits_all
+from projections.commits import AFTER_RUN_KINDS, CLOSING_KINDS, GROUP_KINDS, commits, commits_all
 from projections.history import HistoryState, fold_history
 from projections.schedulers import SchedulersState, fold_schedulers
 from projections.status import StatusState, fold_status
@@ -118,7 +119,10 @@ def _committed(pairs: Iterable[tuple[int, Event]], tail: list[int]) -> Iterator[
             continue
         pending.append((seq, event))
     tail.append(len(pending))
-    if pending and type(pending[-1][1]) is RunFinalized:
+    end = len(pending)
+    while end and pending[end - 1][1].KIND in AFTER_RUN_KINDS:  # evaluations recorded after the run
+        end -= 1
+    if end and type(pending[end - 1][1]) is RunFinalized:
         closing = [(s, e) for s, e in pending if e.KIND in CLOSING_KINDS]
         tail[-1] -= len(closing)
         yield from closing
@@ -178,6 +182,7 @@ def _marks(types: Iterable[type]) -> bytes:
 _IS_BOUNDARY = _marks([LastCommitted, RunResumed])
 _IS_GROUP = _marks(t for t in EVENT_TYPES if t.KIND in GROUP_KINDS)
 _IS_CLOSING = _marks(t for t in EVENT_TYPES if t.KIND in CLOSING_KINDS)
+_IS_AFTER_RUN = _marks(t for t in EVENT_TYPES if t.KIND in AFTER_RUN_KINDS)
 _IS_CHECKPOINT = _marks([CheckpointStored])
 _IS_RECEIPT = _marks([UpdateCommitted])
 _IS_OTHER = _marks(_BY_TYPE)  # folded by a projection other than the counters
@@ -354,7 +359,7 @@ class Projector:
     def finish(self) -> Projections:
         """Fold the closing events of a tail that ends in ``RunFinalized``; return the aggregate."""
         pending = self.pending
-        if pending and pending[-1][2][-1] == _FINALIZED:
+        if pending and _ends_finalized(pending):
             for segment in pending:
                 closing = segment[2].translate(_IS_CLOSING)
                 if 1 in closing:
@@ -364,6 +369,15 @@ class Projector:
             history=HistoryState(records=tuple(self.records)), checkpoints=s[1], schedulers=s[2],
             counters=self.counters.freeze(), status=s[3], seq=self.last,
         )
+
+
+def _ends_finalized(pending: Sequence[_Segment]) -> bool:
+    """Whether the pending tail's last event, evaluations recorded after the run aside, is ``run_finalized``."""
+    for _, _, codes in reversed(pending):
+        k = codes.translate(_IS_AFTER_RUN).rfind(0)
+        if k >= 0:
+            return codes[k] == _FINALIZED
+    return False
 
 
 def _select(segment: _Segment, mask: bytes) -> _Segment:

@@ -51,7 +51,7 @@ import msgspec
 from events.codec import KINDS, decode
 from events.errors import CorruptEventError, EventLogError, SequenceGapError
 from events.log import LmdbLog
-from events.schema import Event, HistoryAppended, RunFinalized, RunStarted
+from events.schema import EvaluationRecorded, Event, HistoryAppended, RunFinalized, RunStarted
 from nnx_es.audit import NotARunError, open_run_log
 from nnx_es.cli._common import (
     EXIT_INTERRUPTED,
@@ -307,7 +307,7 @@ def _rows(log: LmdbLog, args: argparse.Namespace, kinds: frozenset[str] | None, 
             continue
         if isinstance(event, RunStarted):
             state["writer_rank"] = event.writer_rank
-        state["finalized"] = isinstance(event, RunFinalized)
+        state["finalized"] = isinstance(event, (RunFinalized, EvaluationRecorded))
         if kinds is not None and event.KIND not in kinds:
             continue
         if args.rank is not None and getattr(event, "rank", state["writer_rank"]) != args.rank:
