@@ -51,6 +51,8 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 HAND, HAND_SAVE = "hand DDP loop", "hand DDP loop + torch.save each epoch"
 NNX_ROWS, NNX = "nnx_es DDP, batch_gather=False", "nnx_es DDP (every default)"
+HAND_SEPARATE = "hand DDP loop + save + a second all_reduce per step (nnx_es's agreement today)"
+HAND_FUSED = "hand DDP loop + save + the agreement in the last gradient bucket (comm hook)"
 BATCH = 32
 TARGET = 1.10
 
@@ -98,8 +100,14 @@ def _atomic_save(obj: object, path: Path) -> None:
         os.close(fd)
 
 
-def run_hand(dataset, epochs: int, root: Path, *, save: bool = False) -> int:
-    """The hand-written DDP loop; returns the microbatches this rank trained."""
+def run_hand(dataset, epochs: int, root: Path, *, save: bool = False, agree: str = "") -> int:
+    """The hand-written DDP loop; returns the microbatches this rank trained.
+
+    ``agree``: ``"separate"`` adds what nnx_es's window end does today -- a second, blocking
+    all_reduce of ``[numerator, denominator, non-finite flag]`` (float64) after backward and a
+    host read of it; ``"fused"`` carries the same three values in the gradients' last bucket
+    (:class:`nnx_es.distributed.fused.FusedAgreement`, a DDP comm hook: no second collective).
+    """
     import torch
     import torch.distributed as dist
     from torch import nn
@@ -107,6 +115,11 @@ def run_hand(dataset, epochs: int, root: Path, *, save: bool = False) -> int:
 
     net = _net()
     model = DistributedDataParallel(net)
+    fused = None
+    if agree == "fused":
+        from nnx_es.distributed.fused import FusedAgreement
+
+        fused = FusedAgreement(model)
     loader = _loader(dataset)
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     loss_fn = nn.CrossEntropyLoss()
@@ -117,7 +130,17 @@ def run_hand(dataset, epochs: int, root: Path, *, save: bool = False) -> int:
         for x, y in loader:
             opt.zero_grad(set_to_none=True)
             loss = loss_fn(model(x), y)
+            if fused is not None:
+                fused.stage(torch.stack([loss.detach().double() * len(y), torch.tensor(float(len(y)), dtype=torch.float64),
+                                         (~torch.isfinite(loss.detach())).double()]))
             loss.backward()
+            if agree == "separate":
+                t = torch.stack([loss.detach().double() * len(y), torch.tensor(float(len(y)), dtype=torch.float64),
+                                 (~torch.isfinite(loss.detach())).double()])
+                dist.all_reduce(t)
+                t.tolist()
+            elif fused is not None:
+                fused.result().tolist()
             opt.step()
             steps += 1
         if save and writer:
@@ -154,6 +177,8 @@ def _contenders(with_nnx: bool) -> dict[str, Callable[[Any, int, Path], int]]:
     out: dict[str, Callable[[Any, int, Path], int]] = {
         HAND: run_hand,
         HAND_SAVE: lambda d, e, r: run_hand(d, e, r, save=True),
+        HAND_SEPARATE: lambda d, e, r: run_hand(d, e, r, save=True, agree="separate"),
+        HAND_FUSED: lambda d, e, r: run_hand(d, e, r, save=True, agree="fused"),
     }
     if with_nnx:
         out[NNX_ROWS] = run_nnx

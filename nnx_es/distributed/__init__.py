@@ -19,6 +19,7 @@ from nnx_es.distributed.contracts import (
     register_training_backend,
     registered_backends,
 )
+from nnx_es.distributed.roles import ROLES, WriterOnly, writer_only
 from nnx_es.distributed.group import DDP, env_world_size, refuse_group, shutdown
 from nnx_es.distributed.partitions import (
     POLICIES,
@@ -39,7 +40,9 @@ __all__ = [
     "MESH_AXES",
     "ParallelPlan",
     "PlanRefusedError",
+    "ROLES",
     "UnknownBackendError",
+    "WriterOnly",
     "check_plan",
     "get_training_backend",
     "register_training_backend",
@@ -54,4 +57,5 @@ __all__ = [
     "shutdown",
     "train_loader",
     "validation_loader",
+    "writer_only",
 ]

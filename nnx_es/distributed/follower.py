@@ -57,8 +57,11 @@ class FollowerBlobStore(BlobStore):
         super().__init__(root, log=None)
         self._blobs: dict[str, bytes] = {}
 
-    def stage(self, data: bytes) -> str:
-        return self.put(data)
+    def stage(self, data: bytes, digest: str | None = None) -> str:
+        if digest is None:
+            return self.put(data)
+        self._blobs.setdefault(digest, data)
+        return digest
 
     def put_all(self, datas: Sequence[bytes]) -> list[str]:
         digests = [hashlib.sha256(d).hexdigest() for d in datas]

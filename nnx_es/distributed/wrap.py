@@ -22,7 +22,7 @@ from nnx_es.errors import ConfigError
 from nnx_es.loaders import length_of
 from nnx_es.run_state import World
 
-__all__ = ["check_distributed", "data_parallel"]
+__all__ = ["check_distributed", "data_parallel", "is_writer_rank"]
 
 _BATCHNORM = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.LazyBatchNorm1d, nn.LazyBatchNorm2d,
               nn.LazyBatchNorm3d)
@@ -60,6 +60,16 @@ def check_distributed(distributed: Any, net: nn.Module, *, trainer_step_fn: Any 
         raise ConfigError("distributed=DDP() does not run precision='fp16' (its GradScaler skips backward per "
                           "rank); use precision='bf16' or 'fp32'")
     return distributed
+
+
+def is_writer_rank(ddp: DDP) -> bool:
+    """Whether this process is ``ddp``'s writer rank: the initialized group's rank, else ``RANK``."""
+    import os
+
+    import torch.distributed as dist
+
+    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else int(os.environ.get("RANK", "0"))
+    return rank == ddp.writer_rank
 
 
 @contextmanager

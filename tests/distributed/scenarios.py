@@ -316,6 +316,47 @@ def sha_refusal(world: World, out: Path) -> dict[str, Any]:
         return {"raised": _error(exc)}
 
 
+# --- part 5: callback declarations ----------------------------------------------------------
+
+
+@case
+def callback_roles(world: World, out: Path) -> dict[str, Any]:
+    from nnx_es import Callback, LambdaCallback
+    from nnx_es.distributed import writer_only
+
+    class Undeclared(Callback):
+        def on_epoch_end(self, ctx: Any) -> None:
+            pass
+
+    got: dict[str, Any] = {}
+    try:
+        _train(world, out, "undeclared", epochs=1, callbacks=[Undeclared()])
+    except Exception as exc:  # noqa: BLE001
+        got["undeclared"] = _error(exc)
+    try:
+        _train(world, out, "lambda", epochs=1, callbacks=[LambdaCallback(on_epoch_end=lambda ctx: None)])
+    except Exception as exc:  # noqa: BLE001
+        got["lambda"] = _error(exc)
+    got["undeclared_written"] = (out / "runs" / "undeclared").exists()
+    built: list[int] = []
+    ran: list[str] = []
+
+    class Writes(Callback):
+        distributed = "writer"
+
+        def on_epoch_end(self, ctx: Any) -> None:
+            ran.append("writes")
+
+    def factory() -> Callback:
+        built.append(world.rank)
+        return LambdaCallback(name="logger", distributed="writer", on_epoch_end=lambda ctx: ran.append("logger"))
+
+    everywhere = LambdaCallback(name="every", distributed="all", on_epoch_end=lambda ctx: ran.append("every"))
+    _train(world, out, "roles", epochs=1, callbacks=[writer_only(factory), Writes(), everywhere])
+    got.update(built=built, ran=ran)
+    return got
+
+
 def main() -> None:
     out = Path(sys.argv[1])
     names = [n for n in sys.argv[2].split(",") if n]

@@ -12,7 +12,7 @@ from launch import results, torchrun
 
 SCRIPT = Path(__file__).resolve().parent / "scenarios.py"
 CASES = ["equivalence", "masked_window", "nonfinite_window", "refusals", "decisions", "local_stop", "writer_only",
-         "commit_fault", "resume_other_world", "resume_auto", "sha_refusal"]
+         "commit_fault", "resume_other_world", "resume_auto", "sha_refusal", "callback_roles"]
 
 
 @pytest.fixture(scope="module")
@@ -173,3 +173,13 @@ def test_a_corrupt_resume_point_is_refused_on_every_rank_with_the_same_reason(dd
     assert r0["raised"][0] == r1["raised"][0]
     assert r1["raised"][1].startswith(r0["raised"][1]) and "writer rank" in r1["raised"][1]
     assert "NnxError" in r0["raised"]
+
+
+def test_callbacks_run_where_they_declare_and_an_undeclared_one_is_refused_on_every_rank(ddp_run: Path) -> None:
+    r0, r1 = _ok(ddp_run, "callback_roles")
+    for r in (r0, r1):
+        for key in ("undeclared", "lambda"):
+            assert r[key][0] == "ConfigError" and "declares nothing" in r[key][1] and "writer_only" in r[key][1]
+        assert r["undeclared_written"] is False
+    assert r0["built"] == [0] and r1["built"] == []  # the factory runs on the writer alone
+    assert r0["ran"] == ["logger", "writes", "every"] and r1["ran"] == ["every"]
