@@ -24,6 +24,7 @@ from events.schema import (
     EpochSummarized,
     Event,
     HistoryAppended,
+    JournalPublished,
     LastCommitted,
     MicrobatchDone,
     MonitorDecided,
@@ -32,6 +33,7 @@ from events.schema import (
     RunFinalized,
     RunResumed,
     RunStarted,
+    RowsRecorded,
     SchedulerStepped,
     StopRequested,
     TrainBegan,
@@ -82,6 +84,9 @@ CURRENT_TYPES: tuple[type[Event], ...] = (
     CallbackFinalized,
     RunFailed,
     RunFinalized,
+    # appended, not in lifecycle order: the epoch's history step writes them before history_appended
+    RowsRecorded,
+    JournalPublished,
 )
 
 

@@ -75,6 +75,7 @@ from nnx_es.update_hooks import UpdateHook, UpdateOrchestrator
 
 if TYPE_CHECKING:
     from nnx_es.context import TrainContext
+    from nnx_es.rows.recorder import RowRecorder
     from nnx_es.run_state import RunState
 
 __all__ = ["EpochTotals", "UpdateEngine", "default_forward", "default_train_step", "finalize_step", "split_batch"]
@@ -181,6 +182,8 @@ class UpdateEngine:
         self._pending: list[tuple[int, int, int, int, float, tuple[str, ...], Tensor]] = []
         self._pending_t: list[Tensor] = []  # their 0-dim values, in reading order (loss, then terms)
         self._ctx: TrainContext | None = None
+        #: per-row records of batches carrying row ids (set by the trainer; ``None``: none)
+        self.rows: RowRecorder | None = None
         self._reset_window()
 
     def begin_run(self, state: RunState, callbacks: CallbackList) -> None:
@@ -252,6 +255,8 @@ class UpdateEngine:
                 stages(TrainingStage.BEFORE_LOSS, ctx)
             parts = self.objective(outputs, targets, weights)
         self.epoch.sums.check(outputs, targets)  # a declared metric that cannot score them: before backward
+        if self.rows is not None:  # per-row records (nnx_es.rows): formed on the device, read at the epoch's close
+            self.rows.train_batch(batch, outputs, targets)
         total = parts.total
         den = parts.den
         loss_t = total.detach()  # stays on the device: read with the window (see _settle)

@@ -169,11 +169,13 @@ def evaluate(
     *,
     gather: bool = True,
     device: torch.device | None = None,
+    rows: Callable[[Any, Tensor, Tensor], None] | None = None,
 ) -> tuple[dict[str, float], int]:
     """One validation pass in eval mode: (``val_`` metrics, rows scored). The net's mode is restored.
 
     ``gather``: iterate through :func:`nnx_es.data.iterate_batches` (same batches, gathered);
-    ``device``: move each batch there first (``None``: as it comes).
+    ``device``: move each batch there first (``None``: as it comes); ``rows``: called with each
+    ``(batch, outputs, targets)`` (the per-row records, :class:`nnx_es.rows.RowRecorder`).
     Batches follow ``step_fn``'s contract (the default one: :mod:`nnx_es.batches`).
 
     Raises:
@@ -189,6 +191,8 @@ def evaluate(
             sums.check(outputs, targets)
             parts = objective(outputs, targets, weights)
             sums.add(parts, float(parts.total), outputs, targets, weights)
+            if rows is not None:
+                rows(batch, outputs, targets)
     finally:
         net.train(was_training)
     return sums.metrics("val_"), sums.rows

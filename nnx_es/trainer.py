@@ -64,6 +64,8 @@ from nnx_es.recorder import Recorder
 from nnx_es.result import RunResult, load_result, result_of
 from nnx_es.retention import check_retention
 from nnx_es.rng import LoaderGenerators
+from nnx_es.rows.journal import HistoryJournal
+from nnx_es.rows.recorder import RowRecorder
 from nnx_es.run_state import RunState
 from nnx_es.session import RESUME_MODES, library_versions, open_session
 from nnx_es.sinks import LiveSinks
@@ -145,6 +147,10 @@ class Trainer:
             :class:`~nnx_es.errors.NonFiniteError` (status ``failed``; LAST stays at the last
             committed epoch). A run that trains microbatches but commits no update never ends
             ``completed`` (:class:`~nnx_es.errors.NoUpdateError`).
+        history: where per-row records go (:mod:`nnx_es.rows`; recorded when the batches carry row
+            ids, e.g. ``with_row_ids(dataset)``): ``None`` (default) as ``rows_recorded`` events in the
+            log, every epoch's kept in memory (small runs), or a
+            :class:`~nnx_es.rows.HistoryJournal` (chunk blobs; memory holds its ``window`` epochs).
         device: where to train: ``"cpu"``, ``"cuda"``, ``"cuda:N"``, ``"mps"`` or a ``torch.device``;
             default: the model's own device. The model (and any optimizer state) is moved there
             now, and every batch's tensors (nested tuples, lists, mappings, dataclasses) before the
@@ -193,6 +199,7 @@ class Trainer:
         recipe_required: bool = False,
         spec: Any = None,
         device: str | torch.device | None = None,
+        history: HistoryJournal | None = None,
     ) -> None:
         if not isinstance(net, nn.Module):
             raise ConfigError(f"net must be a torch.nn.Module, got {type(net).__name__}")
@@ -243,6 +250,7 @@ class Trainer:
             raise ConfigError(f"track_grad_norm must be True or False, got {track_grad_norm!r}")
         self.engine = UpdateEngine(net, self.optimizers, self.objective, self.schedulers, train_step_fn=train_step_fn or forward,
                                    track_grad_norm=track_grad_norm, metrics=self.metrics)
+        self.rows = self.engine.rows = RowRecorder(self.objective, history)
         self.update_hooks = self._update_hooks(hooks, accumulation, clip_grad_norm, precision)
         self.stages = self.engine.stages
         self.lag = lag_in_updates(checkpoint_lag)
@@ -251,6 +259,7 @@ class Trainer:
                                         callbacks=self.callbacks)
         self.ctx = TrainContext(net=net, optimizers=self.optimizers, schedulers=self.schedulers, monitor=self.monitor,
                                 engine=self.engine, trainer=self)
+        self.ctx.row_records = self.rows
         self.spec = record_spec(
             recipe_required, spec, net=net, optimizers=self.optimizers, objective=self.objective, monitor=self.monitor,
             metrics=self.metrics, schedulers=self.schedulers, callbacks=self.callbacks, update_hooks=self.update_hooks,
@@ -390,6 +399,7 @@ class Trainer:
             state = self.state = self.ctx.state = session.state
             self.run_id, self.runs_root, self.run_dir = state.run_id, state.runs_root, state.run_dir
             self.engine.begin_run(state, callbacks)
+            self.rows.begin_run(state.recorder.log, state.store, state.run_id)
             committer = Committer(state, self.components, callbacks, self.ctx, lag=self.lag,
                                   phase_every=self.phase_every, keep_phases=self.keep_phases, keep_last=self.keep_last,
                                   keep_best=self.keep_best, pointers=session.checkpoints)
@@ -400,6 +410,7 @@ class Trainer:
                 committer=committer, finalization=finalization, validate=self.validate, cadence=self.cadence,
                 step_fn=self.trainer_step_fn, custom_step=self.custom_step, batch_gather=self.batch_gather,
                 progress=Progress(self.progress_enabled), nonfinite=self.nonfinite, device=self.device,
+                rows=self.rows,
             )
             live = None
             if self.sinks and state.world.is_writer:
@@ -424,4 +435,4 @@ class Trainer:
         """
         net = self.engine.orchestrator.averaged_module() or self.net
         return evaluate(net, loader, self.objective, self.eval_step_fn, self.metrics, gather=self.batch_gather,
-                        device=self.device)
+                        device=self.device, rows=self.rows.val_batch)
