@@ -280,11 +280,19 @@ class UpdateCommittedV1(Event, frozen=True, kw_only=True, tag="update_committed"
 class UpdateCommitted(Event, frozen=True, kw_only=True, tag="update_committed@2"):
     """A committed optimizer update: the step receipt (spec 003, StepReceipt).
 
-    step: committed updates after this one (1-based). microbatches: in the window.
-    local_examples / global_examples: loss denominator on this rank / summed
-    over ranks. loss: window numerator / global denominator. grad_norm: total
-    L2 norm before clipping (``None`` when not computed). lrs: the optimizer's
-    learning rates, one per param group, as used by this step.
+    step: committed updates after this one (1-based). microbatches: in the window
+    (fewer than ``accumulation_steps`` for a short last window). local_examples /
+    global_examples: loss denominator on this rank / summed over the data-parallel
+    ranks (equal in one process). loss: window numerator / global denominator.
+    grad_norm: total L2 norm before clipping (``None`` when not computed). lrs: the
+    optimizer's learning rates, one per param group, as used by this step.
+    data_parallel_size: ranks that took part (1 in one process). accumulation_steps:
+    the configured microbatches per window. collective_bytes: bytes this rank's
+    collectives moved for the window (gradient all-reduce, agreements, gathers; 0 in
+    one process). skipped: spec 003's flag, always False here -- a window without an
+    update is an ``update_skipped`` event, which carries the same accounting.
+    Fields after ``precision`` were added in place (defaults: a receipt recorded
+    before them decodes as one process's).
     """
 
     KIND: ClassVar[str] = "update_committed"
@@ -301,6 +309,9 @@ class UpdateCommitted(Event, frozen=True, kw_only=True, tag="update_committed@2"
     optimizer: str = "default"
     data_parallel_size: int = 1
     precision: str = "fp32"
+    accumulation_steps: int = 1
+    collective_bytes: int = 0
+    skipped: bool = False
 
 
 class UpdateSkipped(Event, frozen=True, kw_only=True, tag="update_skipped"):
@@ -310,6 +321,12 @@ class UpdateSkipped(Event, frozen=True, kw_only=True, tag="update_skipped"):
     gradient norm was not finite), ``vetoed`` (an update hook said no), or
     ``unreported`` (a custom ``trainer_step_fn`` recorded microbatches it never
     reported an update for, by the epoch's end).
+
+    The window's accounting, as :class:`UpdateCommitted` has it (spec 003's receipt
+    with ``skipped`` true): local_examples / global_examples (its denominator on
+    this rank / over the ranks), data_parallel_size, accumulation_steps,
+    collective_bytes. Defaults: a skip recorded before them decodes as one
+    process's with an unknown (0) denominator.
     """
 
     KIND: ClassVar[str] = "update_skipped"
@@ -319,6 +336,11 @@ class UpdateSkipped(Event, frozen=True, kw_only=True, tag="update_skipped"):
     reason: str
     optimizer: str = "default"
     detail: str = ""
+    local_examples: float = 0.0
+    global_examples: float = 0.0
+    data_parallel_size: int = 1
+    accumulation_steps: int = 1
+    collective_bytes: int = 0
 
 
 class ValidationDone(Event, frozen=True, kw_only=True, tag="validation_done"):

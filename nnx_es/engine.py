@@ -29,7 +29,8 @@ At the window's end (:meth:`UpdateEngine.finalize_step`), in this order
                                    clipping or ``track_grad_norm`` -- else by one fused check)
     an update hook vetoes       -> update_skipped(vetoed)
     clip (max_norm) -> optimizer.step() for every optimizer
-    -> update_committed per optimizer (the step receipts)
+    -> update_committed per optimizer (the step receipts: local / global examples, microbatches,
+       accumulation steps, data-parallel size, collective bytes -- see _receipt_counts)
     -> on_optimizer_update callbacks see every receipt of the commit
     -> optimizer_update-clock schedulers of those optimizers step
     zero grads
@@ -222,7 +223,13 @@ class UpdateEngine:
 
     def _reset_window(self) -> None:
         self.w_microbatches = 0
-        self.w_den = 0.0
+        self.w_den = 0.0  # this rank's denominator (the receipt's local_examples)
+        # The data-parallel seam of the step receipt (spec 003): the DDP path sets the window's
+        # denominator summed over the ranks (W of "One update"; None: one process, W = w_den) and
+        # adds the bytes its collectives move for the window (gradient all-reduce, agreements)
+        # before finalize_step reads them; both go into the window's receipt.
+        self.w_global_den: float | None = None
+        self.w_collective_bytes = 0
         self.w_num = 0.0  # filled when the window's losses are read (_settle)
         self.w_nonfinite = False
         self.w_divided = False  # the window's gradient already is the mean (one microbatch)
@@ -364,7 +371,7 @@ class UpdateEngine:
         optimizers = self.optimizers
         names = list(optimizers)
         microbatches = self.w_microbatches
-        W = self.w_den
+        W = self.w_den if self.w_global_den is None else self.w_global_den
         reason, detail, norm = None, "", None
         unscaled = False
         clipped, lrs = False, {}
@@ -434,6 +441,7 @@ class UpdateEngine:
         for opt in optimizers.values():
             opt.zero_grad(set_to_none=True)
         loss = self.w_num / W if W > 0 else math.nan
+        counts = self._receipt_counts()
         self._reset_window()
         if reason is not None:
             self.epoch.skipped += 1
@@ -442,15 +450,27 @@ class UpdateEngine:
                 self.state.recorder.emit(
                     UpdateSkipped(
                         step=ctx.step_count, epoch=ctx.epoch, microbatches=microbatches, reason=reason,
-                        optimizer=n, detail=detail,
+                        optimizer=n, detail=detail, **counts,
                     )
                 )
             return False
-        self._commit(ctx, names, loss=loss, examples=W, microbatches=microbatches, grad_norm=norm,
+        self._commit(ctx, names, loss=loss, counts=counts, microbatches=microbatches, grad_norm=norm,
                      clipped=clipped, lrs=lrs)
         if self.stages.by_stage:
             self.stages(TrainingStage.AFTER_OPTIMIZER_STEP, ctx)
         return True
+
+    def _receipt_counts(self) -> dict[str, Any]:
+        """The open window's accounting for its receipt: ``local_examples`` (this rank's denominator),
+        ``global_examples`` (over the ranks: the seam's ``w_global_den``, else the local one),
+        ``data_parallel_size``, ``accumulation_steps`` (configured), ``collective_bytes``."""
+        local = self.w_den
+        g = self.w_global_den
+        return {
+            "local_examples": local, "global_examples": local if g is None else g,
+            "data_parallel_size": self.state.world.size, "accumulation_steps": self.accumulation,
+            "collective_bytes": self.w_collective_bytes,
+        }
 
     def _window_grads(self) -> list[Tensor]:
         """The window's gradients as strided tensors: a dense gradient itself, a sparse COO one's values.
@@ -537,7 +557,11 @@ class UpdateEngine:
             self.epoch.sums.num += loss * examples
             self.epoch.sums.den += examples
         lrs = {n: [float(g["lr"]) for g in self.optimizers[n].param_groups] for n in optimizers}
-        self._commit(ctx, optimizers, loss=loss, examples=examples, microbatches=microbatches,
+        counts = {
+            "local_examples": examples, "global_examples": examples, "data_parallel_size": self.state.world.size,
+            "accumulation_steps": self.accumulation, "collective_bytes": 0,
+        }
+        self._commit(ctx, optimizers, loss=loss, counts=counts, microbatches=microbatches,
                      grad_norm=grad_norm, clipped=clipped, lrs=lrs)
 
     def _commit(
@@ -546,22 +570,21 @@ class UpdateEngine:
         names: list[str],
         *,
         loss: float,
-        examples: float,
+        counts: dict[str, Any],
         microbatches: int,
         grad_norm: float | None,
         clipped: bool,
         lrs: dict[str, list[float]],
     ) -> None:
+        """Emit the receipts of a committed update; ``counts``: :meth:`_receipt_counts`'s accounting."""
         state = self.state
         rec = state.recorder
         state.outcome.committed_update = True
         step = ctx.step_count + 1
-        world = state.world.size
         receipts = [
             UpdateCommitted(
-                step=step, epoch=ctx.epoch, microbatches=microbatches, local_examples=examples,
-                global_examples=examples, loss=loss, grad_norm=grad_norm, clipped=clipped, lrs=lrs[n],
-                optimizer=n, data_parallel_size=world, precision=self.precision,
+                step=step, epoch=ctx.epoch, microbatches=microbatches, loss=loss, grad_norm=grad_norm,
+                clipped=clipped, lrs=lrs[n], optimizer=n, precision=self.precision, **counts,
             )
             for n in names
         ]

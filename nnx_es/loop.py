@@ -215,7 +215,8 @@ class TrainingLoop:
         if self.custom_step and rec.lifecycle.base_state == "in_window":
             # the custom step recorded microbatches but reported no update for them: say so
             rec.emit(UpdateSkipped(step=ctx.step_count, epoch=epoch, microbatches=outcome.unreported,
-                                   reason="unreported", optimizer=",".join(self.optimizers)))
+                                   reason="unreported", optimizer=",".join(self.optimizers),
+                                   data_parallel_size=state.world.size))
             outcome.unreported = 0
         outcome.skipped = None
         if engine.finalize_step(ctx):

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from events.schema import StopRequested
 
@@ -33,15 +33,75 @@ __all__ = ["RunState", "StepOutcome", "World"]
 @dataclass(frozen=True)
 class World:
     """The process group this run trains in: ``rank`` of ``size`` ranks; ``writer_rank`` alone
-    holds the lease, appends to the log and writes blobs. A single process is rank 0 of 1."""
+    holds the lease, appends to the log and writes blobs. A single process is rank 0 of 1.
+
+    Every collective of the runtime goes through this object (DESIGN.md "Seams"): its
+    agreement primitives return the same answer on every rank, and cost nothing for one
+    process (no ``torch.distributed`` call is made then).
+
+    ``device``: where collective tensors live (``cpu`` for gloo, ``cuda:LOCAL_RANK`` for nccl).
+    """
 
     rank: int = 0
     size: int = 1
     writer_rank: int = 0
+    device: str = "cpu"
 
     @property
     def is_writer(self) -> bool:
         return self.rank == self.writer_rank
+
+    @property
+    def distributed(self) -> bool:
+        """More than one rank: the agreement primitives reach the process group."""
+        return self.size > 1
+
+    def agree(self, tensor: Any, op: str = "sum") -> Any:
+        """All-reduce ``tensor`` in place with ``op`` (``"sum"``, ``"max"``, ``"min"``) and return it:
+        every rank holds the same values after the call. One process: returned unchanged.
+
+        ``tensor``: any shape; moved to :attr:`device` for the collective and back.
+        """
+        if self.size == 1:
+            return tensor
+        import torch.distributed as dist
+
+        ops = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+        if tensor.device.type != self.device.split(":")[0]:
+            moved = tensor.to(self.device)
+            dist.all_reduce(moved, op=ops[op])
+            tensor.copy_(moved)
+        else:
+            dist.all_reduce(tensor, op=ops[op])
+        return tensor
+
+    def agree_flag(self, flag: bool) -> bool:
+        """Whether ``flag`` holds on ANY rank (one all-reduce of a max): a decision every rank takes alike."""
+        if self.size == 1:
+            return bool(flag)
+        import torch
+
+        return bool(self.agree(torch.tensor([1.0 if flag else 0.0], dtype=torch.float64), "max").item())
+
+    def gather(self, obj: Any) -> list[Any]:
+        """Every rank's ``obj`` (picklable builtins), in rank order, on every rank. One process: ``[obj]``."""
+        if self.size == 1:
+            return [obj]
+        import torch.distributed as dist
+
+        out: list[Any] = [None] * self.size
+        dist.all_gather_object(out, obj)
+        return out
+
+    def share(self, obj: Any) -> Any:
+        """The writer's ``obj`` on every rank (others pass anything, e.g. ``None``). One process: ``obj``."""
+        if self.size == 1:
+            return obj
+        import torch.distributed as dist
+
+        box = [obj if self.is_writer else None]
+        dist.broadcast_object_list(box, src=self.writer_rank)
+        return box[0]
 
 
 class StepOutcome:

@@ -1,0 +1,31 @@
+"""Data parallelism under ``torchrun`` (spec 000 §3, DESIGN.md "Distributed").
+
+``Trainer(..., distributed=DDP())`` trains inside the process group the launcher started;
+:func:`train_loader` / :func:`validation_loader` give each rank its rows; :func:`shutdown`
+ends the group with a bounded barrier. nnx_es starts no runtime of its own.
+"""
+
+from nnx_es.distributed.group import DDP, env_world_size, refuse_group, shutdown
+from nnx_es.distributed.partitions import (
+    POLICIES,
+    PartitionSampler,
+    ShardSampler,
+    partition_indices,
+    shard_indices,
+    train_loader,
+    validation_loader,
+)
+
+__all__ = [
+    "DDP",
+    "POLICIES",
+    "PartitionSampler",
+    "ShardSampler",
+    "env_world_size",
+    "partition_indices",
+    "refuse_group",
+    "shard_indices",
+    "shutdown",
+    "train_loader",
+    "validation_loader",
+]
