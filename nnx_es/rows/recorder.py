@@ -14,7 +14,8 @@ to the run: ``rows_recorded`` events in the log (one per split; fine for small r
 a :class:`~nnx_es.rows.journal.HistoryJournal`, chunks and a manifest (``journal_published``).
 
 Memory: without a journal every epoch's records stay in memory (they are the window); with
-one, the newest ``window`` epochs.
+one, the newest ``window`` epochs, the one being closed included (and, during an epoch, its
+records on the device).
 """
 
 from __future__ import annotations
@@ -203,6 +204,8 @@ class RowRecorder:
             current.append(EpochRows(epoch, split, ids, np.ascontiguousarray(values)))
         self._reset_epoch()
         self.current = current
+        if current:
+            self._window.append(current)  # the window holds the epoch being closed: at most `window` epochs
 
     def history_step(self, epoch: int, rec: Recorder) -> None:
         """Hand the epoch's records to the run (events or journal chunks), then move them into the window.
@@ -218,14 +221,13 @@ class RowRecorder:
         else:
             for part in current:
                 rec.emit(RowsRecorded(epoch=epoch, split=part.split, rows=part.rows, columns=part.encode()))
-        self._window.append(current)
         self.current = []
 
     # --- views --------------------------------------------------------------------------------
 
     def window(self) -> RowView:
-        """The records in memory: the window's epochs and the epoch being closed."""
-        return RowView([p for parts in self._window for p in parts] + self.current)
+        """The records in memory: the window's epochs, the epoch being closed the newest of them."""
+        return RowView([p for parts in self._window for p in parts])
 
     def full(self) -> RowView:
         """Every epoch of the run (a journal's lazily, from its chunks) and the epoch being closed."""
@@ -237,6 +239,6 @@ class RowRecorder:
     @property
     def memory_bytes(self) -> int:
         """Bytes of the records held on the host (the window and the epoch being closed)."""
-        return sum(p.nbytes for parts in self._window for p in parts) + sum(p.nbytes for p in self.current)
+        return sum(p.nbytes for parts in self._window for p in parts)
 
 
