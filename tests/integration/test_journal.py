@@ -196,3 +196,16 @@ def test_the_records_of_a_journal_run_are_float32_columns_indexed_by_row_id(tmp_
     c = read_rows(trainer.run_dir).columns("train")
     assert c["row_id"].tolist() == list(range(N_TRAIN))
     assert all(c[v].dtype == np.float32 for v in VALUES)
+
+
+@pytest.mark.parametrize("lag", [2, "epoch"])
+def test_a_deferred_last_commits_the_journal_it_covers(tmp_path, lag):
+    train, val = _loaders()
+    trainer = _trainer(tmp_path, checkpoint_lag=lag)
+    trainer.fit(train, val, epochs=3)
+    assert read_rows(trainer.run_dir).epochs == (0, 1, 2)
+    train, val = _loaders()
+    plain = _trainer(tmp_path, "plain")
+    plain.fit(train, val, epochs=3)
+    assert _columns(read_rows(trainer.run_dir)) == _columns(read_rows(plain.run_dir))
+    assert audit_run(trainer.run_dir).ok
