@@ -68,17 +68,21 @@ def iterate_batches(loader: Iterable[Any], *, gather: bool = True, device: torch
     ``device``: move each batch's tensors there (:func:`nnx_es.device.move_batch`; without blocking
     when the loader pins memory); ``None``: batches as they come.
     """
-    if device is None:
-        return _batches(loader, gather)
-    non_blocking = bool(getattr(loader, "pin_memory", False)) and device.type != "cpu"
-    return (move_batch(batch, device, non_blocking) for batch in _batches(loader, gather))
+    non_blocking = device is not None and bool(getattr(loader, "pin_memory", False)) and device.type != "cpu"
+    return _batches(loader, gather, device, non_blocking)
 
 
-def _batches(loader: Iterable[Any], gather: bool) -> Iterator[Any]:
+def _batches(loader: Iterable[Any], gather: bool, device: torch.device | None, non_blocking: bool) -> Iterator[Any]:
     reseed_workers(loader)
     if not (gather and gatherable(loader)):
-        yield from loader
+        if device is None:
+            yield from loader
+        else:  # moved here, not by a generator around this one: one generator frame per batch
+            for batch in loader:
+                yield move_batch(batch, device, non_blocking)
         return
+    if device is not None and device.type == "cpu":
+        device = None  # gatherable: every tensor of the data set is on the CPU already
     assert isinstance(loader, DataLoader)
     dataset = loader.dataset
     tensors = dataset.tensors  # type: ignore[attr-defined]
@@ -92,10 +96,9 @@ def _batches(loader: Iterable[Any], gather: bool) -> Iterator[Any]:
     for indices in indices_of:
         index = torch.as_tensor(indices)
         if index.dtype != torch.long or index.dim() != 1 or index.numel() == 0:
-            yield default_collate([dataset[i] for i in indices])  # exactly what the DataLoader does
-            continue
-        # default_collate stacks rows into a new contiguous tensor: so does this
-        if type(dataset) is RowIdDataset:  # mapping rows (with their ids): collated to a mapping
-            yield dataset.batch(index)
-        else:
-            yield [t[index].contiguous() for t in tensors]
+            batch = default_collate([dataset[i] for i in indices])  # exactly what the DataLoader does
+        elif type(dataset) is RowIdDataset:  # mapping rows (with their ids): collated to a mapping
+            batch = dataset.batch(index)
+        else:  # default_collate stacks rows into a new contiguous tensor: so does this
+            batch = [t[index].contiguous() for t in tensors]
+        yield batch if device is None else move_batch(batch, device, non_blocking)

@@ -112,6 +112,11 @@ def move_batch(batch: Any, device: torch.device, non_blocking: bool = False) -> 
     if isinstance(batch, Tensor):
         return batch if batch.device == device else batch.to(device, non_blocking=non_blocking)
     if isinstance(batch, (list, tuple)):
+        for x in batch:  # the usual batch, tensors already there: nothing to rebuild (no call per item)
+            if not (isinstance(x, Tensor) and x.device == device):
+                break
+        else:
+            return batch
         items = [move_batch(x, device, non_blocking) for x in batch]
         if all(a is b for a, b in zip(items, batch)):
             return batch

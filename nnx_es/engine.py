@@ -56,7 +56,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from contextlib import nullcontext
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -69,7 +68,7 @@ from nnx_es.batches import split_batch
 from nnx_es.callbacks import CallbackList
 from nnx_es.errors import ConfigError
 from nnx_es.metrics import MetricSums
-from nnx_es.objective import Objective
+from nnx_es.objective import LossParts, Objective
 from nnx_es.schedulers import Scheduler, step_update_clock
 from nnx_es.stages import StageDispatcher, TrainingStage
 from nnx_es.update_hooks import UpdateHook, UpdateOrchestrator
@@ -97,7 +96,7 @@ def default_train_step(ctx: TrainContext, batch: Any) -> None:
     """The default ``trainer_step_fn``: one microbatch, and the update when it fills the window."""
     engine = ctx.engine
     engine.microbatch(ctx, batch)
-    if engine.window_full:
+    if engine.w_microbatches >= engine.accumulation:  # engine.window_full
         engine.finalize_step(ctx)
 
 
@@ -165,15 +164,16 @@ class UpdateEngine:
         self.clip_grad_norm = clip_grad_norm
         self.train_step_fn = train_step_fn or default_forward
         self.track_grad_norm = bool(track_grad_norm)
-        self._found_inf: dict[torch.device, tuple[Tensor, Tensor]] = {}
+        self._found_inf: dict[torch.device, tuple[Tensor, Tensor, Tensor]] = {}
         self._inverse_key: tuple[float, torch.dtype, torch.device] | None = None
         self._inverse_t = torch.ones(())
         self._params = [p for p in net.parameters() if p.requires_grad]
         self._unseen = list(self._params)  # parameters whose gradient's layout no window has shown yet
         self._sparse = False  # some parameter's gradient is sparse COO (see _window_grads)
-        self.set_precision(precision)
         self.orchestrator = UpdateOrchestrator([])
         self.stages = StageDispatcher([])
+        self._plan()
+        self.set_precision(precision)
         self.metrics = metrics
         self.epoch = EpochTotals()
         self.state: RunState = None  # type: ignore[assignment]  # bound by begin_run
@@ -183,6 +183,11 @@ class UpdateEngine:
         self._pending: list[tuple[int, int, int, int, float, tuple[str, ...], Tensor]] = []
         self._pending_t: list[Tensor] = []  # their 0-dim values, in reading order (loss, then terms)
         self._ctx: TrainContext | None = None
+        #: data parallelism (:meth:`use_ddp`): the DDP wrapper the microbatches run through, or None
+        self._ddp: Any = None
+        self._forward_net: nn.Module = net
+        self._unsynced = False  # the window's last backward ran under no_sync (a trailing short window)
+        self._grad_bytes = sum(p.numel() * p.element_size() for p in self._params)
         #: per-row records of batches carrying row ids (set by the trainer; ``None``: none)
         self.rows: RowRecorder | None = None
         self._reset_window()
@@ -195,6 +200,17 @@ class UpdateEngine:
         self._pending, self._pending_t = [], []
         state.recorder.settle = self._settle
 
+    def use_ddp(self, ddp: Any) -> None:
+        """Run microbatches through ``ddp`` (a ``DistributedDataParallel`` wrapping this engine's net),
+        or, with ``None``, through the net itself again (once per ``fit``; see :mod:`nnx_es.distributed`).
+
+        Under DDP every microbatch but a window's last runs under ``ddp.no_sync()`` (gradients
+        accumulate locally); the last one's backward averages them over the ranks. Its denominator
+        ``W`` and finiteness are agreed at the window's end (:meth:`finalize_step`).
+        """
+        self._ddp = ddp
+        self._forward_net = ddp if ddp is not None else self.net
+
     def set_precision(self, precision: str, *, init_scale: float = 2.0**16) -> None:
         """``"fp32"``, ``"bf16"`` (autocast) or ``"fp16"`` (autocast + GradScaler).
 
@@ -206,11 +222,16 @@ class UpdateEngine:
         self.precision = precision
         device_type = next((p.device.type for p in self.net.parameters()), "cpu")
         dtype = torch.bfloat16 if precision == "bf16" else torch.float16
-        _plain = nullcontext()  # reusable: fp32 enters no autocast region
-        self._autocast: Callable[[], Any] = (
-            (lambda: torch.autocast(device_type, dtype=dtype)) if precision != "fp32" else (lambda: _plain)
+        #: a new autocast region per microbatch; ``None``: fp32 enters none
+        self._autocast: Callable[[], Any] | None = (
+            (lambda: torch.autocast(device_type, dtype=dtype)) if precision != "fp32" else None
         )
         self.scaler = torch.amp.GradScaler(device_type, init_scale=init_scale) if precision == "fp16" else None
+
+    def _plan(self) -> None:
+        """Decide once per set of stage hooks what every window's end asks (see :meth:`finalize_step`)."""
+        #: a stage hook before the step may change the gradients: the losses are read first (two reads)
+        self._read_early = self.stages.has(TrainingStage.BEFORE_OPTIMIZER_STEP)
 
     def use_hooks(self, update_hooks: list[UpdateHook], stage_hooks: list[Any]) -> None:
         """Install update hooks (configured now, folded into one orchestrator) and stage hooks."""
@@ -218,6 +239,7 @@ class UpdateEngine:
         for h in update_hooks:
             h.configure(self)
         self.stages = StageDispatcher(stage_hooks)
+        self._plan()
 
     # --- window bookkeeping --------------------------------------------------------------
 
@@ -250,18 +272,31 @@ class UpdateEngine:
     # --- one microbatch -------------------------------------------------------------------
 
     def microbatch(self, ctx: TrainContext, batch: Any) -> None:
-        """Forward and backward one microbatch; emit ``microbatch_done``."""
+        """Forward and backward one microbatch; emit ``microbatch_done``.
+
+        Under DDP (:meth:`use_ddp`) a microbatch that does not fill the window runs under
+        ``no_sync`` (no collective); the window's last one synchronizes the gradients."""
+        ddp = self._ddp
+        if ddp is not None:
+            if self.w_microbatches + 1 < self.accumulation:
+                with ddp.no_sync():
+                    self._microbatch(ctx, batch)
+                self._unsynced = True
+                return
+            self._unsynced = False
+        self._microbatch(ctx, batch)
+
+    def _microbatch(self, ctx: TrainContext, batch: Any) -> None:
         stages = self.stages if self.stages.by_stage else None
-        with self._autocast():
-            if stages:
-                stages(TrainingStage.BEFORE_FORWARD, ctx)
-            outputs, targets, weights = self.train_step_fn(self.net, batch)
-            ctx.predictions, ctx.targets = outputs, targets
-            if stages:
-                stages(TrainingStage.AFTER_FORWARD, ctx)
-                stages(TrainingStage.BEFORE_LOSS, ctx)
-            parts = self.objective(outputs, targets, weights)
-        self.epoch.sums.check(outputs, targets)  # a declared metric that cannot score them: before backward
+        autocast = self._autocast
+        if autocast is None:
+            outputs, targets, weights, parts = self._forward(ctx, batch, stages)
+        else:
+            with autocast():
+                outputs, targets, weights, parts = self._forward(ctx, batch, stages)
+        sums = self.epoch.sums
+        if sums.with_accuracy:  # a declared metric that cannot score them: refused before backward
+            sums.check(outputs, targets)
         if self.rows is not None:  # per-row records (nnx_es.rows): formed on the device, read at the epoch's close
             self.rows.train_batch(batch, outputs, targets)
         total = parts.total
@@ -271,13 +306,13 @@ class UpdateEngine:
         if stages:
             stages(TrainingStage.AFTER_LOSS, ctx)
             stages(TrainingStage.BEFORE_BACKWARD, ctx)
-        if den > 0:
+        if den > 0 or self._ddp is not None:  # under DDP every rank takes part in the gradients' all-reduce
             owner = self.orchestrator.backward_owner
             if owner is not None:
                 # an owned backward (a GradScaler's) is never handed a non-finite loss: read it now
                 if math.isfinite(loss_t.item()):
                     owner.backward(ctx, total)
-            elif self.accumulation == 1:
+            elif self.accumulation == 1 and self._ddp is None:
                 # a one-microbatch window: its W is this den, so the mean is taken here, not on the
                 # grads: backward starts from d(total/den)/d(total) = 1/den (no division op in the graph).
                 # A non-finite loss is backpropagated too (no host read to tell): the window's end reads
@@ -293,7 +328,10 @@ class UpdateEngine:
         epoch = self.epoch
         epoch.microbatches += 1
         rows = int(targets.shape[0]) if hasattr(targets, "shape") and targets.dim() > 0 else 1
-        epoch.sums.add_rows(outputs, targets, weights, rows=rows)
+        if sums.scores_rows:
+            sums.add_rows(outputs, targets, weights, rows=rows)
+        else:
+            sums.rows += rows  # all add_rows does when nothing scores the rows
         ctx.rows = rows
         state = self.state
         state.outcome.microbatch_recorded = True
@@ -310,6 +348,21 @@ class UpdateEngine:
             self._pending.append((seq, ctx.epoch, ctx.batch_index, rows, den, (), loss_t))
             self._pending_t.append(loss_t)
         self._ctx = ctx
+
+    def _forward(self, ctx: TrainContext, batch: Any,
+                 stages: StageDispatcher | None) -> tuple[Tensor, Tensor, Tensor | None, LossParts]:
+        """``train_step_fn`` and the objective (inside the caller's autocast region, if any)."""
+        if stages:
+            stages(TrainingStage.BEFORE_FORWARD, ctx)
+        outputs, targets, weights = self.train_step_fn(self._forward_net, batch)
+        ctx.predictions, ctx.targets = outputs, targets
+        if stages:
+            stages(TrainingStage.AFTER_FORWARD, ctx)
+            stages(TrainingStage.BEFORE_LOSS, ctx)
+        objective = self.objective
+        if objective.scheduled:  # scheduled loss weights: a function of the counters
+            objective.at(ctx.step_count, ctx.epoch)
+        return outputs, targets, weights, objective(outputs, targets, weights)
 
     def _settle(self, flag: Tensor | None = None) -> float | None:
         """Read the pending microbatches' losses (and ``flag``, 0-dim) in one transfer; return ``flag``'s value.
@@ -366,11 +419,14 @@ class UpdateEngine:
 
     def finalize_step(self, ctx: TrainContext) -> bool:
         """Close the window: skip, or unscale -> clip -> step -> receipts. Returns True on commit."""
-        if not self.window_open:
+        if self.w_microbatches <= 0:  # no window open
             return False
         optimizers = self.optimizers
         names = list(optimizers)
         microbatches = self.w_microbatches
+        size = self.state.world.size
+        if size > 1:
+            self._agree_window()  # sets w_global_den: the union's W
         W = self.w_den if self.w_global_den is None else self.w_global_den
         reason, detail, norm = None, "", None
         unscaled = False
@@ -381,9 +437,8 @@ class UpdateEngine:
         else:
             # the window's one host read: its losses with the gradients' finiteness (or norm), after
             # both are formed; read first on their own when a GradScaler must not unscale a window whose
-            # loss was not finite, or a stage hook before the step may change the gradients
-            early = self.scaler is not None or self.stages.has(TrainingStage.BEFORE_OPTIMIZER_STEP)
-            if early:
+            # loss was not finite, or a stage hook before the step may change the gradients (_plan)
+            if self._read_early or self.scaler is not None:
                 self._settle()
             if self.w_nonfinite:
                 reason, detail = "nonfinite", "a microbatch loss was not finite"
@@ -396,8 +451,9 @@ class UpdateEngine:
                     grads = self._window_grads()
                 else:
                     grads = [p.grad for p in self._params if p.grad is not None]
-                if W != 1.0 and not self.w_divided:
-                    torch._foreach_div_(grads, W)
+                if W != size and not self.w_divided:
+                    # DDP's all-reduce averaged the ranks' gradients: x size / W is the union's mean
+                    torch._foreach_div_(grads, W / size if size > 1 else W)
                 if self.stages.by_stage:
                     self.stages(TrainingStage.BEFORE_OPTIMIZER_STEP, ctx)
                 norm_t = found = None
@@ -434,7 +490,8 @@ class UpdateEngine:
                     else:
                         for opt in optimizers.values():
                             opt.step()
-                    self.orchestrator.after_step(ctx)
+                    if self.orchestrator.has_after_step:
+                        self.orchestrator.after_step(ctx)
         if unscaled:
             assert self.scaler is not None
             self.scaler.update()  # after a step, or after an overflow (which lowers the scale)
@@ -459,6 +516,34 @@ class UpdateEngine:
         if self.stages.by_stage:
             self.stages(TrainingStage.AFTER_OPTIMIZER_STEP, ctx)
         return True
+
+    def _agree_window(self) -> float:
+        """The window's one agreement (data parallelism): read this rank's losses, then ONE all-reduce of
+        ``[sum of numerators, sum of denominators, non-finite flag]``; return the global ``W``.
+
+        After it every rank holds the same numerator (the receipt's loss is global), ``W`` and
+        non-finite mark, so every rank skips or steps alike. A window whose last backward ran
+        under ``no_sync`` (the epoch's trailing short window) has its gradients summed here too.
+        """
+        self._settle()
+        world = self.state.world
+        if self._unsynced:
+            self._unsynced = False
+            grads = [p.grad for p in self._params if p.grad is not None]
+            if grads:
+                flat = torch.cat([g.reshape(-1) for g in grads])
+                world.agree(flat)
+                flat /= world.size  # as DDP's own all-reduce: the ranks' mean
+                torch._foreach_copy_(grads, [t.view_as(g) for t, g in zip(flat.split([g.numel() for g in grads]),
+                                                                          grads)])
+        agreed = world.agree(torch.tensor([self.w_num, self.w_den, 1.0 if self.w_nonfinite else 0.0],
+                                          dtype=torch.float64)).tolist()
+        self.w_num = agreed[0]
+        self.w_nonfinite = agreed[2] > 0 or not math.isfinite(agreed[0])
+        self.w_global_den = agreed[1]
+        # the receipt's collective bytes: the gradients' all-reduce (DDP's, or the one above) and this agreement
+        self.w_collective_bytes += self._grad_bytes + 24
+        return agreed[1]
 
     def _receipt_counts(self) -> dict[str, Any]:
         """The open window's accounting for its receipt: ``local_examples`` (this rank's denominator),
@@ -517,13 +602,14 @@ class UpdateEngine:
         device = grads[0].device
         bufs = self._found_inf.get(device)
         if bufs is None:
-            bufs = self._found_inf[device] = (torch.zeros(1, device=device), torch.ones(1, device=device))
-        found, one = bufs  # found stays 0 until a check finds a non-finite value
+            found = torch.zeros(1, device=device)
+            bufs = self._found_inf[device] = (found, torch.ones(1, device=device), found.view(()))
+        found, one, flag = bufs  # found stays 0 until a check finds a non-finite value; flag: its 0-dim view
         try:
             torch._amp_foreach_non_finite_check_and_unscale_(grads, found, one)
         except RuntimeError:  # mixed devices or dtypes the fused check does not take
             return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g).to(device) for g in grads])), None
-        return found.view(()), found
+        return flag, found
 
     def _grads_finite(self, grads: list[Tensor]) -> bool:
         """Whether every gradient is finite: :meth:`_nonfinite_flag` read at once (one host read)."""
@@ -580,11 +666,12 @@ class UpdateEngine:
         state = self.state
         rec = state.recorder
         state.outcome.committed_update = True
-        step = ctx.step_count + 1
+        step = rec.live.step + 1  # ctx.step_count + 1
         receipts = [
             UpdateCommitted(
                 step=step, epoch=ctx.epoch, microbatches=microbatches, loss=loss, grad_norm=grad_norm,
                 clipped=clipped, lrs=lrs[n], optimizer=n, precision=self.precision, **counts,
+                loss_weights=self.objective.weights() if self.objective.scheduled else {},
             )
             for n in names
         ]

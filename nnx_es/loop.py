@@ -87,6 +87,11 @@ class TrainingLoop:
             :class:`~nnx_es.errors.NonFiniteError` (the run fails; LAST stays at the last
             committed epoch). A non-finite validation metric is warned about, stops or raises alike.
         device: where each training batch's tensors are moved (``None``: as they come).
+        final_validation: a validation pass once training ends (after ``AFTER_TRAINING``, before
+            finalization; ``validation_done(trigger="final")``, then ``on_validation_end`` and
+            ``AFTER_VALIDATION``; no monitor decision): ``True`` always with a validation loader,
+            ``"auto"`` when the final weights were not the ones last validated, ``False`` never
+            (spec 004 "Validation": a final pass when validation is configured).
         rows: the per-row records (:class:`~nnx_es.rows.RowRecorder`): closed with the epoch
             (before ``on_epoch_end``), handed to the run at its history step (before
             ``history_appended``); ``None``: none.
@@ -97,7 +102,8 @@ class TrainingLoop:
                  callbacks: CallbackList, stages: StageDispatcher, committer: Committer, finalization: Finalization,
                  validate: Validate, cadence: Cadence, step_fn: Callable[[TrainContext, Any], Any], custom_step: bool,
                  batch_gather: bool, progress: Progress, nonfinite: str = "skip",
-                 device: torch.device | None = None, rows: RowRecorder | None = None) -> None:
+                 device: torch.device | None = None, final_validation: bool | str = "auto",
+                 rows: RowRecorder | None = None) -> None:
         self.state, self.ctx, self.net, self.optimizers = state, ctx, net, optimizers
         self.schedulers, self.monitor, self.engine = schedulers, monitor, engine
         self.callbacks, self.stages, self.committer, self.finalization = callbacks, stages, committer, finalization
@@ -105,6 +111,8 @@ class TrainingLoop:
         self.step_fn, self.custom_step, self.batch_gather = step_fn, custom_step, batch_gather
         self.progress, self.device = progress, device
         self.nonfinite = nonfinite
+        self.final_validation = final_validation
+        self._validated_at = 0  # the step count of the latest validation pass
         self.rows = rows
         self._nonfinite_skips = 0  # this epoch's
         self._epochs = 0
@@ -129,6 +137,7 @@ class TrainingLoop:
                 rec.emit(opening)
             ctx.epoch = start_epoch
             self._epochs = epochs
+            self._validated_at = ctx.step_count
             self.callbacks.train_begin(ctx, lambda i, cb: rec.emit(CallbackBegan(name=cb.name, index=i)))
             n_batches = length_of(train_loader)
             covers = rec.emit(TrainBegan(start_epoch=start_epoch, epochs=epochs, train_batches=n_batches))
@@ -151,6 +160,9 @@ class TrainingLoop:
                 if outcome == "stop":
                     break
             self.stages(TrainingStage.AFTER_TRAINING, ctx)
+            if val_loader is not None and self._final_validation_due():
+                self.committer.complete()  # a deferred LAST lands first: the pass follows the run's last commit
+                self._validation_pass(val_loader, "final")
         except BaseException as exc:  # noqa: BLE001 - re-raised after finalization
             failure = exc
         finally:
@@ -177,6 +189,9 @@ class TrainingLoop:
         self.callbacks.epoch_begin(ctx)
         self.stages(TrainingStage.BEFORE_EPOCH, ctx)
         self.progress.start_epoch(epoch, length_of(train_loader), epochs=self._epochs)
+        set_epoch = getattr(getattr(train_loader, "sampler", None), "set_epoch", None)
+        if set_epoch is not None:  # a partition (nnx_es.distributed.train_loader, DistributedSampler) deals this epoch
+            set_epoch(epoch)
         self._nonfinite_skips = 0
         step_fn = self.step_fn
         # the per-batch loop: what is absent (stage hooks, batch callbacks, progress, step
@@ -277,6 +292,7 @@ class TrainingLoop:
         """Summary, the one monitor decision, epoch-clock schedulers, ``on_epoch_end``, history, commit."""
         state, ctx, rec = self.state, self.ctx, self.state.recorder
         totals = self.engine.epoch
+        totals.sums.agree(state.world, self.engine.objective.terms)  # the union's sums on every rank
         train = totals.sums.metrics()
         if totals.microbatches == 0:
             raise ConfigError(f"the train loader yielded no batch in epoch {epoch}: it is empty or exhausted (an "
@@ -307,6 +323,7 @@ class TrainingLoop:
         step_epoch_clock(self.schedulers, decision, rec, epoch=epoch, step=ctx.step_count)
         self.callbacks.epoch_end(ctx)
         self.stages(TrainingStage.AFTER_EPOCH, ctx)
+        state.agree_stop()  # a stop one rank asked for (from a rank-local quantity too) stops them all
         if state.stop_requested is not None:
             state.record_stop(epoch=epoch, step=ctx.step_count)
         record = HistoryRecord(
@@ -325,6 +342,14 @@ class TrainingLoop:
 
     # --- validation -----------------------------------------------------------------------
 
+    def _final_validation_due(self) -> bool:
+        """``final_validation``: True always; ``"auto"`` when an update was committed after the last
+        pass (the run stopped at an update boundary, or its last pass was a step-cadence one before
+        more updates): the final weights are then scored once more; False never."""
+        if self.final_validation == "auto":
+            return self.ctx.step_count != self._validated_at
+        return bool(self.final_validation)
+
     def _validation_pass(self, loader: Iterable[Any], trigger: str = "epoch") -> dict[str, float]:
         ctx = self.ctx
         rows = self.rows
@@ -335,6 +360,7 @@ class TrainingLoop:
         finally:
             if rows is not None:
                 rows.validating = False
+        self._validated_at = ctx.step_count
         ctx.validation = val
         self.state.recorder.emit(
             ValidationDone(epoch=ctx.epoch, metrics=val, examples=n_val, step=ctx.step_count, trigger=trigger)

@@ -61,6 +61,9 @@ NUMPY_DTYPES: dict[str, np.dtype] = {
                                       np.uint64, np.float16, np.float32, np.float64, np.complex64, np.complex128))
 }
 _LEAVES = (type(None), bool, int, float, str, bytes)
+#: tensor dtypes whose ``numpy()`` is a C-contiguous view of the same bytes (bf16 and friends have none)
+_AS_NUMPY = frozenset(("float32", "float64", "float16", "int64", "int32", "int16", "int8", "uint8", "bool",
+                       "complex64", "complex128"))
 
 _NUMPY_SCALARS = frozenset(d.type for d in NUMPY_DTYPES.values())
 
@@ -85,9 +88,14 @@ class _Packer:
         name = _NAMES.get(t.dtype)
         if name is None or t.layout != torch.strided or t.is_quantized or t.is_meta:
             raise _Unsupported
-        flat = t.detach().resolve_conj().resolve_neg().cpu().contiguous().reshape(-1)
+        if t.device.type == "cpu" and name in _AS_NUMPY and t.is_contiguous() and not (t.is_conj() or t.is_neg()):
+            # the usual state tensor: its memory as it is (the same bytes as the general path's view)
+            raw = t.detach().numpy()
+        else:
+            flat = t.detach().resolve_conj().resolve_neg().cpu().contiguous().reshape(-1)
+            raw = flat.view(torch.uint8).numpy()
         # a view of the tensor's memory: copied once, by encode_state's join
-        offset, nbytes = self._section(flat.view(torch.uint8).numpy())
+        offset, nbytes = self._section(raw)
         return msgspec.msgpack.Ext(_TENSOR, _plain.encode([name, list(t.shape), offset, nbytes]))
 
     def _section(self, raw: Any) -> tuple[int, int]:

@@ -183,9 +183,11 @@ class BlobStore:
         with LmdbLog(events, readonly=True) as log:
             return log.get_blob(digest.encode())
 
-    def stage(self, data: bytes) -> str:
+    def stage(self, data: bytes, digest: str | None = None) -> str:
         """Give ``data`` to the writer's log (durable with its next sync); return its SHA-256 hex.
 
+        ``digest``: that hex when the caller has just computed it from these very bytes (a
+        manifest's, by :func:`~nnx_es.checkpoint.encode_checkpoint`): not hashed again.
         Without a writable log the blob is written as a file (durable when this returns).
 
         Raises:
@@ -194,7 +196,8 @@ class BlobStore:
         log = self.log
         if log is None or log.readonly:
             return self.put(data)
-        digest = hashlib.sha256(data).hexdigest()
+        if digest is None:
+            digest = hashlib.sha256(data).hexdigest()
         if self._existing(digest) is None:
             log.stage_blob(digest.encode(), data)
         return digest
@@ -206,9 +209,12 @@ class BlobStore:
 
     def _existing(self, digest: str) -> Path | None:
         """Where the blob is stored: this layout's path or the sharded one; ``None`` when absent."""
-        for p in (self.path(digest), self.root / "sha256" / digest[:2] / digest):
-            if p.exists():
-                return p
+        if not _DIGEST.fullmatch(digest):
+            self.path(digest)  # raises, naming it
+        base = os.path.join(self.root, "sha256")  # strings: a commit asks this for every blob it stages
+        for p in (os.path.join(base, digest), os.path.join(base, digest[:2], digest)):
+            if os.path.exists(p):
+                return Path(p)
         return None
 
     def put(self, data: bytes) -> str:

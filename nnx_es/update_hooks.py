@@ -102,6 +102,8 @@ class UpdateOrchestrator:
         #: whether any hook can veto a step (else :meth:`vetoed` need not be asked)
         self.can_veto = bool(self._vetoers)
         self._after = [h for h in self.hooks if type(h).after_step is not UpdateHook.after_step]
+        #: whether any hook acts after a step (else :meth:`after_step` need not be called)
+        self.has_after_step = bool(self._after)
 
     def vetoed(self, ctx: TrainContext) -> bool:
         """Ask every update hook (none is skipped, so each sees every window); True if any vetoes."""

@@ -1,0 +1,117 @@
+"""Python and C calls per microbatch that nnx_es adds to the hand loop: a deterministic measure.
+
+``python -m bench.calls [--top 40]`` runs the overhead workload (digits MLP 64-128-10, batch 32,
+Adam, ``batch_gather=False``: like for like) and the hand-written loop under ``sys.setprofile``,
+each for 2 and then 4 epochs, and prints, per microbatch in steady state (the 4-epoch count
+minus the 2-epoch count, over the 114 microbatches between: the run's fixed start and finish
+cancel, each epoch's end is spread over its 57 microbatches), how many more Python function
+calls and C calls nnx_es makes than the hand loop, by function. Unlike a time, a call count
+does not move with the load of a shared machine, so a change to the hot path can be judged
+by it; a call is not a fixed cost (a kernel launch is dearer than ``len``), so read it beside
+the CPU-time ratio of ``bench.run`` and the stage table of ``bench.stages``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+import tempfile
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from bench.overhead import digits_loader, make_net
+
+__all__ = ["count_calls", "extra_calls"]
+
+
+def _hand(epochs: int) -> Callable[[], None]:
+    net, loader = make_net(), digits_loader()
+    opt = torch.optim.Adam(net.parameters(), lr=1e-3)
+    loss_fn = nn.CrossEntropyLoss()
+
+    def go() -> None:
+        for _ in range(epochs):
+            for x, y in loader:
+                opt.zero_grad(set_to_none=True)
+                loss = loss_fn(net(x), y)
+                loss.backward()
+                opt.step()
+    return go
+
+
+def _nnx(epochs: int) -> Callable[[], None]:
+    from nnx_es import Trainer
+
+    net, loader = make_net(), digits_loader()
+    opt = torch.optim.Adam(net.parameters(), lr=1e-3)
+    root = Path(tempfile.mkdtemp(prefix="nnx_calls_"))
+    trainer = Trainer(net, opt, nn.CrossEntropyLoss(), runs_root=root, run_id="calls", progress=False,
+                      batch_gather=False)
+
+    def go() -> None:
+        try:
+            trainer.fit(loader, epochs=epochs)
+        finally:
+            shutil.rmtree(root, ignore_errors=True)
+    return go
+
+
+_ROOT = str(Path(__file__).resolve().parents[1]) + "/"
+
+
+def _where(filename: str) -> str:
+    return filename.split("site-packages/")[-1].replace(_ROOT, "")
+
+
+def count_calls(fn: Callable[[], None]) -> Counter[tuple[str, str]]:
+    """``{(file or "C", function): calls}`` made while ``fn`` runs (``sys.setprofile``)."""
+    calls: Counter[tuple[str, str]] = Counter()
+
+    def profile(frame, event, arg):  # noqa: ANN001 - the sys.setprofile signature
+        if event == "call":
+            calls[(frame.f_code.co_filename, frame.f_code.co_name)] += 1
+        elif event == "c_call":
+            calls[("C", getattr(arg, "__qualname__", repr(arg)))] += 1
+
+    sys.setprofile(profile)
+    try:
+        fn()
+    finally:
+        sys.setprofile(None)
+    return calls
+
+
+def extra_calls(short: int = 2, long: int = 4) -> tuple[dict[tuple[str, str], float], float]:
+    """``({(file, function): extra calls per microbatch}, the hand loop's calls per microbatch)``."""
+    torch.set_num_threads(1)
+    _nnx(1)()  # warm: lazy imports and first-call caches are not the steady state
+    _hand(1)()
+    a_short, a_long = count_calls(_nnx(short)), count_calls(_nnx(long))
+    h_short, h_long = count_calls(_hand(short)), count_calls(_hand(long))
+    microbatches = len(digits_loader()) * (long - short)
+    extra = {k: ((a_long[k] - a_short[k]) - (h_long[k] - h_short[k])) / microbatches
+             for k in set(a_long) | set(h_long)}
+    hand = (sum(h_long.values()) - sum(h_short.values())) / microbatches
+    return {k: v for k, v in extra.items() if v}, hand
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description="calls per microbatch nnx_es adds to the hand loop")
+    ap.add_argument("--top", type=int, default=40)
+    args = ap.parse_args(argv)
+    extra, hand = extra_calls()
+    py = sum(v for (f, _), v in extra.items() if f != "C")
+    c = sum(v for (f, _), v in extra.items() if f == "C")
+    print(f"calls per microbatch: the hand loop {hand:.1f}; nnx_es adds {py + c:.1f} ({py:.1f} Python, {c:.1f} C)")
+    for (f, name), v in sorted(extra.items(), key=lambda kv: -abs(kv[1]))[:args.top]:
+        print(f"{v:8.2f}  {_where(f)}:{name}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
