@@ -427,6 +427,10 @@ class Trainer:
                 # (under DDP a rank's validation shard may be empty: validation_loader does not pad)
                 raise ConfigError(f"{role} has no batch (len 0): an empty data set, or drop_last=True with fewer "
                                   "rows than batch_size; nothing was trained or written")
+        if self.distributed and self.rows.journal is not None:
+            raise ConfigError(f"history={self.rows.journal!r} with distributed=: a history journal under data "
+                              "parallelism is not supported (each rank would journal only its own shard); nothing "
+                              "was trained or written")
         ensure_logging()
         with data_parallel(self.distributed, self.net, self.engine, train_loader, "Trainer.fit") as world:
             if world.distributed and self.run_id is None:  # one id for every rank: the writer's
@@ -449,7 +453,7 @@ class Trainer:
             state = self.state = self.ctx.state = session.state
             self.run_id, self.runs_root, self.run_dir = state.run_id, state.runs_root, state.run_dir
             self.engine.begin_run(state, callbacks)
-            self.rows.begin_run(state.recorder.log, state.store, state.run_id)
+            self.rows.begin_run(state.recorder.log, state.store, state.run_id, world_size=state.world.size)
             committer = Committer(state, self.components, callbacks, self.ctx, lag=self.lag,
                                   phase_every=self.phase_every, keep_phases=self.keep_phases, keep_last=self.keep_last,
                                   keep_best=self.keep_best, pointers=session.checkpoints)

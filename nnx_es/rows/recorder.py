@@ -117,12 +117,27 @@ class RowRecorder:
         self.validating = False  # the epoch's own validation pass is running
         self.current: list[EpochRows] = []  # the epoch being closed (until its history step)
         self._window: deque[list[EpochRows]] = deque(maxlen=journal.window if journal else None)
+        self.world_size = 1
 
     # --- per run ----------------------------------------------------------------------------
 
-    def begin_run(self, log: EventLog, store: BlobStore, run_id: str) -> None:
-        """Start a run: the window and journal from the run's committed records (a resume's; none for a new run)."""
+    def begin_run(self, log: EventLog, store: BlobStore, run_id: str, *, world_size: int = 1) -> None:
+        """Start a run: the window and journal from the run's committed records (a resume's; none for a new run).
+
+        Raises:
+            ConfigError: a history journal with more than one data-parallel rank (refused before training).
+        """
         from projections import committed
+
+        if world_size > 1 and self.journal is not None:
+            raise ConfigError(f"history={self.journal!r} under data parallelism ({world_size} ranks) is not supported: "
+                              "each rank would journal only its own shard; train without history= under DDP")
+        self.world_size = world_size
+        self._reset_epoch()
+        self.current = []
+        self._window.clear()
+        if world_size > 1:  # batches with row ids are refused (see _add): nothing to load
+            return
 
         self._reset_epoch()
         self.current = []
@@ -164,6 +179,10 @@ class RowRecorder:
         if ids is None:
             self._plain[split] += 1
             return
+        if self.world_size > 1:
+            raise ConfigError(f"batches carry row ids ('idx') under data parallelism ({self.world_size} ranks): per-row "
+                              "records are not supported there yet (each rank would record only its shard); yield "
+                              "batches without 'idx' under DDP")
         rows = outputs.shape[0]
         if not isinstance(ids, Tensor) or ids.dim() != 1 or ids.shape[0] != rows or ids.is_floating_point() \
                 or ids.dtype == torch.bool:

@@ -209,3 +209,21 @@ def test_a_deferred_last_commits_the_journal_it_covers(tmp_path, lag):
     plain.fit(train, val, epochs=3)
     assert _columns(read_rows(trainer.run_dir)) == _columns(read_rows(plain.run_dir))
     assert audit_run(trainer.run_dir).ok
+
+
+def test_records_and_the_journal_are_refused_under_data_parallelism(tmp_path):
+    from events.log import LmdbLog
+    from nnx_es.objective import Objective
+    from nnx_es.rows import RowRecorder
+    from nnx_es.storage import BlobStore
+
+    with LmdbLog(tmp_path / "events.lmdb") as log:
+        store = BlobStore(tmp_path / "blobs", log)
+        with pytest.raises(ConfigError, match=r"history=HistoryJournal\(window=1, chunk_rows=8\) under data "
+                                              r"parallelism \(2 ranks\) is not supported"):
+            RowRecorder(Objective(nn.CrossEntropyLoss()), HistoryJournal(1, 8)).begin_run(log, store, "r", world_size=2)
+        rows = RowRecorder(Objective(nn.CrossEntropyLoss()))
+        rows.begin_run(log, store, "r", world_size=2)
+        batch = {"x": torch.zeros(2, 4), "y": torch.zeros(2, dtype=torch.long), "idx": torch.arange(2)}
+        with pytest.raises(ConfigError, match=r"row ids \('idx'\) under data parallelism \(2 ranks\)"):
+            rows.train_batch(batch, torch.zeros(2, 3), batch["y"])
