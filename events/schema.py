@@ -48,6 +48,8 @@ __all__ = [
     "RunFinalized",
     "RunResumed",
     "RunStarted",
+    "RowsRecorded",
+    "JournalPublished",
     "SchedulerDecl",
     "SchedulerStepped",
     "SourceRef",
@@ -465,6 +467,44 @@ class StopRequested(Event, frozen=True, kw_only=True, tag="stop_requested"):
 class HistoryAppended(Event, frozen=True, kw_only=True, tag="history_appended"):
     KIND: ClassVar[str] = "history_appended"
     record: HistoryRecord
+
+
+class RowsRecorded(Event, frozen=True, kw_only=True, tag="rows_recorded"):
+    """One epoch's per-row records of one split, kept in the log (runs without a history journal).
+
+    Written at the epoch's history step, before ``history_appended`` (so the epoch's LAST commits
+    it; a crash before LAST leaves it in the ignored tail). One event per (epoch, split).
+
+    epoch: 0-based. split: ``"train"`` or ``"val"``. rows: the number of records (count).
+    columns: column name -> little-endian bytes of ``rows`` values, sorted by row id:
+    ``row_id`` int64; ``loss``, ``prediction``, ``target``, ``confidence``, ``correct`` float32
+    (see :mod:`nnx_es.rows` for what each holds).
+    """
+
+    KIND: ClassVar[str] = "rows_recorded"
+    epoch: int
+    split: str
+    rows: int
+    columns: dict[str, bytes]
+
+
+class JournalPublished(Event, frozen=True, kw_only=True, tag="journal_published"):
+    """The history journal's manifest for ``epoch`` is published (``HistoryJournal`` runs).
+
+    Written at the epoch's history step, before ``history_appended``, after the epoch's chunk
+    blobs and the manifest blob are durable. Readers trust it only once the epoch's LAST commits it.
+
+    manifest: the SHA-256 (hex) of the manifest blob naming the epoch's chunks.
+    previous: the manifest of the epoch before (``""`` for the run's first); the chain reaches
+    every committed epoch. rows: records in the epoch (count, every split). chunks: chunk blobs.
+    """
+
+    KIND: ClassVar[str] = "journal_published"
+    epoch: int
+    manifest: str
+    previous: str = ""
+    rows: int = 0
+    chunks: int = 0
 
 
 class CheckpointStored(Event, frozen=True, kw_only=True, tag="checkpoint_stored"):

@@ -76,6 +76,7 @@ from nnx_es.update_hooks import UpdateHook, UpdateOrchestrator
 
 if TYPE_CHECKING:
     from nnx_es.context import TrainContext
+    from nnx_es.rows.recorder import RowRecorder
     from nnx_es.run_state import RunState
 
 __all__ = ["EpochTotals", "UpdateEngine", "default_forward", "default_train_step", "finalize_step", "split_batch"]
@@ -188,6 +189,8 @@ class UpdateEngine:
         self._forward_net: nn.Module = net
         self._unsynced = False  # the window's last backward ran under no_sync (a trailing short window)
         self._grad_bytes = sum(p.numel() * p.element_size() for p in self._params)
+        #: per-row records of batches carrying row ids (set by the trainer; ``None``: none)
+        self.rows: RowRecorder | None = None
         self._reset_window()
 
     def begin_run(self, state: RunState, callbacks: CallbackList) -> None:
@@ -295,6 +298,8 @@ class UpdateEngine:
         sums = self.epoch.sums
         if sums.with_accuracy:  # a declared metric that cannot score them: refused before backward
             sums.check(outputs, targets)
+        if self.rows is not None:  # per-row records (nnx_es.rows): formed on the device, read at the epoch's close
+            self.rows.train_batch(batch, outputs, targets)
         total = parts.total
         den = parts.den
         loss_t = total.detach()  # stays on the device: read with the window (see _settle)
