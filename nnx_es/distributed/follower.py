@@ -58,7 +58,10 @@ class FollowerBlobStore(BlobStore):
         self._blobs: dict[str, bytes] = {}
 
     def stage(self, data: bytes, digest: str | None = None) -> str:
-        return self.put(data)
+        if digest is None:
+            return self.put(data)
+        self._blobs.setdefault(digest, data)
+        return digest
 
     def put_all(self, datas: Sequence[bytes]) -> list[str]:
         digests = [hashlib.sha256(d).hexdigest() for d in datas]
