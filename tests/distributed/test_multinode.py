@@ -18,6 +18,7 @@ from nnx_es.checkpoint import read_manifest
 from nnx_es.result import load_result
 from nnx_es.storage import BlobStore
 
+#: the script both launches run, its arguments and its run id (it reads NNX_ES_RUNS_ROOT)
 SCRIPT = REPO / "tests" / "distributed" / "elastic_script.py"
 RUN = "main"
 TIMEOUT_S = 150.0
@@ -46,15 +47,18 @@ def _history(run_dir: Path) -> list[dict]:
 
 
 def _last_components(run_dir: Path) -> dict[str, str]:
+    """Each component of the run's LAST checkpoint by its SHA-256 (the model's: the parameters, bitwise)."""
     result = load_result(run_dir)
+    assert result.status == "completed", result.status
     manifest = read_manifest(BlobStore(run_dir / "blobs"), result.last.manifest)
     return {name: comp.blob for name, comp in manifest.components.items()}
 
 
 def test_two_agents_give_the_single_node_run_and_only_the_writer_writes(tmp_path):
-    single, multi_out = tmp_path / "single", tmp_path / "multi"
+    single_out, multi_out = tmp_path / "single", tmp_path / "multi"
+    single_root = tmp_path / "single-runs"
     roots = [tmp_path / "host0-runs", tmp_path / "host1-runs"]  # each agent's own runs root (its host's disk)
-    for d in (single, multi_out, *roots):
+    for d in (single_out, multi_out, single_root, *roots):
         d.mkdir()
     port = free_port()
     # the same command line for both agents; only their environment differs
@@ -68,24 +72,30 @@ def test_two_agents_give_the_single_node_run_and_only_the_writer_writes(tmp_path
         for a in agents:
             kill(a)
     try:
-        proc = torchrun(SCRIPT, *_script_args(single), nproc=2, timeout_s=TIMEOUT_S)
+        proc = torchrun(SCRIPT, *_script_args(single_out), nproc=2, timeout_s=TIMEOUT_S,
+                        env={"NNX_ES_RUNS_ROOT": str(single_root)})
     except subprocess.TimeoutExpired as exc:
         pytest.fail(f"the single-node launch did not end within {TIMEOUT_S} s:\n{(exc.output or '')[-3000:]}")
     assert proc.returncode == 0, proc.stdout[-4000:]
 
-    multi, one = results(multi_out, RUN), results(single, RUN)
-    assert [r.get("missing") for r in multi + one] == [None] * 4
-    # the c10d rendezvous, not --node-rank, orders the agents: rank 0 (the writer) is on either host
-    writer, other = Path(multi[0]["runs_root"]), Path(multi[1]["runs_root"])
-    assert sorted([writer, other]) == sorted(roots)
+    # the c10d rendezvous, not --node-rank, orders the agents: the writer (rank 0) is on either host,
+    # and only its runs root holds anything
+    used = [r for r in roots if any(r.iterdir())]
+    assert len(used) == 1, {str(r): sorted(p.name for p in r.iterdir()) for r in roots}
+    writer = used[0]
+    (other,) = [r for r in roots if r != writer]
     assert sorted(p.name for p in writer.iterdir()) == [".leases", RUN]
-    assert list(other.rglob("*")) == [], f"the non-writer host wrote under its runs root: {list(other.rglob('*'))}"
+    assert list(other.rglob("*")) == []
 
-    for a, b in zip(multi, one):
-        assert a["status"] == b["status"] == "completed"
-        assert a["params"] == b["params"]  # every rank's final parameters, bitwise
-        assert (a["epoch"], a["step"]) == (b["epoch"], b["step"])
-    assert _history(writer / RUN) == _history(single / "runs" / RUN)
-    assert _last_components(writer / RUN) == _last_components(single / "runs" / RUN)
+    assert _last_components(writer / RUN) == _last_components(single_root / RUN)
+    assert _history(writer / RUN) == _history(single_root / RUN)
     report = audit_run(writer / RUN)
     assert report.ok, [str(v) for v in report.violations]
+
+    # what each rank reports (this script writes it): every rank's parameters equal the single-node ranks'
+    multi, one = results(multi_out, RUN), results(single_out, RUN)
+    assert [r.get("missing") for r in multi + one] == [None] * 4
+    assert Path(multi[0]["runs_root"]) == writer
+    for a, b in zip(multi, one):
+        assert (a["status"], a["epoch"], a["step"]) == (b["status"], b["epoch"], b["step"])
+        assert a["params"] == b["params"]  # float32 values as float64 lists: bitwise
