@@ -28,6 +28,7 @@ from events.schema import (
     LastCommitted,
     MicrobatchDone,
     MonitorDecided,
+    ParamsDigested,
     PhaseCommitted,
     RunFailed,
     RunFinalized,
@@ -84,6 +85,7 @@ CURRENT_TYPES: tuple[type[Event], ...] = (
     RunFailed,
     RunFinalized,
     EvaluationRecorded,
+    ParamsDigested,
 )
 
 

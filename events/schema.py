@@ -39,6 +39,7 @@ __all__ = [
     "MicrobatchDone",
     "MonitorDecided",
     "MonitorSpec",
+    "ParamsDigested",
     "PhaseCommitted",
     "PlateauState",
     "RunFailed",
@@ -311,6 +312,9 @@ class UpdateCommitted(Event, frozen=True, kw_only=True, tag="update_committed@2"
     accumulation_steps: int = 1
     collective_bytes: int = 0
     skipped: bool = False
+    #: each loss term's weight in this update's window, by name, when some weight follows a
+    #: schedule (``nnx_es.loss_weights``); empty otherwise
+    loss_weights: dict[str, float] = {}
 
 
 class UpdateSkipped(Event, frozen=True, kw_only=True, tag="update_skipped"):
@@ -528,6 +532,24 @@ class RunFinalized(Event, frozen=True, kw_only=True, tag="run_finalized"):
     epochs: int
     steps: int
     wall_time_s: float = 0.0
+
+
+class ParamsDigested(Event, frozen=True, kw_only=True, tag="params_digested"):
+    """The ranks of a data-parallel run compared a digest of their parameters (issue 13, "Beyond the
+    peers"): after ``step`` committed updates (1-based count) in 0-based ``epoch``.
+
+    digests: each rank's digest (hex; index = rank), taken by every rank and gathered to all.
+    diverged: the digests are not all equal. since_step: the step of the previous agreeing digest (0: none
+    before): when ``diverged`` the ranks first differed after it, at or before ``step``.
+    A disagreement stops the run (``run_failed`` follows); ``tools/replay`` checks every one.
+    """
+
+    KIND: ClassVar[str] = "params_digested"
+    epoch: int
+    step: int
+    digests: list[str] = []
+    diverged: bool = False
+    since_step: int = 0
 
 
 # --- after the run ---------------------------------------------------------------------

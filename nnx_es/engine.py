@@ -323,10 +323,10 @@ class UpdateEngine:
         epoch = self.epoch
         epoch.microbatches += 1
         rows = int(targets.shape[0]) if hasattr(targets, "shape") and targets.dim() > 0 else 1
-        if sums.with_accuracy:
+        if sums.scores_rows:
             sums.add_rows(outputs, targets, weights, rows=rows)
         else:
-            sums.rows += rows  # all add_rows does without accuracy
+            sums.rows += rows  # all add_rows does when nothing scores the rows
         ctx.rows = rows
         state = self.state
         state.outcome.microbatch_recorded = True
@@ -354,7 +354,10 @@ class UpdateEngine:
         if stages:
             stages(TrainingStage.AFTER_FORWARD, ctx)
             stages(TrainingStage.BEFORE_LOSS, ctx)
-        return outputs, targets, weights, self.objective(outputs, targets, weights)
+        objective = self.objective
+        if objective.scheduled:  # scheduled loss weights: a function of the counters
+            objective.at(ctx.step_count, ctx.epoch)
+        return outputs, targets, weights, objective(outputs, targets, weights)
 
     def _settle(self, flag: Tensor | None = None) -> float | None:
         """Read the pending microbatches' losses (and ``flag``, 0-dim) in one transfer; return ``flag``'s value.
@@ -663,6 +666,7 @@ class UpdateEngine:
             UpdateCommitted(
                 step=step, epoch=ctx.epoch, microbatches=microbatches, loss=loss, grad_norm=grad_norm,
                 clipped=clipped, lrs=lrs[n], optimizer=n, precision=self.precision, **counts,
+                loss_weights=self.objective.weights() if self.objective.scheduled else {},
             )
             for n in names
         ]

@@ -90,12 +90,14 @@ class MetricSums:
     """Running sums of one epoch's loss terms and accuracy."""
 
     __slots__ = ("num", "den", "terms", "_correct", "scored", "rows", "with_accuracy", "_checked", "keep_nonfinite",
-                 "user")
+                 "user", "scores_rows")
 
     def __init__(self, metrics: tuple[Any, ...] = (), *, keep_nonfinite: bool = False) -> None:
         self.with_accuracy = "accuracy" in metric_names(metrics)
         #: this epoch's (or pass's) own, reset state of each user metric
         self.user: list[UserMetric] = [m.fresh() for m in metrics if isinstance(m, UserMetric)]
+        #: whether :meth:`add_rows` does more than count rows (accuracy or a user metric scores them)
+        self.scores_rows = self.with_accuracy or bool(self.user)
         self.keep_nonfinite = keep_nonfinite
         self.num = 0.0
         self.den = 0.0

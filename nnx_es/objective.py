@@ -31,6 +31,7 @@ import torch
 from torch import Tensor, nn
 
 from nnx_es.errors import ConfigError
+from nnx_es.loss_weights import WeightSchedule
 from nnx_es.argchecks import as_number
 
 __all__ = ["LossParts", "Objective", "Term", "accuracy", "accuracy_kind", "hits"]
@@ -47,7 +48,9 @@ class Term:
             (torch's ``reduction="mean"``). A ``torch.nn`` loss module with a
             ``reduction`` attribute is copied with ``reduction="none"`` (and summed
             over rows with ``reduction="sum"`` when no row is weighted).
-        weight: multiplies the term in the total (float).
+        weight: multiplies the term in the total: a float, or a
+            :class:`~nnx_es.loss_weights.WeightSchedule` over updates or epochs (its value is set
+            before each microbatch by :meth:`Objective.at`).
 
     Raises:
         ConfigError: ``fn`` is not callable or ``weight`` is not a finite number; when called,
@@ -67,12 +70,18 @@ class Term:
         if not callable(fn):
             raise ConfigError(f"a loss term must be callable, got {fn!r}")
         self.fn = fn
-        value = as_number(weight)
+        #: the weight's schedule (None: a constant weight)
+        self.schedule: WeightSchedule | None = weight if isinstance(weight, WeightSchedule) else None
+        value = self.schedule.at(0, 0) if self.schedule is not None else as_number(weight)
         if not math.isfinite(value):
             raise ConfigError(f"a loss term's weight must be a finite number, got {weight!r}")
         self.weight = value
         #: (outputs shape, targets shape) -> values per row of the unreduced loss (for ``sum_fn``)
         self._row_size: dict[tuple[Any, Any], int] = {}
+
+    def recipe_kwargs(self) -> dict[str, Any]:
+        """The constructor keywords (:mod:`nnx_es.recipes`): the loss and the weight or its schedule."""
+        return {"fn": self.fn, "weight": self.schedule if self.schedule is not None else self.weight}
 
     def summed(self, outputs: Tensor, targets: Tensor) -> Tensor:
         """``sum_i l(i)`` (0-dim) through ``sum_fn``: its sum over every value, divided by the values per row.
@@ -167,12 +176,23 @@ class Objective:
                 self.terms[name] = Term(spec[0], spec[1])
             else:
                 self.terms[name] = Term(spec)
+        #: the terms whose weight follows a schedule (empty: every weight is constant)
+        self.scheduled: dict[str, Term] = {n: t for n, t in self.terms.items() if t.schedule is not None}
         #: (name, term) of an objective that is one unweighted term with a summed form
         self._single: tuple[str, Term] | None = None
         if len(self.terms) == 1:
             name, term = next(iter(self.terms.items()))
-            if term.sum_fn is not None and term.weight == 1.0:
+            if term.sum_fn is not None and term.weight == 1.0 and term.schedule is None:
                 self._single = (name, term)
+
+    def at(self, step: int, epoch: int) -> None:
+        """Set each scheduled term's weight for a microbatch after ``step`` committed updates in 0-based ``epoch``."""
+        for term in self.scheduled.values():
+            term.weight = term.schedule.at(step, epoch)  # type: ignore[union-attr]
+
+    def weights(self) -> dict[str, float]:
+        """Every term's current weight, by name."""
+        return {name: term.weight for name, term in self.terms.items()}
 
     def __call__(self, outputs: Tensor, targets: Tensor, weights: Tensor | None = None) -> LossParts:
         """Reduce one microbatch.

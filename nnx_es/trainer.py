@@ -48,6 +48,7 @@ from nnx_es.commit import Committer
 from nnx_es.commit import checkpoint_lag as lag_in_updates
 from nnx_es.context import TrainContext
 from nnx_es.device import place_model, resolve_device
+from nnx_es.distributed.digest import ParamDigest
 from nnx_es.distributed.roles import check_declared, for_rank
 from nnx_es.distributed.wrap import check_distributed, data_parallel, is_writer_rank
 from nnx_es.engine import UpdateEngine, default_forward, default_train_step
@@ -451,6 +452,8 @@ class Trainer:
                 step_fn=self.trainer_step_fn, custom_step=self.custom_step, batch_gather=self.batch_gather,
                 progress=Progress(self.progress_enabled), nonfinite=self.nonfinite, device=self.device,
                 final_validation=self.final_validation,
+                digest=ParamDigest(self.net, world, self.distributed.digest_every)
+                if world.distributed and self.distributed is not None else None,
             )
             live = None
             if self.sinks and state.world.is_writer:
