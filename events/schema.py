@@ -35,6 +35,7 @@ __all__ = [
     "HistoryAppended",
     "HistoryRecord",
     "LastCommitted",
+    "Lineage",
     "LoaderGeometry",
     "MicrobatchDone",
     "MonitorDecided",
@@ -148,6 +149,26 @@ class SourceRef(msgspec.Struct, frozen=True, kw_only=True):
     state: str = "weights"
 
 
+class Lineage(msgspec.Struct, frozen=True, kw_only=True):
+    """Where a fine-tuning run's initial weights came from (``Trainer(init_from=WeightsFrom(...))``).
+
+    kind: ``"run"`` (a run's checkpoint: ``run_id``, ``checkpoint`` best|last, its ``manifest``
+    SHA-256 and 0-based ``epoch``) or ``"state_dict"`` (``state_sha256``: the fingerprint of the
+    mapping given). strict: the key policy. skipped: source keys not loaded (absent from the net,
+    or of another shape). new: the net's keys not loaded (they kept the net's own initialization).
+    """
+
+    kind: str
+    run_id: str = ""
+    checkpoint: str = ""
+    manifest: str = ""
+    epoch: int = -1
+    state_sha256: str = ""
+    strict: bool = True
+    skipped: list[str] = []
+    new: list[str] = []
+
+
 class HistoryRecord(msgspec.Struct, frozen=True, kw_only=True):
     """One committed epoch of history.
 
@@ -199,6 +220,11 @@ class RunStarted(Event, frozen=True, kw_only=True, tag="run_started"):
     #: each loss term by name, as ``nnx_es.declare.describe_objective`` describes it (a stateful resume
     #: with another loss is refused); None: a run recorded before it was declared here
     objective: dict[str, str] | None = None
+    #: the initial weights of a fine-tuning run (None: the net's own)
+    lineage: Lineage | None = None
+    #: each optimizer's parameter group names, in order (a group without a ``name`` is ``"group<i>"``);
+    #: the receipts' ``lrs`` are in this order. None: a run recorded before it was declared here
+    param_groups: dict[str, list[str]] | None = None
 
 
 class RunResumed(Event, frozen=True, kw_only=True, tag="run_resumed"):

@@ -54,6 +54,7 @@ from nnx_es.distributed.wrap import check_distributed, data_parallel, is_writer_
 from nnx_es.engine import UpdateEngine, default_forward, default_train_step
 from nnx_es.errors import ConfigError
 from nnx_es.finalize import Finalization
+from nnx_es.finetune import group_names, initial_weights
 from nnx_es.loaders import length_of, loader_geometries
 from nnx_es.logs import ensure_logging
 from nnx_es.loop import NONFINITE, Cadence, TrainingLoop
@@ -175,6 +176,10 @@ class Trainer:
             no monitor decision): ``True`` always (with a validation loader), ``"auto"`` (default)
             when the final weights are not the ones last validated (a stop at an update boundary, or
             updates after a step-cadence pass), ``False`` never.
+        init_from: the initial weights of a fine-tuning run, loaded now: a
+            :class:`~nnx_es.finetune.WeightsFrom` (a run's BEST/LAST or a ``state_dict``, with its
+            key policy ``strict``) or a ``state_dict`` (strict); the source and the keys skipped /
+            new are recorded in ``run_started.lineage``. A stateful resume restores LAST over them.
 
     Raises:
         ConfigError: a bad argument (named with the value received).
@@ -220,6 +225,7 @@ class Trainer:
         distributed: Any = None,
         val_batch_callback: Callable[..., Any] | None = None,
         final_validation: bool | str = "auto",
+        init_from: Any = None,
     ) -> None:
         if not isinstance(net, nn.Module):
             raise ConfigError(f"net must be a torch.nn.Module, got {type(net).__name__}")
@@ -227,6 +233,8 @@ class Trainer:
         self.net = net
         self.custom_step = trainer_step_fn is not None
         self.optimizers: dict[str, Optimizer] = optimizers_of(net, optimizer, custom_step=self.custom_step)
+        #: where the initial weights came from (``init_from``), recorded in ``run_started``
+        self.lineage = initial_weights(net, init_from)
         self.device = resolve_device(device, net)
         place_model(net, self.optimizers, self.device)
         if not (isinstance(loss, (Objective, Mapping, nn.Module)) or callable(loss)):
@@ -348,6 +356,7 @@ class Trainer:
             update=UpdateSpec(precision=self.engine.precision, clip_grad_norm=self.engine.clip_grad_norm),
             source=source, wall_time_s=time.time(), loaders=loader_geometries(self.components.loaders),
             spec=self.spec, spec_hash=spec_hash(self.spec), objective=describe_objective(self.objective),
+            lineage=self.lineage, param_groups=group_names(self.optimizers),
         )
 
     # --- the run ------------------------------------------------------------------------
