@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 BVENV  ?= .venv-bench
 BSTAMP := $(BVENV)/.installed
 
-.PHONY: demo test bench clean
+.PHONY: demo test bench bench-ddp clean
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -30,6 +30,11 @@ $(BSTAMP): pyproject.toml
 
 bench: $(BSTAMP)
 	$(BVENV)/bin/python -m bench.run --markdown BENCHMARKS.md
+	# section 4, appended: a 2-rank torchrun (gloo) of nnx_es DDP against a hand-written DDP loop
+	$(BVENV)/bin/python -m bench.ddp --markdown BENCHMARKS.md
+
+bench-ddp: $(STAMP)
+	$(PY) -m bench.ddp
 
 clean:
 	rm -rf $(VENV) $(BVENV) runs .pytest_cache

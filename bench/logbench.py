@@ -31,7 +31,7 @@ from events.schema import (
     ValidationDone,
 )
 from nnx_es.lifecycle import Lifecycle
-from nnx_es.recorder import Recorder
+from nnx_es.recorder import Recorder, snapshot_folder, store_snapshot
 from projections.view import project
 
 __all__ = ["append_us_per_event", "durable_commit_ms", "fsyncs_per_epoch", "long_run_log", "replay_events_per_s",
@@ -162,8 +162,13 @@ def synthetic_log(path: Path, n_events: int, batches: int = 250) -> int:
         return log.next_seq
 
 
-def long_run_log(path: Path, n_events: int, batches: int = 2000) -> int:
+def long_run_log(path: Path, n_events: int, batches: int = 2000, snapshot_every: int | None = None,
+                 snapshot_cpu_s: list[float] | None = None) -> int:
     """Write the log of a long finished run of at least ``n_events`` events; return the count.
+
+    ``snapshot_every``: also store projection snapshots as the runtime's recorder does after
+    each commit (:func:`nnx_es.recorder.store_snapshot`, at least that many events apart); the
+    CPU seconds those calls took are appended to ``snapshot_cpu_s`` when given.
 
     Shaped like the trainer's: ``run_started``, ``train_began``, the opening LAST, then
     per epoch ``epoch_began``, ``batches`` pairs of ``microbatch_done`` and
@@ -176,6 +181,16 @@ def long_run_log(path: Path, n_events: int, batches: int = 2000) -> int:
     epochs = max(1, math.ceil((n_events - 6) / (2 * batches + 8)))
     lr = 1e-3
     with LmdbLog(path) as log:
+        folder = snapshot_folder(log, snapshot_every) if snapshot_every else None
+
+        def commit() -> None:
+            log.flush()
+            if folder is not None:
+                t0 = time.process_time()
+                store_snapshot(log, folder)
+                if snapshot_cpu_s is not None:
+                    snapshot_cpu_s.append(time.process_time() - t0)
+
         log.append(RunStarted(run_id=Path(path).parent.name or "long", seed=0, optimizers=["adam"],
                               schedulers=[SchedulerDecl(name="plateau", clock="epoch", cls="ReduceLROnPlateau",
                                                         optimizer="adam", plateau=True)],
@@ -218,10 +233,10 @@ def long_run_log(path: Path, n_events: int, batches: int = 2000) -> int:
             log.append(LastCommitted(manifest=manifest, epoch=epoch, step=step, counters=counters, covers=covers))
             if improved:
                 log.append(BestCommitted(manifest=manifest, epoch=epoch, monitor="val_loss", value=val))
-            log.flush()
+            commit()
         log.append(LastCommitted(manifest=manifest, epoch=epochs - 1, step=step, counters=counters, final=True))
         log.append(RunFinalized(status="completed", epochs=epochs, steps=step, wall_time_s=float(epochs)))
-        log.flush()
+        commit()
         return log.next_seq
 
 

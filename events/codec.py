@@ -22,6 +22,7 @@ from events.schema import (
     CheckpointStored,
     EpochBegan,
     EpochSummarized,
+    EvaluationRecorded,
     Event,
     HistoryAppended,
     LastCommitted,
@@ -82,6 +83,7 @@ CURRENT_TYPES: tuple[type[Event], ...] = (
     CallbackFinalized,
     RunFailed,
     RunFinalized,
+    EvaluationRecorded,
 )
 
 

@@ -29,8 +29,9 @@ if array("Q").itemsize != 8:  # pragma: no cover - every platform CPython suppor
     raise ImportError("events.keys needs array typecode 'Q' of 8 bytes")
 
 
-def check_keys(keys: Iterator[bytes]) -> int:
-    """Check that ``keys`` (8-byte big-endian seqs, in stored order) are 0, 1, 2, ...; return how many there are.
+def check_keys(keys: Iterator[bytes], first: int = 0) -> int:
+    """Check that ``keys`` (8-byte big-endian seqs, in stored order) are ``first``, ``first + 1``, ...; return how
+    many there are.
 
     Raises:
         SequenceGapError: at the first key that is not the seq of its position, naming the
@@ -38,12 +39,12 @@ def check_keys(keys: Iterator[bytes]) -> int:
             duplicate, a key out of order; a key that is not 8 bytes long reads as the
             integer its bytes spell).
     """
-    n = 0
+    n = first
     while block := list(itertools.islice(keys, _BLOCK)):
         if not _in_order(block, n):
             _raise_first([*block, *itertools.islice(keys, 1)], n)  # with the key after the block
         n += len(block)
-    return n
+    return n - first
 
 
 def _in_order(block: list[bytes], first: int) -> bool:

@@ -24,10 +24,17 @@ key (nnx_es stores small checkpoint manifests there, keyed by their SHA-256).
 the buffered events, so a blob staged before a commit marker is durable with
 it, in one sync. A key is written once (a second stage of it changes nothing);
 blobs carry no checksum record: the caller's key (a hash) verifies them.
+
+And it keeps *projection snapshots* (DESIGN.md "Projections"): opaque values under the
+seq they fold up to, in their own ``snapshots`` database. ``put_snapshot`` writes one in
+a transaction of its own, unsynced (durable with the next synced commit): a snapshot is a
+cache that its reader verifies (:mod:`projections.snapshots`), never part of the record,
+so losing one to a crash costs a longer fold, nothing else.
 """
 
 from __future__ import annotations
 
+import itertools
 import os
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
@@ -85,6 +92,7 @@ class LmdbLog(LogBase):
         if writer is not None:  # LMDB allows one handle an environment per process: read through the writer's
             self._env, self._shared = writer._env, True
             self._events, self._sums, self._blobs = writer._events, writer._sums, writer._blobs
+            self._snapshots = writer._snapshots
             super().__init__(self._count_stored())
             return
         try:
@@ -106,12 +114,13 @@ class LmdbLog(LogBase):
             self._check_size()
             self._sums: lmdb._Database | None = None
             self._blobs: lmdb._Database | None = None
+            self._snapshots: lmdb._Database | None = None
             if readonly:  # creates nothing: an older log has no sums (or blobs) database
                 self._events = self._env.open_db(_EVENTS_DB, create=False)
                 self._open_sums()
             else:
                 self._events = self._env.open_db(_EVENTS_DB)
-                self._env.open_db(_SNAPSHOTS_DB)
+                self._snapshots = self._env.open_db(_SNAPSHOTS_DB)
                 self._sums = self._env.open_db(SUMS_DB)
                 self._blobs = self._env.open_db(_BLOBS_DB)
         except (lmdb.Error, OSError) as exc:
@@ -314,8 +323,12 @@ class LmdbLog(LogBase):
         with self._reading(), self._txn() as txn:
             yield from cursor_chunks(txn.cursor(self._events), start, stop, self.read_chunk)
 
-    def check_keys(self) -> int:
+    def check_keys(self, start: int = 0, stop: int | None = None) -> int:
         """Check that the stored keys are 0, 1, 2, ... in stored order; return how many there are.
+
+        With ``start`` / ``stop``: only the keys of the entries from the first at or past
+        ``start`` (it must be ``start``), at most ``stop - start`` of them, are read (a reader
+        folding from a snapshot checks the keys it folds); the count returned is theirs.
 
         One key-only pass of the cursor (no value is read; ``events.keys``): about
         0.1 µs a key.
@@ -328,7 +341,13 @@ class LmdbLog(LogBase):
         if self._closed:
             raise LogClosedError("read on a closed event log")
         with self._reading(), self._txn() as txn:
-            return check_keys(txn.cursor(self._events).iternext(keys=True, values=False))
+            cur = txn.cursor(self._events)
+            if start > 0 and not cur.set_range(seq_key(start)):
+                return 0
+            keys = cur.iternext(keys=True, values=False)
+            if stop is not None:
+                keys = itertools.islice(keys, max(stop - start, 0))
+            return check_keys(keys, start)
 
     def read(
         self, start: int = 0, stop: int | None = None, kinds: Iterable[str] | None = None
@@ -381,6 +400,68 @@ class LmdbLog(LogBase):
         with self._reading(), self._txn() as txn:
             chunks = cursor_chunks(txn.cursor(self._events), 0, stop, self.read_chunk)
             yield from verify(self._sum_records(txn, 0, stop), chunks, stop)
+
+    def put_snapshot(self, seq: int, value: bytes) -> None:
+        """Store the projection snapshot ``value`` under ``seq`` (replacing one there), in one unsynced
+        transaction of its own (see the module docstring).
+
+        Raises:
+            EventLogError: the log is read-only, or the write failed (nothing of it is stored).
+        """
+        if self._closed:
+            raise LogClosedError("put_snapshot on a closed event log")
+        if self.readonly:
+            raise EventLogError(f"event log at {self.path} is open read-only")
+        while True:
+            try:
+                with self._env.begin(write=True, db=self._snapshots) as txn:
+                    txn.put(seq_key(seq), value)
+                return
+            except lmdb.MapFullError:
+                self._env.set_mapsize(self._env.info()["map_size"] * 2)
+            except lmdb.Error as exc:
+                raise EventLogError(f"write of a snapshot to {self.path} failed: {exc}") from exc
+
+    def read_snapshots(self, stop: int | None = None, *, newest_first: bool = True) -> Iterator[tuple[int, bytes]]:
+        """Yield ``(seq, value)`` of the stored snapshots with ``seq < stop``, newest first (or oldest first).
+
+        Each value is read in its own short transaction (a reader taking the newest
+        usable one reads one or two). None for a log written before snapshots existed.
+
+        Raises:
+            EventLogError: LMDB refused a read (a corrupted page).
+        """
+        if self._closed:
+            raise LogClosedError("read on a closed event log")
+        if self._snapshots is None:
+            self._snapshots = self._existing_db(_SNAPSHOTS_DB)
+            if self._snapshots is None:
+                return
+        end = (1 << 64) - 1 if stop is None else stop
+        key = seq_key(end) if newest_first else seq_key(0)  # where the next one is looked for
+        while True:
+            with self._reading(), self._txn() as txn:
+                cur = txn.cursor(self._snapshots)
+                if newest_first:  # the last key below ``key``
+                    found = cur.prev() if cur.set_range(key) else cur.last()
+                else:  # the first key at or past ``key``
+                    found = cur.set_range(key)
+                if not found:
+                    return
+                found_key, value = cur.key(), bytes(cur.value())
+            seq = int.from_bytes(found_key, "big")
+            if seq >= end:
+                return
+            yield seq, value
+            key = found_key if newest_first else seq_key(seq + 1)
+
+    def put_snapshot_raw(self, seq: int, value: bytes | None) -> None:
+        """Overwrite, add or (``None``) delete a stored snapshot (tests use it to forge damaged ones)."""
+        with self._env.begin(write=True, db=self._snapshots) as txn:
+            if value is None:
+                txn.delete(seq_key(seq))
+            else:
+                txn.put(seq_key(seq), value)
 
     def put_raw(self, seq: int, raw: bytes) -> None:
         """Store ``raw`` under ``seq`` directly (tests use it to forge broken logs).

@@ -57,7 +57,11 @@ class EventLog(Protocol):
 
     def verify_sums(self, stop: int | None = None) -> Iterator[SumProblem]: ...
 
-    def check_keys(self) -> int: ...
+    def put_snapshot(self, seq: int, value: bytes) -> None: ...
+
+    def read_snapshots(self, stop: int | None = None, *, newest_first: bool = True) -> Iterator[tuple[int, bytes]]: ...
+
+    def check_keys(self, start: int = 0, stop: int | None = None) -> int: ...
 
     def close(self) -> None: ...
 
@@ -166,6 +170,7 @@ class MemoryLog(LogBase):
         super().__init__(0)
         self._stored: list[bytes] = []
         self._blobs: dict[bytes, bytes] = {}
+        self._snapshots: dict[int, bytes] = {}
 
     def flush(self, *, sync: bool = False) -> None:
         if self._closed:
@@ -199,13 +204,27 @@ class MemoryLog(LogBase):
         for key in keys:
             self._blobs.pop(bytes(key), None)
 
+    def put_snapshot(self, seq: int, value: bytes) -> None:
+        """Store the projection snapshot ``value`` under ``seq`` (see :mod:`events.log`)."""
+        if self._closed:
+            raise LogClosedError("put_snapshot on a closed event log")
+        self._snapshots[seq] = value
+
+    def read_snapshots(self, stop: int | None = None, *, newest_first: bool = True) -> Iterator[tuple[int, bytes]]:
+        """``(seq, value)`` of the stored snapshots with ``seq < stop``, newest first (or oldest first)."""
+        if self._closed:
+            raise LogClosedError("read on a closed event log")
+        seqs = sorted((s for s in self._snapshots if stop is None or s < stop), reverse=newest_first)
+        return iter([(s, self._snapshots[s]) for s in seqs])
+
     def verify_sums(self, stop: int | None = None) -> Iterator[SumProblem]:
         """Nothing: a memory log keeps no checksums (nothing on a disk can rot under it)."""
         return iter(())
 
-    def check_keys(self) -> int:
-        """The number of stored values: a list's positions are its keys, always 0, 1, 2, ..."""
-        return len(self._stored)
+    def check_keys(self, start: int = 0, stop: int | None = None) -> int:
+        """The number of stored values in ``[start, stop)``: a list's positions are its keys, always 0, 1, 2, ..."""
+        end = len(self._stored) if stop is None else min(stop, len(self._stored))
+        return max(end - start, 0)
 
     def put_raw(self, seq: int, raw: bytes) -> None:
         """Overwrite or add a stored value (tests use it to forge broken logs)."""

@@ -30,6 +30,7 @@ __all__ = [
     "Counters",
     "EpochBegan",
     "EpochSummarized",
+    "EvaluationRecorded",
     "Event",
     "HistoryAppended",
     "HistoryRecord",
@@ -344,8 +345,9 @@ class UpdateSkipped(Event, frozen=True, kw_only=True, tag="update_skipped"):
 class ValidationDone(Event, frozen=True, kw_only=True, tag="validation_done"):
     """Validation metrics (``val_`` prefixed) over ``examples`` held-out rows.
 
-    trigger: ``"epoch"`` (the epoch-cadence pass the monitor decides on) or
-    ``"steps"`` (a step-cadence pass, which makes no decision).
+    trigger: ``"epoch"`` (the epoch-cadence pass the monitor decides on),
+    ``"steps"`` (a step-cadence pass, which makes no decision) or ``"final"`` (the pass
+    once training ended, before finalization; no decision either).
     """
 
     KIND: ClassVar[str] = "validation_done"
@@ -525,4 +527,33 @@ class RunFinalized(Event, frozen=True, kw_only=True, tag="run_finalized"):
     status: str
     epochs: int
     steps: int
+    wall_time_s: float = 0.0
+
+
+# --- after the run ---------------------------------------------------------------------
+
+
+class EvaluationRecorded(Event, frozen=True, kw_only=True, tag="evaluation_recorded"):
+    """One of the run's checkpoints was evaluated on a whole loader, after the run was finalized.
+
+    Appended (and synced) behind ``run_finalized``, under the run's writer lease, by
+    ``NNModel.evaluate(..., record=...)``; it belongs to no commit and changes no projection,
+    so every commit invariant of the run holds as before. A later stateful resume discards it
+    from the committed view like any tail, and it stays in the log for the audit.
+
+    name: the caller's label of the data (``"test"``). checkpoint: ``"best"`` or ``"last"``.
+    manifest: that checkpoint's manifest SHA-256 (hex; verified before evaluating).
+    epoch: its 0-based epoch. weights: which of its weights were evaluated (``"evaluated"``,
+    ``"raw"``, ``"averaged"``: see ``NNModel.load``). metrics: unprefixed (``loss``,
+    ``accuracy``, ...), each exact over the loader's rows. examples: rows scored (count).
+    """
+
+    KIND: ClassVar[str] = "evaluation_recorded"
+    name: str
+    checkpoint: str
+    manifest: str
+    epoch: int
+    weights: str = "evaluated"
+    metrics: dict[str, float] = {}
+    examples: int = 0
     wall_time_s: float = 0.0

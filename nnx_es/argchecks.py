@@ -18,7 +18,8 @@ from nnx_es.errors import ConfigError
 from nnx_es.monitor import Monitor
 from nnx_es.progress import Progress
 
-__all__ = ["as_number", "check_cadences", "check_recipe", "check_run_args", "monitor_of", "optimizers_of"]
+__all__ = ["BATCH_CALLBACK_KEYWORDS", "as_number", "check_batch_callback", "check_cadences", "check_recipe", "check_run_args",
+           "monitor_of", "optimizers_of"]
 
 
 def as_number(value: Any) -> float:
@@ -117,15 +118,50 @@ def optimizers_of(net: nn.Module, optimizer: Any, *, custom_step: bool) -> dict[
     return dict(optimizer)
 
 
-def monitor_of(monitor: Monitor | str | None) -> Monitor | None:
+#: the keyword-only parameters of a per-batch validation callback (spec 004)
+BATCH_CALLBACK_KEYWORDS = ("batch", "predictions", "loss", "batch_count", "step_count", "epoch")
+
+
+def check_batch_callback(fn: Any) -> Any:
+    """Return ``fn`` after checking it takes ``(*, batch, predictions, loss, batch_count, step_count, epoch)``
+    (or ``**kwargs``); None passes.
+
+    Raises:
+        ConfigError: not callable, or a parameter missing / not keyword-accepting / extra and required (named).
+    """
+    if fn is None:
+        return None
+    if not callable(fn):
+        raise ConfigError(f"val_batch_callback must be callable, got {fn!r}")
+    import inspect
+
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return fn  # a builtin without a signature: called as documented
+    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        return fn
+    missing = [k for k in BATCH_CALLBACK_KEYWORDS if k not in params or params[k].kind is params[k].POSITIONAL_ONLY]
+    extra = [n for n, p in params.items() if n not in BATCH_CALLBACK_KEYWORDS and p.default is p.empty
+             and p.kind is not p.VAR_POSITIONAL]
+    if missing or extra:
+        raise ConfigError(f"val_batch_callback must take the keyword arguments (*, {', '.join(BATCH_CALLBACK_KEYWORDS)}); "
+                          f"{fn!r} lacks {missing} and requires {extra}")
+    return fn
+
+
+def monitor_of(monitor: Monitor | str | None, higher_is_better: Mapping[str, bool] | None = None) -> Monitor | None:
     """``Trainer(monitor=...)`` as a :class:`~nnx_es.monitor.Monitor` (a name containing ``acc``
-    is maximized, any other minimized).
+    is maximized, any other minimized, unless ``higher_is_better`` -- metric name without
+    ``val_`` -> whether larger is better, as a metric declares it -- says otherwise).
 
     Raises:
         ConfigError: neither a Monitor, a metric name nor None.
     """
     if isinstance(monitor, str):
-        monitor = Monitor(monitor, mode="max" if "acc" in monitor else "min")
+        said = (higher_is_better or {}).get(monitor.removeprefix("val_"))
+        maximize = said if said is not None else "acc" in monitor
+        monitor = Monitor(monitor, mode="max" if maximize else "min")
     if monitor is not None and not isinstance(monitor, Monitor):
         raise ConfigError(f"monitor must be a Monitor or a metric name, got {monitor!r}")
     return monitor

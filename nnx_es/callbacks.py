@@ -25,7 +25,16 @@ __all__ = ["HOOKS", "Callback", "CallbackList", "EarlyStopping", "LambdaCallback
 
 
 class Callback:
-    """Base class: every hook is a no-op; override the ones you need."""
+    """Base class: every hook is a no-op; override the ones you need.
+
+    ``distributed``: where the callback runs under data parallelism (``Trainer(distributed=DDP())``):
+    ``"all"`` -- on every rank, deciding alike from agreed values (what it asks, e.g. a stop, is
+    agreed); ``"writer"`` -- on the writer rank alone (it writes files, logs, talks to a server).
+    ``None`` (the base class's): undeclared, refused before training under DDP (see
+    :mod:`nnx_es.distributed.roles`). One process runs every callback whatever it declares.
+    """
+
+    distributed: str | None = None
 
     @property
     def name(self) -> str:
@@ -169,12 +178,19 @@ class CallbackList:
 
 
 class LambdaCallback(Callback):
-    """A callback from plain functions: ``LambdaCallback(on_epoch_end=lambda ctx: ...)``."""
+    """A callback from plain functions: ``LambdaCallback(on_epoch_end=lambda ctx: ...)``.
 
-    def __init__(self, name: str = "LambdaCallback", **hooks: Any) -> None:
+    ``distributed``: ``"all"`` or ``"writer"`` (see :class:`Callback`); what the functions do is
+    yours to declare, so under data parallelism an undeclared one is refused.
+    """
+
+    def __init__(self, name: str = "LambdaCallback", distributed: str | None = None, **hooks: Any) -> None:
         unknown = set(hooks) - set(HOOKS)
         if unknown:
             raise ConfigError(f"unknown callback hooks {sorted(unknown)}; known: {HOOKS}")
+        if distributed not in (None, "all", "writer"):
+            raise ConfigError(f"LambdaCallback(distributed=) must be 'all', 'writer' or None, got {distributed!r}")
+        self.distributed = distributed
         self._name = name
         for hook, fn in hooks.items():
             setattr(self, hook, fn)
@@ -189,7 +205,10 @@ class LambdaCallback(Callback):
 
     def recipe_kwargs(self) -> dict[str, Any]:
         """Its constructor's keywords, for :func:`nnx_es.recipes.to_spec` (the hooks by import path)."""
-        return {"name": self._name, **{hook: getattr(self, hook) for hook in sorted(self._hooks)}}
+        out: dict[str, Any] = {"name": self._name}
+        if self.distributed is not None:
+            out["distributed"] = self.distributed
+        return {**out, **{hook: getattr(self, hook) for hook in sorted(self._hooks)}}
 
 
 class EarlyStopping(Callback):
@@ -204,6 +223,8 @@ class EarlyStopping(Callback):
         min_epochs: never stop before this many epochs have completed.
         monitor: optional; when given it must equal the trainer's monitor name.
     """
+
+    distributed = "all"  # decides from the agreed monitor decision: alike on every rank
 
     def __init__(self, patience: int = 5, *, min_epochs: int = 0, monitor: str | None = None) -> None:
         if patience < 1:

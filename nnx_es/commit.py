@@ -45,6 +45,7 @@ from events.schema import (
     PhaseCommitted,
 )
 from nnx_es.checkpoint import INLINE_MAX, Manifest, encode_checkpoint, read_manifest
+from nnx_es.distributed.verdict import agree_outcome
 from nnx_es.errors import ConfigError, CorruptCheckpointError
 from nnx_es.retention import prunable
 from nnx_es.snapshot import RunComponents, capture, encode_parts
@@ -184,6 +185,10 @@ class Committer:
     def complete(self) -> str | None:
         """Wait for the pending commit, append LAST and its group, sync once. Returns the manifest hash.
 
+        Under data parallelism the outcome is agreed (agreement point 3): the writer's commit is
+        durable, the others' in memory; one all-gather tells every rank whether each succeeded,
+        and a failure on any rank (a write fault on the writer) is raised on every rank alike.
+
         Raises:
             CheckpointWriteError: persisting the blobs failed; LAST is not written,
                 so the epoch's history stays uncommitted (rolled back).
@@ -192,6 +197,19 @@ class Committer:
         if p is None:
             return None
         self.pending = None
+        world = self.state.world
+        if not world.distributed:
+            return self._complete(p)
+        digest: str | None = None
+        error: BaseException | None = None
+        try:
+            digest = self._complete(p)
+        except BaseException as exc:  # noqa: BLE001 - agreed, then raised on every rank
+            error = exc
+        agree_outcome(world, error)
+        return digest
+
+    def _complete(self, p: _Pending) -> str:
         digest, manifest, data, states = p.future.result()
         store = self.state.store
         store.stage(data, digest)  # written in the synced transaction below, with LAST (digest: data's hash)

@@ -139,7 +139,17 @@ class TrainContext:
         self.state.request_stop(reason, by)
 
     def stop_at_update(self) -> None:
-        """Stop right after the current (or next) committed update; LAST stays at the last committed epoch."""
+        """Stop right after the current (or next) committed update; LAST stays at the last committed epoch.
+
+        Raises:
+            ConfigError: under data parallelism (a stop at an update boundary is not agreed between
+                the ranks; use :meth:`request_stop`, which is decided once for all at the epoch's end).
+        """
+        if self.state is not None and self.state.world.distributed:
+            from nnx_es.errors import ConfigError
+
+            raise ConfigError("stop_at_update() is not agreed between the ranks under distributed=DDP(): use "
+                              "ctx.request_stop(reason), which stops every rank after the epoch commits")
         self.state.stop_at_update_requested = True
 
     def report_update(

@@ -182,6 +182,11 @@ class UpdateEngine:
         self._pending: list[tuple[int, int, int, int, float, tuple[str, ...], Tensor]] = []
         self._pending_t: list[Tensor] = []  # their 0-dim values, in reading order (loss, then terms)
         self._ctx: TrainContext | None = None
+        #: data parallelism (:meth:`use_ddp`): the DDP wrapper the microbatches run through, or None
+        self._ddp: Any = None
+        self._forward_net: nn.Module = net
+        self._unsynced = False  # the window's last backward ran under no_sync (a trailing short window)
+        self._grad_bytes = sum(p.numel() * p.element_size() for p in self._params)
         self._reset_window()
 
     def begin_run(self, state: RunState, callbacks: CallbackList) -> None:
@@ -191,6 +196,17 @@ class UpdateEngine:
         self._on_update = callbacks.has("on_optimizer_update")
         self._pending, self._pending_t = [], []
         state.recorder.settle = self._settle
+
+    def use_ddp(self, ddp: Any) -> None:
+        """Run microbatches through ``ddp`` (a ``DistributedDataParallel`` wrapping this engine's net),
+        or, with ``None``, through the net itself again (once per ``fit``; see :mod:`nnx_es.distributed`).
+
+        Under DDP every microbatch but a window's last runs under ``ddp.no_sync()`` (gradients
+        accumulate locally); the last one's backward averages them over the ranks. Its denominator
+        ``W`` and finiteness are agreed at the window's end (:meth:`finalize_step`).
+        """
+        self._ddp = ddp
+        self._forward_net = ddp if ddp is not None else self.net
 
     def set_precision(self, precision: str, *, init_scale: float = 2.0**16) -> None:
         """``"fp32"``, ``"bf16"`` (autocast) or ``"fp16"`` (autocast + GradScaler).
@@ -253,7 +269,21 @@ class UpdateEngine:
     # --- one microbatch -------------------------------------------------------------------
 
     def microbatch(self, ctx: TrainContext, batch: Any) -> None:
-        """Forward and backward one microbatch; emit ``microbatch_done``."""
+        """Forward and backward one microbatch; emit ``microbatch_done``.
+
+        Under DDP (:meth:`use_ddp`) a microbatch that does not fill the window runs under
+        ``no_sync`` (no collective); the window's last one synchronizes the gradients."""
+        ddp = self._ddp
+        if ddp is not None:
+            if self.w_microbatches + 1 < self.accumulation:
+                with ddp.no_sync():
+                    self._microbatch(ctx, batch)
+                self._unsynced = True
+                return
+            self._unsynced = False
+        self._microbatch(ctx, batch)
+
+    def _microbatch(self, ctx: TrainContext, batch: Any) -> None:
         stages = self.stages if self.stages.by_stage else None
         autocast = self._autocast
         if autocast is None:
@@ -271,13 +301,13 @@ class UpdateEngine:
         if stages:
             stages(TrainingStage.AFTER_LOSS, ctx)
             stages(TrainingStage.BEFORE_BACKWARD, ctx)
-        if den > 0:
+        if den > 0 or self._ddp is not None:  # under DDP every rank takes part in the gradients' all-reduce
             owner = self.orchestrator.backward_owner
             if owner is not None:
                 # an owned backward (a GradScaler's) is never handed a non-finite loss: read it now
                 if math.isfinite(loss_t.item()):
                     owner.backward(ctx, total)
-            elif self.accumulation == 1:
+            elif self.accumulation == 1 and self._ddp is None:
                 # a one-microbatch window: its W is this den, so the mean is taken here, not on the
                 # grads: backward starts from d(total/den)/d(total) = 1/den (no division op in the graph).
                 # A non-finite loss is backpropagated too (no host read to tell): the window's end reads
@@ -319,7 +349,7 @@ class UpdateEngine:
         """``train_step_fn`` and the objective (inside the caller's autocast region, if any)."""
         if stages:
             stages(TrainingStage.BEFORE_FORWARD, ctx)
-        outputs, targets, weights = self.train_step_fn(self.net, batch)
+        outputs, targets, weights = self.train_step_fn(self._forward_net, batch)
         ctx.predictions, ctx.targets = outputs, targets
         if stages:
             stages(TrainingStage.AFTER_FORWARD, ctx)
@@ -386,6 +416,9 @@ class UpdateEngine:
         optimizers = self.optimizers
         names = list(optimizers)
         microbatches = self.w_microbatches
+        size = self.state.world.size
+        if size > 1:
+            self._agree_window()  # sets w_global_den: the union's W
         W = self.w_den if self.w_global_den is None else self.w_global_den
         reason, detail, norm = None, "", None
         unscaled = False
@@ -410,8 +443,9 @@ class UpdateEngine:
                     grads = self._window_grads()
                 else:
                     grads = [p.grad for p in self._params if p.grad is not None]
-                if W != 1.0 and not self.w_divided:
-                    torch._foreach_div_(grads, W)
+                if W != size and not self.w_divided:
+                    # DDP's all-reduce averaged the ranks' gradients: x size / W is the union's mean
+                    torch._foreach_div_(grads, W / size if size > 1 else W)
                 if self.stages.by_stage:
                     self.stages(TrainingStage.BEFORE_OPTIMIZER_STEP, ctx)
                 norm_t = found = None
@@ -474,6 +508,34 @@ class UpdateEngine:
         if self.stages.by_stage:
             self.stages(TrainingStage.AFTER_OPTIMIZER_STEP, ctx)
         return True
+
+    def _agree_window(self) -> float:
+        """The window's one agreement (data parallelism): read this rank's losses, then ONE all-reduce of
+        ``[sum of numerators, sum of denominators, non-finite flag]``; return the global ``W``.
+
+        After it every rank holds the same numerator (the receipt's loss is global), ``W`` and
+        non-finite mark, so every rank skips or steps alike. A window whose last backward ran
+        under ``no_sync`` (the epoch's trailing short window) has its gradients summed here too.
+        """
+        self._settle()
+        world = self.state.world
+        if self._unsynced:
+            self._unsynced = False
+            grads = [p.grad for p in self._params if p.grad is not None]
+            if grads:
+                flat = torch.cat([g.reshape(-1) for g in grads])
+                world.agree(flat)
+                flat /= world.size  # as DDP's own all-reduce: the ranks' mean
+                torch._foreach_copy_(grads, [t.view_as(g) for t, g in zip(flat.split([g.numel() for g in grads]),
+                                                                          grads)])
+        agreed = world.agree(torch.tensor([self.w_num, self.w_den, 1.0 if self.w_nonfinite else 0.0],
+                                          dtype=torch.float64)).tolist()
+        self.w_num = agreed[0]
+        self.w_nonfinite = agreed[2] > 0 or not math.isfinite(agreed[0])
+        self.w_global_den = agreed[1]
+        # the receipt's collective bytes: the gradients' all-reduce (DDP's, or the one above) and this agreement
+        self.w_collective_bytes += self._grad_bytes + 24
+        return agreed[1]
 
     def _receipt_counts(self) -> dict[str, Any]:
         """The open window's accounting for its receipt: ``local_examples`` (this rank's denominator),

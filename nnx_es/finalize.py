@@ -171,6 +171,8 @@ class Finalization:
         from nnx_es.views import write_views
         from projections.view import project
 
+        if not self.state.world.is_writer:  # only the writer materializes views (and holds the log to project)
+            return
         log = self.state.recorder.log
         p = project(log.read())
         write_views(self.state.run_dir, p)

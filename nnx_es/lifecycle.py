@@ -19,10 +19,12 @@ agree on every (state, kind) pair. Order of one run (spec 000 "Lifecycle order")
           validation_done?  epoch_summarized  monitor_decided?  scheduler_stepped*
           stop_requested?  history_appended  checkpoint_stored?  last_committed
           best_committed?  phase_committed?  (checkpoint_stored? callback_checkpointed)*  checkpoint_pruned* )*
-      callback_finalized* (reverse order)  checkpoint_stored?  last_committed(final)  checkpoint_pruned*  run_finalized
+      validation_done(final)?  callback_finalized* (reverse order)  checkpoint_stored?  last_committed(final)
+      checkpoint_pruned*  run_finalized
     failure anywhere:  run_failed  callback_finalized*  run_finalized
     stop at an update boundary:  ... update_committed  stop_requested  callback_finalized*  run_finalized
     resume:  run_resumed  callback_began*  train_began  ...
+    after the run:  run_finalized  evaluation_recorded*
 """
 
 from __future__ import annotations
@@ -90,6 +92,8 @@ _BASE: tuple[dict[str, Any], ...] = (
     _t("update_skipped", "in_window", "in_epoch"),
     _t("scheduler_stepped", "updated", "updated"),
     _t("validation_done", [*_IN_EPOCH_QUIET, "validated"], "validated"),
+    # the final validation once training ended (after the last epoch's commit, or a stop at an update)
+    _t("validation_done", ["committed", "stopping"], "="),
     _t("epoch_summarized", [*_IN_EPOCH_QUIET, "validated"], "summarized"),
     _t("monitor_decided", "summarized", "decided"),
     _t("scheduler_stepped", ["summarized", "decided", "scheduled"], "scheduled"),
@@ -110,6 +114,8 @@ _BASE: tuple[dict[str, Any], ...] = (
     _t("run_failed", _ALIVE + ["finalizing", "closed"], "failed"),
     _t("callback_finalized", "failed", "failed"),
     _t("run_finalized", "failed", "finalized"),
+    # an evaluation of one of the run's checkpoints, recorded after the run (NNModel.evaluate)
+    _t("evaluation_recorded", "finalized", "finalized"),
 )
 
 #: States of the epoch body in which the previous epoch's LAST may still be in flight.

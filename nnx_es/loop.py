@@ -86,6 +86,11 @@ class TrainingLoop:
             :class:`~nnx_es.errors.NonFiniteError` (the run fails; LAST stays at the last
             committed epoch). A non-finite validation metric is warned about, stops or raises alike.
         device: where each training batch's tensors are moved (``None``: as they come).
+        final_validation: a validation pass once training ends (after ``AFTER_TRAINING``, before
+            finalization; ``validation_done(trigger="final")``, then ``on_validation_end`` and
+            ``AFTER_VALIDATION``; no monitor decision): ``True`` always with a validation loader,
+            ``"auto"`` when the final weights were not the ones last validated, ``False`` never
+            (spec 004 "Validation": a final pass when validation is configured).
     """
 
     def __init__(self, *, state: RunState, ctx: TrainContext, net: nn.Module, optimizers: dict[str, Optimizer],
@@ -93,7 +98,7 @@ class TrainingLoop:
                  callbacks: CallbackList, stages: StageDispatcher, committer: Committer, finalization: Finalization,
                  validate: Validate, cadence: Cadence, step_fn: Callable[[TrainContext, Any], Any], custom_step: bool,
                  batch_gather: bool, progress: Progress, nonfinite: str = "skip",
-                 device: torch.device | None = None) -> None:
+                 device: torch.device | None = None, final_validation: bool | str = "auto") -> None:
         self.state, self.ctx, self.net, self.optimizers = state, ctx, net, optimizers
         self.schedulers, self.monitor, self.engine = schedulers, monitor, engine
         self.callbacks, self.stages, self.committer, self.finalization = callbacks, stages, committer, finalization
@@ -101,6 +106,8 @@ class TrainingLoop:
         self.step_fn, self.custom_step, self.batch_gather = step_fn, custom_step, batch_gather
         self.progress, self.device = progress, device
         self.nonfinite = nonfinite
+        self.final_validation = final_validation
+        self._validated_at = 0  # the step count of the latest validation pass
         self._nonfinite_skips = 0  # this epoch's
         self._epochs = 0
 
@@ -124,6 +131,7 @@ class TrainingLoop:
                 rec.emit(opening)
             ctx.epoch = start_epoch
             self._epochs = epochs
+            self._validated_at = ctx.step_count
             self.callbacks.train_begin(ctx, lambda i, cb: rec.emit(CallbackBegan(name=cb.name, index=i)))
             n_batches = length_of(train_loader)
             covers = rec.emit(TrainBegan(start_epoch=start_epoch, epochs=epochs, train_batches=n_batches))
@@ -146,6 +154,9 @@ class TrainingLoop:
                 if outcome == "stop":
                     break
             self.stages(TrainingStage.AFTER_TRAINING, ctx)
+            if val_loader is not None and self._final_validation_due():
+                self.committer.complete()  # a deferred LAST lands first: the pass follows the run's last commit
+                self._validation_pass(val_loader, "final")
         except BaseException as exc:  # noqa: BLE001 - re-raised after finalization
             failure = exc
         finally:
@@ -172,6 +183,9 @@ class TrainingLoop:
         self.callbacks.epoch_begin(ctx)
         self.stages(TrainingStage.BEFORE_EPOCH, ctx)
         self.progress.start_epoch(epoch, length_of(train_loader), epochs=self._epochs)
+        set_epoch = getattr(getattr(train_loader, "sampler", None), "set_epoch", None)
+        if set_epoch is not None:  # a partition (nnx_es.distributed.train_loader, DistributedSampler) deals this epoch
+            set_epoch(epoch)
         self._nonfinite_skips = 0
         step_fn = self.step_fn
         # the per-batch loop: what is absent (stage hooks, batch callbacks, progress, step
@@ -272,6 +286,7 @@ class TrainingLoop:
         """Summary, the one monitor decision, epoch-clock schedulers, ``on_epoch_end``, history, commit."""
         state, ctx, rec = self.state, self.ctx, self.state.recorder
         totals = self.engine.epoch
+        totals.sums.agree(state.world, self.engine.objective.terms)  # the union's sums on every rank
         train = totals.sums.metrics()
         if totals.microbatches == 0:
             raise ConfigError(f"the train loader yielded no batch in epoch {epoch}: it is empty or exhausted (an "
@@ -300,6 +315,7 @@ class TrainingLoop:
         step_epoch_clock(self.schedulers, decision, rec, epoch=epoch, step=ctx.step_count)
         self.callbacks.epoch_end(ctx)
         self.stages(TrainingStage.AFTER_EPOCH, ctx)
+        state.agree_stop()  # a stop one rank asked for (from a rank-local quantity too) stops them all
         if state.stop_requested is not None:
             state.record_stop(epoch=epoch, step=ctx.step_count)
         record = HistoryRecord(
@@ -316,9 +332,18 @@ class TrainingLoop:
 
     # --- validation -----------------------------------------------------------------------
 
+    def _final_validation_due(self) -> bool:
+        """``final_validation``: True always; ``"auto"`` when an update was committed after the last
+        pass (the run stopped at an update boundary, or its last pass was a step-cadence one before
+        more updates): the final weights are then scored once more; False never."""
+        if self.final_validation == "auto":
+            return self.ctx.step_count != self._validated_at
+        return bool(self.final_validation)
+
     def _validation_pass(self, loader: Iterable[Any], trigger: str = "epoch") -> dict[str, float]:
         ctx = self.ctx
         val, n_val = self.validate(loader)
+        self._validated_at = ctx.step_count
         ctx.validation = val
         self.state.recorder.emit(
             ValidationDone(epoch=ctx.epoch, metrics=val, examples=n_val, step=ctx.step_count, trigger=trigger)

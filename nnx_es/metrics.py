@@ -7,6 +7,10 @@ term when the objective has several, and ``accuracy`` for a classifier
 (outputs ``(B, C)`` with integer targets ``(B,)``, or a binary head: one logit
 ``(B, 1)`` with 0/1 targets ``(B,)`` or ``(B, 1)``, scored at probability 0.5).
 
+Metrics users bring (named per-row callables, ``torchmetrics`` objects: :mod:`nnx_es.user_metrics`)
+are updated with every microbatch of the epoch and computed once at its end, so they too are
+exact over the epoch's rows.
+
 A declared metric is never dropped silently: a monitor naming no reported metric is
 refused before the run (:func:`check_monitor`), and outputs or targets ``accuracy``
 cannot score are refused on the first batch, before its backward pass
@@ -26,6 +30,7 @@ from nnx_es.data import iterate_batches
 from nnx_es.errors import ConfigError
 from nnx_es.monitor import Monitor
 from nnx_es.objective import LossParts, Objective, accuracy, accuracy_kind, hits
+from nnx_es.user_metrics import UserMetric, metric_names, split_declared, user_metric
 
 __all__ = ["METRICS", "MetricSums", "check_monitor", "evaluate", "reported_metrics", "validate_metrics"]
 
@@ -33,25 +38,38 @@ __all__ = ["METRICS", "MetricSums", "check_monitor", "evaluate", "reported_metri
 METRICS = ("accuracy",)
 
 
-def validate_metrics(metrics: Iterable[str]) -> tuple[str, ...]:
-    """Return ``metrics`` as a tuple.
+def validate_metrics(metrics: Any) -> tuple[Any, ...]:
+    """Return ``metrics`` as a tuple of built-in names and :class:`~nnx_es.user_metrics.UserMetric`.
+
+    ``metrics``: a sequence of names (:data:`METRICS`), callables and torchmetrics metrics, or a
+    mapping ``{name: callable or metric}`` (see :mod:`nnx_es.user_metrics`).
 
     Raises:
-        ConfigError: a name that is not in :data:`METRICS`.
+        ConfigError: an unknown name, an object that is no metric, or two metrics of one name.
     """
     if isinstance(metrics, str):
         raise ConfigError(f"metrics must be a list of names, got the string {metrics!r} (write [{metrics!r}])")
-    out = tuple(metrics)
-    unknown = [m for m in out if m not in METRICS]
+    out: list[Any] = []
+    for name, m in split_declared(metrics):
+        if isinstance(m, (str, UserMetric)) and name is None:
+            out.append(m)
+        else:
+            out.append(user_metric(name, m))
+    unknown = [m for m in out if isinstance(m, str) and m not in METRICS]
     if unknown:
-        raise ConfigError(f"unknown metrics {unknown}; known: {list(METRICS)} (the loss is always reported)")
-    return out
+        raise ConfigError(f"unknown metrics {unknown}; known: {list(METRICS)} (the loss is always reported), or "
+                          "pass a callable (outputs, targets) -> per-row values or a torchmetrics metric")
+    names = metric_names(out)
+    dup = sorted({n for n in names if names.count(n) > 1 or n == "loss"})
+    if dup:
+        raise ConfigError(f"metric names must be unique and not 'loss', got {dup} twice (name them: metrics={{name: m}})")
+    return tuple(out)
 
 
-def reported_metrics(objective: Objective, metrics: tuple[str, ...]) -> set[str]:
+def reported_metrics(objective: Objective, metrics: tuple[Any, ...]) -> set[str]:
     """The names of the training metrics a run reports (validation reports the same with ``val_``)."""
     terms = objective.terms if len(objective.terms) > 1 else {}
-    return {"loss", *terms, *metrics}
+    return {"loss", *terms, *metric_names(metrics)}
 
 
 def check_monitor(monitor: Monitor, objective: Objective, metrics: tuple[str, ...]) -> None:
@@ -71,10 +89,13 @@ def check_monitor(monitor: Monitor, objective: Objective, metrics: tuple[str, ..
 class MetricSums:
     """Running sums of one epoch's loss terms and accuracy."""
 
-    __slots__ = ("num", "den", "terms", "_correct", "scored", "rows", "with_accuracy", "_checked", "keep_nonfinite")
+    __slots__ = ("num", "den", "terms", "_correct", "scored", "rows", "with_accuracy", "_checked", "keep_nonfinite",
+                 "user")
 
-    def __init__(self, metrics: tuple[str, ...] = (), *, keep_nonfinite: bool = False) -> None:
-        self.with_accuracy = "accuracy" in metrics
+    def __init__(self, metrics: tuple[Any, ...] = (), *, keep_nonfinite: bool = False) -> None:
+        self.with_accuracy = "accuracy" in metric_names(metrics)
+        #: this epoch's (or pass's) own, reset state of each user metric
+        self.user: list[UserMetric] = [m.fresh() for m in metrics if isinstance(m, UserMetric)]
         self.keep_nonfinite = keep_nonfinite
         self.num = 0.0
         self.den = 0.0
@@ -138,6 +159,8 @@ class MetricSums:
         without weights)."""
         if rows is None:
             rows = int(targets.shape[0]) if targets.dim() > 0 else 1
+        for m in self.user:
+            m.update(outputs, targets, weights)
         if self.with_accuracy:
             if weights is None:
                 self._correct = self._correct + hits(outputs.detach(), targets).sum()
@@ -148,6 +171,24 @@ class MetricSums:
                 self.scored += s
         self.rows += rows
 
+    def agree(self, world: Any, term_names: Iterable[str] = ()) -> None:
+        """Sum these sums over the ranks of ``world`` (a :class:`~nnx_es.run_state.World`), in ONE
+        all-reduce: afterwards every rank holds the union's sums, so its metrics, records and
+        decisions are the same (spec 000 §3 "Records and decisions"). ``term_names``: the
+        objective's terms (a rank that scored no batch has none of its own). One process: nothing.
+        """
+        if not world.distributed:
+            return
+        names = list(term_names)
+        if len(names) <= 1:  # one term: the loss itself
+            names = []
+        values = [self.num, self.den, self.correct, self.scored, float(self.rows)]
+        values += [float(self.terms.get(n, 0.0)) for n in names]
+        out = world.agree(torch.tensor(values, dtype=torch.float64)).tolist()
+        self.num, self.den, self._correct, self.scored, self.rows = out[0], out[1], out[2], out[3], int(out[4])
+        if names:
+            self.terms = dict(zip(names, out[5:]))
+
     def metrics(self, prefix: str = "") -> dict[str, float]:
         """``{prefix+"loss", prefix+<term> (several terms only), prefix+"accuracy"}`` as floats."""
         den = self.den
@@ -156,6 +197,8 @@ class MetricSums:
             out.update({f"{prefix}{k}": v / den if den > 0 else math.nan for k, v in self.terms.items()})
         if self.scored > 0:
             out[f"{prefix}accuracy"] = self.correct / self.scored
+        for m in self.user:
+            out[f"{prefix}{m.name}"] = m.compute()
         return out
 
 
@@ -165,15 +208,22 @@ def evaluate(
     loader: Iterable[Any],
     objective: Objective,
     step_fn: Callable[[nn.Module, Any], tuple[Tensor, Tensor, Tensor | None]],
-    metrics: tuple[str, ...] = (),
+    metrics: tuple[Any, ...] = (),
     *,
     gather: bool = True,
     device: torch.device | None = None,
+    world: Any = None,
+    on_batch: Callable[..., Any] | None = None,
 ) -> tuple[dict[str, float], int]:
     """One validation pass in eval mode: (``val_`` metrics, rows scored). The net's mode is restored.
 
     ``gather``: iterate through :func:`nnx_es.data.iterate_batches` (same batches, gathered);
-    ``device``: move each batch there first (``None``: as it comes).
+    ``world``: under data
+    parallelism each rank scores its own shard (no collective inside the loop), then the sums
+    are agreed once (:meth:`MetricSums.agree`): the metrics are the union's, every row once.
+    ``device``: move each batch there first (``None``: as it comes). ``on_batch(*, batch, predictions,
+    loss, batch_count)``: called after each batch is scored, with the batch (moved), its outputs,
+    its mean loss (float; ``nan`` when no row counts) and its 0-based index in the pass.
     Batches follow ``step_fn``'s contract (the default one: :mod:`nnx_es.batches`).
 
     Raises:
@@ -184,11 +234,17 @@ def evaluate(
     net.eval()
     sums = MetricSums(metrics, keep_nonfinite=True)
     try:
-        for batch in iterate_batches(loader, gather=gather, device=device):
+        for index, batch in enumerate(iterate_batches(loader, gather=gather, device=device)):
             outputs, targets, weights = step_fn(net, batch)
             sums.check(outputs, targets)
             parts = objective(outputs, targets, weights)
-            sums.add(parts, float(parts.total), outputs, targets, weights)
+            num = float(parts.total)
+            sums.add(parts, num, outputs, targets, weights)
+            if on_batch is not None:
+                on_batch(batch=batch, predictions=outputs, loss=num / parts.den if parts.den > 0 else math.nan,
+                         batch_count=index)
     finally:
         net.train(was_training)
+    if world is not None:
+        sums.agree(world, objective.terms)
     return sums.metrics("val_"), sums.rows

@@ -8,18 +8,34 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from msgspec import Struct
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from nnx_es.checkpoint import Manifest, load_component, verify_checkpoint
+from nnx_es.device import model_device
 from nnx_es.errors import ConfigError, ResumeError
+from nnx_es.batches import weighted_forward
+from nnx_es.engine import default_forward
+from nnx_es.evaluation import (
+    HEADS,
+    evaluation_event,
+    head_of,
+    input_of,
+    predict_outputs,
+    record_evaluation,
+    weights_fingerprint,
+)
+from nnx_es.metrics import evaluate as evaluate_pass
+from nnx_es.metrics import validate_metrics
+from nnx_es.objective import Objective
 from nnx_es.result import RunResult, load_result
 from nnx_es.snapshot import weight_misfits
 from nnx_es.storage import BlobStore
 from nnx_es.trainer import Trainer
 from nnx_es.update_hooks import EMA
 
-__all__ = ["NNModel"]
+__all__ = ["NNModel", "WeightsSource"]
 
 #: the keyword arguments :meth:`NNModel.train` passes on to :class:`~nnx_es.trainer.Trainer`
 _TRAINER_KEYWORDS = frozenset(
@@ -41,6 +57,34 @@ def _averaged_state(store: BlobStore, manifest: Manifest) -> dict[str, Any] | No
     return None
 
 
+class WeightsSource(Struct, frozen=True, kw_only=True):
+    """Where the weights in an :class:`NNModel`'s net came from: a run's checkpoint.
+
+    run_dir: the run. checkpoint: ``"best"`` or ``"last"``. manifest: its SHA-256. epoch: its
+    0-based epoch. weights: which of its weights (see :meth:`NNModel.load`). fingerprint:
+    :func:`~nnx_es.evaluation.weights_fingerprint` of the net right after they were put there.
+    """
+
+    run_dir: str
+    checkpoint: str
+    manifest: str
+    epoch: int
+    weights: str
+    fingerprint: str
+
+
+def _is_array(data: Any) -> bool:
+    """A numpy array or nested lists of numbers (one input), as opposed to a loader."""
+    if hasattr(data, "__array__"):
+        return True
+    return isinstance(data, list) and bool(data) and isinstance(data[0], (int, float, list))
+
+
+def _default_loss(head: str) -> nn.Module:
+    """The loss :meth:`NNModel.evaluate` scores a head with when none is given."""
+    return {"multiclass": nn.CrossEntropyLoss, "binary": nn.BCEWithLogitsLoss, "regression": nn.MSELoss}[head]()
+
+
 class NNModel:
     """Wraps ``net`` (logits out, shape ``(N, C)``, or ``(N, 1)`` for a binary head) for training and prediction.
 
@@ -48,14 +92,25 @@ class NNModel:
         net: the module; ``net(x)`` maps ``(N, *features)`` float32 to ``(N, C)`` logits
             (C >= 2, softmax; train with ``CrossEntropyLoss``, the default), or to one logit
             ``(N, 1)`` of a binary classifier (sigmoid; train with ``loss=nn.BCEWithLogitsLoss()``
-            on float 0/1 targets of shape ``(N, 1)``).
+            on float 0/1 targets of shape ``(N, 1)``), or to values of a regression.
+        head: how outputs are read by :meth:`predict` and :meth:`evaluate`: ``"multiclass"``,
+            ``"binary"`` or ``"regression"``; default ``None``: inferred from the outputs' shape
+            (``(N, 1)``: binary, ``(N, C)``: multiclass) -- a one-output regression must say so.
+
+    Raises:
+        ConfigError: ``net`` is not a module, or ``head`` is not one of the above.
     """
 
-    def __init__(self, net: nn.Module) -> None:
+    def __init__(self, net: nn.Module, *, head: str | None = None) -> None:
         if not isinstance(net, nn.Module):
             raise ConfigError(f"net must be a torch.nn.Module, got {type(net).__name__}")
+        if head is not None and head not in HEADS:
+            raise ConfigError(f"head must be one of {', '.join(map(repr, HEADS))} or None (inferred), got {head!r}")
         self.net = net
+        self.head = head
         self.run: RunResult | None = None
+        #: the checkpoint the net's weights came from (set by :meth:`train` and :meth:`load`)
+        self.source: WeightsSource | None = None
 
     def parameters(self) -> Iterable[nn.Parameter]:
         return self.net.parameters()
@@ -112,6 +167,10 @@ class NNModel:
         trainer = Trainer(self.net, optimizer, loss if loss is not None else nn.CrossEntropyLoss(), **trainer_kwargs)
         self.run = trainer.fit(train_loader, val_loader, epochs=epochs, resume_from=resume_from,
                                resume_mode=resume_mode, resume=resume)
+        last = self.run.last
+        self.source = None if last is None else WeightsSource(
+            run_dir=self.run.run_dir, checkpoint="last", manifest=last.manifest, epoch=last.epoch, weights="raw",
+            fingerprint=weights_fingerprint(self.net))
         return self.run
 
     def load(self, run_dir: str | Path, which: str = "best", *, weights: str = "evaluated") -> int:
@@ -161,36 +220,94 @@ class NNModel:
             raise ConfigError(f"the {which.upper()} checkpoint of run {result.run_id!r} (epoch {pointer.epoch}) "
                               f"does not fit this net (another architecture?): {misfits}")
         self.net.load_state_dict(state)
+        self.source = WeightsSource(run_dir=str(Path(run_dir)), checkpoint=which, manifest=pointer.manifest,
+                                    epoch=pointer.epoch, weights=weights, fingerprint=weights_fingerprint(self.net))
         return pointer.epoch
 
-    @torch.no_grad()
-    def predict_proba(self, x: Tensor) -> Tensor:
-        """Class probabilities: ``x`` of shape ``(N, *features)`` float -> ``(N, C)`` float32, rows sum to 1.
+    def outputs(self, data: Any) -> Tensor:
+        """The net's raw outputs: ``data`` a tensor ``(N, *features)`` or a loader (every batch, in
+        order: a tensor, ``(x, ...)`` or ``{"x": ...}``) -> ``(N, ...)`` float32 on the CPU.
+
+        Eval mode (restored after), no gradients, on the model's device.
+        """
+        if not isinstance(data, Tensor) and _is_array(data):
+            data = torch.as_tensor(data, dtype=torch.float32)
+        return predict_outputs(self.net, [data] if isinstance(data, Tensor) else data, device=model_device(self.net))
+
+    def predict_proba(self, data: Any) -> Tensor:
+        """Class probabilities: ``data`` (a tensor ``(N, *features)`` or a loader, see :meth:`outputs`)
+        -> ``(N, C)`` float32, rows sum to 1.
 
         ``(N, C)`` logits give their softmax; one logit ``(N, 1)`` (a binary head) gives
         ``(N, 2)``: ``[1 - p, p]`` with ``p = sigmoid(logit)``, the probability of class 1.
         Runs in eval mode without gradients, on the model's device; returns on CPU.
 
         Raises:
-            ValueError: the net's output is not 2-dimensional.
+            ValueError: the net's output is not 2-dimensional, or the head is ``"regression"``.
         """
-        if not isinstance(x, Tensor):
-            x = torch.as_tensor(x, dtype=torch.float32)
-        was = self.net.training
-        self.net.eval()
-        try:
-            device = next((p.device for p in self.net.parameters()), torch.device("cpu"))
-            logits = self.net(x.to(device))
-        finally:
-            self.net.train(was)
+        if self.head == "regression":
+            raise ValueError("predict_proba: a regression head has no class probabilities (use predict)")
+        logits = self.outputs(data)
         if logits.dim() != 2:
             raise ValueError(f"predict_proba expects logits of shape (N, C), the net returned {tuple(logits.shape)}")
         if logits.shape[1] == 1:  # a binary head: one logit
-            p = torch.sigmoid(logits.float())
-            return torch.cat([1.0 - p, p], dim=1).cpu()
-        return torch.softmax(logits.float(), dim=-1).cpu()
+            p = torch.sigmoid(logits)
+            return torch.cat([1.0 - p, p], dim=1)
+        return torch.softmax(logits, dim=-1)
 
-    def predict(self, x: Tensor) -> Tensor:
-        """Predicted class ids, shape ``(N,)`` int64: the most probable class (a binary head: 1 when
-        its probability is > 0.5)."""
-        return self.predict_proba(x).argmax(dim=-1)  # [1 - p, p]: 1 exactly when p > 0.5
+    def predict(self, data: Any) -> Tensor:
+        """Predictions for ``data`` (a tensor ``(N, *features)`` or a loader, see :meth:`outputs`).
+
+        A classifier: class ids, shape ``(N,)`` int64, the most probable class (a binary head:
+        1 when its probability is > 0.5). ``head="regression"``: the outputs, ``(N, ...)`` float32.
+        """
+        if self.head == "regression":
+            return self.outputs(data)
+        return self.predict_proba(data).argmax(dim=-1)  # [1 - p, p]: 1 exactly when p > 0.5
+
+    def evaluate(self, loader: Iterable[Any], *, loss: Any = None, metrics: Any = None,
+                 sample_weights: bool = False, record: bool = False, name: str = "eval") -> dict[str, float]:
+        """Score the net on every row of ``loader``; return ``{"loss", <term>..., <metric>...}`` as floats.
+
+        Each value is exact over the loader's rows (a ratio of sums, not a mean of batch means),
+        computed in eval mode without gradients, on the model's device. Batches follow the batch
+        contract (:mod:`nnx_es.batches`; ``sample_weights=True`` reads a third element as row weights).
+
+        Args:
+            loss: default by head: ``CrossEntropyLoss`` (multiclass), ``BCEWithLogitsLoss``
+                (binary: float 0/1 targets shaped as the outputs), ``MSELoss`` (regression).
+            metrics: as ``Trainer(metrics=...)``; default ``("accuracy",)`` for a classifier,
+                none for a regression.
+            record: also append the result to the run the weights came from (:attr:`source`, set by
+                :meth:`train` and :meth:`load`) as an ``evaluation_recorded`` event after its
+                ``run_finalized`` (why there: :mod:`nnx_es.evaluation`), labelled ``name``.
+
+        Raises:
+            ConfigError: a batch or outputs the loss or a metric refuses (named); ``record=True``
+                without a source, or with weights changed since they were loaded or trained.
+            ResumeError / LeaseHeldError: the source run is not finalized / is being written.
+        """
+        if record and self.source is None:
+            raise ConfigError("evaluate(record=True) records into the run the weights came from: train() or "
+                              "load() a run first (these weights name no checkpoint)")
+        if record and weights_fingerprint(self.net) != self.source.fingerprint:  # type: ignore[union-attr]
+            raise ConfigError(f"evaluate(record=True): the net's weights changed since they were taken from the "
+                              f"{self.source.checkpoint.upper()} of {self.source.run_dir}; the record would name "  # type: ignore[union-attr]
+                              "a checkpoint that is not what was scored (load() it again)")
+        forward = weighted_forward if sample_weights else default_forward
+        head = self.head
+        if head is None:  # read from the first batch's outputs
+            head = head_of(self.outputs(input_of(next(iter(loader)))), None)
+        if metrics is None:
+            metrics = () if head == "regression" else ("accuracy",)
+        objective = loss if isinstance(loss, Objective) else Objective(loss if loss is not None else _default_loss(head))
+        values, rows = evaluate_pass(self.net, loader, objective, forward, validate_metrics(metrics),
+                                     device=model_device(self.net))
+        result = {k.removeprefix("val_"): v for k, v in values.items()}
+        if record:
+            src = self.source
+            assert src is not None
+            record_evaluation(src.run_dir, evaluation_event(
+                name=name, checkpoint=src.checkpoint, manifest=src.manifest, epoch=src.epoch, weights=src.weights,
+                metrics=result, examples=rows))
+        return result

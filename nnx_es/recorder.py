@@ -10,6 +10,15 @@ at once and takes its seq, but it and every event after it wait in order until t
 holder releases it (:meth:`Recorder.release`) with its final values. Before any write
 the recorder asks the holder to settle (``settle``), so nothing is ever written out of
 order or with a placeholder value.
+
+After each synced write (a commit) the recorder may store a *projection snapshot*
+(:mod:`projections.snapshots`): every :data:`SNAPSHOT_EVERY` events or more, at a commit
+where the committed view holds nothing back, it folds the events written since it last
+looked (read back from the log, a chunk at a time) and stores the state in one unsynced
+transaction of its own (:meth:`events.log.LmdbLog.put_snapshot`). The fold is incremental,
+so it costs about one read and partial decode per event, spread over the commits (measured
+in ``bench/scale.py``). A snapshot is a cache: one that cannot be made is dropped with a
+warning, and the run goes on without snapshots; it never fails the run.
 """
 
 from __future__ import annotations
@@ -18,12 +27,42 @@ import os
 import time
 from collections.abc import Callable
 
+import structlog
+
 from events.log import EventLog
 from events.schema import Counters, Event
 from nnx_es.lifecycle import Lifecycle
 from projections.counters import CountersAccumulator
+from projections.snapshots import SnapshotFolder, encode_snapshot, newest_usable
 
-__all__ = ["Recorder"]
+__all__ = ["SNAPSHOT_EVERY", "Recorder", "snapshot_folder", "store_snapshot"]
+
+log = structlog.get_logger("nnx_es")
+
+#: at least this many events between two projection snapshots (0: none are written)
+SNAPSHOT_EVERY = 1 << 16
+
+
+def snapshot_folder(log: EventLog, every: int) -> SnapshotFolder:
+    """The writer's snapshot fold of ``log``, from its newest usable snapshot (or from 0)."""
+    return SnapshotFolder(newest_usable(log.read_snapshots(log.durable_seq), []), every=every)
+
+
+def store_snapshot(log: EventLog, folder: SnapshotFolder) -> int | None:
+    """Fold what ``log`` stored since ``folder`` last looked, when a snapshot is due, and store the
+    snapshot due (see the module docstring); return its seq, or None.
+
+    Raises:
+        CorruptEventError / EventLogError: a stored value does not decode, or a read or the write failed.
+    """
+    durable = log.durable_seq
+    if not folder.due(durable):
+        return None
+    snapshot = folder.advance(log.read_chunks(folder.next_seq, durable))
+    if snapshot is None:
+        return None
+    log.put_snapshot(snapshot.seq, encode_snapshot(snapshot))
+    return snapshot.seq
 
 
 class Recorder:
@@ -35,7 +74,7 @@ class Recorder:
     """
 
     __slots__ = ("log", "lifecycle", "live", "_frozen", "last_seq", "flush_interval_s", "_last_flush", "_written",
-                 "_held", "_hold", "settle")
+                 "_held", "_hold", "settle", "_snapshots")
 
     def __init__(self, log: EventLog, lifecycle: Lifecycle | None = None, counters: Counters | None = None) -> None:
         self.log = log
@@ -53,6 +92,8 @@ class Recorder:
         self._hold = False  # the next emitted event is held
         #: called before a write while events are held; must :meth:`release` them
         self.settle: Callable[[], None] | None = None
+        #: the fold behind the projection snapshots: None until the first commit, False when off
+        self._snapshots: SnapshotFolder | None | bool = None if SNAPSHOT_EVERY > 0 else False
 
     @property
     def counters(self) -> Counters:
@@ -133,6 +174,22 @@ class Recorder:
             self._frozen = None
             raise
         self._wrote()
+        if self._snapshots is not False:
+            self._snapshot()
+
+    def _snapshot(self) -> None:
+        """Store a projection snapshot when one is due (see the module docstring); never raises."""
+        try:
+            folder = self._snapshots
+            if folder is None:  # the first commit: continue from the newest snapshot the log holds
+                folder = self._snapshots = snapshot_folder(self.log, SNAPSHOT_EVERY)
+            assert isinstance(folder, SnapshotFolder)
+            store_snapshot(self.log, folder)
+        except Exception as exc:  # a cache: the run goes on without it
+            self._snapshots = False
+            log.warning("projection snapshots turned off for this run: one could not be made; readers fold "
+                        "the log from the last snapshot written", error=f"{type(exc).__name__}: {exc}",
+                        durable_seq=self.log.durable_seq)
 
     def _wrote(self) -> None:
         self._last_flush = time.monotonic()

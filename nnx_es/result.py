@@ -9,7 +9,7 @@ import msgspec
 from events.log import LmdbLog
 from events.schema import Counters, HistoryRecord
 from projections.checkpoints import Pointer
-from projections.view import Projections, project
+from projections.view import Projections
 
 __all__ = ["RunResult", "load_result", "open_projections", "result_of"]
 
@@ -45,9 +45,20 @@ class RunResult(msgspec.Struct, frozen=True, kw_only=True):
 
 
 def open_projections(run_dir: str | Path) -> tuple[Projections, int]:
-    """Fold a run's committed view read-only; return (projections, number of events)."""
+    """Fold a run's committed view read-only; return (projections, number of events).
+
+    Folded from the newest usable projection snapshot on (:func:`nnx_es.audit.project_log`:
+    O(events since it)); damage to the log's values before that snapshot is not seen here
+    (``inspect summary``, a resume and ``tools/replay`` report it).
+
+    Raises:
+        CorruptEventError: a value after the snapshot does not decode (names its seq).
+        EventLogError: the log cannot be opened or read.
+    """
+    from nnx_es.audit.snapshots import project_log
+
     with LmdbLog(Path(run_dir) / "events.lmdb", readonly=True) as log:
-        return project(log.read()), log.next_seq
+        return project_log(log).projections, log.next_seq
 
 
 def load_result(run_dir: str | Path) -> RunResult:

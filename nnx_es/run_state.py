@@ -159,6 +159,15 @@ class RunState:
         if self._stop is None:
             self._stop = (str(reason), str(by))
 
+    def agree_stop(self) -> None:
+        """Decide the stop request once for every rank (agreement point 2): one all-gather of each
+        rank's request; the first in rank order wins on every rank. Never a barrier plus a
+        rank-local flag (that is how early stopping hangs a group). One process: nothing."""
+        if not self.world.distributed:
+            return
+        asked = [r for r in self.world.gather(self._stop) if r is not None]
+        self._stop = (str(asked[0][0]), str(asked[0][1])) if asked else None
+
     @property
     def stop_requested(self) -> tuple[str, str] | None:
         """``(reason, by)`` of the stop asked for, or ``None``."""

@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import structlog
@@ -25,6 +26,7 @@ import torch
 from events.log import LmdbLog
 from events.schema import RunResumed, RunStarted, SourceRef, UpdateSpec
 from nnx_es.checkpoint import Manifest
+from nnx_es.distributed.verdict import describe_error, raise_described
 from nnx_es.errors import ConfigError, ResumeError
 from nnx_es.lifecycle import Lifecycle
 from nnx_es.loaders import check_same_loaders
@@ -32,11 +34,11 @@ from nnx_es.recorder import Recorder
 from nnx_es.resume import find_resume_point
 from nnx_es.rng import seed_everything
 from nnx_es.run_state import RunState, World
-from nnx_es.snapshot import RunComponents, apply_state, load_state
+from nnx_es.snapshot import RunComponents, apply_state, check_world_size, load_state
 from nnx_es.storage import BlobStore, Lease, clean_stale_temporaries, validate_run_id
 from projections.checkpoints import CheckpointsState
 
-__all__ = ["RESUME_MODES", "Session", "check_epochs", "library_versions", "open_session"]
+__all__ = ["RESUME_MODES", "Session", "apply_loaded", "check_epochs", "library_versions", "new_run_id", "open_session"]
 
 #: ``fit(resume_mode=...)``: continue the run itself, or start a new run from its weights or its whole state
 RESUME_MODES = ("stateful", "weights_only", "fork")
@@ -56,6 +58,11 @@ class Session:
     checkpoints: CheckpointsState
 
 log = structlog.get_logger("nnx_es")
+
+
+def new_run_id() -> str:
+    """A fresh run id: a timestamp and a random suffix."""
+    return f"{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(3)}"
 
 
 def check_epochs(epochs: int, start_epoch: int) -> None:
@@ -119,23 +126,17 @@ def open_session(
     """
     if resume_mode not in RESUME_MODES:
         raise ConfigError(f"resume_mode must be one of {RESUME_MODES}, got {resume_mode!r}")
-    stateful = resume_from is not None and resume_mode == "stateful"
-    if resume_at is not None and (resume_from is None or stateful):  # an older LAST forks a new run
-        raise ConfigError(f"resume_at={resume_at!r} starts a new run from that checkpoint: use resume_mode='fork' "
-                          "(its whole state) or 'weights_only' (its weights)")
-    if resume_from is not None:
-        _require_run_dir(Path(resume_from))
-        resume_from = Path(resume_from).resolve()  # ".", a symlink: the run itself (its lease, its id)
-    if stateful:
-        assert resume_from is not None
-        if run_id not in (None, resume_from.name):
-            raise ConfigError(
-                f"a stateful resume continues run {resume_from.name!r}; run_id={run_id!r} names another run "
-                "(use resume_mode='weights_only' to start a new run from its weights)"
-            )
-        runs_root, run_id = resume_from.parent, validate_run_id(resume_from.name)
-    else:
-        run_id = run_id or f"{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(3)}"
+    world = world or World()
+    if not world.is_writer:
+        yield _follow(world, runs_root=runs_root, run_id=run_id, resume_from=resume_from, seed=seed,
+                      components=components)
+        return
+    try:
+        stateful, resume_from, runs_root, run_id = _target(runs_root, run_id, resume_from, resume_mode, resume_at)
+    except BaseException as exc:
+        if world.distributed:  # the same refusal on every rank
+            world.share({"ok": False, "error": describe_error(exc)})
+        raise
     run_dir = runs_root / run_id
     lease = Lease(runs_root, run_id)
     began = created = False
@@ -171,12 +172,17 @@ def open_session(
             checkpoints = CheckpointsState()
             if stateful:
                 point = find_resume_point(run_dir, event_log, expect_run_id=run_id)
+                check_world_size(point.manifest.world_size, components.world.size)  # before the recipe's details
                 _check_same_recipe(components, declare(run_id, None), point.started, point.manifest)
                 check_epochs(epochs, point.manifest.epoch + 1)
                 seed_everything(seed)  # then the checkpoint's RNG streams are restored over it
-                apply_state(components, load_state(store, point.manifest))
+                shared_state = load_state(store, point.manifest)
+                apply_state(components, shared_state)
                 recorder = Recorder(event_log, Lifecycle(point.state), counters=point.manifest.counters)
                 state = RunState(run_id=run_id, runs_root=runs_root, recorder=recorder, store=store, world=world)
+                verdict = {"stateful": True, "state": shared_state, "lifecycle": point.state,
+                           "counters": point.manifest.counters, "stop": point.projections.status.stop_reason,
+                           "checkpoints": point.projections.checkpoints}
                 stop = point.projections.status.stop_reason
                 if stop is not None and stop != "update_boundary":
                     # the run had decided to stop (early stopping): resuming finishes it, trains nothing more
@@ -191,24 +197,53 @@ def open_session(
                 start_epoch = point.manifest.epoch + 1
             else:
                 seed_everything(seed)
-                src = None
+                src = loaded = None
                 if resume_from is not None:
-                    src = _load_from(components, resume_from, own=run_dir, at=resume_at,
-                                     fork=resume_mode == "fork", declared=declare(run_id, None))
+                    src, loaded = _load_from(components, resume_from, own=run_dir, at=resume_at,
+                                             fork=resume_mode == "fork", declared=declare(run_id, None))
                 state = RunState(run_id=run_id, runs_root=runs_root, recorder=Recorder(event_log), store=store,
                                  world=world)
                 opening = declare(run_id, src)
                 start_epoch = 0
+                verdict = {"stateful": False, "loaded": loaded, "fork": resume_mode == "fork"}
+            if world.distributed:  # the writer's verdict, and what it restored, for every other rank
+                world.share({"ok": True, "run_id": run_id, "runs_root": str(runs_root), "opening": opening,
+                             "start_epoch": start_epoch, "next_seq": event_log.next_seq, **verdict})
             began = True
             yield Session(state=state, opening=opening, start_epoch=start_epoch, checkpoints=checkpoints)
-    except BaseException:
+    except BaseException as exc:
         if not began and created:  # refused before the run began: no empty run to block a retry
             shutil.rmtree(run_dir, ignore_errors=True)
+        if not began and world.distributed:  # the same refusal on every rank
+            world.share({"ok": False, "error": describe_error(exc)})
         raise
     finally:
         if state is not None:
             state.store = BlobStore(run_dir / "blobs")  # the session's log is closed: later reads open their own
         lease.release()
+
+
+def _target(runs_root: Path, run_id: str | None, resume_from: str | Path | None, resume_mode: str,
+            resume_at: int | str | None) -> tuple[bool, Path | None, Path, str]:
+    """Which run a session opens: (stateful, the resolved source, runs root, run id); refuses a bad pairing."""
+    stateful = resume_from is not None and resume_mode == "stateful"
+    if resume_at is not None and (resume_from is None or stateful):  # an older LAST forks a new run
+        raise ConfigError(f"resume_at={resume_at!r} starts a new run from that checkpoint: use resume_mode='fork' "
+                          "(its whole state) or 'weights_only' (its weights)")
+    if resume_from is not None:
+        _require_run_dir(Path(resume_from))
+        resume_from = Path(resume_from).resolve()  # ".", a symlink: the run itself (its lease, its id)
+    if stateful:
+        assert resume_from is not None
+        if run_id not in (None, resume_from.name):
+            raise ConfigError(
+                f"a stateful resume continues run {resume_from.name!r}; run_id={run_id!r} names another run "
+                "(use resume_mode='weights_only' to start a new run from its weights)"
+            )
+        runs_root, run_id = resume_from.parent, validate_run_id(resume_from.name)
+    else:
+        run_id = run_id or new_run_id()
+    return stateful, (Path(resume_from) if resume_from is not None else None), runs_root, run_id
 
 
 def _has_last(run_dir: Path) -> bool:
@@ -287,7 +322,7 @@ def _check_same_recipe(components: RunComponents, mine: RunStarted, started: Run
 
 
 def _load_from(components: RunComponents, source: Path, *, own: Path, at: int | str | None, fork: bool,
-               declared: RunStarted) -> SourceRef:
+               declared: RunStarted) -> tuple[SourceRef, dict[str, Any]]:
     """Load ``source``'s verified LAST (or the committed one ``at`` names) into ``components``; return
     the source reference. ``own``: the new run's directory (never its own source).
 
@@ -305,13 +340,52 @@ def _load_from(components: RunComponents, source: Path, *, own: Path, at: int | 
         point = find_resume_point(source, src_log, at=at)
         if fork:
             _check_same_recipe(components, declared, point.started, point.manifest)
-        fresh_monitor = components.monitor.state_dict() if components.monitor is not None else None
-        apply_state(components, load_state(BlobStore(source / "blobs", log=src_log), point.manifest),
-                    weights_only=not fork)
+        loaded = load_state(BlobStore(source / "blobs", log=src_log), point.manifest)
+    apply_loaded(components, loaded, fork=fork)
+    return SourceRef(run_id=point.run_id, last_seq=point.last_seq, manifest=point.manifest_hash,
+                     state="full" if fork else "weights"), loaded
+
+
+def apply_loaded(components: RunComponents, loaded: dict[str, Any], *, fork: bool) -> None:
+    """Restore a new run's start from another run's checkpoint state ``loaded``: its weights alone,
+    or (``fork``) the whole state but what counts the new run's own epochs -- a fresh monitor, and
+    schedulers counting their steps from 0 (their torch state goes on)."""
+    fresh_monitor = components.monitor.state_dict() if components.monitor is not None else None
+    apply_state(components, loaded, weights_only=not fork)
     if fork:
         for s in components.schedulers:
             s.steps = 0  # the new run's scheduler_stepped events count its own steps
         if components.monitor is not None and fresh_monitor is not None:
             components.monitor.load_state_dict(fresh_monitor)
-    return SourceRef(run_id=point.run_id, last_seq=point.last_seq, manifest=point.manifest_hash,
-                     state="full" if fork else "weights")
+
+
+def _follow(world: World, *, runs_root: Path, run_id: str | None, resume_from: str | Path | None, seed: int,
+            components: RunComponents) -> Session:
+    """A rank that is not the writer: take the writer's verdict (its refusal, raised here alike), then
+    restore what the writer restored and fold the run's events in memory (``nnx_es.distributed.follower``);
+    this rank never opens, creates or reads a file of the run (spec 000 §3 "One writer")."""
+    from nnx_es.distributed.follower import FollowerBlobStore, FollowerLog
+
+    verdict = world.share(None)
+    if not verdict["ok"]:
+        raise_described(verdict["error"])
+    run_id = verdict["run_id"]
+    runs_root = Path(verdict["runs_root"])
+    seed_everything(seed)
+    log_ = FollowerLog(verdict["next_seq"])
+    store = FollowerBlobStore(runs_root / run_id / "blobs")
+    checkpoints = CheckpointsState()
+    if verdict["stateful"]:
+        apply_state(components, verdict["state"])
+        recorder = Recorder(log_, Lifecycle(verdict["lifecycle"]), counters=verdict["counters"])
+        checkpoints = verdict["checkpoints"]
+    else:
+        if verdict["loaded"] is not None:
+            apply_loaded(components, verdict["loaded"], fork=verdict["fork"])
+        recorder = Recorder(log_)
+    state = RunState(run_id=run_id, runs_root=runs_root, recorder=recorder, store=store, world=world)
+    stop = verdict.get("stop")
+    if stop is not None and stop != "update_boundary":
+        state.request_stop(stop, "resume")
+    return Session(state=state, opening=verdict["opening"], start_epoch=verdict["start_epoch"],
+                   checkpoints=checkpoints)

@@ -76,6 +76,8 @@ class TensorBoardSink:
     """TensorBoard scalars, live, into ``log_dir`` (default: ``<run>/views/tensorboard``); needs the
     ``plots`` extra (``tensorboard``)."""
 
+    distributed = "writer"  # a sink writes: the writer rank alone feeds it
+
     out_of_process = True
 
     def __init__(self, log_dir: str | Path | None = None) -> None:
@@ -99,6 +101,8 @@ class TensorBoardSink:
 class CsvSink:
     """``epochs.csv`` (one row per committed epoch: epoch, metrics, learning rates) and ``updates.csv``
     (one row per committed update receipt) in ``out_dir`` (default: ``<run>/views``), appended live."""
+
+    distributed = "writer"  # a sink writes: the writer rank alone feeds it
 
     out_of_process = True
 
@@ -144,6 +148,8 @@ class CsvSink:
 class MlflowSink:
     """The same scalars as :class:`TensorBoardSink`, logged to the active MLflow run (``mlflow``
     must be installed; a sink that cannot import it is warned about and dropped at open)."""
+
+    distributed = "writer"  # a sink writes: the writer rank alone feeds it
 
     out_of_process = True
 

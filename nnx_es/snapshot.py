@@ -24,6 +24,7 @@ from torch import Tensor, nn
 from nnx_es.checkpoint import Manifest, load_component, torch_bytes
 from nnx_es.errors import ConfigError, ResumeError
 from nnx_es.rng import LoaderGenerators, capture_rng, generators_mismatch, restore_rng
+from nnx_es.run_state import World
 from nnx_es.state_codec import encode_state
 from nnx_es.storage import BlobStore
 from nnx_es.update_hooks import EMA, UpdateHook
@@ -36,7 +37,7 @@ if TYPE_CHECKING:
     from nnx_es.monitor import Monitor
     from nnx_es.schedulers import Scheduler
 
-__all__ = ["RunComponents", "apply_state", "capture", "detached_copy", "encode_parts", "load_state",
+__all__ = ["RunComponents", "apply_state", "capture", "check_world_size", "detached_copy", "encode_parts", "load_state",
            "weight_misfits"]
 
 
@@ -61,6 +62,18 @@ class RunComponents:
         self.generators: dict[str, LoaderGenerators] = {}
         #: the train and validation loaders themselves (``None`` when absent), set by each ``fit``
         self.loaders: dict[str, Any] = {}
+        #: the process group of the current ``fit`` (data parallelism: every rank's RNG streams are
+        #: gathered into each checkpoint, and each rank restores its own)
+        self.world: World = World()
+
+    def partitions(self) -> dict[str, Any]:
+        """How the loaders deal the rows to the ranks (``describe()`` of a partition sampler), by role."""
+        out: dict[str, Any] = {}
+        for role, loader in self.loaders.items():
+            describe = getattr(getattr(loader, "sampler", None), "describe", None)
+            if callable(describe):
+                out[role] = describe()
+        return out
 
 _msgpack = msgspec.msgpack.Encoder()
 
@@ -105,10 +118,11 @@ def capture(run: RunComponents, epoch: int, world_size: int = 1) -> dict[str, tu
         parts["scaler"] = _state_part(run.engine.scaler.state_dict())
     for h in run.averages:
         parts[f"update_hook/{h.name}"] = _state_part(h.torch_state())
+    rng = capture_rng(run.generators)
     state = {
         "schedulers": {s.name: s.summary() for s in run.schedulers},
         "monitor": run.monitor.state_dict() if run.monitor else None,
-        "rng": capture_rng(run.generators),
+        "rng": rng,
         "data": {"next_epoch": epoch + 1},
         "topology": {
             "module": type(run.net).__qualname__,
@@ -116,6 +130,14 @@ def capture(run: RunComponents, epoch: int, world_size: int = 1) -> dict[str, tu
             "world_size": world_size,
         },
     }
+    world = run.world
+    if world.distributed:
+        # every rank's RNG streams (global and its loaders' own), gathered on every rank: the writer's
+        # checkpoint holds them all, and every rank captures the same bytes ("rng" is the writer's)
+        ranks = world.gather(rng)
+        state["rng"] = ranks[world.writer_rank]
+        state["ranks"] = {"rng": ranks, "partitions": run.partitions()}
+        state["topology"]["partitions"] = run.partitions()
     for name, value in state.items():
         parts[name] = ("msgpack", _msgpack.encode(value))
     for cb in run.callbacks:
@@ -230,8 +252,10 @@ def apply_state(run: RunComponents, state: dict[str, Any], *, weights_only: bool
     misfits = weight_misfits(run.net, state["model"])
     if misfits:
         raise ResumeError(f"the checkpoint's model does not fit this net (another architecture?): {misfits}")
+    rng = state.get("rng")
     if not weights_only:
-        _check_same_generators(run, state["rng"])
+        rng = _rank_rng(run, state)
+        _check_same_generators(run, rng)
         wanted = [("optimizer", f"optimizer/{n}") for n in run.optimizers]
         wanted += [("scheduler", f"scheduler/{s.name}") for s in run.schedulers]
         wanted += [("callback", f"callback/{cb.name}") for cb in run.callbacks if cb.state_dict() is not None]
@@ -257,4 +281,40 @@ def apply_state(run: RunComponents, state: dict[str, Any], *, weights_only: bool
         key = f"callback/{cb.name}"
         if key in state:
             cb.load_state_dict(state[key])
-    restore_rng(state["rng"], run.generators)
+    restore_rng(rng, run.generators)
+
+
+def _rank_rng(run: RunComponents, state: dict[str, Any]) -> dict[str, Any]:
+    """This rank's RNG streams in a checkpoint, after checking that the checkpoint was trained on the
+    same world size and partitions (spec 000 §3 "One writer": any other full-state resume is refused).
+
+    Raises:
+        ResumeError: another world size (a distributed checkpoint resumed by one process included),
+            or loaders that partition the rows otherwise; ``resume_mode="weights_only"`` is the way out.
+    """
+    topology = state.get("topology") or {}
+    check_world_size(int(topology.get("world_size", 1) or 1), run.world.size)
+    ours = run.world.size
+    if ours == 1:
+        return state["rng"]  # type: ignore[no-any-return]
+    ranks = state.get("ranks") or {}
+    recorded, current = ranks.get("partitions", {}), run.partitions()
+    if recorded != current:
+        raise ResumeError(f"the checkpoint's data partitions {recorded} differ from this run's {current}: a resume "
+                          "must deal the same rows to the same ranks (same policy, seed and data set size); use "
+                          "resume_mode='weights_only' to start a new run from its weights; nothing was restored")
+    return ranks["rng"][run.world.rank]  # type: ignore[no-any-return]
+
+
+def check_world_size(theirs: int, ours: int) -> None:
+    """Refuse a full-state restore of a checkpoint trained on ``theirs`` ranks into ``ours``.
+
+    Raises:
+        ResumeError: the sizes differ (named, with the way out: the same size, or ``weights_only``).
+    """
+    if theirs != ours:
+        raise ResumeError(
+            f"the checkpoint was trained on {theirs} rank(s) and this run has {ours}: its RNG streams and data "
+            f"partitions are per rank, so a full-state resume needs the same world size (start it with "
+            f"--nproc_per_node/--nnodes giving {theirs} ranks), or use resume_mode='weights_only' to start a new run "
+            "from its weights; nothing was restored")

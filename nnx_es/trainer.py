@@ -41,13 +41,15 @@ from torch import nn
 from torch.optim import Optimizer
 
 from events.schema import RunStarted, SourceRef, UpdateSpec
-from nnx_es.argchecks import check_cadences, check_run_args, monitor_of, optimizers_of
+from nnx_es.argchecks import check_batch_callback, check_cadences, check_run_args, monitor_of, optimizers_of
 from nnx_es.callbacks import Callback, CallbackList
 from nnx_es.batches import weighted_forward
 from nnx_es.commit import Committer
 from nnx_es.commit import checkpoint_lag as lag_in_updates
 from nnx_es.context import TrainContext
 from nnx_es.device import place_model, resolve_device
+from nnx_es.distributed.roles import check_declared, for_rank
+from nnx_es.distributed.wrap import check_distributed, data_parallel, is_writer_rank
 from nnx_es.engine import UpdateEngine, default_forward, default_train_step
 from nnx_es.errors import ConfigError
 from nnx_es.finalize import Finalization
@@ -64,13 +66,14 @@ from nnx_es.recorder import Recorder
 from nnx_es.result import RunResult, load_result, result_of
 from nnx_es.retention import check_retention
 from nnx_es.rng import LoaderGenerators
-from nnx_es.run_state import RunState
-from nnx_es.session import RESUME_MODES, library_versions, open_session
+from nnx_es.run_state import RunState, World
+from nnx_es.session import RESUME_MODES, library_versions, new_run_id, open_session
 from nnx_es.sinks import LiveSinks
 from nnx_es.snapshot import RunComponents
 from nnx_es.schedulers import wrap_schedulers
 from nnx_es.storage import BlobStore, validate_run_id
 from nnx_es.update_hooks import GradientAccumulation, GradientClipping, MixedPrecision, collect
+from nnx_es.user_metrics import UserMetric, higher_is_better, metric_names
 
 __all__ = ["Trainer"]
 
@@ -91,7 +94,9 @@ class Trainer:
         metrics: declared metrics besides the loss, reported per epoch for training and
             validation (``"accuracy"``: argmax of ``(B, C)`` outputs against ``(B,)`` class ids, or
             one logit ``(B, 1)`` at probability 0.5 against 0/1 targets; other shapes are refused
-            on the first batch, before backward).
+            on the first batch, before backward), named callables ``(outputs, targets) -> per-row
+            values`` and ``torchmetrics`` metrics, in a list or as ``{name: metric}``: each is exact
+            over the epoch's rows and monitorable by name (:mod:`nnx_es.user_metrics`).
         schedulers: torch schedulers (epoch clock) or :class:`~nnx_es.schedulers.Scheduler`.
         callbacks: :class:`~nnx_es.callbacks.Callback` objects, dispatched in list order.
         hooks: stage hooks (``stage``, ``frequency``, ``__call__(ctx, stage)``, see
@@ -151,6 +156,24 @@ class Trainer:
             batch's stages, without blocking when the loader pins memory. Checkpoints stay
             device-independent (see :mod:`nnx_es.device`). A device this machine does not have
             is refused now.
+        distributed: :class:`nnx_es.distributed.DDP` to train data-parallel inside the process
+            group ``torchrun`` started (spec 000 §3): the net is wrapped in
+            ``DistributedDataParallel`` for each ``fit`` (never assigned to it; checkpoints hold its
+            own keys), each window's denominator and finiteness are agreed in one all-reduce, and
+            only ``DDP(writer_rank=)`` writes the run. Refused with it: BatchNorm layers (convert
+            them with ``torch.nn.SyncBatchNorm.convert_sync_batchnorm`` or remove them), a
+            ``trainer_step_fn``, ``precision="fp16"``. Without it, a process that is one of several
+            ranks is refused (every rank would write the same run alone).
+        val_batch_callback: called after each validation batch with the keyword-only signature
+            ``(*, batch, predictions, loss, batch_count, step_count, epoch)``: the batch (moved to
+            the device), its outputs ``(B, ...)``, its mean loss (float), its 0-based index in the
+            pass, the committed updates so far and the 0-based epoch (spec 004 "Per-batch
+            validation callback"): a tap for per-row predictions or a custom sink.
+        final_validation: a validation pass on the final weights once training ends
+            (``validation_done`` with ``trigger="final"``, ``on_validation_end``, ``AFTER_VALIDATION``;
+            no monitor decision): ``True`` always (with a validation loader), ``"auto"`` (default)
+            when the final weights are not the ones last validated (a stop at an update boundary, or
+            updates after a step-cadence pass), ``False`` never.
 
     Raises:
         ConfigError: a bad argument (named with the value received).
@@ -163,7 +186,7 @@ class Trainer:
         loss: Any,
         *,
         monitor: Monitor | str | None = None,
-        metrics: Sequence[str] = (),
+        metrics: Sequence[Any] | Mapping[str, Any] = (),
         schedulers: Sequence[Any] = (),
         callbacks: Sequence[Callback] = (),
         hooks: Sequence[Any] = (),
@@ -193,9 +216,13 @@ class Trainer:
         recipe_required: bool = False,
         spec: Any = None,
         device: str | torch.device | None = None,
+        distributed: Any = None,
+        val_batch_callback: Callable[..., Any] | None = None,
+        final_validation: bool | str = "auto",
     ) -> None:
         if not isinstance(net, nn.Module):
             raise ConfigError(f"net must be a torch.nn.Module, got {type(net).__name__}")
+        self.distributed = check_distributed(distributed, net, trainer_step_fn=trainer_step_fn, precision=precision)
         self.net = net
         self.custom_step = trainer_step_fn is not None
         self.optimizers: dict[str, Optimizer] = optimizers_of(net, optimizer, custom_step=self.custom_step)
@@ -204,11 +231,20 @@ class Trainer:
         if not (isinstance(loss, (Objective, Mapping, nn.Module)) or callable(loss)):
             raise ConfigError(f"loss must be a loss module, a callable, {{name: fn}} or an Objective, got {loss!r}")
         self.objective = loss if isinstance(loss, Objective) else Objective(loss)
-        self.monitor: Monitor | None = monitor_of(monitor)
+        self.val_batch_callback = check_batch_callback(val_batch_callback)
+        if final_validation not in (True, False, "auto"):
+            raise ConfigError(f"final_validation must be True, False or 'auto', got {final_validation!r}")
+        self.final_validation = final_validation
+        self.metrics = validate_metrics(metrics)
+        self.monitor: Monitor | None = monitor_of(monitor, higher_is_better(self.metrics))
         if isinstance(callbacks, Callback) or not isinstance(callbacks, Iterable):
             raise ConfigError(f"callbacks must be a list of Callback, got {callbacks!r}")
         self.schedulers = wrap_schedulers(schedulers, self.optimizers, self.monitor)
-        self.callbacks: list[Callback] = CallbackList(callbacks).callbacks  # checked now; listed again per fit
+        callbacks = CallbackList(callbacks).callbacks  # checked now; listed again per fit
+        if self.distributed is not None:
+            check_declared(callbacks)  # on every rank, before training
+        self.callbacks: list[Callback] = for_rank(callbacks, is_writer=self.distributed is None or is_writer_rank(
+            self.distributed))
         check_cadences(validate_every=validate_every, validate_every_steps=validate_every_steps,
                        phase_every=phase_every, keep_phases=keep_phases)
         self.cadence = Cadence(validate_every, validate_every_steps)
@@ -236,7 +272,6 @@ class Trainer:
             raise ConfigError(f"sinks must be a list of live logging sinks (TensorBoardSink, CsvSink, MlflowSink or "
                               f"objects with open/write/close), got {sinks!r}")
         self.sinks = list(sinks)
-        self.metrics = validate_metrics(metrics)
         if self.monitor is not None:
             check_monitor(self.monitor, self.objective, self.metrics)
         if not isinstance(track_grad_norm, bool):
@@ -251,9 +286,13 @@ class Trainer:
                                         callbacks=self.callbacks)
         self.ctx = TrainContext(net=net, optimizers=self.optimizers, schedulers=self.schedulers, monitor=self.monitor,
                                 engine=self.engine, trainer=self)
+        if (recipe_required or spec is not None) and any(isinstance(m, UserMetric) for m in self.metrics):
+            raise ConfigError(f"metrics {[m.name for m in self.metrics if isinstance(m, UserMetric)]} are callables or "
+                              "metric objects, which a recorded spec cannot hold yet: declare built-in metric names "
+                              "only with recipe_required=True or a spec")
         self.spec = record_spec(
             recipe_required, spec, net=net, optimizers=self.optimizers, objective=self.objective, monitor=self.monitor,
-            metrics=self.metrics, schedulers=self.schedulers, callbacks=self.callbacks, update_hooks=self.update_hooks,
+            metrics=metric_names(self.metrics), schedulers=self.schedulers, callbacks=self.callbacks, update_hooks=self.update_hooks,
             hooks=hooks, steps={"train_step_fn": train_step_fn, "eval_step_fn": eval_step_fn,
                                 "trainer_step_fn": trainer_step_fn}, seed=self.seed,
             settings=dict(validate_every=validate_every, validate_every_steps=validate_every_steps, phase_every=phase_every,
@@ -375,17 +414,28 @@ class Trainer:
             raise ConfigError("resume='auto' continues this trainer's own run: give Trainer(run_id=...) and no "
                               f"resume_from (got run_id={self.run_id!r}, resume_from={resume_from!r})")
         for role, loader in (("train_loader", train_loader), ("val_loader", val_loader)):
-            if loader is not None and length_of(loader) == 0:
+            if loader is not None and length_of(loader) == 0 and not (role == "val_loader" and self.distributed):
+                # (under DDP a rank's validation shard may be empty: validation_loader does not pad)
                 raise ConfigError(f"{role} has no batch (len 0): an empty data set, or drop_last=True with fewer "
                                   "rows than batch_size; nothing was trained or written")
         ensure_logging()
+        with data_parallel(self.distributed, self.net, self.engine, train_loader, "Trainer.fit") as world:
+            if world.distributed and self.run_id is None:  # one id for every rank: the writer's
+                self.run_id = world.share(new_run_id())
+            return self._fit(train_loader, val_loader, epochs=epochs, resume_from=resume_from,
+                             resume_mode=resume_mode, resume=resume, resume_at=resume_at, world=world)
+
+    def _fit(self, train_loader: Iterable[Any], val_loader: Iterable[Any] | None, *, epochs: int,
+             resume_from: str | Path | None, resume_mode: str, resume: str | None, resume_at: int | str | None,
+             world: World) -> RunResult:
         self.components.generators = {"train": LoaderGenerators.of(train_loader),
                                       "val": LoaderGenerators.of(val_loader)}
         self.components.loaders = {"train": train_loader, "val": val_loader}  # their geometry goes in run_started
+        self.components.world = world
         callbacks = CallbackList(self.callbacks)
         with open_session(runs_root=self.runs_root, run_id=self.run_id, seed=self.seed, resume_from=resume_from,
                           resume_mode=resume_mode, auto=resume == "auto", resume_at=resume_at, epochs=epochs,
-                          components=self.components,
+                          components=self.components, world=world,
                           declare=self._declare) as session:
             state = self.state = self.ctx.state = session.state
             self.run_id, self.runs_root, self.run_dir = state.run_id, state.runs_root, state.run_dir
@@ -400,6 +450,7 @@ class Trainer:
                 committer=committer, finalization=finalization, validate=self.validate, cadence=self.cadence,
                 step_fn=self.trainer_step_fn, custom_step=self.custom_step, batch_gather=self.batch_gather,
                 progress=Progress(self.progress_enabled), nonfinite=self.nonfinite, device=self.device,
+                final_validation=self.final_validation,
             )
             live = None
             if self.sinks and state.world.is_writer:
@@ -410,10 +461,14 @@ class Trainer:
             finally:
                 if live is not None:
                     live.close()
+        if not state.world.is_writer:  # every rank returns the writer's run (its records and provenance)
+            return state.world.share(None)  # type: ignore[no-any-return]
         if finalization.projection is not None:  # the log as finalization projected it for the views
             projections, n_events = finalization.projection
-            return result_of(projections, state.run_dir, n_events)
-        return load_result(state.run_dir)
+            result = result_of(projections, state.run_dir, n_events)
+        else:
+            result = load_result(state.run_dir)
+        return state.world.share(result) if state.world.distributed else result
 
     # --- validation -----------------------------------------------------------------------
 
@@ -423,5 +478,12 @@ class Trainer:
         With an :class:`~nnx_es.update_hooks.EMA` update hook, the averaged weights are evaluated.
         """
         net = self.engine.orchestrator.averaged_module() or self.net
+        on_batch = None
+        if self.val_batch_callback is not None:
+            cb, ctx = self.val_batch_callback, self.ctx
+
+            def on_batch(**seen: Any) -> None:
+                cb(**seen, step_count=ctx.step_count, epoch=ctx.epoch)
         return evaluate(net, loader, self.objective, self.eval_step_fn, self.metrics, gather=self.batch_gather,
-                        device=self.device)
+                        device=self.device, world=self.state.world if self.state is not None else None,
+                        on_batch=on_batch)

@@ -14,12 +14,13 @@ Every reader of the log's commit structure imports these names: the lifecycle ma
   the next epoch already runs) commits the events up to seq ``covers`` and every
   ``checkpoint_stored`` (its own), leaving the next epoch's events pending.
 * A durable ``run_finalized`` also commits the :data:`CLOSING_KINDS` of its tail (how the
-  run ended), nothing else of it.
+  run ended), nothing else of it; the ``evaluation_recorded`` events appended (synced) after
+  it are closing kinds too (:data:`AFTER_RUN_KINDS`: they belong to no commit).
 """
 
 from __future__ import annotations
 
-__all__ = ["CLOSING_KINDS", "GROUP_KINDS", "GroupTracker", "commits", "commits_all"]
+__all__ = ["AFTER_RUN_KINDS", "CLOSING_KINDS", "GROUP_KINDS", "GroupTracker", "commits", "commits_all"]
 
 #: Kinds that belong to the commit group of the LAST they follow.
 GROUP_KINDS: frozenset[str] = frozenset(
@@ -27,7 +28,12 @@ GROUP_KINDS: frozenset[str] = frozenset(
 )
 
 #: Kinds folded from a tail that ends in a durable ``run_finalized``.
-CLOSING_KINDS: frozenset[str] = frozenset({"stop_requested", "run_failed", "callback_finalized", "run_finalized"})
+CLOSING_KINDS: frozenset[str] = frozenset(
+    {"stop_requested", "run_failed", "callback_finalized", "run_finalized", "evaluation_recorded"}
+)
+
+#: Kinds a finalized run may append after its ``run_finalized`` (the tail still ends the run).
+AFTER_RUN_KINDS: frozenset[str] = frozenset({"evaluation_recorded"})
 
 
 def commits_all(covers: int) -> bool:

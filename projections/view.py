@@ -13,7 +13,8 @@ The committed view is the prefix of the log that readers trust:
 * a tail after the last LAST is ignored, except that, when the log ends with a
   durable ``RunFinalized``, the closing events of that tail (stop requested,
   run failed, callback finalized, run finalized) are folded, so the status of
-  a stopped or failed run is known while its unfinished epoch stays out.
+  a stopped or failed run is known while its unfinished epoch stays out; the
+  evaluations recorded after the run (``evaluation_recorded``) may follow it.
 
 :func:`committed` and :func:`fold` define the view and the aggregate one event at
 a time; :func:`project` computes the same a segment at a time (a run of events
@@ -52,13 +53,13 @@ from projections import schedulers as schedulers_mod
 from projections import status as status_mod
 from projections.checkpoints import CheckpointsState, fold_checkpoints
 from projections.counters import CountersAccumulator, fold_counters
-from projections.commits import CLOSING_KINDS, GROUP_KINDS, commits, commits_all
+from projections.commits import AFTER_RUN_KINDS, CLOSING_KINDS, GROUP_KINDS, commits, commits_all
 from projections.history import HistoryState, fold_history
 from projections.schedulers import SchedulersState, fold_schedulers
 from projections.status import StatusState, fold_status
 
-__all__ = ["CLOSING_KINDS", "GROUP_KINDS", "MicrobatchRequired", "Projections", "committed", "fold", "project",
-           "tail_length"]
+__all__ = ["CLOSING_KINDS", "GROUP_KINDS", "MicrobatchRequired", "Projections", "Projector", "committed", "fold",
+           "project", "tail_length"]
 
 
 
@@ -118,7 +119,10 @@ def _committed(pairs: Iterable[tuple[int, Event]], tail: list[int]) -> Iterator[
             continue
         pending.append((seq, event))
     tail.append(len(pending))
-    if pending and type(pending[-1][1]) is RunFinalized:
+    end = len(pending)
+    while end and pending[end - 1][1].KIND in AFTER_RUN_KINDS:  # evaluations recorded after the run
+        end -= 1
+    if end and type(pending[end - 1][1]) is RunFinalized:
         closing = [(s, e) for s, e in pending if e.KIND in CLOSING_KINDS]
         tail[-1] -= len(closing)
         yield from closing
@@ -178,6 +182,7 @@ def _marks(types: Iterable[type]) -> bytes:
 _IS_BOUNDARY = _marks([LastCommitted, RunResumed])
 _IS_GROUP = _marks(t for t in EVENT_TYPES if t.KIND in GROUP_KINDS)
 _IS_CLOSING = _marks(t for t in EVENT_TYPES if t.KIND in CLOSING_KINDS)
+_IS_AFTER_RUN = _marks(t for t in EVENT_TYPES if t.KIND in AFTER_RUN_KINDS)
 _IS_CHECKPOINT = _marks([CheckpointStored])
 _IS_RECEIPT = _marks([UpdateCommitted])
 _IS_OTHER = _marks(_BY_TYPE)  # folded by a projection other than the counters
@@ -187,7 +192,7 @@ _NOT = bytes([1]) + bytes(255)  # for masks of 0 and 1
 _Segment = tuple[Sequence[int], Sequence[Any], bytes]
 
 
-class _Projector:
+class Projector:
     """The committed view and every projection, folded a segment at a time.
 
     Fed the log's events in order (:meth:`feed`), it keeps the state of
@@ -196,18 +201,66 @@ class _Projector:
     byte each (:data:`~events.codec.TYPE_CODES`), so finding commit markers and
     counting microbatches are ``bytes`` searches; the counters are folded by
     counting, the other projections event by event over the few events they react to.
+
+    It can be fed a log in pieces (:meth:`feed_chunk`, :meth:`feed_pairs`): a writer keeps
+    one open to snapshot its run (:mod:`projections.snapshots`), whose state it freezes
+    (:meth:`state`) whenever the view holds nothing back (:attr:`clean`). ``start`` and
+    ``in_group`` resume one from such a state: the projections of the log up to
+    ``start.seq``... and whether that point sits in a LAST's commit group.
     """
 
     __slots__ = ("states", "records", "counters", "last", "pending", "in_group")
 
-    def __init__(self, start: Projections) -> None:
+    def __init__(self, start: Projections, in_group: bool = False) -> None:
         self.states: list[Any] = [start.history, start.checkpoints, start.schedulers, start.status]
         #: the history projection's records, appended in place (a tuple per record would be O(epochs²))
         self.records: list[HistoryRecord] = list(start.history.records)
         self.counters = CountersAccumulator(start.counters)
         self.last = start.seq
         self.pending: list[_Segment] = []
-        self.in_group = False
+        self.in_group = in_group
+
+    @property
+    def clean(self) -> bool:
+        """Whether the committed view holds nothing back: every event fed is folded."""
+        return not self.pending
+
+    def feed_chunk(self, first: int, values: Sequence[bytes]) -> None:
+        """Feed a stored chunk (:data:`~events.chunks.RawChunk`), decoding what the folds read.
+
+        Raises:
+            CorruptEventError: a value does not decode (names its seq); nothing of the chunk is fed.
+        """
+        self.feed(range(first, first + len(values)), *_decode_for_folds(values, first))
+
+    def feed_pairs(self, pairs: Iterable[tuple[int, Event]]) -> None:
+        """Feed decoded ``(seq, event)`` pairs in seq order (a :class:`~events.chunks.StoredPairs`
+        is taken as its undecoded chunks)."""
+        chunks = pairs.raw_chunks() if isinstance(pairs, StoredPairs) else None
+        if chunks is not None:
+            for first, values in chunks:
+                self.feed_chunk(first, values)
+            return
+        it = iter(pairs)
+        while batch := list(itertools.islice(it, 1024)):
+            seqs, events = zip(*batch)
+            self.feed(seqs, events, type_codes(events))
+
+    def state(self) -> Projections:
+        """The projections of what was fed, without a finalized tail's closing events; only while
+        :attr:`clean` (the state a snapshot holds; then :meth:`finish` returns the same).
+
+        Raises:
+            ValueError: the view holds events back (not clean).
+        """
+        if self.pending:
+            raise ValueError(f"the committed view holds {sum(len(s[0]) for s in self.pending)} events back: "
+                             "no state to snapshot")
+        s = self.states
+        return Projections(
+            history=HistoryState(records=tuple(self.records)), checkpoints=s[1], schedulers=s[2],
+            counters=self.counters.freeze(), status=s[3], seq=self.last,
+        )
 
     def feed(self, seqs: Sequence[int], events: Sequence[Any], codes: bytes) -> None:
         """Take the next events of the log: ``seqs[i]`` is the seq of ``events[i]``, ``codes[i]`` its type code."""
@@ -306,7 +359,7 @@ class _Projector:
     def finish(self) -> Projections:
         """Fold the closing events of a tail that ends in ``RunFinalized``; return the aggregate."""
         pending = self.pending
-        if pending and pending[-1][2][-1] == _FINALIZED:
+        if pending and _ends_finalized(pending):
             for segment in pending:
                 closing = segment[2].translate(_IS_CLOSING)
                 if 1 in closing:
@@ -316,6 +369,15 @@ class _Projector:
             history=HistoryState(records=tuple(self.records)), checkpoints=s[1], schedulers=s[2],
             counters=self.counters.freeze(), status=s[3], seq=self.last,
         )
+
+
+def _ends_finalized(pending: Sequence[_Segment]) -> bool:
+    """Whether the pending tail's last event, evaluations recorded after the run aside, is ``run_finalized``."""
+    for _, _, codes in reversed(pending):
+        k = codes.translate(_IS_AFTER_RUN).rfind(0)
+        if k >= 0:
+            return codes[k] == _FINALIZED
+    return False
 
 
 def _select(segment: _Segment, mask: bytes) -> _Segment:
@@ -343,14 +405,6 @@ def project(pairs: Iterable[tuple[int, Event]], start: Projections | None = None
     Raises:
         CorruptEventError: a stored value does not decode (names its seq).
     """
-    projector = _Projector(start if start is not None else Projections())
-    chunks = pairs.raw_chunks() if isinstance(pairs, StoredPairs) else None
-    if chunks is not None:
-        for first, values in chunks:
-            projector.feed(range(first, first + len(values)), *_decode_for_folds(values, first))
-    else:
-        it = iter(pairs)
-        while batch := list(itertools.islice(it, 1024)):
-            seqs, events = zip(*batch)
-            projector.feed(seqs, events, type_codes(events))
+    projector = Projector(start if start is not None else Projections())
+    projector.feed_pairs(pairs)
     return projector.finish()

@@ -5,22 +5,26 @@ Modules: :mod:`~nnx_es.audit.report` (what an audit returns),
 stopping, 8), :mod:`~nnx_es.audit.committed` (checks over the committed view:
 4, 6, 7, 10), :mod:`~nnx_es.audit.fold` (the committed view folded in one pass, with
 its tail), :mod:`~nnx_es.audit.run` (the streaming pass, 1, 5 and 9), :mod:`~nnx_es.audit.reading`
-(the log opened read-only, its decodable events, its uncommitted tail read from the end).
+(the log opened read-only, its decodable events, its uncommitted tail read from the end),
+:mod:`~nnx_es.audit.snapshots` (the projections folded from the newest usable snapshot).
 """
 
 from nnx_es.audit.fold import CommittedFold
 from nnx_es.audit.report import INVARIANTS, AuditReport, NotARunError, Violation
 from nnx_es.audit.reading import committed_tail, decoded, open_run_log
 from nnx_es.audit.run import audit_run
+from nnx_es.audit.snapshots import Projected, project_log
 
 __all__ = [
     "INVARIANTS",
     "AuditReport",
     "CommittedFold",
     "NotARunError",
+    "Projected",
     "Violation",
     "audit_run",
     "committed_tail",
     "decoded",
     "open_run_log",
+    "project_log",
 ]

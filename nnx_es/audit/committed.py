@@ -23,6 +23,7 @@ from events.schema import (
     CheckpointPruned,
     EpochBegan,
     EpochSummarized,
+    EvaluationRecorded,
     Event,
     HistoryAppended,
     LastCommitted,
@@ -155,6 +156,8 @@ class CommittedCheck:
                 self._pruned(seq, m, p)
             case RunFinalized():
                 self._missing_best()
+            case EvaluationRecorded(manifest=m):  # the checkpoint it scored must verify
+                self._manifest(seq, "evaluation_recorded", m)
             case _:
                 pass
         self.prev_kind = kind

@@ -14,6 +14,9 @@ to the length it had when opened:
    event is folded into the projections and fed to the committed-view checks
    (invariants 4, 6, 7, 10, :mod:`nnx_es.audit.committed`).
 
+Each projection snapshot stored (:mod:`projections.snapshots`) is compared, at its seq, with
+the fold of the same pass (invariant 9: a materialized projection; an unusable one is a note).
+
 Invariant 5 then re-reads what follows the last point where the committed
 view held nothing back (the last LAST when commits are not deferred: O(tail),
 not O(run)), re-projects the committed prefix from there and compares it with
@@ -45,6 +48,7 @@ from nnx_es.audit.fold import CommittedFold
 from nnx_es.audit.reading import decoded, open_run_log
 from nnx_es.audit.report import AuditReport, Sink
 from nnx_es.audit.sequence import CommitOrderCheck, FinalizationCheck, LifecycleCheck
+from nnx_es.audit.snapshots import SnapshotCheck
 from nnx_es.storage import BlobStore
 from nnx_es.views import expected_views, read_views
 from projections import Projections, project, tail_length
@@ -114,14 +118,17 @@ def _audit(run_dir: Path, log: LmdbLog) -> AuditReport:
     source = _Source(log, stop, sink)
     check = CommittedCheck(sink, BlobStore(run_dir / "blobs", log=log), run_id="")
     folded = CommittedFold(source)
+    snapshots = SnapshotCheck(log, stop, sink)
     for seq, event, p in folded:
         if not check.run_id:  # manifests are verified against the run they belong to
             check.run_id = source.run_started.run_id if source.run_started is not None else run_dir.name
         check.feed(seq, event, p)
+        snapshots.feed(seq, event, folded.read == folded.yielded and not folded.exhausted, folded.last_read, p)
     check.finish()
+    snapshots.finish()
     p = folded.p
     tail = _check_tail(log, sink, folded, stop)
-    notes = _check_sums(log.verify_sums(stop), sink, stop)
+    notes = [*snapshots.notes, *_check_sums(log.verify_sums(stop), sink, stop)]
     _check_views(run_dir, sink, p)
     last = p.checkpoints.last
     violations = sink.sorted()

@@ -18,6 +18,9 @@ commands:
                     extension names the format (png, pdf, svg, ...)
   export --tensorboard DIR
                     TensorBoard scalars, into a DIR holding no TensorBoard event files yet
+    --follow        keep exporting a live run: polls the log, writes each event's scalars once
+                    its LAST commits it, stops when the run finalizes, when no process on this
+                    machine holds its writer lease any more, or on Ctrl-C (exit 130)
   --schema          (no RUN_DIR) the JSON Schema of the event lines --json prints (not of --at or summary)
 
 inspect RUNS_ROOT [--json]       (a directory of runs) one row per run: id, status, epochs, BEST's
@@ -48,7 +51,7 @@ import msgspec
 from events.codec import KINDS, decode
 from events.errors import CorruptEventError, EventLogError, SequenceGapError
 from events.log import LmdbLog
-from events.schema import Event, HistoryAppended, RunFinalized, RunStarted
+from events.schema import EvaluationRecorded, Event, HistoryAppended, RunFinalized, RunStarted
 from nnx_es.audit import NotARunError, open_run_log
 from nnx_es.cli._common import (
     EXIT_INTERRUPTED,
@@ -95,7 +98,8 @@ def _parser() -> argparse.ArgumentParser:
                         help="events: only events of data-parallel rank R")
     parser.add_argument("--json", action="store_true",
                         help="events and --at: JSON lines; summary: one JSON object")
-    parser.add_argument("--follow", action="store_true", help="events: keep printing new events of a live run")
+    parser.add_argument("--follow", action="store_true",
+                        help="events: keep printing new events of a live run; export: keep exporting it")
     parser.add_argument("--at", type=_seq, default=None, metavar="SEQ",
                         help="events: every projection's state after the log up to SEQ")
     parser.add_argument("--schema", action="store_true", help="print the JSON Schema of the event lines --json prints (no RUN_DIR)")
@@ -113,7 +117,7 @@ _TAKES: dict[str, frozenset[str]] = {
     "--at": frozenset({"--at", "--json"}),
     "summary": frozenset({"--json"}),
     "plot": frozenset({"--out"}),
-    "export": frozenset({"--tensorboard"}),
+    "export": frozenset({"--tensorboard", "--follow"}),
     "--schema": frozenset({"--schema"}),
 }
 _SHOWN = {"--follow": "events --follow", "--at": "events --at"}
@@ -303,7 +307,7 @@ def _rows(log: LmdbLog, args: argparse.Namespace, kinds: frozenset[str] | None, 
             continue
         if isinstance(event, RunStarted):
             state["writer_rank"] = event.writer_rank
-        state["finalized"] = isinstance(event, RunFinalized)
+        state["finalized"] = isinstance(event, (RunFinalized, EvaluationRecorded))
         if kinds is not None and event.KIND not in kinds:
             continue
         if args.rank is not None and getattr(event, "rank", state["writer_rank"]) != args.rank:
@@ -409,20 +413,16 @@ def _damaged(args: argparse.Namespace, exc: SequenceGapError) -> str:
 def _run(log: LmdbLog, args: argparse.Namespace, kinds: frozenset[str] | None) -> int:
     """Run the command on the opened ``log``; return the exit status.
 
-    The commands that fold the log (summary, --at, plot, export) first check its keys
+    The commands that fold the log (summary, plot, export) first check its keys
     (:meth:`~events.log.LmdbLog.check_keys`, a key-only pass): a projection over a damaged key
-    could be silently wrong.
+    could be silently wrong. ``--at`` checks the keys it folds (from its snapshot to SEQ).
 
     Raises:
         SequenceGapError: a key of the log is out of place (for --at: at or before SEQ).
         EventLogError: LMDB refused a read.
     """
-    if args.command != "events" or args.at is not None:
-        try:
-            log.check_keys()
-        except SequenceGapError as exc:
-            if args.at is None or exc.expected <= args.at:
-                raise
+    if args.command != "events":
+        log.check_keys()
     if args.command == "summary":
         summary(log, args.run_dir, args.json)
     elif args.command == "plot":
@@ -439,7 +439,12 @@ def _run(log: LmdbLog, args: argparse.Namespace, kinds: frozenset[str] | None) -
 
         log.close()
         try:
-            n = export_tensorboard(args.run_dir, args.tensorboard)
+            if args.follow:
+                from nnx_es.cli.follow import follow_tensorboard
+
+                n = follow_tensorboard(args.run_dir, args.tensorboard, args.poll_s)
+            else:
+                n = export_tensorboard(args.run_dir, args.tensorboard)
         except (OSError, ImportError) as exc:
             print(f"inspect: cannot export to {args.tensorboard}: {exc}", file=sys.stderr)
             return EXIT_UNUSABLE

@@ -1,7 +1,8 @@
 """``inspect RUN_DIR --at SEQ`` and ``inspect RUN_DIR summary``: a run's projected state, read-only.
 
-Both fold the log's committed view (:func:`projections.project`) up to a seq, and print
-it as text or one JSON object; the summary adds what a person asks of a run first (is it
+Both fold the log's committed view up to a seq from its newest usable projection snapshot
+(:func:`nnx_es.audit.project_log`: O(events since that snapshot)), and print it as text or
+one JSON object (a snapshot skipped as unusable is said on stderr); the summary adds what a person asks of a run first (is it
 finished, is its writer alive, do its values verify).
 """
 
@@ -13,36 +14,40 @@ from typing import Any
 
 import msgspec
 
-from events.errors import CorruptEventError
 from events.log import LmdbLog
-from nnx_es.audit import committed_tail, decoded
+from nnx_es.audit import committed_tail, project_log
 from nnx_es.cli._common import writer_alive
 from nnx_es.cli._format import fmt
 from nnx_es.views import summary as summary_of
-from projections import Projections, project
+from projections import Projections
 
 __all__ = ["at", "projected", "summary"]
 
 
-def projected(log: LmdbLog, stop: int) -> tuple[Projections, int]:
+def projected(log: LmdbLog, stop: int, *, check_keys: bool = False) -> tuple[Projections, int]:
     """The projections of the events in ``[0, stop)`` and their uncommitted tail.
 
-    One pass a chunk at a time, decoding the frequent kinds partially, as the runtime
-    projects (:func:`projections.project`); a log holding a value that does not decode
-    is projected again without it. The tail is read back from the end
-    (:func:`nnx_es.audit.committed_tail`, about one epoch).
+    From the newest usable snapshot below ``stop`` on, a chunk at a time, decoding the
+    frequent kinds partially, as the runtime projects (:func:`nnx_es.audit.project_log`); a
+    log holding a value that does not decode there is projected again without it. The tail
+    is read back from the end (:func:`nnx_es.audit.committed_tail`, about one epoch).
+    ``check_keys``: check the keys of the events folded (the snapshot's seq + 1 to ``stop``).
+
+    Raises:
+        SequenceGapError: ``check_keys`` and a key folded is out of place.
     """
-    try:
-        p = project(log.read(0, stop))
-    except CorruptEventError:
-        p = project(decoded(log, 0, stop))
+    p, start, notes = project_log(log, stop, skip_undecodable=True)
+    if check_keys:
+        log.check_keys(start, stop)
+    for note in notes:
+        print(f"inspect: {note}", file=sys.stderr)
     return p, committed_tail(log, stop)
 
 
 def at(log: LmdbLog, seq: int, as_json: bool) -> None:
     """Every projection after folding the committed view of the log up to ``seq`` (time travel)."""
     stop = min(seq + 1, log.next_seq)
-    p, tail = projected(log, stop)
+    p, tail = projected(log, stop, check_keys=True)
     last = p.checkpoints.last
     doc = {
         "at": seq,

@@ -5,6 +5,21 @@
 ends the group with a bounded barrier. nnx_es starts no runtime of its own.
 """
 
+from nnx_es.distributed.contracts import (
+    AXES,
+    MESH_AXES,
+    BackendCapabilities,
+    BackendRegistrationError,
+    DistributedTrainingBackend,
+    ParallelPlan,
+    PlanRefusedError,
+    UnknownBackendError,
+    check_plan,
+    get_training_backend,
+    register_training_backend,
+    registered_backends,
+)
+from nnx_es.distributed.roles import ROLES, WriterOnly, writer_only
 from nnx_es.distributed.group import DDP, env_world_size, refuse_group, shutdown
 from nnx_es.distributed.partitions import (
     POLICIES,
@@ -17,7 +32,21 @@ from nnx_es.distributed.partitions import (
 )
 
 __all__ = [
+    "AXES",
+    "BackendCapabilities",
+    "BackendRegistrationError",
     "DDP",
+    "DistributedTrainingBackend",
+    "MESH_AXES",
+    "ParallelPlan",
+    "PlanRefusedError",
+    "ROLES",
+    "UnknownBackendError",
+    "WriterOnly",
+    "check_plan",
+    "get_training_backend",
+    "register_training_backend",
+    "registered_backends",
     "POLICIES",
     "PartitionSampler",
     "ShardSampler",
@@ -28,4 +57,5 @@ __all__ = [
     "shutdown",
     "train_loader",
     "validation_loader",
+    "writer_only",
 ]

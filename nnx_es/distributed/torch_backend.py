@@ -6,7 +6,8 @@
 * one parallel axis, ``dp_replicate``: every rank holds the whole model and optimizer state
   (``torch.nn.parallel.DistributedDataParallel``), the data is partitioned; no sharding,
   tensor, pipeline, context or expert parallelism;
-* the update engine's precisions (``fp32``, ``bf16``, ``fp16``);
+* the precisions ``distributed=DDP()`` runs: ``fp32`` and ``bf16`` (``fp16`` is refused before
+  training: its GradScaler would skip backward per rank, see ``nnx_es.distributed.wrap``);
 * no distributed optimizer (optimizer state is replicated), no resharding: a checkpoint resumes
   on the same world size and partition only;
 * elastic restarts: a group ``torchrun --max-restarts`` restarts continues from LAST with
@@ -28,7 +29,7 @@ __all__ = ["TORCH_DDP_CAPABILITIES", "TorchDDPBackend"]
 TORCH_DDP_CAPABILITIES = BackendCapabilities(
     name="torch-ddp",
     axes=frozenset({"dp_replicate"}),
-    precisions=frozenset({"fp32", "bf16", "fp16"}),
+    precisions=frozenset({"fp32", "bf16"}),
     distributed_optimizer=False,
     reshardable_checkpoint=False,
     elastic_restart=True,

@@ -67,6 +67,296 @@ def partitions(world: World, out: Path) -> dict[str, Any]:
             "expect_val": shard_indices(11, rank=world.rank, world_size=world.size)}
 
 
+# --- part 2: the trainer path ------------------------------------------------------------
+
+
+def _train(world: World, out: Path, run_id: str, epochs: int = 2, runs_root: Path | None = None,
+           fit: dict[str, Any] | None = None, **kw: Any) -> tuple[Any, Any, Any]:
+    import ddpkit
+    from nnx_es.distributed import DDP, train_loader
+
+    model = ddpkit.net()
+    t = ddpkit.trainer(model, runs_root=runs_root or out / "runs", run_id=run_id,
+                       distributed=DDP(timeout_seconds=30), **kw)
+    loader = train_loader(ddpkit.dataset(), ddpkit.BATCH, seed=ddpkit.SEED)
+    result = t.fit(loader, epochs=epochs, **(fit or {}))
+    return model, t, result
+
+
+def _error(exc: BaseException) -> list[str]:
+    return [type(exc).__name__, str(exc), *[c.__name__ for c in type(exc).__mro__]]
+
+
+@case
+def equivalence(world: World, out: Path) -> dict[str, Any]:
+    import ddpkit
+
+    model, t, result = _train(world, out, "equiv")
+    return {"params": ddpkit.params(model), "digest": ddpkit.digest(model), "status": result.status,
+            "steps": result.counters.step, "wrapped": type(t.net).__name__,
+            "keys": sorted(model.state_dict()), "runs_listing": sorted(p.name for p in (out / "runs").iterdir())
+            if (out / "runs").exists() else []}
+
+
+def _fit_rows(out: Path, run_id: str, data: Any, **kw: Any) -> tuple[Any, Any]:
+    import ddpkit
+    from nnx_es.distributed import DDP, train_loader
+
+    model = ddpkit.net()
+    t = ddpkit.trainer(model, runs_root=out / "runs", run_id=run_id, distributed=DDP(timeout_seconds=30),
+                       accumulation=1, **kw)
+    result = t.fit(train_loader(data, 2, shuffle=False), epochs=1)
+    return model, result
+
+
+@case
+def masked_window(world: World, out: Path) -> dict[str, Any]:
+    """Rows are dealt in order (rank r: r, r+2, ...), 2 per batch. Batch 0: every weight 0 on both ranks
+    (W == 0: skipped everywhere); batch 1: 0 on rank 0 only (W > 0: committed everywhere)."""
+    import ddpkit
+
+    x = torch.randn(12, 5, generator=torch.Generator().manual_seed(0))
+    y = torch.arange(12) % 3
+    w = torch.ones(12)
+    w[[0, 1, 2, 3, 4, 6]] = 0.0
+    model, result = _fit_rows(out, "masked", torch.utils.data.TensorDataset(x, y, w))
+    return {"digest": ddpkit.digest(model), "steps": result.counters.step, "status": result.status}
+
+
+@case
+def nonfinite_window(world: World, out: Path) -> dict[str, Any]:
+    """A NaN feature in rank 1's batch 1 only: that update is skipped on both ranks."""
+    import ddpkit
+
+    x = torch.randn(12, 5, generator=torch.Generator().manual_seed(0))
+    x[5, 2] = float("nan")  # row 5: rank 1, its batch 1 (rows 5, 7)
+    y = torch.arange(12) % 3
+    model, result = _fit_rows(out, "nonfinite", torch.utils.data.TensorDataset(x, y, torch.ones(12)))
+    return {"digest": ddpkit.digest(model), "steps": result.counters.step, "status": result.status,
+            "finite": all(bool(torch.isfinite(p).all()) for p in model.parameters())}
+
+
+@case
+def refusals(world: World, out: Path) -> dict[str, Any]:
+    import ddpkit
+    from nnx_es.distributed import DDP
+
+    got: dict[str, Any] = {}
+    try:
+        ddpkit.trainer(torch.nn.Sequential(torch.nn.Linear(5, 3), torch.nn.BatchNorm1d(3)), runs_root=out / "r",
+                       run_id="bn", distributed=DDP())
+    except Exception as exc:  # noqa: BLE001
+        got["batchnorm"] = [type(exc).__name__, str(exc)]
+    try:
+        t = ddpkit.trainer(ddpkit.net(), runs_root=out / "r", run_id="single")
+        t.fit([(torch.zeros(2, 5), torch.zeros(2, dtype=torch.long), torch.ones(2))], epochs=1)
+    except Exception as exc:  # noqa: BLE001
+        got["single"] = [type(exc).__name__, str(exc)]
+    got["wrote"] = (out / "r").exists()
+    return got
+
+
+# --- part 3: records and decisions agreed ------------------------------------------------
+
+
+class Seen:
+    """What this rank decided each epoch (validation, the monitor, lrs, stop), to compare the ranks."""
+
+    distributed = "all"
+
+    def __init__(self, stop_rank: int | None = None, stop_epoch: int = 1) -> None:
+        from nnx_es import Callback
+
+        seen: list[dict[str, Any]] = []
+        stop_rank_, stop_epoch_ = stop_rank, stop_epoch
+
+        class _Seen(Callback):
+            distributed = "all"
+
+            def on_epoch_end(self, ctx: Any) -> None:
+                d = ctx.decision
+                seen.append({"epoch": ctx.epoch, "val": dict(ctx.validation or {}), "train": dict(ctx.train_metrics),
+                             "improved": d.improved if d is not None else None,
+                             "lrs": [g["lr"] for g in next(iter(ctx.optimizers.values())).param_groups]})
+                if stop_rank_ is not None and ctx.state.world.rank == stop_rank_ and ctx.epoch == stop_epoch_:
+                    ctx.request_stop("rank_local", f"rank {stop_rank_}")
+
+        self.callback = _Seen()
+        self.seen = seen
+
+
+def _decide(out: Path, run_id: str, *, stop_rank: int | None, epochs: int = 4) -> dict[str, Any]:
+    import ddpkit
+    from nnx_es import EarlyStopping, Scheduler
+    from nnx_es.distributed import DDP, train_loader, validation_loader
+
+    model = ddpkit.net()
+    seen = Seen(stop_rank)
+    opt = torch.optim.SGD(model.parameters(), lr=0.3)
+    from nnx_es import Trainer
+
+    plateau = Scheduler(torch.optim.lr_scheduler.ReduceLROnPlateau(opt, patience=0, factor=0.5), name="plateau")
+    t = Trainer(model, opt, torch.nn.CrossEntropyLoss(), sample_weights=True, metrics=["accuracy"],
+                monitor="val_loss", schedulers=[plateau], callbacks=[seen.callback, EarlyStopping(patience=1)],
+                runs_root=out / "runs", run_id=run_id, distributed=DDP(timeout_seconds=30), progress=False)
+    data = ddpkit.dataset()
+    val = torch.utils.data.TensorDataset(*(x[:7] for x in ddpkit.dataset(31).tensors))
+    result = t.fit(train_loader(data, ddpkit.BATCH, seed=ddpkit.SEED), validation_loader(val, 2), epochs=epochs)
+    from nnx_es.batches import weighted_forward
+    from nnx_es.metrics import evaluate
+
+    world = t.state.world
+    whole = evaluate(model, torch.utils.data.DataLoader(val, 7), t.objective, weighted_forward, ("accuracy",))
+    shards = evaluate(model, validation_loader(val, 2), t.objective, weighted_forward, ("accuracy",), world=world)
+    return {"seen": seen.seen, "status": result.status, "epochs": len(result.history), "whole": whole,
+            "shards": shards, "shard_rows": len(validation_loader(val, 2).sampler),
+            "history": [{"val": h.val, "train": h.train, "improved": h.improved} for h in result.history],
+            "best": result.best_epoch, "digest": ddpkit.digest(model)}
+
+
+@case
+def decisions(world: World, out: Path) -> dict[str, Any]:
+    return _decide(out, "decide", stop_rank=None)
+
+
+@case
+def local_stop(world: World, out: Path) -> dict[str, Any]:
+    return _decide(out, "localstop", stop_rank=1)
+
+
+# --- part 4: one writer, agreed commits, resume ------------------------------------------
+
+
+@case
+def writer_only(world: World, out: Path) -> dict[str, Any]:
+    """Each rank names its own runs root: only the writer's may appear on disk."""
+    import ddpkit
+
+    model, t, result = _train(world, out, "wo", epochs=1, runs_root=out / f"roots-rank{world.rank}")
+    return {"digest": ddpkit.digest(model), "run_dir": result.run_dir, "status": result.status,
+            "own_root_exists": (out / f"roots-rank{world.rank}").exists(),
+            "history": len(result.history), "last": result.last.manifest if result.last else None}
+
+
+@case
+def commit_fault(world: World, out: Path) -> dict[str, Any]:
+    """A write fault on the writer at epoch 1's commit stops both ranks; epoch 0 stays committed."""
+    import nnx_es.commit as commit_mod
+    from nnx_es.errors import CheckpointWriteError
+
+    real = commit_mod.encode_checkpoint
+    calls = {"n": 0}
+
+    def faulty(*a: Any, **k: Any) -> Any:
+        calls["n"] += 1
+        if calls["n"] == 3:  # the opening checkpoint, epoch 0, then epoch 1
+            raise CheckpointWriteError("injected: disk full while writing the epoch-1 checkpoint")
+        return real(*a, **k)
+
+    if world.is_writer:
+        commit_mod.encode_checkpoint = faulty
+    try:
+        _train(world, out, "fault", epochs=3)
+        return {"raised": None}
+    except Exception as exc:  # noqa: BLE001
+        return {"raised": _error(exc)}
+    finally:
+        commit_mod.encode_checkpoint = real
+
+
+@case
+def resume_other_world(world: World, out: Path) -> dict[str, Any]:
+    """A one-process run's LAST resumed statefully by 2 ranks: refused on both, nothing restored."""
+    ref = Path(os.environ["NNX_TEST_REF"])
+    try:
+        _train(world, out, ref.name, epochs=3, runs_root=ref.parent, fit={"resume": "auto"})
+        return {"raised": None}
+    except Exception as exc:  # noqa: BLE001
+        return {"raised": _error(exc)}
+
+
+@case
+def resume_auto(world: World, out: Path) -> dict[str, Any]:
+    """1 epoch, then resume='auto' to 2: the parameters of the uninterrupted 2-epoch run (equivalence)."""
+    import ddpkit
+
+    _train(world, out, "resumed", epochs=1, fit={"resume": "auto"})
+    model, t, result = _train(world, out, "resumed", epochs=2, fit={"resume": "auto"})
+    return {"digest": ddpkit.digest(model), "status": result.status, "history": len(result.history)}
+
+
+@case
+def sha_refusal(world: World, out: Path) -> dict[str, Any]:
+    """The LAST's model blob corrupted on disk: the writer's check refuses the resume on every rank."""
+    import datetime as _dt
+
+    from events.log import LmdbLog
+    from nnx_es.result import load_result
+
+    _train(world, out, "corrupt", epochs=1)
+    if world.is_writer:
+        run_dir = out / "runs" / "corrupt"
+        manifest = load_result(run_dir).last.manifest
+        from nnx_es.checkpoint import read_manifest
+        from nnx_es.storage import BlobStore
+
+        m = read_manifest(BlobStore(run_dir / "blobs"), manifest)
+        blob = m.components["model"].blob
+        path = run_dir / "blobs" / "sha256" / blob
+        if path.exists():
+            path.write_bytes(b"not the model")
+        else:  # a small model lives in its manifest, in the log: corrupt the manifest there
+            with LmdbLog(run_dir / "events.lmdb") as log:
+                log.put_blob_raw(manifest.encode(), b"not the manifest")
+    dist.monitored_barrier(timeout=_dt.timedelta(seconds=30))
+    try:
+        _train(world, out, "corrupt", epochs=2, fit={"resume": "auto"})
+        return {"raised": None}
+    except Exception as exc:  # noqa: BLE001
+        return {"raised": _error(exc)}
+
+
+# --- part 5: callback declarations ----------------------------------------------------------
+
+
+@case
+def callback_roles(world: World, out: Path) -> dict[str, Any]:
+    from nnx_es import Callback, LambdaCallback
+    from nnx_es.distributed import writer_only
+
+    class Undeclared(Callback):
+        def on_epoch_end(self, ctx: Any) -> None:
+            pass
+
+    got: dict[str, Any] = {}
+    try:
+        _train(world, out, "undeclared", epochs=1, callbacks=[Undeclared()])
+    except Exception as exc:  # noqa: BLE001
+        got["undeclared"] = _error(exc)
+    try:
+        _train(world, out, "lambda", epochs=1, callbacks=[LambdaCallback(on_epoch_end=lambda ctx: None)])
+    except Exception as exc:  # noqa: BLE001
+        got["lambda"] = _error(exc)
+    got["undeclared_written"] = (out / "runs" / "undeclared").exists()
+    built: list[int] = []
+    ran: list[str] = []
+
+    class Writes(Callback):
+        distributed = "writer"
+
+        def on_epoch_end(self, ctx: Any) -> None:
+            ran.append("writes")
+
+    def factory() -> Callback:
+        built.append(world.rank)
+        return LambdaCallback(name="logger", distributed="writer", on_epoch_end=lambda ctx: ran.append("logger"))
+
+    everywhere = LambdaCallback(name="every", distributed="all", on_epoch_end=lambda ctx: ran.append("every"))
+    _train(world, out, "roles", epochs=1, callbacks=[writer_only(factory), Writes(), everywhere])
+    got.update(built=built, ran=ran)
+    return got
+
+
 def main() -> None:
     out = Path(sys.argv[1])
     names = [n for n in sys.argv[2].split(",") if n]

@@ -36,6 +36,26 @@ def raw_values(run_dir: Path) -> list[tuple[int, bytes]]:
         return list(log.read_raw())
 
 
+def flip_in_file(run_dir: Path, seq: int, offset: int, byte: int) -> None:
+    """Set byte ``offset`` of the value stored under ``seq`` to ``byte``, in data.mdb itself (bit rot under LMDB).
+
+    Copy-on-write leaves stale copies of a value in free pages; every copy gets the same
+    change, so whichever page holds the live one, it is the live value that rots.
+    """
+    raw = dict(raw_values(run_dir))[seq]
+    path = run_dir / "events.lmdb" / "data.mdb"
+    data = bytearray(path.read_bytes())
+    copies = []
+    at = data.find(raw)
+    while at >= 0:
+        copies.append(at)
+        at = data.find(raw, at + 1)
+    assert copies, "the value must be stored contiguously in data.mdb"
+    for at in copies:
+        data[at + offset] = byte
+    path.write_bytes(bytes(data))
+
+
 def change_key(log_dir: Path, seq: int, new_seq: int) -> int:
     """Store the value of ``seq`` under the key ``new_seq`` in ``log_dir/data.mdb`` itself (a changed key on disk).
 

@@ -11,6 +11,7 @@ here the fuzzed inputs are mutations of real stored events, in the decoder and i
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 import struct
@@ -25,7 +26,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from crashkit import change_key, copy_run, raw_values, run_in_child
+from crashkit import change_key, copy_run, flip_in_file, raw_values, run_in_child
 from events.codec import CURRENT_TYPES, decode
 from events.errors import CorruptEventError, EventLogError, NnxError, SequenceGapError, TruncatedLogError
 from events.log import LmdbLog
@@ -88,28 +89,14 @@ def _seq_of(run_dir: Path, kind: str, occurrence: int = 0) -> int:
 
 
 def _flip_in_file(run_dir: Path, seq: int, where: str) -> None:
-    """Flip one byte of the value stored under ``seq``, in data.mdb itself (bit rot under LMDB).
-
-    Copy-on-write leaves stale copies of a value in free pages; every copy gets the same
-    flip, so whichever page holds the live one, it is the live value that rots.
-    """
+    """Flip one byte of the value stored under ``seq``, in data.mdb itself (:func:`crashkit.flip_in_file`)."""
     raw = dict(raw_values(run_dir))[seq]
-    path = data_file(run_dir)
-    data = bytearray(path.read_bytes())
-    copies = []
-    at = data.find(raw)
-    while at >= 0:
-        copies.append(at)
-        at = data.find(raw, at + 1)
-    assert copies, "the value must be stored contiguously in data.mdb"
     if where == "kind tag":  # the last letter of the tag: "history_appended" -> "history_appendee"
         tag = decode(raw).KIND.encode()
         offset = raw.index(tag) + len(tag) - 1
+        flip_in_file(run_dir, seq, offset, raw[offset] ^ 0x01)
     else:  # the msgpack map header becomes a byte msgpack never uses
-        offset = 0
-    for at in copies:
-        data[at + offset] = 0xC1 if where != "kind tag" else data[at + offset] ^ 0x01
-    path.write_bytes(bytes(data))
+        flip_in_file(run_dir, seq, 0, 0xC1)
 
 
 @pytest.mark.parametrize("where", ["kind tag", "msgpack header"])
@@ -131,6 +118,30 @@ def test_a_flipped_byte_in_a_stored_event_is_refused_naming_its_seq(template, tm
     _assert_refused_untouched(run_dir, ResumeError, rf"cannot resume .*event at seq {seq} does not decode")
     with pytest.raises(CorruptEventError, match=f"seq {seq}"):
         load_result(run_dir)
+
+
+def test_a_flipped_byte_before_a_projection_snapshot_is_reported_by_summary_replay_and_resume(tmp_path, monkeypatch,
+                                                                                             capsys):
+    """Deliberate: ``load_result`` (and ``inspect --at``) folds from the newest snapshot, so damage to a
+    value before it is not seen there -- the state it returns was folded from that value while intact,
+    the run's own answer. The readers that must report damage still do: ``inspect summary``'s
+    checksums, ``tools/replay`` (re-folds from 0) and a resume (reads the whole log)."""
+    from nnx_es import recorder
+
+    monkeypatch.setattr(recorder, "SNAPSHOT_EVERY", 5)
+    runs = tmp_path / "runs"
+    result = fit(make_trainer(runs, RUN_ID))
+    run_dir = runs / RUN_ID
+    seq = _seq_of(run_dir, "history_appended", 0)
+    with LmdbLog(run_dir / "events.lmdb", readonly=True) as log:
+        assert any(s > seq for s, _ in log.read_snapshots())
+    _flip_in_file(run_dir, seq, "msgpack header")
+    assert load_result(run_dir) == result  # from the snapshot: the run's answer
+    assert inspect_cli.main([str(run_dir), "summary", "--json"]) == 0
+    assert "do not verify: run tools/replay" in json.loads(capsys.readouterr().out)["checksums"]
+    report = audit_run(run_dir)
+    assert (seq, 1) in [(v.seq, v.invariant) for v in report.violations]
+    _assert_refused_untouched(run_dir, ResumeError, rf"cannot resume .*event at seq {seq} does not decode")
 
 
 # --- flipped bytes in LMDB's own pages --------------------------------------------------------

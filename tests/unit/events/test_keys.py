@@ -59,3 +59,26 @@ def test_the_first_key_out_of_place_is_named(name: str, block: int) -> None:
 def test_a_key_of_another_length_is_malformed() -> None:
     with pytest.raises(SequenceGapError, match="malformed key: the key in the place of seq 3 is not 8 bytes long"):
         check_keys(iter([seq_key(0), seq_key(1), seq_key(2), b"\x00\x03", seq_key(4)]))
+
+
+def test_keys_from_a_first_seq_on_are_checked_against_it(block: int) -> None:
+    assert check_keys(iter(_keys(list(range(5, 11)))), 5) == 6
+    with pytest.raises(SequenceGapError) as info:
+        check_keys(iter(_keys([5, 6, 8])), 5)
+    assert (info.value.expected, info.value.found) == (7, 8)
+
+
+def test_a_log_checks_the_keys_of_a_range_only(tmp_path) -> None:
+    from events.log import LmdbLog
+    from events.schema import EpochBegan
+
+    with LmdbLog(tmp_path / "l") as log:
+        for e in range(10):
+            log.append(EpochBegan(epoch=e))
+        log.flush()
+        log.delete_raw(2)  # a gap at seq 2
+        assert log.check_keys(3) == 7 and log.check_keys(4, 8) == 4
+        with pytest.raises(SequenceGapError, match="expected seq 2"):
+            log.check_keys(0, 5)
+        with pytest.raises(SequenceGapError, match="expected seq 2"):
+            log.check_keys(2)

@@ -248,13 +248,38 @@ def test_torch_ddp_declares_exactly_what_it_executes() -> None:
     caps = backend.capabilities
     assert caps.name == "torch-ddp" == backend.name
     assert caps.axes == frozenset({"dp_replicate"})
-    assert caps.precisions == frozenset({"fp32", "bf16", "fp16"})
+    assert caps.precisions == frozenset({"fp32", "bf16"})  # fp16 is refused under DDP (wrap.check_distributed)
     assert (caps.distributed_optimizer, caps.reshardable_checkpoint, caps.elastic_restart) == (False, False, True)
     backend.check(backend.plan(2, gradient_accumulation_steps=4))
     with pytest.raises(PlanRefusedError, match="does not execute axis 'dp_shard'"):
         backend.check(ParallelPlan(dp_shard=2))
     with pytest.raises(PlanRefusedError, match="does not execute axis 'tp'"):
         backend.strategy(ParallelPlan(dp_replicate=2, tp=2))
+    with pytest.raises(PlanRefusedError, match="does not run precision 'fp16'"):
+        backend.check(backend.plan(2), precision="fp16")
+    from nnx_es.distributed import DDP
+
+    assert backend.strategy(backend.plan(2), writer_rank=1) == DDP(writer_rank=1)
+
+
+def test_what_torch_ddp_declares_matches_what_the_trainer_refuses() -> None:
+    """The declaration and the trainer path agree: a precision not declared is refused by the trainer."""
+    import torch
+    from torch import nn
+
+    from nnx_es import Trainer
+    from nnx_es.distributed import DDP
+
+    caps = get_training_backend("torch-ddp").capabilities
+    for precision in ("fp32", "bf16", "fp16"):
+        net = nn.Linear(2, 2)
+        make = lambda: Trainer(net, torch.optim.SGD(net.parameters(), lr=0.1), nn.MSELoss(), precision=precision,
+                               distributed=DDP(), progress=False)  # noqa: E731
+        if precision in caps.precisions:
+            make()
+        else:
+            with pytest.raises(ConfigError, match="does not run precision"):
+                make()
 
 
 def test_the_registry_module_imports_no_torch_itself() -> None:

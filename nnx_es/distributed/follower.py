@@ -1,0 +1,81 @@
+"""What a rank that is not the writer records into: an in-memory log and blob store.
+
+Only the writer rank holds the lease and writes ``runs/`` (spec 000 §3 "One writer"). Every
+other rank folds the same lifecycle events through its own :class:`~nnx_es.recorder.Recorder`
+-- so its machine, counters and projections decide alike -- over a
+:class:`~events.logbase.MemoryLog`, and keeps the checkpoint blobs its committer forms in a
+:class:`FollowerBlobStore` in memory: it never creates, reads or writes a file of the run.
+
+Memory stays bounded by the run's retention (``keep_last``/``keep_best``): a pruned checkpoint's
+blobs are deleted here as the writer deletes its files.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from pathlib import Path
+
+from collections.abc import Iterator
+
+from events.logbase import LogBase, MemoryLog
+from nnx_es.errors import CorruptCheckpointError
+from nnx_es.storage import BlobStore
+
+__all__ = ["FollowerBlobStore", "FollowerLog"]
+
+
+class FollowerLog(MemoryLog):
+    """The event log of a rank that is not the writer: sequenced like the writer's (it starts at
+    ``next_seq``, the writer's next seq), in memory, and it keeps no event once flushed (bounded
+    memory: the writer's log is the record; a follower only folds the events as they pass).
+    Reading it yields nothing."""
+
+    def __init__(self, next_seq: int = 0) -> None:
+        LogBase.__init__(self, next_seq)
+        self._stored: list[bytes] = []
+        self._blobs: dict[bytes, bytes] = {}
+
+    def flush(self, *, sync: bool = False) -> None:
+        self._buffer.clear()
+        self._staged.clear()
+        self._flushed = self._next
+        if sync:
+            self._syncs += 1
+
+    def read_raw(self, start: int = 0, stop: int | None = None) -> Iterator[tuple[int, bytes]]:
+        return iter(())
+
+
+class FollowerBlobStore(BlobStore):
+    """A :class:`~nnx_es.storage.BlobStore` in memory: the same names (SHA-256), no file.
+
+    ``root`` is the writer's blob directory, named in messages only: nothing is created there.
+    """
+
+    def __init__(self, root: Path) -> None:
+        super().__init__(root, log=None)
+        self._blobs: dict[str, bytes] = {}
+
+    def stage(self, data: bytes, digest: str | None = None) -> str:
+        return self.put(data)
+
+    def put_all(self, datas: Sequence[bytes]) -> list[str]:
+        digests = [hashlib.sha256(d).hexdigest() for d in datas]
+        for digest, data in zip(digests, datas):
+            self._blobs.setdefault(digest, data)
+        return digests
+
+    def delete(self, digests: Sequence[str]) -> None:
+        for digest in digests:
+            self._blobs.pop(digest, None)
+
+    def exists(self, digest: str) -> bool:
+        return digest in self._blobs
+
+    def get(self, digest: str) -> bytes:
+        data = self._blobs.get(digest)
+        if data is None:
+            raise CorruptCheckpointError(f"blob {digest} is not held by this rank (only the writer rank stores "
+                                         f"checkpoints, under {self.root})")
+        return data

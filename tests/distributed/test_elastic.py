@@ -1,0 +1,43 @@
+"""Elastic restart: under ``torchrun --max-restarts=1`` a rank SIGKILLed mid-epoch makes the agent
+restart the group, and ``fit(resume="auto")`` continues the run from LAST to the same parameters
+(bitwise) as an uninterrupted 2-rank run (issue 13, "Elastic restart")."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from launch import REPO, results, torchrun
+from trainkit import of_kind
+
+SCRIPT = REPO / "tests" / "distributed" / "elastic_script.py"
+TIMEOUT_S = 150.0
+
+
+def test_a_rank_killed_mid_epoch_restarts_and_resumes_to_the_uninterrupted_parameters(tmp_path):
+    # one launch: an uninterrupted reference run, then the run where rank 1 kills itself after
+    # microbatch 2 of epoch 1 (epoch 0's LAST is committed, epoch 1 is not); torchrun restarts both ranks
+    try:
+        proc = torchrun(SCRIPT, str(tmp_path), "1:1:2", max_restarts=1, timeout_s=TIMEOUT_S)
+    except subprocess.TimeoutExpired as exc:  # a hang is a failure, never a stuck suite
+        pytest.fail(f"the launch did not end within {TIMEOUT_S} s:\n{(exc.output or '')[-3000:]}")
+    assert proc.returncode == 0, proc.stdout[-4000:]
+
+    assert (tmp_path / "elastic.killed").exists(), "the planted kill never fired"
+    reference, elastic = results(tmp_path, "reference"), results(tmp_path, "elastic")
+    assert [r.get("missing") for r in reference + elastic] == [None] * 4
+    assert [r["restarts"] for r in reference] == [0, 0]  # the reference ran before the kill
+    assert [r["restarts"] for r in elastic] == [1, 1]  # the run ended in the restarted group
+    for ref, got in zip(reference, elastic):
+        assert got["status"] == ref["status"] == "completed"
+        assert (got["epoch"], got["step"]) == (ref["epoch"], ref["step"])
+        assert got["params"] == ref["params"]  # float32 values as float64: equal lists = bitwise equal
+    assert elastic[0]["params"] == elastic[1]["params"]
+    # the restarted group resumed the run from epoch 0's LAST (it did not start over)
+    run_dir = tmp_path / "runs" / "elastic"
+    (resumed,) = of_kind(run_dir, "run_resumed")
+    assert resumed.epoch == 0
+    assert len(of_kind(run_dir, "run_started")) == 1
+    assert not of_kind(tmp_path / "runs" / "reference", "run_resumed")

@@ -1,0 +1,185 @@
+"""The trainer under a 2-rank torchrun: one exact update per window, agreed decisions, one writer."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import ddpkit
+from launch import results, torchrun
+
+SCRIPT = Path(__file__).resolve().parent / "scenarios.py"
+CASES = ["equivalence", "masked_window", "nonfinite_window", "refusals", "decisions", "local_stop", "writer_only",
+         "commit_fault", "resume_other_world", "resume_auto", "sha_refusal", "callback_roles"]
+
+
+@pytest.fixture(scope="module")
+def ddp_run(tmp_path_factory: pytest.TempPathFactory, reference) -> Path:
+    out = tmp_path_factory.mktemp("ddp")
+    proc = torchrun(SCRIPT, str(out), ",".join(CASES), timeout_s=180, env={"NNX_TEST_REF": str(reference[1])})
+    assert proc.returncode == 0, proc.stdout[-6000:]
+    return out
+
+
+def _ok(out: Path, case: str) -> list[dict]:
+    rs = results(out, case)
+    for r in rs:
+        assert r.get("ok"), r.get("traceback") or r
+    return rs
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> tuple[torch.nn.Module, Path]:
+    """One process trained on the union of the ranks' batches (same windows, same schedulers)."""
+    root = tmp_path_factory.mktemp("ref")
+    model = ddpkit.net()
+    t = ddpkit.trainer(model, runs_root=root, run_id="ref")
+    t.fit(ddpkit.UnionLoader(ddpkit.dataset()), epochs=2)
+    return model, root / "ref"
+
+
+def test_two_ranks_commit_the_parameters_of_one_process_on_the_union_of_their_batches(ddp_run: Path,
+                                                                                       reference) -> None:
+    r0, r1 = _ok(ddp_run, "equivalence")
+    assert r0["digest"] == r1["digest"]  # identical parameters on every rank, bitwise
+    model, _ = reference
+    ref = ddpkit.params(model)
+    assert r0["keys"] == sorted(ref)  # the canonical keys: no "module." prefix
+    for k, v in ref.items():
+        assert torch.allclose(torch.tensor(r0["params"][k]), torch.tensor(v), rtol=1e-5, atol=1e-6), k
+    assert r0["status"] == r1["status"] == "completed"
+    assert r0["wrapped"] == "Sequential"  # DDP wraps per fit; the net is never replaced
+
+
+def test_learning_rates_and_receipts_do_not_depend_on_world_size(ddp_run: Path, reference) -> None:
+    _ok(ddp_run, "equivalence")
+    _, ref_dir = reference
+    ref = ddpkit.receipts(ref_dir)
+    got = ddpkit.receipts(ddp_run / "runs" / "equiv")
+    assert [r["kind"] for r in got] == [r["kind"] for r in ref]
+    assert [r["lrs"] for r in got] == [r["lrs"] for r in ref]  # both clocks, after every committed update
+    assert [r["global"] for r in got] == [r["global"] for r in ref]  # W: the union's valid weight
+    for g, r in zip(got, ref):
+        assert g["loss"] == pytest.approx(r["loss"], rel=1e-6)
+    assert any(g["local"] != g["global"] for g in got)
+
+
+def test_a_window_without_valid_rows_on_any_rank_is_skipped_on_every_rank(ddp_run: Path) -> None:
+    r0, r1 = _ok(ddp_run, "masked_window")
+    assert r0["digest"] == r1["digest"]
+    got = ddpkit.receipts(ddp_run / "runs" / "masked")
+    assert [(r["kind"], r["reason"]) for r in got][:2] == [("update_skipped", "masked"), ("update_committed", None)]
+    assert got[1]["local"] == 0.0 and got[1]["global"] == 2.0  # rank 0 had no valid row: W is the union's
+    assert r0["steps"] == r1["steps"] == 2
+
+
+def test_a_nonfinite_loss_on_one_rank_skips_the_update_on_every_rank(ddp_run: Path) -> None:
+    r0, r1 = _ok(ddp_run, "nonfinite_window")
+    assert r0["digest"] == r1["digest"] and r0["finite"] and r1["finite"]
+    got = ddpkit.receipts(ddp_run / "runs" / "nonfinite")
+    assert [(r["kind"], r["reason"]) for r in got] == [("update_committed", None), ("update_skipped", "nonfinite"),
+                                                       ("update_committed", None)]
+    assert r0["steps"] == r1["steps"] == 2
+
+
+def test_batchnorm_and_a_single_process_fit_in_a_group_are_refused_on_every_rank(ddp_run: Path) -> None:
+    for r in _ok(ddp_run, "refusals"):
+        assert r["batchnorm"][0] == "ConfigError" and "SyncBatchNorm" in r["batchnorm"][1]
+        assert r["single"][0] == "ConfigError" and "distributed=nnx_es.distributed.DDP()" in r["single"][1]
+        assert r["wrote"] is False
+
+
+def test_records_monitor_plateau_and_best_agree_on_every_rank_and_with_the_union(ddp_run: Path) -> None:
+    r0, r1 = _ok(ddp_run, "decisions")
+    assert r0["seen"] == r1["seen"]  # each rank's own validation, decision and lr, epoch by epoch
+    assert r0["digest"] == r1["digest"]
+    assert [s["val"] for s in r0["seen"]] == [h["val"] for h in r0["history"]]
+    # the agreed validation is the union's: every one of the 7 rows scored once (4 on rank 0, 3 on rank 1)
+    assert (r0["shard_rows"], r1["shard_rows"]) == (4, 3)
+    for r in (r0, r1):
+        whole, shards = r["whole"], r["shards"]
+        assert shards[1] == whole[1] == 7
+        assert shards[0].keys() == whole[0].keys() == {"val_loss", "val_accuracy"}
+        for k in whole[0]:
+            assert shards[0][k] == pytest.approx(whole[0][k], rel=1e-6)  # float32 sums in other batches
+    assert any(s["improved"] is False for s in r0["seen"])  # the monitor, plateau and early stopping were exercised
+    assert len({tuple(s["lrs"]) for s in r0["seen"]}) > 1
+    assert r0["epochs"] >= 2
+
+
+def test_a_stop_asked_on_one_rank_from_a_local_quantity_stops_every_rank(ddp_run: Path) -> None:
+    r0, r1 = _ok(ddp_run, "local_stop")
+    assert len(r0["seen"]) == len(r1["seen"]) == 2  # both ranks ended after epoch 1
+    assert r0["status"] == r1["status"] == "stopped"
+    assert r0["epochs"] == 2
+
+
+def test_only_the_writer_touches_the_run_directory(ddp_run: Path) -> None:
+    r0, r1 = _ok(ddp_run, "writer_only")
+    assert r0["own_root_exists"] is True and r1["own_root_exists"] is False
+    assert not (ddp_run / "roots-rank1").exists()
+    run = ddp_run / "roots-rank0" / "wo"
+    assert (run / "events.lmdb").is_dir() and (run / "views").is_dir()
+    assert r0["run_dir"] == r1["run_dir"] == str(run)  # every rank returns the writer's run
+    assert r0["last"] == r1["last"] and r0["digest"] == r1["digest"]
+    from nnx_es.result import load_result
+
+    assert load_result(run).status == "completed"
+
+
+def test_a_write_fault_on_the_writer_stops_every_rank_and_loses_nothing_committed(ddp_run: Path) -> None:
+    from nnx_es.result import load_result
+
+    r0, r1 = _ok(ddp_run, "commit_fault")
+    assert r0["raised"][0] == r1["raised"][0] == "CheckpointWriteError"
+    assert "injected" in r0["raised"][1] and "injected" in r1["raised"][1]
+    run = load_result(ddp_run / "runs" / "fault")
+    assert run.status == "failed"
+    assert [h.epoch for h in run.history] == [0] and run.last is not None and run.last.epoch == 0
+
+
+def test_a_stateful_resume_on_another_world_size_is_refused_before_anything_is_restored(ddp_run: Path,
+                                                                                        reference, tmp_path) -> None:
+    r0, r1 = _ok(ddp_run, "resume_other_world")
+    for r in (r0, r1):
+        assert r["raised"][0] == "ResumeError" and "trained on 1 rank(s) and this run has 2" in r["raised"][1]
+    # and the other way: one process resuming the 2-rank run statefully
+    from nnx_es.errors import ResumeError
+
+    model = ddpkit.net(5)
+    before = ddpkit.digest(model)
+    t = ddpkit.trainer(model, runs_root=ddp_run / "runs", run_id="equiv")
+    with pytest.raises(ResumeError, match="trained on 2 rank"):
+        t.fit(ddpkit.UnionLoader(ddpkit.dataset()), epochs=3, resume="auto")
+    assert ddpkit.digest(model) == before
+    # weights_only starts fresh from its weights
+    t = ddpkit.trainer(model, runs_root=tmp_path, run_id="fresh")
+    assert t.fit(ddpkit.UnionLoader(ddpkit.dataset()), epochs=1, resume_from=ddp_run / "runs" / "equiv",
+                 resume_mode="weights_only").status == "completed"
+
+
+def test_resume_auto_under_ddp_continues_bitwise(ddp_run: Path) -> None:
+    r0, r1 = _ok(ddp_run, "resume_auto")
+    whole = _ok(ddp_run, "equivalence")[0]
+    assert r0["digest"] == r1["digest"] == whole["digest"]
+    assert r0["history"] == 2 and r0["status"] == "completed"
+
+
+def test_a_corrupt_resume_point_is_refused_on_every_rank_with_the_same_reason(ddp_run: Path) -> None:
+    r0, r1 = _ok(ddp_run, "sha_refusal")
+    assert r0["raised"] and r1["raised"]
+    assert r0["raised"][0] == r1["raised"][0]
+    assert r1["raised"][1].startswith(r0["raised"][1]) and "writer rank" in r1["raised"][1]
+    assert "NnxError" in r0["raised"]
+
+
+def test_callbacks_run_where_they_declare_and_an_undeclared_one_is_refused_on_every_rank(ddp_run: Path) -> None:
+    r0, r1 = _ok(ddp_run, "callback_roles")
+    for r in (r0, r1):
+        for key in ("undeclared", "lambda"):
+            assert r[key][0] == "ConfigError" and "declares nothing" in r[key][1] and "writer_only" in r[key][1]
+        assert r["undeclared_written"] is False
+    assert r0["built"] == [0] and r1["built"] == []  # the factory runs on the writer alone
+    assert r0["ran"] == ["logger", "writes", "every"] and r1["ran"] == ["every"]
