@@ -140,7 +140,6 @@ def epoch_end_costs(epochs: int = 10, runs: int = 3) -> dict[str, float]:
     # the initial and final commits are among seen["commit"] (2 of 12 a run): the median is an epoch's
     fixed = statistics.median([seen["fit"][i] - sum(seen["epoch"][i * epochs:(i + 1) * epochs])
                                for i in range(runs)])
-    del commits_per_run
     return {"epoch end": statistics.median(seen["epoch end"]) * 1e3,
             "commit": statistics.median(seen["commit"]) * 1e3,
             "capture": statistics.median(seen["capture"]) * 1e3, "fixed": fixed * 1e3}
