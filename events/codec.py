@@ -25,6 +25,7 @@ from events.schema import (
     EvaluationRecorded,
     Event,
     HistoryAppended,
+    JournalPublished,
     LastCommitted,
     MicrobatchDone,
     MonitorDecided,
@@ -34,6 +35,7 @@ from events.schema import (
     RunFinalized,
     RunResumed,
     RunStarted,
+    RowsRecorded,
     SchedulerStepped,
     StopRequested,
     TrainBegan,
@@ -86,6 +88,9 @@ CURRENT_TYPES: tuple[type[Event], ...] = (
     RunFinalized,
     EvaluationRecorded,
     ParamsDigested,
+    # appended, not in lifecycle order: the epoch's history step writes them before history_appended
+    RowsRecorded,
+    JournalPublished,
 )
 
 

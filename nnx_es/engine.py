@@ -68,6 +68,7 @@ from nnx_es.batches import split_batch
 from nnx_es.callbacks import CallbackList
 from nnx_es.errors import ConfigError
 from nnx_es.metrics import MetricSums
+from nnx_es.objective import batch_rows
 from nnx_es.objective import LossParts, Objective
 from nnx_es.schedulers import Scheduler, step_update_clock
 from nnx_es.stages import StageDispatcher, TrainingStage
@@ -75,6 +76,7 @@ from nnx_es.update_hooks import UpdateHook, UpdateOrchestrator
 
 if TYPE_CHECKING:
     from nnx_es.context import TrainContext
+    from nnx_es.rows.recorder import RowRecorder
     from nnx_es.run_state import RunState
 
 __all__ = ["EpochTotals", "UpdateEngine", "default_forward", "default_train_step", "finalize_step", "split_batch"]
@@ -191,6 +193,8 @@ class UpdateEngine:
         self._syncing = False  # the current microbatch's backward synchronizes the gradients
         self._w_num_t: Tensor | None = None  # the window's numerator on the device (float64), under DDP
         self._grad_bytes = sum(p.numel() * p.element_size() for p in self._params)
+        #: per-row records of batches carrying row ids (set by the trainer; ``None``: none)
+        self.rows: RowRecorder | None = None
         self._reset_window()
 
     def begin_run(self, state: RunState, callbacks: CallbackList) -> None:
@@ -307,6 +311,8 @@ class UpdateEngine:
         sums = self.epoch.sums
         if sums.with_accuracy:  # a declared metric that cannot score them: refused before backward
             sums.check(outputs, targets)
+        if self.rows is not None:  # per-row records (nnx_es.rows): formed on the device, read at the epoch's close
+            self.rows.train_batch(batch, outputs, targets)
         total = parts.total
         den = parts.den
         loss_t = total.detach()  # stays on the device: read with the window (see _settle)
@@ -341,7 +347,7 @@ class UpdateEngine:
         self.w_den += den
         epoch = self.epoch
         epoch.microbatches += 1
-        rows = int(targets.shape[0]) if hasattr(targets, "shape") and targets.dim() > 0 else 1
+        rows = batch_rows(targets)
         if sums.scores_rows:
             sums.add_rows(outputs, targets, weights, rows=rows)
         else:

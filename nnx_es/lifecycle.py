@@ -18,7 +18,7 @@ agree on every (state, kind) pair. Order of one run (spec 000 "Lifecycle order")
           ( microbatch_done+  (update_committed+ scheduler_stepped* params_digested? | update_skipped) )*
           params_digested?
           validation_done?  epoch_summarized  monitor_decided?  scheduler_stepped*
-          stop_requested?  history_appended  checkpoint_stored?  last_committed
+          stop_requested?  (rows_recorded* | journal_published)?  history_appended  checkpoint_stored?  last_committed
           best_committed?  phase_committed?  (checkpoint_stored? callback_checkpointed)*  checkpoint_pruned* )*
       validation_done(final)?  callback_finalized* (reverse order)  checkpoint_stored?  last_committed(final)
       checkpoint_pruned*  run_finalized
@@ -103,6 +103,9 @@ _BASE: tuple[dict[str, Any], ...] = (
     _t("stop_requested", _EPOCH_END, "scheduled"),
     # a resumed run that had decided to stop records that it stops before any epoch
     _t("stop_requested", "committed", "committed"),
+    # the epoch's per-row records (nnx_es.rows), at its history step, before its history
+    _t("rows_recorded", _EPOCH_END, "="),
+    _t("journal_published", _EPOCH_END, "="),
     _t("history_appended", _EPOCH_END, "recorded"),
     _t("checkpoint_stored", ["recorded", "committed", "finalizing", "training"], "="),
     _t("last_committed", ["training", "recorded"], "committed"),

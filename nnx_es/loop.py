@@ -42,6 +42,7 @@ from nnx_es.finalize import Finalization
 from nnx_es.loaders import length_of
 from nnx_es.monitor import Monitor
 from nnx_es.progress import Progress
+from nnx_es.rows.recorder import RowRecorder
 from nnx_es.run_state import RunState
 from nnx_es.schedulers import Scheduler, step_epoch_clock
 from nnx_es.stages import StageDispatcher, TrainingStage
@@ -91,6 +92,9 @@ class TrainingLoop:
             ``AFTER_VALIDATION``; no monitor decision): ``True`` always with a validation loader,
             ``"auto"`` when the final weights were not the ones last validated, ``False`` never
             (spec 004 "Validation": a final pass when validation is configured).
+        rows: the per-row records (:class:`~nnx_es.rows.RowRecorder`): closed with the epoch
+            (before ``on_epoch_end``), handed to the run at its history step (before
+            ``history_appended``); ``None``: none.
     """
 
     def __init__(self, *, state: RunState, ctx: TrainContext, net: nn.Module, optimizers: dict[str, Optimizer],
@@ -99,7 +103,7 @@ class TrainingLoop:
                  validate: Validate, cadence: Cadence, step_fn: Callable[[TrainContext, Any], Any], custom_step: bool,
                  batch_gather: bool, progress: Progress, nonfinite: str = "skip",
                  device: torch.device | None = None, final_validation: bool | str = "auto",
-                 digest: Any = None) -> None:
+                 digest: Any = None, rows: RowRecorder | None = None) -> None:
         self.state, self.ctx, self.net, self.optimizers = state, ctx, net, optimizers
         self.schedulers, self.monitor, self.engine = schedulers, monitor, engine
         self.callbacks, self.stages, self.committer, self.finalization = callbacks, stages, committer, finalization
@@ -111,6 +115,7 @@ class TrainingLoop:
         self.digest = digest
         self.final_validation = final_validation
         self._validated_at = 0  # the step count of the latest validation pass
+        self.rows = rows
         self._nonfinite_skips = 0  # this epoch's
         self._epochs = 0
 
@@ -301,6 +306,8 @@ class TrainingLoop:
         if totals.updates == 0 and not self.custom_step:
             log.warning("epoch committed no optimizer update: every window was skipped", run_id=state.run_id,
                         epoch=epoch, skipped=totals.skipped)
+        if self.rows is not None:
+            self.rows.close_epoch(epoch)  # ctx.idps holds the epoch from here on
         summary = EpochSummarized(
             epoch=epoch, metrics=train, examples=totals.sums.den, microbatches=totals.microbatches,
             updates=totals.updates, skipped=totals.skipped, duration_s=time.time() - t_epoch,
@@ -332,6 +339,8 @@ class TrainingLoop:
             counters=msgspec.structs.replace(rec.counters, epoch=epoch + 1), wall_time_s=time.time() - t_epoch,
         )
         self.committer.complete()  # the previous epoch's LAST precedes this epoch's history
+        if self.rows is not None:  # the epoch's per-row records: part of its history step, before LAST
+            self.rows.history_step(epoch, rec)
         covers = rec.emit(HistoryAppended(record=record))
         self.committer.submit(epoch=epoch, covers=covers, decision=decision)
         rec.maybe_flush()  # with a lag the history is committed by the next epoch's LAST sync
@@ -349,7 +358,14 @@ class TrainingLoop:
 
     def _validation_pass(self, loader: Iterable[Any], trigger: str = "epoch") -> dict[str, float]:
         ctx = self.ctx
-        val, n_val = self.validate(loader)
+        rows = self.rows
+        if rows is not None:
+            rows.validating = trigger == "epoch"  # the epoch's validation scores each row once per epoch
+        try:
+            val, n_val = self.validate(loader)
+        finally:
+            if rows is not None:
+                rows.validating = False
         self._validated_at = ctx.step_count
         ctx.validation = val
         self.state.recorder.emit(

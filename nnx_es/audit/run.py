@@ -119,11 +119,13 @@ def _audit(run_dir: Path, log: LmdbLog) -> AuditReport:
     check = CommittedCheck(sink, BlobStore(run_dir / "blobs", log=log), run_id="")
     folded = CommittedFold(source)
     snapshots = SnapshotCheck(log, stop, sink)
-    for seq, event, p in folded:
+    for seq, event, state in folded:
         if not check.run_id:  # manifests are verified against the run they belong to
             check.run_id = source.run_started.run_id if source.run_started is not None else run_dir.name
-        check.feed(seq, event, p)
-        snapshots.feed(seq, event, folded.read == folded.yielded and not folded.exhausted, folded.last_read, p)
+        check.feed(seq, event, state)
+        if seq >= snapshots.next_seq or folded.last_read > snapshots.next_seq:
+            snapshots.feed(seq, event, folded.read == folded.yielded and not folded.exhausted, folded.last_read,
+                           state)
     check.finish()
     snapshots.finish()
     p = folded.p
