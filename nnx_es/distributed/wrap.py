@@ -78,7 +78,8 @@ def data_parallel(ddp: DDP | None, net: nn.Module, engine: Any, train_loader: An
 
     Raises:
         ConfigError: without ``ddp``, a group of more than one rank; with it, a train loader
-            without a length, or ranks whose train loaders have different lengths (every rank).
+            without a length, ranks whose train loaders have different lengths, or train partitions
+            the ranks do not share (:func:`_check_one_partition`) -- on every rank.
     """
     if ddp is None:
         refuse_group(entry)
@@ -98,6 +99,7 @@ def data_parallel(ddp: DDP | None, net: nn.Module, engine: Any, train_loader: An
             f"the ranks' train loaders have different lengths (from {int(-counts[1])} to {int(counts[0])} batches; "
             f"rank {world.rank} has {n}): every rank must take the same number of steps, or the group hangs; build "
             "them with nnx_es.distributed.train_loader(dataset, batch_size) on the same data set; nothing was trained")
+    _check_one_partition(world, train_loader)
     device_ids = [torch.device(world.device).index] if world.device.startswith("cuda") else None
     # broadcast_buffers=False: no collective per forward (BatchNorm is refused; buffers agree from the start)
     try:
@@ -109,3 +111,49 @@ def data_parallel(ddp: DDP | None, net: nn.Module, engine: Any, train_loader: An
         yield world
     finally:
         engine.use_ddp(None)
+
+
+def _partition_of(loader: Any) -> tuple[int | None, int | None, Any]:
+    """(rank, world size, what the ranks must share) of a train loader's partition sampler --
+    :class:`~nnx_es.distributed.PartitionSampler` or ``DistributedSampler`` -- else Nones."""
+    sampler = getattr(loader, "sampler", None)
+    describe = getattr(sampler, "describe", None)
+    if callable(describe) and isinstance(getattr(sampler, "world_size", None), int):
+        return sampler.rank, sampler.world_size, describe()
+    from torch.utils.data.distributed import DistributedSampler
+
+    if isinstance(sampler, DistributedSampler):
+        shared = {"kind": "DistributedSampler", "rows": len(sampler.dataset), "seed": sampler.seed,  # type: ignore[arg-type]
+                  "shuffle": sampler.shuffle, "drop_last": sampler.drop_last}
+        return sampler.rank, sampler.num_replicas, shared
+    return None, None, None
+
+
+def _check_one_partition(world: World, train_loader: Any) -> None:
+    """Refuse, on every rank alike, train partitions that are not one partition of the group's rows.
+
+    Every rank taking the same number of steps is not enough: a loader seeded per rank
+    (``seed=rank``), or built for another rank or world size, deals rows that overlap and rows
+    that no rank reads, and the run would complete on them. One gather of each rank's
+    ``(rank, world size, description)``; the message is built from all of them, so it is the
+    same on every rank.
+
+    Raises:
+        ConfigError: a rank's sampler names another rank or world size than the group's, or the
+            ranks' descriptions (rows, policy, seed, shuffle) differ.
+    """
+    mine = _partition_of(train_loader)
+    ranks = world.gather([world.rank, *mine])
+    if all(r[3] is None for r in ranks):
+        return  # no partition sampler anywhere: a loader of the user's own (its lengths were checked)
+    wrong = [f"rank {r[0]}'s is built for rank {r[1]} of world_size={r[2]}" for r in ranks
+             if r[3] is not None and (r[1], r[2]) != (r[0], world.size)]
+    kinds = {repr(r[3]) for r in ranks}
+    if wrong or len(kinds) > 1:
+        why = "; ".join(wrong) if wrong else "the ranks' partitions differ: " + "; ".join(
+            f"rank {r[0]}: {r[3]}" for r in ranks)
+        raise ConfigError(
+            f"the ranks' train loaders do not deal one partition of the rows ({why}): rows would overlap and some "
+            f"go unread; build every rank's with nnx_es.distributed.train_loader(dataset, batch_size, seed=S) -- the "
+            f"same data set, policy and seed on every rank, rank and world_size left to the group "
+            f"({world.size} ranks); nothing was trained")

@@ -156,6 +156,30 @@ def refusals(world: World, out: Path) -> dict[str, Any]:
     return got
 
 
+@case
+def partition_mismatch(world: World, out: Path) -> dict[str, Any]:
+    """Train partitions the ranks do not share: each rank seeded by its rank (rows overlap and go
+    missing, yet every rank takes the same number of steps), and a loader built for another rank."""
+    import ddpkit
+    from nnx_es.distributed import DDP, train_loader
+
+    got: dict[str, Any] = {}
+    loaders = {"seed_per_rank": train_loader(ddpkit.dataset(), ddpkit.BATCH, seed=world.rank),
+               "rank_zero_everywhere": train_loader(ddpkit.dataset(), ddpkit.BATCH, seed=ddpkit.SEED, rank=0,
+                                                    world_size=world.size),
+               "one_process_loader": train_loader(torch.utils.data.Subset(ddpkit.dataset(), range(12)), ddpkit.BATCH, seed=ddpkit.SEED, rank=0,
+                                                  world_size=1)}
+    for name, loader in loaders.items():
+        t = ddpkit.trainer(ddpkit.net(), runs_root=out / "pm", run_id=name, distributed=DDP(timeout_seconds=30))
+        try:
+            t.fit(loader, epochs=1)
+            got[name] = None
+        except Exception as exc:  # noqa: BLE001
+            got[name] = _error(exc)
+    got["wrote"] = sorted(p.name for p in (out / "pm").iterdir()) if (out / "pm").exists() else []
+    return got
+
+
 # --- part 3: records and decisions agreed ------------------------------------------------
 
 
