@@ -482,7 +482,8 @@ class Trainer:
                               "parallelism is not supported (each rank would journal only its own shard); nothing "
                               "was trained or written")
         ensure_logging()
-        with data_parallel(self.distributed, self.net, self.engine, train_loader, "Trainer.fit") as world:
+        with data_parallel(self.distributed, self.net, self.engine, train_loader, "Trainer.fit",
+                           val_loader) as world:
             if world.distributed and self.run_id is None:  # one id for every rank: the writer's
                 self.run_id = world.share(new_run_id())
             return self._fit(train_loader, val_loader, epochs=epochs, resume_from=resume_from,
