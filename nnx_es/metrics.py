@@ -32,7 +32,8 @@ from nnx_es.monitor import Monitor
 from nnx_es.objective import LossParts, Objective, accuracy, accuracy_kind, batch_rows, hits
 from nnx_es.user_metrics import RowMetric, UserMetric, metric_names, split_declared, user_metric
 
-__all__ = ["METRICS", "MetricSums", "check_monitor", "evaluate", "reported_metrics", "validate_metrics"]
+__all__ = ["METRICS", "MetricSums", "check_metric_names", "check_monitor", "evaluate", "reported_metrics",
+           "validate_metrics"]
 
 #: Metrics a run may declare (beyond the loss, which is always reported).
 METRICS = ("accuracy",)
@@ -70,6 +71,22 @@ def reported_metrics(objective: Objective, metrics: tuple[Any, ...]) -> set[str]
     """The names of the training metrics a run reports (validation reports the same with ``val_``)."""
     terms = objective.terms if len(objective.terms) > 1 else {}
     return {"loss", *terms, *metric_names(metrics)}
+
+
+def check_metric_names(objective: Objective, metrics: tuple[Any, ...]) -> None:
+    """Refuse a metric named like a loss term the run reports (its value would replace the term's).
+
+    An objective of one term reports it as ``loss`` alone, so its name is free for a metric.
+
+    Raises:
+        ConfigError: naming the metrics and the terms they collide with.
+    """
+    terms = objective.terms if len(objective.terms) > 1 else {}
+    clash = sorted(set(metric_names(metrics)) & set(terms))
+    if clash:
+        raise ConfigError(f"metrics {clash} are named like loss terms of the objective {sorted(terms)}: each is "
+                          "reported under its name, so the metric would replace the loss term's value; rename "
+                          "the metric (metrics={new_name: m}) or the loss term")
 
 
 def check_monitor(monitor: Monitor, objective: Objective, metrics: tuple[str, ...]) -> None:

@@ -50,7 +50,7 @@ from nnx_es.context import TrainContext
 from nnx_es.device import place_model, resolve_device
 from nnx_es.distributed.digest import ParamDigest
 from nnx_es.distributed.roles import check_declared, for_rank
-from nnx_es.distributed.wrap import check_distributed, data_parallel, is_writer_rank, refuse_unagreed_metrics
+from nnx_es.distributed.wrap import check_distributed, data_parallel, is_writer_rank
 from nnx_es.engine import UpdateEngine, default_forward, default_train_step
 from nnx_es.errors import ConfigError
 from nnx_es.finalize import Finalization
@@ -58,7 +58,7 @@ from nnx_es.finetune import group_names, initial_weights
 from nnx_es.loaders import length_of, loader_geometries
 from nnx_es.logs import ensure_logging
 from nnx_es.loop import NONFINITE, Cadence, TrainingLoop
-from nnx_es.metrics import check_monitor, evaluate, validate_metrics
+from nnx_es.metrics import check_metric_names, check_monitor, evaluate, validate_metrics
 from nnx_es.models import Keyed, ModelSet, multi_model_step
 from nnx_es.monitor import Monitor
 from nnx_es.declare import describe_objective
@@ -274,8 +274,7 @@ class Trainer:
             raise ConfigError(f"final_validation must be True, False or 'auto', got {final_validation!r}")
         self.final_validation = final_validation
         self.metrics = validate_metrics(metrics)
-        if self.distributed is not None:
-            refuse_unagreed_metrics(self.metrics)
+        check_metric_names(self.objective, self.metrics)
         self.monitor: Monitor | None = monitor_of(monitor, higher_is_better(self.metrics))
         if isinstance(callbacks, Callback) or not isinstance(callbacks, Iterable):
             raise ConfigError(f"callbacks must be a list of Callback, got {callbacks!r}")

@@ -22,7 +22,7 @@ from nnx_es.errors import ConfigError
 from nnx_es.loaders import length_of
 from nnx_es.run_state import World
 
-__all__ = ["check_distributed", "data_parallel", "is_writer_rank", "refuse_unagreed_metrics"]
+__all__ = ["check_distributed", "data_parallel", "is_writer_rank"]
 
 _BATCHNORM = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.LazyBatchNorm1d, nn.LazyBatchNorm2d,
               nn.LazyBatchNorm3d)
@@ -60,22 +60,6 @@ def check_distributed(distributed: Any, net: nn.Module, *, trainer_step_fn: Any 
         raise ConfigError("distributed=DDP() does not run precision='fp16' (its GradScaler skips backward per "
                           "rank); use precision='bf16' or 'fp32'")
     return distributed
-
-
-def refuse_unagreed_metrics(metrics: Any) -> None:
-    """Refuse user metrics (:mod:`nnx_es.user_metrics`) under DDP: their state is per rank and is not
-    agreed yet, so records and a monitor on them would differ between the ranks.
-
-    Raises:
-        ConfigError: naming the metric; the loss, its terms and ``"accuracy"`` are agreed.
-    """
-    from nnx_es.user_metrics import UserMetric
-
-    for m in metrics:
-        if isinstance(m, UserMetric):
-            raise ConfigError(f"distributed=DDP() does not agree user metric {getattr(m, 'name', m)!r} between the "
-                              "ranks yet (its state is per rank: records and a monitor on it would differ); use the "
-                              "loss, its terms or 'accuracy' under DDP, or score it after training (NNModel.evaluate)")
 
 
 def is_writer_rank(ddp: DDP) -> bool:
