@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from bench import logbench, overhead, stages
+from bench import calls, logbench, overhead, stages
 
 HAND, HAND_GATHERED = "hand-written torch loop", "hand-written torch loop, batches gathered"
 NNX, NNX_ROWS, NNX_LAGGED = "nnx_es", "nnx_es, batch_gather=False", "nnx_es, checkpoint_lag='epoch'"
@@ -55,6 +55,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--markdown", type=Path, help="also write the table to this Markdown file")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
+    load_start = os.getloadavg()
+    started = time.monotonic()
 
     contenders = dict(overhead.CONTENDERS)
     missing = []
@@ -84,7 +86,12 @@ def main(argv: list[str] | None = None) -> int:
             wide[name].append(fn(args.epochs).cpu)
     overhead.WORKLOAD["name"] = "mlp"
     wide_med = {k: statistics.median(v) for k, v in wide.items()}
+    load_overhead = os.getloadavg()  # the machine's load while the overhead rows ran
     totals, profiled_microbatches = stages.profile_by_stage(args.epochs)
+    extra_calls, hand_calls = calls.extra_calls()
+    costs = stages.epoch_end_costs(args.epochs)
+    python_calls = sum(v for (f, _), v in extra_calls.items() if f != "C")
+    all_calls = sum(extra_calls.values())
     base = statistics.median(times[HAND])
     med = {k: statistics.median(v) for k, v in times.items()}
     ratio = med[NNX] / base
@@ -128,10 +135,23 @@ def main(argv: list[str] | None = None) -> int:
         f"{verdict(fsyncs['epoch'][1] <= 2)} |",
         f"| replay at least 1.5 M events/s | {replay_min / 1e6:.2f} M (the slower of two logs, section 3) | "
         f"{verdict(replay_min >= 1.5e6)} |",
+        f"| (a count, not a target: unmoved by the machine's load) calls per microbatch nnx_es adds to the hand "
+        f"loop's {hand_calls:.0f}, like for like (`python -m bench.calls`) | {all_calls:.1f} ({python_calls:.1f} "
+        f"Python, {all_calls - python_calls:.1f} C) | |",
     ]
+    cores = os.cpu_count() or 1
+    quiet_step_us = 430  # a hand-written step of this workload on this kind of machine when it is quiet
+    hand_step_us = statistics.median(times[HAND]) / (args.epochs * len(overhead.digits_loader())) * 1e6
 
     lines = [
         f"Measured {time.strftime('%Y-%m-%d')} on: {_machine()}",
+        "",
+        f"**Machine load** (the machine is shared): load average {load_start[0]:.1f} when the suite started, "
+        f"{load_overhead[0]:.1f} after the overhead rows (1-minute averages, {cores} cores; "
+        f"{load_overhead[0] / cores:.1f} runnable jobs per core); the hand-written step took {hand_step_us:.0f} µs "
+        f"CPU against ~{quiet_step_us} µs on a quiet machine, so every CPU time here is inflated by about "
+        f"{hand_step_us / quiet_step_us:.1f}x and ratios move by several percent between runs. The suite took "
+        f"{{elapsed:.0f}} s.",
         "",
         *summary,
         "",
@@ -195,6 +215,18 @@ def main(argv: list[str] | None = None) -> int:
         "",
         *stages.table(totals, profiled_microbatches),
         "",
+        f"Without a profiler (`bench.stages.epoch_end_costs`, CPU ms on the training thread, medians): each epoch's "
+        f"end costs {costs['epoch end']:.2f} ms ({costs['epoch end'] / steps * 1e3:.0f} µs per microbatch), of "
+        f"which the commit {costs['commit']:.2f} ms (capture {costs['capture']:.2f} ms, then encoding, hashing, "
+        f"LAST's group and the one synced write); a run's fixed start and finish (opening the log, the initial "
+        f"and final commits, finalization, the views) {costs['fixed']:.1f} ms, "
+        f"{costs['fixed'] / (args.epochs * steps) * 1e3:.0f} µs per microbatch over {args.epochs} epochs. The "
+        f"rest of the own overhead, about "
+        f"{max(0.0, per_microbatch_us - (costs['epoch end'] / steps + costs['fixed'] / (args.epochs * steps)) * 1e3):.0f}"
+        f" µs per microbatch, is the per-microbatch path: {all_calls:.0f} calls beyond the hand loop's (engine, "
+        "recorder, lifecycle, log append) and four small tensor ops a window (the loss detached, the fused "
+        "finiteness check, the one stacked host read of losses and flag).",
+        "",
         "2. Event log",
         "",
         "| measure | median | spread | target |",
@@ -223,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{statistics.median(replays['digits-shaped']):,.0f} | {min(replays['digits-shaped']):,.0f}-"
         f"{max(replays['digits-shaped']):,.0f} | >= 1,500,000 |",
     ]
-    text = "\n".join(lines)
+    text = "\n".join(lines).replace("{elapsed:.0f}", f"{time.monotonic() - started:.0f}")
     print(text)
     if args.markdown:
         args.markdown.write_text("# Benchmarks\n\nProduced by `make bench` (`python -m bench.run`).\n\n" + text + "\n")

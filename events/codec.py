@@ -29,6 +29,7 @@ from events.schema import (
     LastCommitted,
     MicrobatchDone,
     MonitorDecided,
+    ParamsDigested,
     PhaseCommitted,
     RunFailed,
     RunFinalized,
@@ -86,6 +87,7 @@ CURRENT_TYPES: tuple[type[Event], ...] = (
     RunFailed,
     RunFinalized,
     EvaluationRecorded,
+    ParamsDigested,
     # appended, not in lifecycle order: the epoch's history step writes them before history_appended
     RowsRecorded,
     JournalPublished,

@@ -103,7 +103,7 @@ class TrainingLoop:
                  validate: Validate, cadence: Cadence, step_fn: Callable[[TrainContext, Any], Any], custom_step: bool,
                  batch_gather: bool, progress: Progress, nonfinite: str = "skip",
                  device: torch.device | None = None, final_validation: bool | str = "auto",
-                 rows: RowRecorder | None = None) -> None:
+                 digest: Any = None, rows: RowRecorder | None = None) -> None:
         self.state, self.ctx, self.net, self.optimizers = state, ctx, net, optimizers
         self.schedulers, self.monitor, self.engine = schedulers, monitor, engine
         self.callbacks, self.stages, self.committer, self.finalization = callbacks, stages, committer, finalization
@@ -111,6 +111,8 @@ class TrainingLoop:
         self.step_fn, self.custom_step, self.batch_gather = step_fn, custom_step, batch_gather
         self.progress, self.device = progress, device
         self.nonfinite = nonfinite
+        #: data parallelism: the ranks' parameter digests (:class:`nnx_es.distributed.digest.ParamDigest`)
+        self.digest = digest
         self.final_validation = final_validation
         self._validated_at = 0  # the step count of the latest validation pass
         self.rows = rows
@@ -222,6 +224,8 @@ class TrainingLoop:
                 break
             if outcome.committed_update:
                 outcome.unreported = 0
+                if self.digest is not None:
+                    self.digest.after_update(rec, epoch=epoch, step=ctx.step_count)
                 if committer.pending is not None:
                     committer.on_update()
                 rec.maybe_flush()
@@ -241,6 +245,8 @@ class TrainingLoop:
                 return "update_boundary"
         if outcome.skipped == "nonfinite":
             self._nonfinite_update(epoch, ctx.batch_index)
+        if self.digest is not None:  # after the epoch's last update, before validation
+            self.digest.at_epoch_end(rec, epoch=epoch, step=ctx.step_count)
         val: dict[str, float] = {}
         if val_loader is not None and ((epoch + 1) % self.cadence.every == 0 or last):
             val = self._validation_pass(val_loader)

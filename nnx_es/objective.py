@@ -209,10 +209,11 @@ class Objective:
         if weights is None and self._single is not None:  # one unweighted term: one fused reduction
             name, term = self._single
             total = term.summed(outputs, targets)
-            return LossParts(total, float(outputs.shape[0]), {name: total})
+            return LossParts(total, float(batch_rows(outputs)), {name: total})
         total: Tensor | None = None
         nums: dict[str, Tensor] = {}
-        den = float(outputs.shape[0]) if weights is None else _weight_sum(weights, outputs.shape[0])
+        rows = batch_rows(outputs)
+        den = float(rows) if weights is None else _weight_sum(weights, rows)
         if weights is not None and isinstance(outputs, Tensor) and outputs.requires_grad:
             # masked rows pass no gradient back to the outputs: a non-finite loss on them (a
             # missing target) would otherwise turn the whole gradient into NaN (0 * NaN)
@@ -233,6 +234,16 @@ class Objective:
             total = part if total is None else total + part
         assert total is not None
         return LossParts(total, den, nums)
+
+
+def batch_rows(values: Any) -> int:
+    """Rows of a microbatch's outputs or targets: a tensor's first dimension, or (a several-model
+    run's ``{key: tensor}``) its first tensor's; 1 for a 0-dim tensor or anything else."""
+    if isinstance(values, Mapping):
+        values = next((v for v in values.values() if isinstance(v, Tensor)), None)
+    if isinstance(values, Tensor):
+        return int(values.shape[0]) if values.dim() > 0 else 1
+    return 1
 
 
 def row_losses(objective: Objective, outputs: Tensor, targets: Tensor) -> Tensor:

@@ -48,15 +48,18 @@ from nnx_es.commit import Committer
 from nnx_es.commit import checkpoint_lag as lag_in_updates
 from nnx_es.context import TrainContext
 from nnx_es.device import place_model, resolve_device
+from nnx_es.distributed.digest import ParamDigest
 from nnx_es.distributed.roles import check_declared, for_rank
 from nnx_es.distributed.wrap import check_distributed, data_parallel, is_writer_rank
 from nnx_es.engine import UpdateEngine, default_forward, default_train_step
 from nnx_es.errors import ConfigError
 from nnx_es.finalize import Finalization
+from nnx_es.finetune import group_names, initial_weights
 from nnx_es.loaders import length_of, loader_geometries
 from nnx_es.logs import ensure_logging
 from nnx_es.loop import NONFINITE, Cadence, TrainingLoop
 from nnx_es.metrics import check_monitor, evaluate, validate_metrics
+from nnx_es.models import Keyed, ModelSet, multi_model_step
 from nnx_es.monitor import Monitor
 from nnx_es.declare import describe_objective
 from nnx_es.objective import Objective
@@ -84,7 +87,11 @@ class Trainer:
     """Trains ``net`` and records every lifecycle transition in the run's event log.
 
     Args:
-        net: the model (``nn.Module``); checkpoints hold its ``state_dict``.
+        net: the model (``nn.Module``); checkpoints hold its ``state_dict``. Or several models,
+            ``{"student": s, "teacher": t}`` (:mod:`nnx_es.models`): each trainable one (an optimizer
+            holds its parameters) is checkpointed under its name; a frozen one (no optimizer) is put
+            in eval mode without gradients and declared once by hash in ``run_started.models``
+            (verified on a stateful resume). Such a run needs ``training_fn``.
         optimizer: one optimizer, or ``{name: optimizer}`` for several (they step together).
         loss: the objective: a loss module/callable returning per-row losses (a
             ``torch.nn`` loss is used with ``reduction="none"``; several values per row are
@@ -180,6 +187,18 @@ class Trainer:
             no monitor decision): ``True`` always (with a validation loader), ``"auto"`` (default)
             when the final weights are not the ones last validated (a stop at an update boundary, or
             updates after a step-cadence pass), ``False`` never.
+        init_from: the initial weights of a fine-tuning run, loaded now: a
+            :class:`~nnx_es.finetune.WeightsFrom` (a run's BEST/LAST or a ``state_dict``, with its
+            key policy ``strict``) or a ``state_dict`` (strict); the source and the keys skipped /
+            new are recorded in ``run_started.lineage``. A stateful resume restores LAST over them.
+
+        training_fn: several models: ``training_fn(models, batch) -> {key: tensor}`` predictions
+            (``models``: every model by name), for training and validation.
+        loss_target_assembler: several models: ``fn(loss, predictions, batch, *, workflow, target_keys)
+            -> {key: tensor}`` targets (``workflow``: ``"train"`` or ``"validate"``) when they do not come
+            from the batch (a teacher's outputs); without it each target key is read from a mapping batch
+            or is the ``y`` of ``(x, y)``. Loss terms name their keys (:class:`~nnx_es.models.Keyed`).
+        target_keys: the target keys handed to the assembler (default: those the ``Keyed`` terms read).
 
     Raises:
         ConfigError: a bad argument (named with the value received).
@@ -225,14 +244,26 @@ class Trainer:
         distributed: Any = None,
         val_batch_callback: Callable[..., Any] | None = None,
         final_validation: bool | str = "auto",
+        init_from: Any = None,
+        training_fn: Callable[..., Any] | None = None,
+        loss_target_assembler: Callable[..., Any] | None = None,
+        target_keys: Sequence[str] | None = None,
         history: HistoryJournal | None = None,
     ) -> None:
+        self.custom_step = trainer_step_fn is not None
+        several = isinstance(net, Mapping)
+        if several:  # several models (distillation): nnx_es.models
+            self.optimizers: dict[str, Optimizer] = optimizers_of(nn.ModuleDict(dict(net)), optimizer,
+                                                                  custom_step=self.custom_step)
+            net = ModelSet(net, self.optimizers)
         if not isinstance(net, nn.Module):
-            raise ConfigError(f"net must be a torch.nn.Module, got {type(net).__name__}")
+            raise ConfigError(f"net must be a torch.nn.Module or {{name: nn.Module}}, got {type(net).__name__}")
         self.distributed = check_distributed(distributed, net, trainer_step_fn=trainer_step_fn, precision=precision)
         self.net = net
-        self.custom_step = trainer_step_fn is not None
-        self.optimizers: dict[str, Optimizer] = optimizers_of(net, optimizer, custom_step=self.custom_step)
+        if not several:
+            self.optimizers = optimizers_of(net, optimizer, custom_step=self.custom_step)
+        #: where the initial weights came from (``init_from``), recorded in ``run_started``
+        self.lineage = initial_weights(net, init_from)
         self.device = resolve_device(device, net)
         place_model(net, self.optimizers, self.device)
         if not (isinstance(loss, (Objective, Mapping, nn.Module)) or callable(loss)):
@@ -261,6 +292,18 @@ class Trainer:
         if not isinstance(sample_weights, bool):
             raise ConfigError(f"sample_weights must be True or False, got {sample_weights!r}")
         forward = weighted_forward if sample_weights else default_forward
+        if isinstance(net, ModelSet):
+            if training_fn is None or train_step_fn is not None or eval_step_fn is not None:
+                raise ConfigError("a run of several models makes its predictions with training_fn(models, batch) -> "
+                                  "{key: tensor} (and its targets with loss_target_assembler); give training_fn, "
+                                  "and no train_step_fn / eval_step_fn")
+            keys = tuple(dict.fromkeys(t.target for t in self.objective.terms.values() if isinstance(t, Keyed)))
+            keys = tuple(target_keys) if target_keys is not None else keys
+            train_step_fn = multi_model_step(training_fn, loss_target_assembler, self.objective, keys, "train")
+            eval_step_fn = multi_model_step(training_fn, loss_target_assembler, self.objective, keys, "validate")
+        elif training_fn is not None or loss_target_assembler is not None:
+            raise ConfigError("training_fn / loss_target_assembler drive a run of several models: pass the models as "
+                              "{name: module} (for one net, use train_step_fn)")
         self.eval_step_fn = eval_step_fn or forward
         self.trainer_step_fn = trainer_step_fn or default_train_step
         check_run_args(runs_root=runs_root, seed=seed, progress=progress, batch_gather=batch_gather, recipe=recipe)
@@ -356,6 +399,8 @@ class Trainer:
             update=UpdateSpec(precision=self.engine.precision, clip_grad_norm=self.engine.clip_grad_norm),
             source=source, wall_time_s=time.time(), loaders=loader_geometries(self.components.loaders),
             spec=self.spec, spec_hash=spec_hash(self.spec), objective=describe_objective(self.objective),
+            lineage=self.lineage, param_groups=group_names(self.optimizers),
+            models=self.net.declare() if isinstance(self.net, ModelSet) else None,
         )
 
     # --- the run ------------------------------------------------------------------------
@@ -465,6 +510,8 @@ class Trainer:
                 step_fn=self.trainer_step_fn, custom_step=self.custom_step, batch_gather=self.batch_gather,
                 progress=Progress(self.progress_enabled), nonfinite=self.nonfinite, device=self.device,
                 final_validation=self.final_validation,
+                digest=ParamDigest(self.net, world, self.distributed.digest_every)
+                if world.distributed and self.distributed is not None else None,
                 rows=self.rows,
             )
             live = None

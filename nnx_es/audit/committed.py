@@ -15,7 +15,7 @@
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Protocol
 
 from events.schema import (
     BestCommitted,
@@ -49,7 +49,15 @@ from nnx_es.rows.journal import verify_manifest
 from nnx_es.storage import BlobStore
 from projections import Projections
 
-__all__ = ["CommittedCheck", "same_float"]
+__all__ = ["CommittedCheck", "Folded", "same_float"]
+
+
+class Folded(Protocol):
+    """What the committed-view checks are fed beside each event: the projections folded through it."""
+
+    @property
+    def p(self) -> Projections: ...
+
 
 _WINDOW_KINDS = frozenset({"update_committed", "scheduler_stepped"})
 
@@ -70,7 +78,7 @@ def _better(value: float, best: float, spec: MonitorSpec) -> bool:
 
 
 class CommittedCheck:
-    """Fed the committed view in order: ``feed(seq, event, p)`` with ``p`` folded through ``event``."""
+    """Fed the committed view in order: ``feed(seq, event, folded)`` with ``folded.p`` folded through ``event``."""
 
     def __init__(self, sink: Sink, store: BlobStore, run_id: str) -> None:
         self.sink = sink
@@ -103,7 +111,8 @@ class CommittedCheck:
 
     # --- dispatch -------------------------------------------------------------------
 
-    def feed(self, seq: int, event: Event, p: Projections) -> None:
+    def feed(self, seq: int, event: Event, folded: Folded) -> None:
+        """Check ``event`` at ``seq``; ``folded.p``: the projections folded through it (read only where needed)."""
         kind = event.KIND
         if self.owed and kind not in _WINDOW_KINDS:
             self._close_window()
@@ -146,7 +155,7 @@ class CommittedCheck:
             case LastCommitted(manifest=m, epoch=e, final=final):
                 manifest = self._manifest(seq, "last_committed", m)
                 if manifest is not None:
-                    self._last_state(seq, event, manifest, p)
+                    self._last_state(seq, event, manifest, folded.p)
                 d = self.decisions.get(e)
                 if not final and d is not None and d[1].improved and e not in self.best_epochs:
                     self.pending_best = (seq, e, d[0])
@@ -158,7 +167,7 @@ class CommittedCheck:
             case CallbackCheckpointed(name=name, blob=blob):
                 self._blob(seq, name, blob)
             case CheckpointPruned(manifest=m):
-                self._pruned(seq, m, p)
+                self._pruned(seq, m, folded.p)
             case RowsRecorded(epoch=e, split=split, rows=n, columns=columns):
                 if (problem := check_columns(n, columns)) is not None:
                     self.sink.add(seq, 4, f"rows_recorded of epoch {e} ({split}) is malformed: {problem}",
