@@ -36,6 +36,7 @@ if TYPE_CHECKING:
     from nnx_es.monitor import Monitor
     from nnx_es.objective import Objective, Term
     from nnx_es.result import RunResult, load_result
+    from nnx_es.rows import HistoryJournal, read_rows, with_row_ids
     from nnx_es.schedulers import Scheduler
     from nnx_es.sinks import CsvSink, MlflowSink, TensorBoardSink
     from nnx_es.stages import TrainingStage
@@ -54,6 +55,7 @@ _LAZY = {
     "EMA": "nnx_es.update_hooks", "GradientAccumulation": "nnx_es.update_hooks",
     "GradientClipping": "nnx_es.update_hooks", "MixedPrecision": "nnx_es.update_hooks",
     "UpdateHook": "nnx_es.update_hooks",
+    "HistoryJournal": "nnx_es.rows", "read_rows": "nnx_es.rows", "with_row_ids": "nnx_es.rows",
     "CsvSink": "nnx_es.sinks", "MlflowSink": "nnx_es.sinks", "TensorBoardSink": "nnx_es.sinks",
     "Freeze": "nnx_es.finetune", "WeightsFrom": "nnx_es.finetune", "param_groups": "nnx_es.finetune",
     "Constant": "nnx_es.loss_weights", "Cosine": "nnx_es.loss_weights", "LinearWarmup": "nnx_es.loss_weights",
@@ -93,6 +95,7 @@ __all__ = [
     "Freeze",
     "GradientAccumulation",
     "GradientClipping",
+    "HistoryJournal",
     "InvalidRunIdError",
     "Keyed",
     "LambdaCallback",
@@ -126,4 +129,6 @@ __all__ = [
     "finalize_step",
     "load_result",
     "param_groups",
+    "read_rows",
+    "with_row_ids",
 ]

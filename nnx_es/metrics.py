@@ -222,6 +222,7 @@ def evaluate(
     device: torch.device | None = None,
     world: Any = None,
     on_batch: Callable[..., Any] | None = None,
+    rows: Callable[[Any, Tensor, Tensor], None] | None = None,
 ) -> tuple[dict[str, float], int]:
     """One validation pass in eval mode: (``val_`` metrics, rows scored). The net's mode is restored.
 
@@ -232,6 +233,8 @@ def evaluate(
     ``device``: move each batch there first (``None``: as it comes). ``on_batch(*, batch, predictions,
     loss, batch_count)``: called after each batch is scored, with the batch (moved), its outputs,
     its mean loss (float; ``nan`` when no row counts) and its 0-based index in the pass.
+    ``rows``: called with each ``(batch, outputs, targets)`` (the per-row records,
+    :class:`nnx_es.rows.RowRecorder`).
     Batches follow ``step_fn``'s contract (the default one: :mod:`nnx_es.batches`).
 
     Raises:
@@ -251,6 +254,8 @@ def evaluate(
             if on_batch is not None:
                 on_batch(batch=batch, predictions=outputs, loss=num / parts.den if parts.den > 0 else math.nan,
                          batch_count=index)
+            if rows is not None:
+                rows(batch, outputs, targets)
     finally:
         net.train(was_training)
     if world is not None:

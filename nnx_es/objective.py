@@ -34,7 +34,7 @@ from nnx_es.errors import ConfigError
 from nnx_es.loss_weights import WeightSchedule
 from nnx_es.argchecks import as_number
 
-__all__ = ["LossParts", "Objective", "Term", "accuracy", "accuracy_kind", "hits"]
+__all__ = ["LossParts", "Objective", "Term", "accuracy", "accuracy_kind", "hits", "row_losses"]
 
 LossFn = Callable[[Tensor, Tensor], Tensor]
 
@@ -244,6 +244,22 @@ def batch_rows(values: Any) -> int:
     if isinstance(values, Tensor):
         return int(values.shape[0]) if values.dim() > 0 else 1
     return 1
+
+
+def row_losses(objective: Objective, outputs: Tensor, targets: Tensor) -> Tensor:
+    """Each row's own loss, unweighted: ``sum_t weight_t * l_t(row)``, shape ``(B,)``, no gradient.
+
+    The per-row form of :meth:`Objective.__call__`'s total (rows' sample weights left out):
+    what :mod:`nnx_es.rows` records as a row's ``loss``.
+    """
+    with torch.no_grad():
+        total: Tensor | None = None
+        for term in objective.terms.values():
+            losses = term.per_row(outputs, targets)
+            part = losses * term.weight if term.weight != 1.0 else losses
+            total = part if total is None else total + part
+    assert total is not None
+    return total
 
 
 def _weight_sum(weights: Any, rows: int) -> float:

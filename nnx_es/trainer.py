@@ -48,6 +48,7 @@ from nnx_es.commit import Committer
 from nnx_es.commit import checkpoint_lag as lag_in_updates
 from nnx_es.context import TrainContext
 from nnx_es.device import place_model, resolve_device
+from nnx_es.distributed.digest import ParamDigest
 from nnx_es.distributed.roles import check_declared, for_rank
 from nnx_es.distributed.wrap import check_distributed, data_parallel, is_writer_rank
 from nnx_es.engine import UpdateEngine, default_forward, default_train_step
@@ -68,6 +69,8 @@ from nnx_es.recorder import Recorder
 from nnx_es.result import RunResult, load_result, result_of
 from nnx_es.retention import check_retention
 from nnx_es.rng import LoaderGenerators
+from nnx_es.rows.journal import HistoryJournal
+from nnx_es.rows.recorder import RowRecorder
 from nnx_es.run_state import RunState, World
 from nnx_es.session import RESUME_MODES, library_versions, new_run_id, open_session
 from nnx_es.sinks import LiveSinks
@@ -156,6 +159,10 @@ class Trainer:
             :class:`~nnx_es.errors.NonFiniteError` (status ``failed``; LAST stays at the last
             committed epoch). A run that trains microbatches but commits no update never ends
             ``completed`` (:class:`~nnx_es.errors.NoUpdateError`).
+        history: where per-row records go (:mod:`nnx_es.rows`; recorded when the batches carry row
+            ids, e.g. ``with_row_ids(dataset)``): ``None`` (default) as ``rows_recorded`` events in the
+            log, every epoch's kept in memory (small runs), or a
+            :class:`~nnx_es.rows.HistoryJournal` (chunk blobs; memory holds its ``window`` epochs).
         device: where to train: ``"cpu"``, ``"cuda"``, ``"cuda:N"``, ``"mps"`` or a ``torch.device``;
             default: the model's own device. The model (and any optimizer state) is moved there
             now, and every batch's tensors (nested tuples, lists, mappings, dataclasses) before the
@@ -241,6 +248,7 @@ class Trainer:
         training_fn: Callable[..., Any] | None = None,
         loss_target_assembler: Callable[..., Any] | None = None,
         target_keys: Sequence[str] | None = None,
+        history: HistoryJournal | None = None,
     ) -> None:
         self.custom_step = trainer_step_fn is not None
         several = isinstance(net, Mapping)
@@ -320,6 +328,7 @@ class Trainer:
             raise ConfigError(f"track_grad_norm must be True or False, got {track_grad_norm!r}")
         self.engine = UpdateEngine(net, self.optimizers, self.objective, self.schedulers, train_step_fn=train_step_fn or forward,
                                    track_grad_norm=track_grad_norm, metrics=self.metrics)
+        self.rows = self.engine.rows = RowRecorder(self.objective, history)
         self.update_hooks = self._update_hooks(hooks, accumulation, clip_grad_norm, precision)
         self.stages = self.engine.stages
         self.lag = lag_in_updates(checkpoint_lag)
@@ -328,6 +337,7 @@ class Trainer:
                                         callbacks=self.callbacks)
         self.ctx = TrainContext(net=net, optimizers=self.optimizers, schedulers=self.schedulers, monitor=self.monitor,
                                 engine=self.engine, trainer=self)
+        self.ctx.row_records = self.rows
         if (recipe_required or spec is not None) and any(isinstance(m, UserMetric) for m in self.metrics):
             raise ConfigError(f"metrics {[m.name for m in self.metrics if isinstance(m, UserMetric)]} are callables or "
                               "metric objects, which a recorded spec cannot hold yet: declare built-in metric names "
@@ -462,6 +472,10 @@ class Trainer:
                 # (under DDP a rank's validation shard may be empty: validation_loader does not pad)
                 raise ConfigError(f"{role} has no batch (len 0): an empty data set, or drop_last=True with fewer "
                                   "rows than batch_size; nothing was trained or written")
+        if self.distributed and self.rows.journal is not None:
+            raise ConfigError(f"history={self.rows.journal!r} with distributed=: a history journal under data "
+                              "parallelism is not supported (each rank would journal only its own shard); nothing "
+                              "was trained or written")
         ensure_logging()
         with data_parallel(self.distributed, self.net, self.engine, train_loader, "Trainer.fit") as world:
             if world.distributed and self.run_id is None:  # one id for every rank: the writer's
@@ -484,6 +498,7 @@ class Trainer:
             state = self.state = self.ctx.state = session.state
             self.run_id, self.runs_root, self.run_dir = state.run_id, state.runs_root, state.run_dir
             self.engine.begin_run(state, callbacks)
+            self.rows.begin_run(state.recorder.log, state.store, state.run_id, world_size=state.world.size)
             committer = Committer(state, self.components, callbacks, self.ctx, lag=self.lag,
                                   phase_every=self.phase_every, keep_phases=self.keep_phases, keep_last=self.keep_last,
                                   keep_best=self.keep_best, pointers=session.checkpoints)
@@ -495,6 +510,9 @@ class Trainer:
                 step_fn=self.trainer_step_fn, custom_step=self.custom_step, batch_gather=self.batch_gather,
                 progress=Progress(self.progress_enabled), nonfinite=self.nonfinite, device=self.device,
                 final_validation=self.final_validation,
+                digest=ParamDigest(self.net, world, self.distributed.digest_every)
+                if world.distributed and self.distributed is not None else None,
+                rows=self.rows,
             )
             live = None
             if self.sinks and state.world.is_writer:
@@ -530,4 +548,4 @@ class Trainer:
                 cb(**seen, step_count=ctx.step_count, epoch=ctx.epoch)
         return evaluate(net, loader, self.objective, self.eval_step_fn, self.metrics, gather=self.batch_gather,
                         device=self.device, world=self.state.world if self.state is not None else None,
-                        on_batch=on_batch)
+                        on_batch=on_batch, rows=self.rows.val_batch)
