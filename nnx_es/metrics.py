@@ -30,7 +30,7 @@ from nnx_es.data import iterate_batches
 from nnx_es.errors import ConfigError
 from nnx_es.monitor import Monitor
 from nnx_es.objective import LossParts, Objective, accuracy, accuracy_kind, batch_rows, hits
-from nnx_es.user_metrics import UserMetric, metric_names, split_declared, user_metric
+from nnx_es.user_metrics import RowMetric, UserMetric, metric_names, split_declared, user_metric
 
 __all__ = ["METRICS", "MetricSums", "check_metric_names", "check_monitor", "evaluate", "reported_metrics",
            "validate_metrics"]
@@ -203,10 +203,16 @@ class MetricSums:
             names = []
         values = [self.num, self.den, self.correct, self.scored, float(self.rows)]
         values += [float(self.terms.get(n, 0.0)) for n in names]
+        rows = [m for m in self.user if isinstance(m, RowMetric)]  # a torchmetrics metric syncs in its compute()
+        for m in rows:
+            values += list(m.sums())
         out = world.agree(torch.tensor(values, dtype=torch.float64)).tolist()
         self.num, self.den, self._correct, self.scored, self.rows = out[0], out[1], out[2], out[3], int(out[4])
         if names:
-            self.terms = dict(zip(names, out[5:]))
+            self.terms = dict(zip(names, out[5:5 + len(names)]))
+        at = 5 + len(names)
+        for i, m in enumerate(rows):
+            m.set_sums(out[at + 2 * i], out[at + 2 * i + 1])
 
     def metrics(self, prefix: str = "") -> dict[str, float]:
         """``{prefix+"loss", prefix+<term> (several terms only), prefix+"accuracy"}`` as floats."""
