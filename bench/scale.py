@@ -116,9 +116,22 @@ def _train(events: int) -> dict[str, Any]:
     from torch import nn
     from torch.utils.data import DataLoader, TensorDataset
 
-    from nnx_es import Trainer
+    from nnx_es import Trainer, recorder
 
     torch.set_num_threads(1)
+    spent = [0.0, 0, 0.0]  # CPU seconds in the recorder's snapshot step, snapshots stored, longest call
+    store = recorder.store_snapshot
+
+    def timed(log: Any, folder: Any) -> int | None:
+        t0 = time.process_time()
+        seq = store(log, folder)
+        dt = time.process_time() - t0
+        spent[0] += dt
+        spent[2] = max(spent[2], dt)
+        spent[1] += seq is not None
+        return seq
+
+    recorder.store_snapshot = timed  # type: ignore[assignment]
     rows = 4000
     epochs = max(1, events // (2 * rows))
     g = torch.Generator().manual_seed(0)
@@ -134,7 +147,9 @@ def _train(events: int) -> dict[str, Any]:
             result = trainer.fit(DataLoader(TensorDataset(x, y), batch_size=1), epochs=epochs)
             cpu = time.process_time() - t0
         return {"events": result.events, "epochs": epochs, "anon_peak_mb": mem.peak_mb,
-                "anon_before_mb": mem.before_mb, "cpu_s": cpu}
+                "anon_before_mb": mem.before_mb, "cpu_s": cpu, "snapshot_cpu_s": spent[0], "snapshots": spent[1],
+                "snapshot_longest_ms": spent[2] * 1e3,
+                "microbatches": result.counters.batch}
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
@@ -161,25 +176,27 @@ def answers_equal_full_fold(run_dir: Path, seqs: list[int]) -> dict[str, bool]:
     from nnx_es.views import summary as summary_of
     from projections.view import project
 
-    out: dict[str, bool] = {}
-    with LmdbLog(run_dir / "events.lmdb", readonly=True) as log:
-        n = log.next_seq
-        full = project(log.read())
-        out["load_result"] = load_result(run_dir) == result_of(full, run_dir, n)
-        out["started from a snapshot"] = project_log(log).start > 0
-        for seq in seqs:
-            buf = io.StringIO()
-            with redirect_stdout(buf):
-                inspect_cli.main([str(run_dir), "--at", str(seq), "--json"])
-            doc = json.loads(buf.getvalue())
-            want = json.loads(msgspec.json.encode(project(log.read(0, seq + 1))))
-            out[f"--at {seq}"] = doc["projections"] == want
+    def full(stop: int | None = None) -> Any:
+        with LmdbLog(run_dir / "events.lmdb", readonly=True) as log:
+            return project(log.read(0, stop)), log.next_seq
+
+    def printed(argv: list[str]) -> dict[str, Any]:
         buf = io.StringIO()
         with redirect_stdout(buf):
-            inspect_cli.main([str(run_dir), "summary", "--json"])
-        doc = json.loads(buf.getvalue())
-        want = json.loads(msgspec.json.encode(summary_of(full)))
-        out["summary"] = all(doc[k] == v for k, v in want.items())
+            inspect_cli.main(argv)
+        return json.loads(buf.getvalue())
+
+    out: dict[str, bool] = {}
+    whole, n = full()
+    out["load_result"] = load_result(run_dir) == result_of(whole, run_dir, n)
+    with LmdbLog(run_dir / "events.lmdb", readonly=True) as log:
+        out["started from a snapshot"] = project_log(log).start > 0
+    for seq in seqs:
+        doc = printed([str(run_dir), "--at", str(seq), "--json"])
+        out[f"--at {seq}"] = doc["projections"] == json.loads(msgspec.json.encode(full(seq + 1)[0]))
+    doc = printed([str(run_dir), "summary", "--json"])
+    want = json.loads(msgspec.json.encode(summary_of(whole)))
+    out["summary"] = all(doc[k] == v for k, v in want.items())
     return out
 
 
@@ -197,6 +214,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dir", type=Path, default=None, help="where the run goes (kept; reused when present)")
     parser.add_argument("--skip-replay", action="store_true")
     parser.add_argument("--skip-train", action="store_true")
+    parser.add_argument("--skip-readers", action="store_true", help="only the training process's memory")
     parser.add_argument("--child", nargs="+", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child is not None:
@@ -213,44 +231,55 @@ def main(argv: list[str] | None = None) -> int:
     owned = args.dir is None
     try:
         run_dir = root / "long"
-        if not (run_dir / "events.lmdb" / "data.mdb").exists():
+        if args.skip_readers:
+            pass
+        elif not (run_dir / "events.lmdb" / "data.mdb").exists():
             t0 = time.perf_counter()
             run_dir, n, snap_us = write_run(root, n_events)
             print(f"wrote {n} events in {time.perf_counter() - t0:.1f} s; snapshot calls {snap_us:.3f} CPU µs/event")
-        size = sum(p.stat().st_size for p in (run_dir / "events.lmdb").iterdir())
-        snaps = _snapshot_seqs(run_dir)
-        from events.log import LmdbLog
-
-        with LmdbLog(run_dir / "events.lmdb", readonly=True) as log:
-            n = log.next_seq
-            snap_bytes = sum(len(v) for _, v in log.read_snapshots())
-        print(f"log: {n} events, {size / 1e6:.0f} MB on disk, {len(snaps)} snapshots ({snap_bytes / 1e6:.1f} MB)")
-        worst = snaps[1] - 1 if len(snaps) > 1 else n - 1  # folds the most events since a snapshot (or 0)
-        rows: list[tuple[str, dict[str, Any]]] = [("load_result", _child(["load_result", str(run_dir)])),
-                                                  ("inspect summary", _child(["summary", str(run_dir)]))]
-        for seq in (10, worst, n // 2, n - 1):
-            rows.append((f"inspect --at {seq}", _child(["at", str(run_dir), str(seq)])))
-        rows.append(("inspect --limit 20 (first page)", _child(["first_page", str(run_dir)])))
-        if not args.skip_replay:
-            rows.append(("tools/replay --json", _child(["replay", str(run_dir)])))
-        print(f"\n| reader ({n} events) | wall s | CPU s | peak anon MB | peak RSS MB (mapped log included) |")
-        print("|---|---|---|---|---|")
-        for name, r in rows:
-            extra = f" ({n / r['wall_s'] / 1e6:.2f} M events/s)" if name.startswith("tools/replay") else ""
-            print(f"| {name} | {r['wall_s']:.3f}{extra} | {r['cpu_s']:.3f} | {r['anon_peak_mb']:.0f} | "
-                  f"{r['hwm_mb']:.0f} |")
+        if not args.skip_readers:
+            _readers(run_dir, args.skip_replay)
         if not args.skip_train:
             short = 20_000 if args.small else 100_000
-            print("\n| training process | events | peak anon MB | anon before fit MB | CPU s |")
-            print("|---|---|---|---|---|")
+            print("\n| training process | events | peak anon MB | anon before fit MB | CPU s | snapshots | "
+                  "snapshot step CPU µs per microbatch | longest snapshot step (one commit) ms |")
+            print("|---|---|---|---|---|---|---|---|")
             for events in (short, 4 * short):
                 r = _child(["train", str(events)])
                 print(f"| tiny linear model, batch 1 | {r['events']} | {r['anon_peak_mb']:.0f} | "
-                      f"{r['anon_before_mb']:.0f} | {r['cpu_s']:.1f} |")
+                      f"{r['anon_before_mb']:.0f} | {r['cpu_s']:.1f} | {r['snapshots']} | "
+                      f"{r['snapshot_cpu_s'] / max(r['microbatches'], 1) * 1e6:.2f} | "
+                      f"{r['snapshot_longest_ms']:.1f} |")
     finally:
         if owned:
             shutil.rmtree(root, ignore_errors=True)
     return 0
+
+
+def _readers(run_dir: Path, skip_replay: bool) -> None:
+    """Time every reader on ``run_dir`` in fresh interpreters; print the table."""
+    from events.log import LmdbLog
+
+    size = sum(p.stat().st_size for p in (run_dir / "events.lmdb").iterdir())
+    snaps = _snapshot_seqs(run_dir)
+    with LmdbLog(run_dir / "events.lmdb", readonly=True) as log:
+        n = log.next_seq
+        snap_bytes = sum(len(v) for _, v in log.read_snapshots())
+    print(f"log: {n} events, {size / 1e6:.0f} MB on disk, {len(snaps)} snapshots ({snap_bytes / 1e6:.1f} MB)")
+    worst = snaps[1] - 1 if len(snaps) > 1 else n - 1  # folds the most events since a snapshot (or 0)
+    rows: list[tuple[str, dict[str, Any]]] = [("load_result", _child(["load_result", str(run_dir)])),
+                                              ("inspect summary", _child(["summary", str(run_dir)]))]
+    for seq in (10, worst, n // 2, n - 1):
+        rows.append((f"inspect --at {seq}", _child(["at", str(run_dir), str(seq)])))
+    rows.append(("inspect --limit 20 (first page)", _child(["first_page", str(run_dir)])))
+    if not skip_replay:
+        rows.append(("tools/replay --json", _child(["replay", str(run_dir)])))
+    print(f"\n| reader ({n} events) | wall s | CPU s | peak anon MB | peak RSS MB (mapped log included) |")
+    print("|---|---|---|---|---|")
+    for name, r in rows:
+        extra = f" ({n / r['wall_s'] / 1e6:.2f} M events/s)" if name.startswith("tools/replay") else ""
+        print(f"| {name} | {r['wall_s']:.3f}{extra} | {r['cpu_s']:.3f} | {r['anon_peak_mb']:.0f} | "
+              f"{r['hwm_mb']:.0f} |")
 
 
 if __name__ == "__main__":

@@ -35,16 +35,21 @@ __all__ = [
     "HistoryAppended",
     "HistoryRecord",
     "LastCommitted",
+    "Lineage",
     "LoaderGeometry",
     "MicrobatchDone",
+    "ModelDecl",
     "MonitorDecided",
     "MonitorSpec",
+    "ParamsDigested",
     "PhaseCommitted",
     "PlateauState",
     "RunFailed",
     "RunFinalized",
     "RunResumed",
     "RunStarted",
+    "RowsRecorded",
+    "JournalPublished",
     "SchedulerDecl",
     "SchedulerStepped",
     "SourceRef",
@@ -147,6 +152,39 @@ class SourceRef(msgspec.Struct, frozen=True, kw_only=True):
     state: str = "weights"
 
 
+class Lineage(msgspec.Struct, frozen=True, kw_only=True):
+    """Where a fine-tuning run's initial weights came from (``Trainer(init_from=WeightsFrom(...))``).
+
+    kind: ``"run"`` (a run's checkpoint: ``run_id``, ``checkpoint`` best|last, its ``manifest``
+    SHA-256 and 0-based ``epoch``) or ``"state_dict"`` (``state_sha256``: the fingerprint of the
+    mapping given). strict: the key policy. skipped: source keys not loaded (absent from the net,
+    or of another shape). new: the net's keys not loaded (they kept the net's own initialization).
+    """
+
+    kind: str
+    run_id: str = ""
+    checkpoint: str = ""
+    manifest: str = ""
+    epoch: int = -1
+    state_sha256: str = ""
+    strict: bool = True
+    skipped: list[str] = []
+    new: list[str] = []
+
+
+class ModelDecl(msgspec.Struct, frozen=True, kw_only=True):
+    """One model of a several-model run (``Trainer({"student": s, "teacher": t}, ...)``).
+
+    frozen: no optimizer holds its parameters (a teacher: eval mode, no gradients, kept out of
+    the checkpoints). parameters: its parameter count. sha256: a frozen model's state
+    fingerprint (``nnx_es.evaluation.state_fingerprint``), "" for a trainable one.
+    """
+
+    frozen: bool = False
+    parameters: int = 0
+    sha256: str = ""
+
+
 class HistoryRecord(msgspec.Struct, frozen=True, kw_only=True):
     """One committed epoch of history.
 
@@ -198,6 +236,14 @@ class RunStarted(Event, frozen=True, kw_only=True, tag="run_started"):
     #: each loss term by name, as ``nnx_es.declare.describe_objective`` describes it (a stateful resume
     #: with another loss is refused); None: a run recorded before it was declared here
     objective: dict[str, str] | None = None
+    #: the initial weights of a fine-tuning run (None: the net's own)
+    lineage: Lineage | None = None
+    #: each optimizer's parameter group names, in order (a group without a ``name`` is ``"group<i>"``);
+    #: the receipts' ``lrs`` are in this order. None: a run recorded before it was declared here
+    param_groups: dict[str, list[str]] | None = None
+    #: the models of a several-model run by name (a frozen one by the hash of its state: a stateful
+    #: resume with other frozen weights is refused); None: a run of one net
+    models: dict[str, ModelDecl] | None = None
 
 
 class RunResumed(Event, frozen=True, kw_only=True, tag="run_resumed"):
@@ -311,6 +357,9 @@ class UpdateCommitted(Event, frozen=True, kw_only=True, tag="update_committed@2"
     accumulation_steps: int = 1
     collective_bytes: int = 0
     skipped: bool = False
+    #: each loss term's weight in this update's window, by name, when some weight follows a
+    #: schedule (``nnx_es.loss_weights``); empty otherwise
+    loss_weights: dict[str, float] = {}
 
 
 class UpdateSkipped(Event, frozen=True, kw_only=True, tag="update_skipped"):
@@ -418,6 +467,44 @@ class StopRequested(Event, frozen=True, kw_only=True, tag="stop_requested"):
 class HistoryAppended(Event, frozen=True, kw_only=True, tag="history_appended"):
     KIND: ClassVar[str] = "history_appended"
     record: HistoryRecord
+
+
+class RowsRecorded(Event, frozen=True, kw_only=True, tag="rows_recorded"):
+    """One epoch's per-row records of one split, kept in the log (runs without a history journal).
+
+    Written at the epoch's history step, before ``history_appended`` (so the epoch's LAST commits
+    it; a crash before LAST leaves it in the ignored tail). One event per (epoch, split).
+
+    epoch: 0-based. split: ``"train"`` or ``"val"``. rows: the number of records (count).
+    columns: column name -> little-endian bytes of ``rows`` values, sorted by row id:
+    ``row_id`` int64; ``loss``, ``prediction``, ``target``, ``confidence``, ``correct`` float32
+    (see :mod:`nnx_es.rows` for what each holds).
+    """
+
+    KIND: ClassVar[str] = "rows_recorded"
+    epoch: int
+    split: str
+    rows: int
+    columns: dict[str, bytes]
+
+
+class JournalPublished(Event, frozen=True, kw_only=True, tag="journal_published"):
+    """The history journal's manifest for ``epoch`` is published (``HistoryJournal`` runs).
+
+    Written at the epoch's history step, before ``history_appended``, after the epoch's chunk
+    blobs and the manifest blob are durable. Readers trust it only once the epoch's LAST commits it.
+
+    manifest: the SHA-256 (hex) of the manifest blob naming the epoch's chunks.
+    previous: the manifest of the epoch before (``""`` for the run's first); the chain reaches
+    every committed epoch. rows: records in the epoch (count, every split). chunks: chunk blobs.
+    """
+
+    KIND: ClassVar[str] = "journal_published"
+    epoch: int
+    manifest: str
+    previous: str = ""
+    rows: int = 0
+    chunks: int = 0
 
 
 class CheckpointStored(Event, frozen=True, kw_only=True, tag="checkpoint_stored"):
@@ -528,6 +615,24 @@ class RunFinalized(Event, frozen=True, kw_only=True, tag="run_finalized"):
     epochs: int
     steps: int
     wall_time_s: float = 0.0
+
+
+class ParamsDigested(Event, frozen=True, kw_only=True, tag="params_digested"):
+    """The ranks of a data-parallel run compared a digest of their parameters (issue 13, "Beyond the
+    peers"): after ``step`` committed updates (1-based count) in 0-based ``epoch``.
+
+    digests: each rank's digest (hex; index = rank), taken by every rank and gathered to all.
+    diverged: the digests are not all equal. since_step: the step of the previous agreeing digest (0: none
+    before): when ``diverged`` the ranks first differed after it, at or before ``step``.
+    A disagreement stops the run (``run_failed`` follows); ``tools/replay`` checks every one.
+    """
+
+    KIND: ClassVar[str] = "params_digested"
+    epoch: int
+    step: int
+    digests: list[str] = []
+    diverged: bool = False
+    since_step: int = 0
 
 
 # --- after the run ---------------------------------------------------------------------

@@ -43,4 +43,6 @@ def describe_loss(fn: Any) -> str:
 
 def describe_objective(objective: Any) -> dict[str, str]:
     """Each term of an :class:`~nnx_es.objective.Objective` as ``"<describe_loss> x <weight>"``, by name."""
-    return {name: f"{describe_loss(term.fn)} x {term.weight!r}" for name, term in objective.terms.items()}
+    return {name: f"{describe_loss(term.fn)} x "
+                  f"{term.schedule.describe() if getattr(term, 'schedule', None) is not None else repr(term.weight)}"
+            for name, term in objective.terms.items()}

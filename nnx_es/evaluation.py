@@ -37,7 +37,7 @@ from nnx_es.errors import ConfigError, ResumeError
 from nnx_es.storage import Lease, validate_run_id
 
 __all__ = ["HEADS", "evaluation_event", "head_of", "input_of", "predict_outputs", "record_evaluation",
-           "weights_fingerprint"]
+           "state_fingerprint", "weights_fingerprint"]
 
 #: how a net's outputs are read (``NNModel(head=...)``)
 HEADS = ("multiclass", "binary", "regression")
@@ -101,13 +101,18 @@ def predict_outputs(net: nn.Module, loader: Iterable[Any], *, device: torch.devi
 
 
 def weights_fingerprint(net: nn.Module) -> str:
-    """SHA-256 (hex) over ``net``'s state: each key, dtype, shape and bytes, in ``state_dict`` order.
+    """SHA-256 (hex) over ``net``'s state (:func:`state_fingerprint` of its ``state_dict``).
 
     Says whether the weights in a net are still the ones loaded from a checkpoint (not a
     checkpoint's blob hash: that one hashes the serialized file).
     """
+    return state_fingerprint(net.state_dict())
+
+
+def state_fingerprint(state: Mapping[str, Any]) -> str:
+    """SHA-256 (hex) over a ``state_dict``: each key, dtype, shape and bytes, in its order."""
     h = hashlib.sha256()
-    for key, value in net.state_dict().items():
+    for key, value in state.items():
         h.update(key.encode())
         if isinstance(value, Tensor):
             t = value.detach().cpu().contiguous()

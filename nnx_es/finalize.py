@@ -168,12 +168,12 @@ class Finalization:
             raise cleanup_error or closing_error  # type: ignore[misc]
 
     def _write_views(self) -> None:
+        from nnx_es.audit.snapshots import project_log
         from nnx_es.views import write_views
-        from projections.view import project
 
         if not self.state.world.is_writer:  # only the writer materializes views (and holds the log to project)
             return
         log = self.state.recorder.log
-        p = project(log.read())
+        p = project_log(log).projections  # from the newest projection snapshot on: O(events since it)
         write_views(self.state.run_dir, p)
         self.projection = (p, log.next_seq)  # fit() returns its RunResult without reading the log again

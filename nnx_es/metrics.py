@@ -29,10 +29,11 @@ from torch import Tensor, nn
 from nnx_es.data import iterate_batches
 from nnx_es.errors import ConfigError
 from nnx_es.monitor import Monitor
-from nnx_es.objective import LossParts, Objective, accuracy, accuracy_kind, hits
-from nnx_es.user_metrics import UserMetric, metric_names, split_declared, user_metric
+from nnx_es.objective import LossParts, Objective, accuracy, accuracy_kind, batch_rows, hits
+from nnx_es.user_metrics import RowMetric, UserMetric, metric_names, split_declared, user_metric
 
-__all__ = ["METRICS", "MetricSums", "check_monitor", "evaluate", "reported_metrics", "validate_metrics"]
+__all__ = ["METRICS", "MetricSums", "check_metric_names", "check_monitor", "evaluate", "reported_metrics",
+           "validate_metrics"]
 
 #: Metrics a run may declare (beyond the loss, which is always reported).
 METRICS = ("accuracy",)
@@ -72,6 +73,22 @@ def reported_metrics(objective: Objective, metrics: tuple[Any, ...]) -> set[str]
     return {"loss", *terms, *metric_names(metrics)}
 
 
+def check_metric_names(objective: Objective, metrics: tuple[Any, ...]) -> None:
+    """Refuse a metric named like a loss term the run reports (its value would replace the term's).
+
+    An objective of one term reports it as ``loss`` alone, so its name is free for a metric.
+
+    Raises:
+        ConfigError: naming the metrics and the terms they collide with.
+    """
+    terms = objective.terms if len(objective.terms) > 1 else {}
+    clash = sorted(set(metric_names(metrics)) & set(terms))
+    if clash:
+        raise ConfigError(f"metrics {clash} are named like loss terms of the objective {sorted(terms)}: each is "
+                          "reported under its name, so the metric would replace the loss term's value; rename "
+                          "the metric (metrics={new_name: m}) or the loss term")
+
+
 def check_monitor(monitor: Monitor, objective: Objective, metrics: tuple[str, ...]) -> None:
     """Refuse a monitor that names no metric the run reports, before anything runs.
 
@@ -90,12 +107,14 @@ class MetricSums:
     """Running sums of one epoch's loss terms and accuracy."""
 
     __slots__ = ("num", "den", "terms", "_correct", "scored", "rows", "with_accuracy", "_checked", "keep_nonfinite",
-                 "user")
+                 "user", "scores_rows")
 
     def __init__(self, metrics: tuple[Any, ...] = (), *, keep_nonfinite: bool = False) -> None:
         self.with_accuracy = "accuracy" in metric_names(metrics)
         #: this epoch's (or pass's) own, reset state of each user metric
         self.user: list[UserMetric] = [m.fresh() for m in metrics if isinstance(m, UserMetric)]
+        #: whether :meth:`add_rows` does more than count rows (accuracy or a user metric scores them)
+        self.scores_rows = self.with_accuracy or bool(self.user)
         self.keep_nonfinite = keep_nonfinite
         self.num = 0.0
         self.den = 0.0
@@ -158,7 +177,7 @@ class MetricSums:
         """Count one microbatch's rows and score its accuracy (kept as a tensor: no host read
         without weights)."""
         if rows is None:
-            rows = int(targets.shape[0]) if targets.dim() > 0 else 1
+            rows = batch_rows(targets)
         for m in self.user:
             m.update(outputs, targets, weights)
         if self.with_accuracy:
@@ -184,10 +203,16 @@ class MetricSums:
             names = []
         values = [self.num, self.den, self.correct, self.scored, float(self.rows)]
         values += [float(self.terms.get(n, 0.0)) for n in names]
+        rows = [m for m in self.user if isinstance(m, RowMetric)]  # a torchmetrics metric syncs in its compute()
+        for m in rows:
+            values += list(m.sums())
         out = world.agree(torch.tensor(values, dtype=torch.float64)).tolist()
         self.num, self.den, self._correct, self.scored, self.rows = out[0], out[1], out[2], out[3], int(out[4])
         if names:
-            self.terms = dict(zip(names, out[5:]))
+            self.terms = dict(zip(names, out[5:5 + len(names)]))
+        at = 5 + len(names)
+        for i, m in enumerate(rows):
+            m.set_sums(out[at + 2 * i], out[at + 2 * i + 1])
 
     def metrics(self, prefix: str = "") -> dict[str, float]:
         """``{prefix+"loss", prefix+<term> (several terms only), prefix+"accuracy"}`` as floats."""
@@ -214,6 +239,7 @@ def evaluate(
     device: torch.device | None = None,
     world: Any = None,
     on_batch: Callable[..., Any] | None = None,
+    rows: Callable[[Any, Tensor, Tensor], None] | None = None,
 ) -> tuple[dict[str, float], int]:
     """One validation pass in eval mode: (``val_`` metrics, rows scored). The net's mode is restored.
 
@@ -224,6 +250,8 @@ def evaluate(
     ``device``: move each batch there first (``None``: as it comes). ``on_batch(*, batch, predictions,
     loss, batch_count)``: called after each batch is scored, with the batch (moved), its outputs,
     its mean loss (float; ``nan`` when no row counts) and its 0-based index in the pass.
+    ``rows``: called with each ``(batch, outputs, targets)`` (the per-row records,
+    :class:`nnx_es.rows.RowRecorder`).
     Batches follow ``step_fn``'s contract (the default one: :mod:`nnx_es.batches`).
 
     Raises:
@@ -243,6 +271,8 @@ def evaluate(
             if on_batch is not None:
                 on_batch(batch=batch, predictions=outputs, loss=num / parts.den if parts.den > 0 else math.nan,
                          batch_count=index)
+            if rows is not None:
+                rows(batch, outputs, targets)
     finally:
         net.train(was_training)
     if world is not None:

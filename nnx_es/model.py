@@ -27,7 +27,7 @@ from nnx_es.evaluation import (
     weights_fingerprint,
 )
 from nnx_es.metrics import evaluate as evaluate_pass
-from nnx_es.metrics import validate_metrics
+from nnx_es.metrics import check_metric_names, validate_metrics
 from nnx_es.objective import Objective
 from nnx_es.result import RunResult, load_result
 from nnx_es.snapshot import weight_misfits
@@ -301,8 +301,9 @@ class NNModel:
         if metrics is None:
             metrics = () if head == "regression" else ("accuracy",)
         objective = loss if isinstance(loss, Objective) else Objective(loss if loss is not None else _default_loss(head))
-        values, rows = evaluate_pass(self.net, loader, objective, forward, validate_metrics(metrics),
-                                     device=model_device(self.net))
+        declared = validate_metrics(metrics)
+        check_metric_names(objective, declared)
+        values, rows = evaluate_pass(self.net, loader, objective, forward, declared, device=model_device(self.net))
         result = {k.removeprefix("val_"): v for k, v in values.items()}
         if record:
             src = self.source

@@ -31,9 +31,10 @@ import torch
 from torch import Tensor, nn
 
 from nnx_es.errors import ConfigError
+from nnx_es.loss_weights import WeightSchedule
 from nnx_es.argchecks import as_number
 
-__all__ = ["LossParts", "Objective", "Term", "accuracy", "accuracy_kind", "hits"]
+__all__ = ["LossParts", "Objective", "Term", "accuracy", "accuracy_kind", "hits", "row_losses"]
 
 LossFn = Callable[[Tensor, Tensor], Tensor]
 
@@ -47,7 +48,9 @@ class Term:
             (torch's ``reduction="mean"``). A ``torch.nn`` loss module with a
             ``reduction`` attribute is copied with ``reduction="none"`` (and summed
             over rows with ``reduction="sum"`` when no row is weighted).
-        weight: multiplies the term in the total (float).
+        weight: multiplies the term in the total: a float, or a
+            :class:`~nnx_es.loss_weights.WeightSchedule` over updates or epochs (its value is set
+            before each microbatch by :meth:`Objective.at`).
 
     Raises:
         ConfigError: ``fn`` is not callable or ``weight`` is not a finite number; when called,
@@ -67,12 +70,18 @@ class Term:
         if not callable(fn):
             raise ConfigError(f"a loss term must be callable, got {fn!r}")
         self.fn = fn
-        value = as_number(weight)
+        #: the weight's schedule (None: a constant weight)
+        self.schedule: WeightSchedule | None = weight if isinstance(weight, WeightSchedule) else None
+        value = self.schedule.at(0, 0) if self.schedule is not None else as_number(weight)
         if not math.isfinite(value):
             raise ConfigError(f"a loss term's weight must be a finite number, got {weight!r}")
         self.weight = value
         #: (outputs shape, targets shape) -> values per row of the unreduced loss (for ``sum_fn``)
         self._row_size: dict[tuple[Any, Any], int] = {}
+
+    def recipe_kwargs(self) -> dict[str, Any]:
+        """The constructor keywords (:mod:`nnx_es.recipes`): the loss and the weight or its schedule."""
+        return {"fn": self.fn, "weight": self.schedule if self.schedule is not None else self.weight}
 
     def summed(self, outputs: Tensor, targets: Tensor) -> Tensor:
         """``sum_i l(i)`` (0-dim) through ``sum_fn``: its sum over every value, divided by the values per row.
@@ -167,12 +176,23 @@ class Objective:
                 self.terms[name] = Term(spec[0], spec[1])
             else:
                 self.terms[name] = Term(spec)
+        #: the terms whose weight follows a schedule (empty: every weight is constant)
+        self.scheduled: dict[str, Term] = {n: t for n, t in self.terms.items() if t.schedule is not None}
         #: (name, term) of an objective that is one unweighted term with a summed form
         self._single: tuple[str, Term] | None = None
         if len(self.terms) == 1:
             name, term = next(iter(self.terms.items()))
-            if term.sum_fn is not None and term.weight == 1.0:
+            if term.sum_fn is not None and term.weight == 1.0 and term.schedule is None:
                 self._single = (name, term)
+
+    def at(self, step: int, epoch: int) -> None:
+        """Set each scheduled term's weight for a microbatch after ``step`` committed updates in 0-based ``epoch``."""
+        for term in self.scheduled.values():
+            term.weight = term.schedule.at(step, epoch)  # type: ignore[union-attr]
+
+    def weights(self) -> dict[str, float]:
+        """Every term's current weight, by name."""
+        return {name: term.weight for name, term in self.terms.items()}
 
     def __call__(self, outputs: Tensor, targets: Tensor, weights: Tensor | None = None) -> LossParts:
         """Reduce one microbatch.
@@ -189,10 +209,11 @@ class Objective:
         if weights is None and self._single is not None:  # one unweighted term: one fused reduction
             name, term = self._single
             total = term.summed(outputs, targets)
-            return LossParts(total, float(outputs.shape[0]), {name: total})
+            return LossParts(total, float(batch_rows(outputs)), {name: total})
         total: Tensor | None = None
         nums: dict[str, Tensor] = {}
-        den = float(outputs.shape[0]) if weights is None else _weight_sum(weights, outputs.shape[0])
+        rows = batch_rows(outputs)
+        den = float(rows) if weights is None else _weight_sum(weights, rows)
         if weights is not None and isinstance(outputs, Tensor) and outputs.requires_grad:
             # masked rows pass no gradient back to the outputs: a non-finite loss on them (a
             # missing target) would otherwise turn the whole gradient into NaN (0 * NaN)
@@ -213,6 +234,32 @@ class Objective:
             total = part if total is None else total + part
         assert total is not None
         return LossParts(total, den, nums)
+
+
+def batch_rows(values: Any) -> int:
+    """Rows of a microbatch's outputs or targets: a tensor's first dimension, or (a several-model
+    run's ``{key: tensor}``) its first tensor's; 1 for a 0-dim tensor or anything else."""
+    if isinstance(values, Mapping):
+        values = next((v for v in values.values() if isinstance(v, Tensor)), None)
+    if isinstance(values, Tensor):
+        return int(values.shape[0]) if values.dim() > 0 else 1
+    return 1
+
+
+def row_losses(objective: Objective, outputs: Tensor, targets: Tensor) -> Tensor:
+    """Each row's own loss, unweighted: ``sum_t weight_t * l_t(row)``, shape ``(B,)``, no gradient.
+
+    The per-row form of :meth:`Objective.__call__`'s total (rows' sample weights left out):
+    what :mod:`nnx_es.rows` records as a row's ``loss``.
+    """
+    with torch.no_grad():
+        total: Tensor | None = None
+        for term in objective.terms.values():
+            losses = term.per_row(outputs, targets)
+            part = losses * term.weight if term.weight != 1.0 else losses
+            total = part if total is None else total + part
+    assert total is not None
+    return total
 
 
 def _weight_sum(weights: Any, rows: int) -> float:

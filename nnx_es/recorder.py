@@ -11,13 +11,13 @@ holder releases it (:meth:`Recorder.release`) with its final values. Before any 
 the recorder asks the holder to settle (``settle``), so nothing is ever written out of
 order or with a placeholder value.
 
-After each synced write (a commit) the recorder may store a *projection snapshot*
-(:mod:`projections.snapshots`): every :data:`SNAPSHOT_EVERY` events or more, at a commit
-where the committed view holds nothing back, it folds the events written since it last
-looked (read back from the log, a chunk at a time) and stores the state in one unsynced
-transaction of its own (:meth:`events.log.LmdbLog.put_snapshot`). The fold is incremental,
-so it costs about one read and partial decode per event, spread over the commits (measured
-in ``bench/scale.py``). A snapshot is a cache: one that cannot be made is dropped with a
+After each synced write (a commit) the recorder folds the events written since the last
+commit (read back from the log, a chunk at a time, partially decoded) and, every
+:data:`SNAPSHOT_EVERY` events or more, at a commit where the committed view holds nothing
+back, stores a *projection snapshot* (:mod:`projections.snapshots`) in one unsynced
+transaction of its own (:meth:`events.log.LmdbLog.put_snapshot`). The fold is incremental:
+about one read and partial decode per event, paid at the commit that wrote it (measured in
+``bench/scale.py``). A snapshot is a cache: one that cannot be made is dropped with a
 warning, and the run goes on without snapshots; it never fails the run.
 """
 
@@ -49,14 +49,17 @@ def snapshot_folder(log: EventLog, every: int) -> SnapshotFolder:
 
 
 def store_snapshot(log: EventLog, folder: SnapshotFolder) -> int | None:
-    """Fold what ``log`` stored since ``folder`` last looked, when a snapshot is due, and store the
-    snapshot due (see the module docstring); return its seq, or None.
+    """Fold what ``log`` stored since ``folder`` last looked and store the snapshot due, if one is
+    (see the module docstring); return its seq, or None.
+
+    Called at every commit, so each commit folds only its own events (no pause of a whole
+    snapshot interval's fold at the commit that stores one).
 
     Raises:
         CorruptEventError / EventLogError: a stored value does not decode, or a read or the write failed.
     """
     durable = log.durable_seq
-    if not folder.due(durable):
+    if durable <= folder.next_seq:
         return None
     snapshot = folder.advance(log.read_chunks(folder.next_seq, durable))
     if snapshot is None:

@@ -15,7 +15,7 @@
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Protocol
 
 from events.schema import (
     BestCommitted,
@@ -26,6 +26,7 @@ from events.schema import (
     EvaluationRecorded,
     Event,
     HistoryAppended,
+    JournalPublished,
     LastCommitted,
     MonitorDecided,
     MonitorSpec,
@@ -33,6 +34,7 @@ from events.schema import (
     PlateauState,
     RunFinalized,
     RunResumed,
+    RowsRecorded,
     RunStarted,
     SchedulerDecl,
     SchedulerStepped,
@@ -42,10 +44,20 @@ from events.schema import (
 from nnx_es.audit.report import Sink
 from nnx_es.checkpoint import Manifest, load_component, verify_checkpoint
 from nnx_es.errors import CorruptCheckpointError
+from nnx_es.rows.columns import check_columns
+from nnx_es.rows.journal import verify_manifest
 from nnx_es.storage import BlobStore
 from projections import Projections
 
-__all__ = ["CommittedCheck", "same_float"]
+__all__ = ["CommittedCheck", "Folded", "same_float"]
+
+
+class Folded(Protocol):
+    """What the committed-view checks are fed beside each event: the projections folded through it."""
+
+    @property
+    def p(self) -> Projections: ...
+
 
 _WINDOW_KINDS = frozenset({"update_committed", "scheduler_stepped"})
 
@@ -66,7 +78,7 @@ def _better(value: float, best: float, spec: MonitorSpec) -> bool:
 
 
 class CommittedCheck:
-    """Fed the committed view in order: ``feed(seq, event, p)`` with ``p`` folded through ``event``."""
+    """Fed the committed view in order: ``feed(seq, event, folded)`` with ``folded.p`` folded through ``event``."""
 
     def __init__(self, sink: Sink, store: BlobStore, run_id: str) -> None:
         self.sink = sink
@@ -95,10 +107,12 @@ class CommittedCheck:
         self.prev_decision: MonitorDecided | None = None
         self.best_epochs: set[int] = set()
         self.pending_best: tuple[int, int, int] | None = None  # (LAST seq, epoch, decision seq)
+        self.journal_head = ""  # the manifest of the newest committed journal_published
 
     # --- dispatch -------------------------------------------------------------------
 
-    def feed(self, seq: int, event: Event, p: Projections) -> None:
+    def feed(self, seq: int, event: Event, folded: Folded) -> None:
+        """Check ``event`` at ``seq``; ``folded.p``: the projections folded through it (read only where needed)."""
         kind = event.KIND
         if self.owed and kind not in _WINDOW_KINDS:
             self._close_window()
@@ -141,7 +155,7 @@ class CommittedCheck:
             case LastCommitted(manifest=m, epoch=e, final=final):
                 manifest = self._manifest(seq, "last_committed", m)
                 if manifest is not None:
-                    self._last_state(seq, event, manifest, p)
+                    self._last_state(seq, event, manifest, folded.p)
                 d = self.decisions.get(e)
                 if not final and d is not None and d[1].improved and e not in self.best_epochs:
                     self.pending_best = (seq, e, d[0])
@@ -153,7 +167,13 @@ class CommittedCheck:
             case CallbackCheckpointed(name=name, blob=blob):
                 self._blob(seq, name, blob)
             case CheckpointPruned(manifest=m):
-                self._pruned(seq, m, p)
+                self._pruned(seq, m, folded.p)
+            case RowsRecorded(epoch=e, split=split, rows=n, columns=columns):
+                if (problem := check_columns(n, columns)) is not None:
+                    self.sink.add(seq, 4, f"rows_recorded of epoch {e} ({split}) is malformed: {problem}",
+                                  expected=f"{n} records in every column", found=problem)
+            case JournalPublished():
+                self._journal(seq, event)
             case RunFinalized():
                 self._missing_best()
             case EvaluationRecorded(manifest=m):  # the checkpoint it scored must verify
@@ -191,6 +211,16 @@ class CommittedCheck:
             self.sink.add(seq, 4, f"checkpoint_pruned deletes a checkpoint {' and '.join(named)} still names",
                           expected="a checkpoint no pointer names", found=f"manifest {digest}")
         self.pruned.add(digest)
+
+    def _journal(self, seq: int, event: JournalPublished) -> None:
+        """A committed journal publication chains to the one before and its manifest and chunks verify."""
+        if event.previous != self.journal_head:
+            self.sink.add(seq, 4, f"journal_published of epoch {event.epoch} does not chain to the newest committed "
+                          "manifest", expected=repr(self.journal_head), found=repr(event.previous))
+        for problem in verify_manifest(self.store, event.manifest, epoch=event.epoch, previous=event.previous):
+            self.sink.add(seq, 4, f"the history journal of epoch {event.epoch} does not verify: {problem}",
+                          expected=f"manifest {event.manifest} and its chunks intact", found=problem)
+        self.journal_head = event.manifest
 
     def _blob(self, seq: int, name: str, digest: str) -> None:
         if digest not in self.blobs:

@@ -1,4 +1,4 @@
-"""Audit one run directory against the ten invariants of docs/INVARIANTS.md, in one streaming pass.
+"""Audit one run directory against the eleven invariants of docs/INVARIANTS.md, in one streaming pass.
 
 The pass reads ``events.lmdb`` read-only (so it works beside a live writer) up
 to the length it had when opened:
@@ -47,7 +47,7 @@ from nnx_es.audit.committed import CommittedCheck
 from nnx_es.audit.fold import CommittedFold
 from nnx_es.audit.reading import decoded, open_run_log
 from nnx_es.audit.report import AuditReport, Sink
-from nnx_es.audit.sequence import CommitOrderCheck, FinalizationCheck, LifecycleCheck
+from nnx_es.audit.sequence import CommitOrderCheck, DigestCheck, FinalizationCheck, LifecycleCheck
 from nnx_es.audit.snapshots import SnapshotCheck
 from nnx_es.storage import BlobStore
 from nnx_es.views import expected_views, read_views
@@ -65,7 +65,7 @@ class _Source:
         self.log, self.stop, self.sink = log, stop, sink
         self.events = 0
         self.run_started: RunStarted | None = None
-        self.checks = (LifecycleCheck(sink), CommitOrderCheck(sink), FinalizationCheck(sink))
+        self.checks = (LifecycleCheck(sink), CommitOrderCheck(sink), FinalizationCheck(sink), DigestCheck(sink))
 
     def __iter__(self) -> Iterator[tuple[int, Event]]:
         expected, previous = 0, None  # the seq due next, the key before
@@ -119,11 +119,13 @@ def _audit(run_dir: Path, log: LmdbLog) -> AuditReport:
     check = CommittedCheck(sink, BlobStore(run_dir / "blobs", log=log), run_id="")
     folded = CommittedFold(source)
     snapshots = SnapshotCheck(log, stop, sink)
-    for seq, event, p in folded:
+    for seq, event, state in folded:
         if not check.run_id:  # manifests are verified against the run they belong to
             check.run_id = source.run_started.run_id if source.run_started is not None else run_dir.name
-        check.feed(seq, event, p)
-        snapshots.feed(seq, event, folded.read == folded.yielded and not folded.exhausted, folded.last_read, p)
+        check.feed(seq, event, state)
+        if seq >= snapshots.next_seq or folded.last_read > snapshots.next_seq:
+            snapshots.feed(seq, event, folded.read == folded.yielded and not folded.exhausted, folded.last_read,
+                           state)
     check.finish()
     snapshots.finish()
     p = folded.p

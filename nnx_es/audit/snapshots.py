@@ -22,6 +22,7 @@ import msgspec
 from events.errors import CorruptEventError
 from events.log import LmdbLog
 from events.schema import Event
+from nnx_es.audit.committed import Folded
 from nnx_es.audit.reading import decoded
 from nnx_es.audit.report import Sink
 from projections.commits import GROUP_KINDS
@@ -92,24 +93,27 @@ class SnapshotCheck:
         self.checked = 0
         self._stored = log.read_snapshots(stop, newest_first=False)
         self._next: Snapshot | None = None
+        #: the seq of the next snapshot to meet (a pass need not call :meth:`feed` before it)
+        self.next_seq = 1 << 64
         self._advance()
 
     def _advance(self) -> None:
         for seq, value in self._stored:
             found = decode_snapshot(seq, value)
             if isinstance(found, Snapshot):
-                self._next = found
+                self._next, self.next_seq = found, found.seq
                 return
             self.notes.append(found.note())
-        self._next = None
+        self._next, self.next_seq = None, 1 << 64
 
-    def feed(self, seq: int, event: Event, clean: bool, read_to: int, p: Projections) -> None:
-        """The view yielded ``event`` at ``seq`` (folded into ``p``); ``clean``: it holds nothing back
-        now; ``read_to``: the last seq the pass has read."""
+    def feed(self, seq: int, event: Event, clean: bool, read_to: int, folded: Folded) -> None:
+        """The view yielded ``event`` at ``seq`` (``folded.p``: the projections through it); ``clean``: it
+        holds nothing back now; ``read_to``: the last seq the pass has read. Needed only once ``seq`` or
+        ``read_to`` reaches :attr:`next_seq`."""
         snap = self._next
         while snap is not None and (seq == snap.seq or read_to > snap.seq):
             if seq == snap.seq and clean and read_to == seq:
-                self._compare(snap, event, p)
+                self._compare(snap, event, folded.p)
             else:
                 self._held_back(snap)
             self._advance()

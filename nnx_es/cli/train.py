@@ -169,8 +169,15 @@ def _report(args: argparse.Namespace) -> int:
     print(f"model       {spec.model.target}  {_fmt(spec.model.kwargs)}")
     for name, o in spec.optimizers.items():
         groups = o.kwargs.get("params", {})
-        n = len(groups["@params"]) if isinstance(groups, dict) and isinstance(groups.get("@params"), list) else 1
+        listed = groups["@params"] if isinstance(groups, dict) and isinstance(groups.get("@params"), list) else None
+        n = len(listed) if listed is not None else 1
         print(f"optimizer   {name}: {_short(o.target)} lr={o.kwargs.get('lr', 'default')}, {n} parameter group(s)")
+        if listed is not None and n > 1:  # layer-wise learning rates: each group's own
+            base = o.kwargs.get("lr")
+            for i, g in enumerate(listed):
+                names = g.get("names", [])
+                print(f"  group {i}   lr={g.get('lr', base)}  {len(names)} parameter(s): {', '.join(names[:4])}"
+                      f"{', ...' if len(names) > 4 else ''}")
     for s in spec.schedulers:
         inner = s.kwargs.get("scheduler", {})
         inner_kw = {k: v for k, v in inner.get("kwargs", {}).items() if k != "optimizer"}

@@ -35,6 +35,10 @@ class FollowerLog(MemoryLog):
         LogBase.__init__(self, next_seq)
         self._stored: list[bytes] = []
         self._blobs: dict[bytes, bytes] = {}
+        self._snapshots: dict[int, bytes] = {}
+
+    def put_snapshot(self, seq: int, value: bytes) -> None:
+        """Nothing: projection snapshots are the writer's log's cache."""
 
     def flush(self, *, sync: bool = False) -> None:
         self._buffer.clear()
@@ -58,7 +62,10 @@ class FollowerBlobStore(BlobStore):
         self._blobs: dict[str, bytes] = {}
 
     def stage(self, data: bytes, digest: str | None = None) -> str:
-        return self.put(data)
+        if digest is None:
+            return self.put(data)
+        self._blobs.setdefault(digest, data)
+        return digest
 
     def put_all(self, datas: Sequence[bytes]) -> list[str]:
         digests = [hashlib.sha256(d).hexdigest() for d in datas]

@@ -156,6 +156,54 @@ def refusals(world: World, out: Path) -> dict[str, Any]:
     return got
 
 
+@case
+def partition_mismatch(world: World, out: Path) -> dict[str, Any]:
+    """Train partitions the ranks do not share: each rank seeded by its rank (rows overlap and go
+    missing, yet every rank takes the same number of steps), and a loader built for another rank."""
+    import ddpkit
+    from nnx_es.distributed import DDP, train_loader
+
+    got: dict[str, Any] = {}
+    loaders = {"seed_per_rank": train_loader(ddpkit.dataset(), ddpkit.BATCH, seed=world.rank),
+               "rank_zero_everywhere": train_loader(ddpkit.dataset(), ddpkit.BATCH, seed=ddpkit.SEED, rank=0,
+                                                    world_size=world.size),
+               "one_process_loader": train_loader(torch.utils.data.Subset(ddpkit.dataset(), range(12)), ddpkit.BATCH, seed=ddpkit.SEED, rank=0,
+                                                  world_size=1)}
+    for name, loader in loaders.items():
+        t = ddpkit.trainer(ddpkit.net(), runs_root=out / "pm", run_id=name, distributed=DDP(timeout_seconds=30))
+        try:
+            t.fit(loader, epochs=1)
+            got[name] = None
+        except Exception as exc:  # noqa: BLE001
+            got[name] = _error(exc)
+    got["wrote"] = sorted(p.name for p in (out / "pm").iterdir()) if (out / "pm").exists() else []
+    return got
+
+
+@case
+def validation_mismatch(world: World, out: Path) -> dict[str, Any]:
+    """Validation loaders that would score some row twice (padding) or never, under DDP."""
+    import ddpkit
+    from torch.utils.data import DataLoader, DistributedSampler
+
+    from nnx_es.distributed import DDP, train_loader, validation_loader
+
+    val = torch.utils.data.Subset(ddpkit.dataset(), range(7))  # 7 rows on 2 ranks: padding repeats one
+    loaders = {"train_loader_as_val": train_loader(val, 4, seed=0),
+               "distributed_sampler": DataLoader(val, batch_size=4, sampler=DistributedSampler(val, shuffle=False)),
+               "shard_for_rank_zero": validation_loader(val, 4, rank=0, world_size=world.size),
+               "fine": validation_loader(val, 4)}
+    got: dict[str, Any] = {}
+    for name, loader in loaders.items():
+        t = ddpkit.trainer(ddpkit.net(), runs_root=out / "vm", run_id=name, distributed=DDP(timeout_seconds=30))
+        try:
+            got[name] = t.fit(train_loader(ddpkit.dataset(), ddpkit.BATCH, seed=ddpkit.SEED), loader,
+                              epochs=1).status
+        except Exception as exc:  # noqa: BLE001
+            got[name] = _error(exc)
+    return got
+
+
 # --- part 3: records and decisions agreed ------------------------------------------------
 
 
@@ -355,6 +403,69 @@ def callback_roles(world: World, out: Path) -> dict[str, Any]:
     _train(world, out, "roles", epochs=1, callbacks=[writer_only(factory), Writes(), everywhere])
     got.update(built=built, ran=ran)
     return got
+
+
+# --- part 6: the parameter digest ----------------------------------------------------------
+
+
+@case
+def divergence(world: World, out: Path) -> dict[str, Any]:
+    """Rank 1 alone nudges a weight at the start of epoch 1: the epoch's digest catches it on both ranks."""
+    from nnx_es import LambdaCallback
+
+    def nudge(ctx: Any) -> None:
+        if ctx.epoch == 1 and ctx.state.world.rank == 1:
+            with torch.no_grad():
+                next(ctx.net.parameters()).view(-1)[0] += 1e-6
+
+    try:
+        _train(world, out, "diverged", epochs=3,
+               callbacks=[LambdaCallback(name="nudge", distributed="all", on_epoch_begin=nudge)])
+        return {"raised": None}
+    except Exception as exc:  # noqa: BLE001
+        return {"raised": _error(exc)}
+
+
+# --- a rank killed mid-epoch -----------------------------------------------------------------
+
+
+@case
+def killed(world: World, out: Path) -> dict[str, Any]:
+    """Rank 1 dies in epoch 1 (after epoch 0's LAST); rank 0 must fail within the group's bound."""
+    import time
+
+    import ddpkit
+    from nnx_es import LambdaCallback
+    from nnx_es.distributed import DDP, train_loader
+
+    def die(ctx: Any) -> None:
+        if ctx.epoch == 1 and ctx.batch_index == 1 and ctx.state.world.rank == 1:
+            launch.write_result(out, "killed", 1, {"ok": True, "died": True})
+            os._exit(0)  # exit 0: torchrun leaves rank 0 alone, so rank 0's own bound is what ends it
+
+    model = ddpkit.net()
+    t = ddpkit.trainer(model, runs_root=out / "runs", run_id="killed", distributed=DDP(timeout_seconds=20),
+                       callbacks=[LambdaCallback(name="die", distributed="all", on_batch_end=die)])
+    t0 = time.monotonic()
+    try:
+        t.fit(train_loader(ddpkit.dataset(), ddpkit.BATCH, seed=ddpkit.SEED), epochs=2)
+        res: dict[str, Any] = {"ok": True, "raised": None}
+    except Exception as exc:  # noqa: BLE001
+        res = {"ok": True, "raised": _error(exc)}
+    res["elapsed_s"] = time.monotonic() - t0
+    launch.write_result(out, "killed", world.rank, res)
+    os._exit(0)
+
+
+@case
+def resume_killed(world: World, out: Path) -> dict[str, Any]:
+    """The killed run, resumed by a new group with resume='auto': the uninterrupted run's parameters."""
+    import ddpkit
+
+    killed_dir = Path(os.environ["NNX_TEST_KILLED"])
+    model, t, result = _train(world, out, killed_dir.name, epochs=2, runs_root=killed_dir.parent,
+                              fit={"resume": "auto"})
+    return {"digest": ddpkit.digest(model), "status": result.status, "history": len(result.history)}
 
 
 def main() -> None:

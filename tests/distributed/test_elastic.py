@@ -1,4 +1,4 @@
-"""Elastic restart: under ``torchrun --max-restarts=1`` a rank SIGKILLed mid-epoch makes the agent
+"""Elastic restart: under ``torchrun --max-restarts=1`` the writer rank SIGKILLed mid-epoch makes the agent
 restart the group, and ``fit(resume="auto")`` continues the run from LAST to the same parameters
 (bitwise) as an uninterrupted 2-rank run (issue 13, "Elastic restart")."""
 
@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from launch import REPO, results, torchrun
+from nnx_es.audit import audit_run
 from trainkit import of_kind
 
 SCRIPT = REPO / "tests" / "distributed" / "elastic_script.py"
@@ -17,10 +18,11 @@ TIMEOUT_S = 150.0
 
 
 def test_a_rank_killed_mid_epoch_restarts_and_resumes_to_the_uninterrupted_parameters(tmp_path):
-    # one launch: an uninterrupted reference run, then the run where rank 1 kills itself after
-    # microbatch 2 of epoch 1 (epoch 0's LAST is committed, epoch 1 is not); torchrun restarts both ranks
+    # one launch: an uninterrupted reference run, then the run where the writer (rank 0) kills itself
+    # after microbatch 2 of epoch 1 (epoch 0's LAST is committed, epoch 1 is not; its log may hold an
+    # uncommitted tail); torchrun stops the other rank and restarts both
     try:
-        proc = torchrun(SCRIPT, str(tmp_path), "1:1:2", max_restarts=1, timeout_s=TIMEOUT_S)
+        proc = torchrun(SCRIPT, str(tmp_path), "0:1:2", max_restarts=1, timeout_s=TIMEOUT_S)
     except subprocess.TimeoutExpired as exc:  # a hang is a failure, never a stuck suite
         pytest.fail(f"the launch did not end within {TIMEOUT_S} s:\n{(exc.output or '')[-3000:]}")
     assert proc.returncode == 0, proc.stdout[-4000:]
@@ -41,3 +43,26 @@ def test_a_rank_killed_mid_epoch_restarts_and_resumes_to_the_uninterrupted_param
     assert resumed.epoch == 0
     assert len(of_kind(run_dir, "run_started")) == 1
     assert not of_kind(tmp_path / "runs" / "reference", "run_resumed")
+    for run in (run_dir, tmp_path / "runs" / "reference"):  # tools/replay accepts the killed-and-resumed log
+        report = audit_run(run)
+        assert report.ok, [str(v) for v in report.violations]
+
+
+def _gradient_bytes() -> int:
+    import elastic_script
+
+    return sum(p.numel() * p.element_size() for p in elastic_script.net().parameters())
+    _assert_receipts(tmp_path / "runs" / "reference")
+
+
+def _assert_receipts(run_dir: Path) -> None:
+    """The step receipts of a 2-rank run (spec 003): every window of 4 rows a rank, 8 over both."""
+    import elastic_script
+
+    grad_bytes = sum(p.numel() * p.element_size() for p in elastic_script.net().parameters())
+    receipts = of_kind(run_dir, "update_committed")
+    assert len(receipts) == elastic_script.EPOCHS * (elastic_script.ROWS // 2 // elastic_script.BATCH)
+    for r in receipts:
+        assert (r.data_parallel_size, r.accumulation_steps, r.microbatches, r.skipped) == (2, 1, 1, False)
+        assert (r.local_examples, r.global_examples) == (float(elastic_script.BATCH), 2.0 * elastic_script.BATCH)
+        assert r.collective_bytes >= grad_bytes  # at least the gradients' all-reduce, every window

@@ -191,3 +191,21 @@ def test_a_resumed_run_continues_its_snapshots_from_the_newest(run, tmp_path, mo
     assert audit_run(run_dir).ok
     with LmdbLog(run_dir / "events.lmdb", readonly=True) as log:
         assert msgspec.msgpack.encode(project_log(log).projections) == msgspec.msgpack.encode(project(log.read()))
+
+
+def test_a_snapshot_that_cannot_be_stored_never_fails_the_run(tmp_path, monkeypatch):
+    from events.errors import EventLogError
+
+    calls = []
+
+    def failing(self, seq, value):
+        calls.append(seq)
+        raise EventLogError("no space left on device")
+
+    monkeypatch.setattr(recorder, "SNAPSHOT_EVERY", 5)
+    monkeypatch.setattr(LmdbLog, "put_snapshot", failing)
+    result = _fit(tmp_path, "nospace", epochs=3)
+    assert result.status == "completed" and len(result.history) == 3
+    assert len(calls) == 1  # turned off for the rest of the run after the first failure
+    assert _snapshots(tmp_path / "nospace") == []
+    assert audit_run(tmp_path / "nospace").ok

@@ -408,8 +408,10 @@ def test_stop_at_update_stops_after_that_commit_and_keeps_last_at_the_committed_
         "epoch_began",
         "microbatch_done", "update_committed", "scheduler_stepped",
         "microbatch_done", "update_committed", "scheduler_stepped",
-        "stop_requested", "callback_finalized", "run_finalized",
+        # the final weights were not validated: the final validation pass scores them (final_validation="auto")
+        "stop_requested", "validation_done", "callback_finalized", "run_finalized",
     ]
+    assert of_kind(run.run_dir, "validation_done")[-1].trigger == "final"
     (stop,) = of_kind(run.run_dir, "stop_requested")
     assert stop.reason == "update_boundary" and stop.epoch == 1 and stop.step == 5
     lasts = of_kind(run.run_dir, "last_committed")

@@ -143,6 +143,22 @@ def test_bad_metrics_are_refused_by_name_before_training(tmp_path):
         bad.fit(train, epochs=1)
 
 
+def test_a_metric_named_like_a_loss_term_is_refused_before_training(tmp_path):
+    # found in review: metrics={"ce": fn} beside a loss term "ce" replaced the term's reported
+    # per-epoch value with the metric's, silently (history's "ce" was no longer the loss)
+    from nnx_es import Objective
+    net = nn.Linear(4, 1)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    objective = Objective({"bce": nn.BCEWithLogitsLoss(), "l1": (nn.L1Loss(), 0.5)})
+    with pytest.raises(ConfigError, match="'bce'.*loss term"):
+        Trainer(net, opt, objective, metrics={"bce": _abs_error}, runs_root=tmp_path)
+    with pytest.raises(ConfigError, match="'l1'.*loss term"):
+        NNModel(net, head="binary").evaluate([(torch.zeros(2, 4), torch.zeros(2, 1))], loss=objective,
+                                            metrics={"l1": _abs_error})
+    # one term is reported as "loss" alone: its name is free for a metric
+    Trainer(net, opt, Objective({"bce": nn.BCEWithLogitsLoss()}), metrics={"bce": _abs_error}, runs_root=tmp_path)
+
+
 def test_a_torchmetrics_metric_resumes_bitwise_after_sigkill(tmp_path):
     # a metric's state is not checkpointed: LAST is at epoch boundaries, so a resumed run restarts
     # the epoch and the metric starts it reset, as the uninterrupted run did
