@@ -25,14 +25,17 @@ from events.schema import (
     EvaluationRecorded,
     Event,
     HistoryAppended,
+    JournalPublished,
     LastCommitted,
     MicrobatchDone,
     MonitorDecided,
+    ParamsDigested,
     PhaseCommitted,
     RunFailed,
     RunFinalized,
     RunResumed,
     RunStarted,
+    RowsRecorded,
     SchedulerStepped,
     StopRequested,
     TrainBegan,
@@ -84,6 +87,10 @@ CURRENT_TYPES: tuple[type[Event], ...] = (
     RunFailed,
     RunFinalized,
     EvaluationRecorded,
+    ParamsDigested,
+    # appended, not in lifecycle order: the epoch's history step writes them before history_appended
+    RowsRecorded,
+    JournalPublished,
 )
 
 

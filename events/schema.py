@@ -38,14 +38,18 @@ __all__ = [
     "Lineage",
     "LoaderGeometry",
     "MicrobatchDone",
+    "ModelDecl",
     "MonitorDecided",
     "MonitorSpec",
+    "ParamsDigested",
     "PhaseCommitted",
     "PlateauState",
     "RunFailed",
     "RunFinalized",
     "RunResumed",
     "RunStarted",
+    "RowsRecorded",
+    "JournalPublished",
     "SchedulerDecl",
     "SchedulerStepped",
     "SourceRef",
@@ -168,6 +172,19 @@ class Lineage(msgspec.Struct, frozen=True, kw_only=True):
     new: list[str] = []
 
 
+class ModelDecl(msgspec.Struct, frozen=True, kw_only=True):
+    """One model of a several-model run (``Trainer({"student": s, "teacher": t}, ...)``).
+
+    frozen: no optimizer holds its parameters (a teacher: eval mode, no gradients, kept out of
+    the checkpoints). parameters: its parameter count. sha256: a frozen model's state
+    fingerprint (``nnx_es.evaluation.state_fingerprint``), "" for a trainable one.
+    """
+
+    frozen: bool = False
+    parameters: int = 0
+    sha256: str = ""
+
+
 class HistoryRecord(msgspec.Struct, frozen=True, kw_only=True):
     """One committed epoch of history.
 
@@ -224,6 +241,9 @@ class RunStarted(Event, frozen=True, kw_only=True, tag="run_started"):
     #: each optimizer's parameter group names, in order (a group without a ``name`` is ``"group<i>"``);
     #: the receipts' ``lrs`` are in this order. None: a run recorded before it was declared here
     param_groups: dict[str, list[str]] | None = None
+    #: the models of a several-model run by name (a frozen one by the hash of its state: a stateful
+    #: resume with other frozen weights is refused); None: a run of one net
+    models: dict[str, ModelDecl] | None = None
 
 
 class RunResumed(Event, frozen=True, kw_only=True, tag="run_resumed"):
@@ -449,6 +469,44 @@ class HistoryAppended(Event, frozen=True, kw_only=True, tag="history_appended"):
     record: HistoryRecord
 
 
+class RowsRecorded(Event, frozen=True, kw_only=True, tag="rows_recorded"):
+    """One epoch's per-row records of one split, kept in the log (runs without a history journal).
+
+    Written at the epoch's history step, before ``history_appended`` (so the epoch's LAST commits
+    it; a crash before LAST leaves it in the ignored tail). One event per (epoch, split).
+
+    epoch: 0-based. split: ``"train"`` or ``"val"``. rows: the number of records (count).
+    columns: column name -> little-endian bytes of ``rows`` values, sorted by row id:
+    ``row_id`` int64; ``loss``, ``prediction``, ``target``, ``confidence``, ``correct`` float32
+    (see :mod:`nnx_es.rows` for what each holds).
+    """
+
+    KIND: ClassVar[str] = "rows_recorded"
+    epoch: int
+    split: str
+    rows: int
+    columns: dict[str, bytes]
+
+
+class JournalPublished(Event, frozen=True, kw_only=True, tag="journal_published"):
+    """The history journal's manifest for ``epoch`` is published (``HistoryJournal`` runs).
+
+    Written at the epoch's history step, before ``history_appended``, after the epoch's chunk
+    blobs and the manifest blob are durable. Readers trust it only once the epoch's LAST commits it.
+
+    manifest: the SHA-256 (hex) of the manifest blob naming the epoch's chunks.
+    previous: the manifest of the epoch before (``""`` for the run's first); the chain reaches
+    every committed epoch. rows: records in the epoch (count, every split). chunks: chunk blobs.
+    """
+
+    KIND: ClassVar[str] = "journal_published"
+    epoch: int
+    manifest: str
+    previous: str = ""
+    rows: int = 0
+    chunks: int = 0
+
+
 class CheckpointStored(Event, frozen=True, kw_only=True, tag="checkpoint_stored"):
     """A checkpoint is stored: its large components as files under ``blobs/`` (durable before
     this event is written), its manifest (holding the small components) as a blob of the log,
@@ -557,6 +615,24 @@ class RunFinalized(Event, frozen=True, kw_only=True, tag="run_finalized"):
     epochs: int
     steps: int
     wall_time_s: float = 0.0
+
+
+class ParamsDigested(Event, frozen=True, kw_only=True, tag="params_digested"):
+    """The ranks of a data-parallel run compared a digest of their parameters (issue 13, "Beyond the
+    peers"): after ``step`` committed updates (1-based count) in 0-based ``epoch``.
+
+    digests: each rank's digest (hex; index = rank), taken by every rank and gathered to all.
+    diverged: the digests are not all equal. since_step: the step of the previous agreeing digest (0: none
+    before): when ``diverged`` the ranks first differed after it, at or before ``step``.
+    A disagreement stops the run (``run_failed`` follows); ``tools/replay`` checks every one.
+    """
+
+    KIND: ClassVar[str] = "params_digested"
+    epoch: int
+    step: int
+    digests: list[str] = []
+    diverged: bool = False
+    since_step: int = 0
 
 
 # --- after the run ---------------------------------------------------------------------

@@ -33,6 +33,7 @@ if TYPE_CHECKING:
     from nnx_es.monitor import Monitor
     from nnx_es.objective import Objective, Term
     from nnx_es.result import RunResult, load_result
+    from nnx_es.rows import HistoryJournal, read_rows, with_row_ids
     from nnx_es.schedulers import Scheduler
     from nnx_es.sinks import CsvSink, MlflowSink, TensorBoardSink
     from nnx_es.stages import TrainingStage
@@ -51,6 +52,7 @@ _LAZY = {
     "EMA": "nnx_es.update_hooks", "GradientAccumulation": "nnx_es.update_hooks",
     "GradientClipping": "nnx_es.update_hooks", "MixedPrecision": "nnx_es.update_hooks",
     "UpdateHook": "nnx_es.update_hooks",
+    "HistoryJournal": "nnx_es.rows", "read_rows": "nnx_es.rows", "with_row_ids": "nnx_es.rows",
     "CsvSink": "nnx_es.sinks", "MlflowSink": "nnx_es.sinks", "TensorBoardSink": "nnx_es.sinks",
 }
 
@@ -84,6 +86,7 @@ __all__ = [
     "EventLogError",
     "GradientAccumulation",
     "GradientClipping",
+    "HistoryJournal",
     "InvalidRunIdError",
     "LambdaCallback",
     "LeaseHeldError",
@@ -112,4 +115,6 @@ __all__ = [
     "default_train_step",
     "finalize_step",
     "load_result",
+    "read_rows",
+    "with_row_ids",
 ]

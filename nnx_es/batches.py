@@ -11,9 +11,16 @@ A batch the default ``train_step_fn`` / ``eval_step_fn`` reads is one of:
     masked out (a window whose every row is masked is skipped, ``update_skipped(masked)``).
     Without the declaration a third element is refused: an id or index column would
     otherwise silently become per-row loss weights. With it, a 2-tuple still means all 1.
-a mapping with keys ``"x"``, ``"y"`` and optionally ``"weight"``
+``(inputs, targets, weights, row_ids)``
+    with ``sample_weights=True``: the fourth element is the rows' ids (below).
+a mapping with keys ``"x"``, ``"y"`` and optionally ``"weight"`` and ``"idx"``
     the same as ``(x, y)`` or ``(x, y, weight)``: the ``"weight"`` key is itself the
     declaration. Any other key is refused, so a misspelt ``"weights"`` is not ignored.
+
+Row ids (``"idx"``, or a 4-tuple's last element) are integers, shape ``(B,)``, naming each
+row of the data set -- stable across epochs, unique within one -- so that per-row records
+(:mod:`nnx_es.rows`) are keyed by ``(row id, epoch)``, never by batch position. They never
+enter the loss. :func:`nnx_es.rows.with_row_ids` adds them to a ``TensorDataset``.
 
 Anything else is refused. A step function of your own (``train_step_fn``,
 ``eval_step_fn``) reads any batch it likes and returns ``(outputs, targets, weights or
@@ -32,10 +39,12 @@ from torch import Tensor, nn
 
 from nnx_es.errors import ConfigError
 
-__all__ = ["BATCH_KEYS", "split_batch", "weighted_forward"]
+__all__ = ["BATCH_KEYS", "ROW_ID_KEY", "row_ids_of", "split_batch", "weighted_forward"]
 
+#: the key of a mapping batch holding the rows' ids
+ROW_ID_KEY = "idx"
 #: the keys a mapping batch may have
-BATCH_KEYS = ("x", "y", "weight")
+BATCH_KEYS = ("x", "y", "weight", ROW_ID_KEY)
 
 _DECLARE = ("declare per-row loss weights with Trainer(..., sample_weights=True) (or NNModel.train(..., "
             "sample_weights=True)) or yield {'x': ..., 'y': ..., 'weight': ...}; to carry anything else "
@@ -68,20 +77,40 @@ def split_batch(batch: Any, *, sample_weights: bool = False) -> tuple[Any, Tenso
                 f"a batch has a third element ({what}) but no per-row weights were declared, so it would be "
                 f"ignored or misread; {_DECLARE}"
             )
+        if len(batch) == 4:
+            if sample_weights:
+                return batch[0], batch[1], batch[2]
+            raise ConfigError(
+                "a batch has four elements (inputs, targets, weights, row ids), which needs sample_weights=True; "
+                "without weights yield {'x': ..., 'y': ..., 'idx': ...} (nnx_es.rows.with_row_ids does)"
+            )
     elif isinstance(batch, Mapping):
         extra = sorted(map(str, set(batch) - set(BATCH_KEYS)))
         if "x" in batch and "y" in batch and not extra:
             return batch["x"], batch["y"], batch.get("weight")
         raise ConfigError(
-            f"a mapping batch must have the keys 'x', 'y' and optionally 'weight', got keys {sorted(map(str, batch))}"
+            f"a mapping batch must have the keys 'x', 'y' and optionally 'weight' and 'idx', got keys {sorted(map(str, batch))}"
             + (f" ({', '.join(map(repr, extra))} would be ignored)" if extra else "")
             + "; to read other keys, pass a train_step_fn/eval_step_fn"
         )
     raise ConfigError(
-        "a batch must be (inputs, targets), (inputs, targets, weights) with sample_weights=True, or a mapping "
-        f"with 'x', 'y'[, 'weight']; got {type(batch).__name__}"
+        "a batch must be (inputs, targets), (inputs, targets, weights[, row_ids]) with sample_weights=True, or a "
+        f"mapping with 'x', 'y'[, 'weight'][, 'idx']; got {type(batch).__name__}"
         + (f" of length {len(batch)}" if isinstance(batch, (tuple, list)) else "")
     )
+
+
+def row_ids_of(batch: Any) -> Tensor | None:
+    """The row ids a batch carries by the contract above, or ``None``.
+
+    A mapping's ``"idx"``, or the fourth element of a 4-element tuple/list. Not checked here
+    (:class:`nnx_es.rows.RowRecorder` checks dtype and shape against the batch's rows).
+    """
+    if isinstance(batch, Mapping):
+        return batch.get(ROW_ID_KEY)
+    if isinstance(batch, (tuple, list)) and len(batch) == 4:
+        return batch[3]
+    return None
 
 
 def weighted_forward(net: nn.Module, batch: Any) -> tuple[Tensor, Tensor, Tensor | None]:

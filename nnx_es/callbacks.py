@@ -21,7 +21,11 @@ if TYPE_CHECKING:
     from events.schema import UpdateCommitted
     from nnx_es.context import TrainContext
 
-__all__ = ["HOOKS", "Callback", "CallbackList", "EarlyStopping", "LambdaCallback", "implements"]
+__all__ = ["HISTORY_ACCESS", "HOOKS", "Callback", "CallbackList", "EarlyStopping", "LambdaCallback", "implements"]
+
+
+#: what ``ctx.idps`` shows a callback (:attr:`Callback.history_access`)
+HISTORY_ACCESS = ("window", "full")
 
 
 class Callback:
@@ -32,9 +36,15 @@ class Callback:
     agreed); ``"writer"`` -- on the writer rank alone (it writes files, logs, talks to a server).
     ``None`` (the base class's): undeclared, refused before training under DDP (see
     :mod:`nnx_es.distributed.roles`). One process runs every callback whatever it declares.
+
+    ``history_access``: what ``ctx.idps`` (the per-row records, :mod:`nnx_es.rows`) shows this
+    callback's hooks: ``"window"`` (default) the records in memory -- with a history journal its
+    newest ``window`` epochs --, ``"full"`` a reader over the run's whole history (a journal's
+    chunks read on demand) and the epoch being closed (spec 000, the history journal).
     """
 
     distributed: str | None = None
+    history_access: str = "window"
 
     @property
     def name(self) -> str:
@@ -110,9 +120,16 @@ class CallbackList:
         names = [cb.name for cb in callbacks]
         if len(set(names)) != len(names):
             raise ConfigError(f"callback names must be unique (they key checkpoint state), got {names}")
+        for cb in callbacks:
+            if getattr(cb, "history_access", "window") not in HISTORY_ACCESS:
+                raise ConfigError(f"callback {cb.name!r} declares history_access={cb.history_access!r}; expected one "
+                                  f"of {HISTORY_ACCESS}")
         self.callbacks = callbacks
+        # a callback seeing the full history is dispatched through a view setting ctx.idps for its hooks
+        views = {id(cb): _FullHistory(cb) for cb in callbacks if cb.history_access == "full"}
+        self._view = lambda cb: views.get(id(cb), cb)
         self._by_hook: dict[str, list[Callback]] = {
-            hook: [cb for cb in callbacks if implements(cb, hook)] for hook in HOOKS
+            hook: [self._view(cb) for cb in callbacks if implements(cb, hook)] for hook in HOOKS
         }
         #: (index, callback) of every callback whose on_train_begin completed, in list order
         self.begun: list[tuple[int, Callback]] = []
@@ -136,7 +153,7 @@ class CallbackList:
         self.begun = []
         for i, cb in enumerate(self.callbacks):
             if implements(cb, "on_train_begin"):
-                cb.on_train_begin(ctx)
+                self._view(cb).on_train_begin(ctx)
             began(i, cb)
             self.begun.append((i, cb))
 
@@ -167,7 +184,7 @@ class CallbackList:
             error: BaseException | None = None
             try:
                 if implements(cb, "on_train_end"):
-                    cb.on_train_end(ctx)
+                    self._view(cb).on_train_end(ctx)
             except BaseException as exc:  # noqa: BLE001 - every cleanup hook is attempted
                 error = exc
             finalized(i, cb, error)
@@ -175,6 +192,28 @@ class CallbackList:
     def checkpoints(self, ctx: TrainContext) -> list[tuple[str, bytes]]:
         """``(name, bytes)`` of every deferred callback checkpoint for this epoch."""
         return [(cb.name, data) for cb in self.callbacks if (data := cb.checkpoint(ctx)) is not None]
+
+
+class _FullHistory:
+    """Dispatches a ``history_access = "full"`` callback's hooks with ``ctx.idps`` the full history."""
+
+    __slots__ = ("cb",)
+
+    def __init__(self, cb: Callback) -> None:
+        self.cb = cb
+
+    def __getattr__(self, hook: str) -> Callable[..., Any]:
+        fn = getattr(self.cb, hook)
+
+        def call(ctx: TrainContext, *args: Any) -> Any:
+            before = ctx.full_history
+            ctx.full_history = True
+            try:
+                return fn(ctx, *args)
+            finally:
+                ctx.full_history = before
+
+        return call
 
 
 class LambdaCallback(Callback):

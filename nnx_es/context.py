@@ -13,6 +13,8 @@ if TYPE_CHECKING:
 
     from nnx_es.engine import UpdateEngine
     from nnx_es.monitor import Monitor
+    from nnx_es.rows.columns import RowView
+    from nnx_es.rows.recorder import RowRecorder
     from nnx_es.run_state import RunState
     from nnx_es.schedulers import Scheduler
 
@@ -34,6 +36,10 @@ class TrainContext:
     included): ``epoch_summary``, its ``epoch_summarized`` event (rows, microbatches, updates,
     skipped, duration), and ``train_metrics``, the epoch's training metrics (``loss`` is the mean
     over the epoch's rows, where ``ctx.loss`` stays the last microbatch's).
+
+    ``idps``: the per-row records (:mod:`nnx_es.rows`, a :class:`~nnx_es.rows.RowView`): from the
+    epoch's close on (``on_epoch_end``) they include that epoch; a callback declaring
+    ``history_access = "full"`` sees the run's whole history, the others the window in memory.
 
     ``trainer``: the :class:`~nnx_es.Trainer` that owns the run, for user code; the
     runtime's own collaborators never reach through it. ``state``: the run in progress
@@ -61,6 +67,10 @@ class TrainContext:
         self.decision: MonitorDecided | None = None
         self.epoch_summary: EpochSummarized | None = None
         self.train_metrics: dict[str, float] = {}
+        #: the trainer's per-row records (``None``: a context without them)
+        self.row_records: RowRecorder | None = None
+        #: the hook running belongs to a callback with ``history_access = "full"`` (set by its dispatch)
+        self.full_history = False
 
     @property
     def loss(self) -> float | None:
@@ -91,6 +101,16 @@ class TrainContext:
         deferred = self._loss_deferred
         if deferred is not None and deferred[0] is total:
             self._loss, self._loss_deferred = value, None
+
+    @property
+    def idps(self) -> RowView:
+        """The per-row records this hook may see (see the class docstring); empty without row ids."""
+        from nnx_es.rows.columns import RowView
+
+        rows = self.row_records
+        if rows is None:
+            return RowView()
+        return rows.full() if self.full_history else rows.window()
 
     @property
     def run_dir(self) -> Any:

@@ -18,8 +18,9 @@ so a run and its resume see the same data either way. A batch of indices that
 is not a non-empty list of ints goes through ``dataset[i]`` and
 ``default_collate``, as the ``DataLoader`` would (errors included).
 
-Any other loader -- a ``DataLoader`` subclass, another dataset type (a
-``TensorDataset`` subclass included), a custom ``collate_fn``, workers,
+A :class:`~nnx_es.rows.RowIdDataset` (rows with their ids) is gathered the same way,
+into the mapping its collate gives. Any other loader -- a ``DataLoader`` subclass, another
+dataset type (another ``TensorDataset`` subclass included), a custom ``collate_fn``, workers,
 pinned memory, tensors off the CPU, no automatic batching -- is iterated as
 given. ``Trainer(batch_gather=False)`` always iterates as given.
 
@@ -37,6 +38,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from torch.utils.data._utils.collate import default_collate
 
 from nnx_es.device import move_batch
+from nnx_es.rows.dataset import RowIdDataset
 from nnx_es.workers import reseed_workers
 
 __all__ = ["gatherable", "iterate_batches"]
@@ -51,7 +53,7 @@ def gatherable(loader: Iterable[Any]) -> bool:
         return False
     ds = loader.dataset
     return (
-        type(ds) is TensorDataset
+        type(ds) in (TensorDataset, RowIdDataset)
         and loader.num_workers == 0
         and loader.collate_fn is default_collate
         and not loader.pin_memory
@@ -95,6 +97,8 @@ def _batches(loader: Iterable[Any], gather: bool, device: torch.device | None, n
         index = torch.as_tensor(indices)
         if index.dtype != torch.long or index.dim() != 1 or index.numel() == 0:
             batch = default_collate([dataset[i] for i in indices])  # exactly what the DataLoader does
+        elif type(dataset) is RowIdDataset:  # mapping rows (with their ids): collated to a mapping
+            batch = dataset.batch(index)
         else:  # default_collate stacks rows into a new contiguous tensor: so does this
             batch = [t[index].contiguous() for t in tensors]
         yield batch if device is None else move_batch(batch, device, non_blocking)

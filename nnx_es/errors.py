@@ -9,6 +9,7 @@ __all__ = [
     "ConfigError",
     "CorruptCheckpointError",
     "CorruptEventError",
+    "DivergenceError",
     "EventLogError",
     "InvalidRunIdError",
     "LeaseHeldError",
@@ -62,6 +63,10 @@ class NonFiniteError(NnxError, FloatingPointError):
 
 class NonFiniteWarning(RuntimeWarning):
     """Updates were skipped, or a validation metric was not finite, under ``nonfinite="skip"``."""
+
+
+class DivergenceError(NnxError, RuntimeError):
+    """The ranks of a data-parallel run hold different parameters (their digests differ)."""
 
 
 class NoUpdateError(NnxError, RuntimeError):

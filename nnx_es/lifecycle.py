@@ -15,9 +15,10 @@ agree on every (state, kind) pair. Order of one run (spec 000 "Lifecycle order")
     run_started  callback_began*  train_began  checkpoint_stored?  last_committed(initial)
       (with checkpoint_lag > 0 a new run's initial LAST is deferred into its first epoch, like any epoch's)
       ( epoch_began
-          ( microbatch_done+  (update_committed+ scheduler_stepped* | update_skipped) )*
+          ( microbatch_done+  (update_committed+ scheduler_stepped* params_digested? | update_skipped) )*
+          params_digested?
           validation_done?  epoch_summarized  monitor_decided?  scheduler_stepped*
-          stop_requested?  history_appended  checkpoint_stored?  last_committed
+          stop_requested?  (rows_recorded* | journal_published)?  history_appended  checkpoint_stored?  last_committed
           best_committed?  phase_committed?  (checkpoint_stored? callback_checkpointed)*  checkpoint_pruned* )*
       validation_done(final)?  callback_finalized* (reverse order)  checkpoint_stored?  last_committed(final)
       checkpoint_pruned*  run_finalized
@@ -91,6 +92,8 @@ _BASE: tuple[dict[str, Any], ...] = (
     _t("update_committed", ["in_window", "updated"], "updated"),
     _t("update_skipped", "in_window", "in_epoch"),
     _t("scheduler_stepped", "updated", "updated"),
+    # data parallelism: the ranks' parameter digests, after an update or at the epoch's last one
+    _t("params_digested", [*_IN_EPOCH_QUIET, "validated"], "="),
     _t("validation_done", [*_IN_EPOCH_QUIET, "validated"], "validated"),
     # the final validation once training ended (after the last epoch's commit, or a stop at an update)
     _t("validation_done", ["committed", "stopping"], "="),
@@ -100,6 +103,9 @@ _BASE: tuple[dict[str, Any], ...] = (
     _t("stop_requested", _EPOCH_END, "scheduled"),
     # a resumed run that had decided to stop records that it stops before any epoch
     _t("stop_requested", "committed", "committed"),
+    # the epoch's per-row records (nnx_es.rows), at its history step, before its history
+    _t("rows_recorded", _EPOCH_END, "="),
+    _t("journal_published", _EPOCH_END, "="),
     _t("history_appended", _EPOCH_END, "recorded"),
     _t("checkpoint_stored", ["recorded", "committed", "finalizing", "training"], "="),
     _t("last_committed", ["training", "recorded"], "committed"),

@@ -42,6 +42,7 @@ from nnx_es.finalize import Finalization
 from nnx_es.loaders import length_of
 from nnx_es.monitor import Monitor
 from nnx_es.progress import Progress
+from nnx_es.rows.recorder import RowRecorder
 from nnx_es.run_state import RunState
 from nnx_es.schedulers import Scheduler, step_epoch_clock
 from nnx_es.stages import StageDispatcher, TrainingStage
@@ -91,6 +92,9 @@ class TrainingLoop:
             ``AFTER_VALIDATION``; no monitor decision): ``True`` always with a validation loader,
             ``"auto"`` when the final weights were not the ones last validated, ``False`` never
             (spec 004 "Validation": a final pass when validation is configured).
+        rows: the per-row records (:class:`~nnx_es.rows.RowRecorder`): closed with the epoch
+            (before ``on_epoch_end``), handed to the run at its history step (before
+            ``history_appended``); ``None``: none.
     """
 
     def __init__(self, *, state: RunState, ctx: TrainContext, net: nn.Module, optimizers: dict[str, Optimizer],
@@ -98,7 +102,8 @@ class TrainingLoop:
                  callbacks: CallbackList, stages: StageDispatcher, committer: Committer, finalization: Finalization,
                  validate: Validate, cadence: Cadence, step_fn: Callable[[TrainContext, Any], Any], custom_step: bool,
                  batch_gather: bool, progress: Progress, nonfinite: str = "skip",
-                 device: torch.device | None = None, final_validation: bool | str = "auto") -> None:
+                 device: torch.device | None = None, final_validation: bool | str = "auto",
+                 digest: Any = None, rows: RowRecorder | None = None) -> None:
         self.state, self.ctx, self.net, self.optimizers = state, ctx, net, optimizers
         self.schedulers, self.monitor, self.engine = schedulers, monitor, engine
         self.callbacks, self.stages, self.committer, self.finalization = callbacks, stages, committer, finalization
@@ -106,8 +111,11 @@ class TrainingLoop:
         self.step_fn, self.custom_step, self.batch_gather = step_fn, custom_step, batch_gather
         self.progress, self.device = progress, device
         self.nonfinite = nonfinite
+        #: data parallelism: the ranks' parameter digests (:class:`nnx_es.distributed.digest.ParamDigest`)
+        self.digest = digest
         self.final_validation = final_validation
         self._validated_at = 0  # the step count of the latest validation pass
+        self.rows = rows
         self._nonfinite_skips = 0  # this epoch's
         self._epochs = 0
 
@@ -216,6 +224,8 @@ class TrainingLoop:
                 break
             if outcome.committed_update:
                 outcome.unreported = 0
+                if self.digest is not None:
+                    self.digest.after_update(rec, epoch=epoch, step=ctx.step_count)
                 if committer.pending is not None:
                     committer.on_update()
                 rec.maybe_flush()
@@ -235,6 +245,8 @@ class TrainingLoop:
                 return "update_boundary"
         if outcome.skipped == "nonfinite":
             self._nonfinite_update(epoch, ctx.batch_index)
+        if self.digest is not None:  # after the epoch's last update, before validation
+            self.digest.at_epoch_end(rec, epoch=epoch, step=ctx.step_count)
         val: dict[str, float] = {}
         if val_loader is not None and ((epoch + 1) % self.cadence.every == 0 or last):
             val = self._validation_pass(val_loader)
@@ -294,6 +306,8 @@ class TrainingLoop:
         if totals.updates == 0 and not self.custom_step:
             log.warning("epoch committed no optimizer update: every window was skipped", run_id=state.run_id,
                         epoch=epoch, skipped=totals.skipped)
+        if self.rows is not None:
+            self.rows.close_epoch(epoch)  # ctx.idps holds the epoch from here on
         summary = EpochSummarized(
             epoch=epoch, metrics=train, examples=totals.sums.den, microbatches=totals.microbatches,
             updates=totals.updates, skipped=totals.skipped, duration_s=time.time() - t_epoch,
@@ -325,6 +339,8 @@ class TrainingLoop:
             counters=msgspec.structs.replace(rec.counters, epoch=epoch + 1), wall_time_s=time.time() - t_epoch,
         )
         self.committer.complete()  # the previous epoch's LAST precedes this epoch's history
+        if self.rows is not None:  # the epoch's per-row records: part of its history step, before LAST
+            self.rows.history_step(epoch, rec)
         covers = rec.emit(HistoryAppended(record=record))
         self.committer.submit(epoch=epoch, covers=covers, decision=decision)
         rec.maybe_flush()  # with a lag the history is committed by the next epoch's LAST sync
@@ -342,7 +358,14 @@ class TrainingLoop:
 
     def _validation_pass(self, loader: Iterable[Any], trigger: str = "epoch") -> dict[str, float]:
         ctx = self.ctx
-        val, n_val = self.validate(loader)
+        rows = self.rows
+        if rows is not None:
+            rows.validating = trigger == "epoch"  # the epoch's validation scores each row once per epoch
+        try:
+            val, n_val = self.validate(loader)
+        finally:
+            if rows is not None:
+                rows.validating = False
         self._validated_at = ctx.step_count
         ctx.validation = val
         self.state.recorder.emit(

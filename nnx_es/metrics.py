@@ -29,8 +29,8 @@ from torch import Tensor, nn
 from nnx_es.data import iterate_batches
 from nnx_es.errors import ConfigError
 from nnx_es.monitor import Monitor
-from nnx_es.objective import LossParts, Objective, accuracy, accuracy_kind, hits
-from nnx_es.user_metrics import UserMetric, metric_names, split_declared, user_metric
+from nnx_es.objective import LossParts, Objective, accuracy, accuracy_kind, batch_rows, hits
+from nnx_es.user_metrics import RowMetric, UserMetric, metric_names, split_declared, user_metric
 
 __all__ = ["METRICS", "MetricSums", "check_monitor", "evaluate", "reported_metrics", "validate_metrics"]
 
@@ -160,7 +160,7 @@ class MetricSums:
         """Count one microbatch's rows and score its accuracy (kept as a tensor: no host read
         without weights)."""
         if rows is None:
-            rows = int(targets.shape[0]) if targets.dim() > 0 else 1
+            rows = batch_rows(targets)
         for m in self.user:
             m.update(outputs, targets, weights)
         if self.with_accuracy:
@@ -186,10 +186,16 @@ class MetricSums:
             names = []
         values = [self.num, self.den, self.correct, self.scored, float(self.rows)]
         values += [float(self.terms.get(n, 0.0)) for n in names]
+        rows = [m for m in self.user if isinstance(m, RowMetric)]  # a torchmetrics metric syncs in its compute()
+        for m in rows:
+            values += list(m.sums())
         out = world.agree(torch.tensor(values, dtype=torch.float64)).tolist()
         self.num, self.den, self._correct, self.scored, self.rows = out[0], out[1], out[2], out[3], int(out[4])
         if names:
-            self.terms = dict(zip(names, out[5:]))
+            self.terms = dict(zip(names, out[5:5 + len(names)]))
+        at = 5 + len(names)
+        for i, m in enumerate(rows):
+            m.set_sums(out[at + 2 * i], out[at + 2 * i + 1])
 
     def metrics(self, prefix: str = "") -> dict[str, float]:
         """``{prefix+"loss", prefix+<term> (several terms only), prefix+"accuracy"}`` as floats."""
@@ -216,6 +222,7 @@ def evaluate(
     device: torch.device | None = None,
     world: Any = None,
     on_batch: Callable[..., Any] | None = None,
+    rows: Callable[[Any, Tensor, Tensor], None] | None = None,
 ) -> tuple[dict[str, float], int]:
     """One validation pass in eval mode: (``val_`` metrics, rows scored). The net's mode is restored.
 
@@ -226,6 +233,8 @@ def evaluate(
     ``device``: move each batch there first (``None``: as it comes). ``on_batch(*, batch, predictions,
     loss, batch_count)``: called after each batch is scored, with the batch (moved), its outputs,
     its mean loss (float; ``nan`` when no row counts) and its 0-based index in the pass.
+    ``rows``: called with each ``(batch, outputs, targets)`` (the per-row records,
+    :class:`nnx_es.rows.RowRecorder`).
     Batches follow ``step_fn``'s contract (the default one: :mod:`nnx_es.batches`).
 
     Raises:
@@ -245,6 +254,8 @@ def evaluate(
             if on_batch is not None:
                 on_batch(batch=batch, predictions=outputs, loss=num / parts.den if parts.den > 0 else math.nan,
                          batch_count=index)
+            if rows is not None:
+                rows(batch, outputs, targets)
     finally:
         net.train(was_training)
     if world is not None:

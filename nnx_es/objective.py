@@ -34,7 +34,7 @@ from nnx_es.errors import ConfigError
 from nnx_es.loss_weights import WeightSchedule
 from nnx_es.argchecks import as_number
 
-__all__ = ["LossParts", "Objective", "Term", "accuracy", "accuracy_kind", "hits"]
+__all__ = ["LossParts", "Objective", "Term", "accuracy", "accuracy_kind", "hits", "row_losses"]
 
 LossFn = Callable[[Tensor, Tensor], Tensor]
 
@@ -209,10 +209,11 @@ class Objective:
         if weights is None and self._single is not None:  # one unweighted term: one fused reduction
             name, term = self._single
             total = term.summed(outputs, targets)
-            return LossParts(total, float(outputs.shape[0]), {name: total})
+            return LossParts(total, float(batch_rows(outputs)), {name: total})
         total: Tensor | None = None
         nums: dict[str, Tensor] = {}
-        den = float(outputs.shape[0]) if weights is None else _weight_sum(weights, outputs.shape[0])
+        rows = batch_rows(outputs)
+        den = float(rows) if weights is None else _weight_sum(weights, rows)
         if weights is not None and isinstance(outputs, Tensor) and outputs.requires_grad:
             # masked rows pass no gradient back to the outputs: a non-finite loss on them (a
             # missing target) would otherwise turn the whole gradient into NaN (0 * NaN)
@@ -233,6 +234,32 @@ class Objective:
             total = part if total is None else total + part
         assert total is not None
         return LossParts(total, den, nums)
+
+
+def batch_rows(values: Any) -> int:
+    """Rows of a microbatch's outputs or targets: a tensor's first dimension, or (a several-model
+    run's ``{key: tensor}``) its first tensor's; 1 for a 0-dim tensor or anything else."""
+    if isinstance(values, Mapping):
+        values = next((v for v in values.values() if isinstance(v, Tensor)), None)
+    if isinstance(values, Tensor):
+        return int(values.shape[0]) if values.dim() > 0 else 1
+    return 1
+
+
+def row_losses(objective: Objective, outputs: Tensor, targets: Tensor) -> Tensor:
+    """Each row's own loss, unweighted: ``sum_t weight_t * l_t(row)``, shape ``(B,)``, no gradient.
+
+    The per-row form of :meth:`Objective.__call__`'s total (rows' sample weights left out):
+    what :mod:`nnx_es.rows` records as a row's ``loss``.
+    """
+    with torch.no_grad():
+        total: Tensor | None = None
+        for term in objective.terms.values():
+            losses = term.per_row(outputs, targets)
+            part = losses * term.weight if term.weight != 1.0 else losses
+            total = part if total is None else total + part
+    assert total is not None
+    return total
 
 
 def _weight_sum(weights: Any, rows: int) -> float:

@@ -311,9 +311,9 @@ def _check_same_recipe(components: RunComponents, mine: RunStarted, started: Run
         return
     for field, label in (("optimizers", "optimizers"), ("schedulers", "schedulers"), ("monitor", "monitor"),
                          ("accumulation", "accumulation window"), ("update", "precision or gradient clipping"),
-                         ("objective", "loss")):
+                         ("objective", "loss"), ("models", "models (a frozen model's weights, by hash)")):
         theirs, ours = getattr(started, field), getattr(mine, field)
-        if theirs != ours and not (field in ("update", "objective") and theirs is None):  # None: an older run declared none
+        if theirs != ours and not (field in ("update", "objective", "models") and theirs is None):  # None: an older run declared none
             raise ResumeError(
                 f"cannot resume run {started.run_id!r} statefully with a different {label}: the run declared "
                 f"{theirs!r}, this trainer has {ours!r} (use resume_mode='weights_only' to start a new run); "

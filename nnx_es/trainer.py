@@ -48,6 +48,7 @@ from nnx_es.commit import Committer
 from nnx_es.commit import checkpoint_lag as lag_in_updates
 from nnx_es.context import TrainContext
 from nnx_es.device import place_model, resolve_device
+from nnx_es.distributed.digest import ParamDigest
 from nnx_es.distributed.roles import check_declared, for_rank
 from nnx_es.distributed.wrap import check_distributed, data_parallel, is_writer_rank
 from nnx_es.engine import UpdateEngine, default_forward, default_train_step
@@ -58,6 +59,7 @@ from nnx_es.loaders import length_of, loader_geometries
 from nnx_es.logs import ensure_logging
 from nnx_es.loop import NONFINITE, Cadence, TrainingLoop
 from nnx_es.metrics import check_monitor, evaluate, validate_metrics
+from nnx_es.models import Keyed, ModelSet, multi_model_step
 from nnx_es.monitor import Monitor
 from nnx_es.declare import describe_objective
 from nnx_es.objective import Objective
@@ -67,6 +69,8 @@ from nnx_es.recorder import Recorder
 from nnx_es.result import RunResult, load_result, result_of
 from nnx_es.retention import check_retention
 from nnx_es.rng import LoaderGenerators
+from nnx_es.rows.journal import HistoryJournal
+from nnx_es.rows.recorder import RowRecorder
 from nnx_es.run_state import RunState, World
 from nnx_es.session import RESUME_MODES, library_versions, new_run_id, open_session
 from nnx_es.sinks import LiveSinks
@@ -83,7 +87,11 @@ class Trainer:
     """Trains ``net`` and records every lifecycle transition in the run's event log.
 
     Args:
-        net: the model (``nn.Module``); checkpoints hold its ``state_dict``.
+        net: the model (``nn.Module``); checkpoints hold its ``state_dict``. Or several models,
+            ``{"student": s, "teacher": t}`` (:mod:`nnx_es.models`): each trainable one (an optimizer
+            holds its parameters) is checkpointed under its name; a frozen one (no optimizer) is put
+            in eval mode without gradients and declared once by hash in ``run_started.models``
+            (verified on a stateful resume). Such a run needs ``training_fn``.
         optimizer: one optimizer, or ``{name: optimizer}`` for several (they step together).
         loss: the objective: a loss module/callable returning per-row losses (a
             ``torch.nn`` loss is used with ``reduction="none"``; several values per row are
@@ -151,6 +159,10 @@ class Trainer:
             :class:`~nnx_es.errors.NonFiniteError` (status ``failed``; LAST stays at the last
             committed epoch). A run that trains microbatches but commits no update never ends
             ``completed`` (:class:`~nnx_es.errors.NoUpdateError`).
+        history: where per-row records go (:mod:`nnx_es.rows`; recorded when the batches carry row
+            ids, e.g. ``with_row_ids(dataset)``): ``None`` (default) as ``rows_recorded`` events in the
+            log, every epoch's kept in memory (small runs), or a
+            :class:`~nnx_es.rows.HistoryJournal` (chunk blobs; memory holds its ``window`` epochs).
         device: where to train: ``"cpu"``, ``"cuda"``, ``"cuda:N"``, ``"mps"`` or a ``torch.device``;
             default: the model's own device. The model (and any optimizer state) is moved there
             now, and every batch's tensors (nested tuples, lists, mappings, dataclasses) before the
@@ -179,6 +191,14 @@ class Trainer:
             :class:`~nnx_es.finetune.WeightsFrom` (a run's BEST/LAST or a ``state_dict``, with its
             key policy ``strict``) or a ``state_dict`` (strict); the source and the keys skipped /
             new are recorded in ``run_started.lineage``. A stateful resume restores LAST over them.
+
+        training_fn: several models: ``training_fn(models, batch) -> {key: tensor}`` predictions
+            (``models``: every model by name), for training and validation.
+        loss_target_assembler: several models: ``fn(loss, predictions, batch, *, workflow, target_keys)
+            -> {key: tensor}`` targets (``workflow``: ``"train"`` or ``"validate"``) when they do not come
+            from the batch (a teacher's outputs); without it each target key is read from a mapping batch
+            or is the ``y`` of ``(x, y)``. Loss terms name their keys (:class:`~nnx_es.models.Keyed`).
+        target_keys: the target keys handed to the assembler (default: those the ``Keyed`` terms read).
 
     Raises:
         ConfigError: a bad argument (named with the value received).
@@ -225,13 +245,23 @@ class Trainer:
         val_batch_callback: Callable[..., Any] | None = None,
         final_validation: bool | str = "auto",
         init_from: Any = None,
+        training_fn: Callable[..., Any] | None = None,
+        loss_target_assembler: Callable[..., Any] | None = None,
+        target_keys: Sequence[str] | None = None,
+        history: HistoryJournal | None = None,
     ) -> None:
+        self.custom_step = trainer_step_fn is not None
+        several = isinstance(net, Mapping)
+        if several:  # several models (distillation): nnx_es.models
+            self.optimizers: dict[str, Optimizer] = optimizers_of(nn.ModuleDict(dict(net)), optimizer,
+                                                                  custom_step=self.custom_step)
+            net = ModelSet(net, self.optimizers)
         if not isinstance(net, nn.Module):
-            raise ConfigError(f"net must be a torch.nn.Module, got {type(net).__name__}")
+            raise ConfigError(f"net must be a torch.nn.Module or {{name: nn.Module}}, got {type(net).__name__}")
         self.distributed = check_distributed(distributed, net, trainer_step_fn=trainer_step_fn, precision=precision)
         self.net = net
-        self.custom_step = trainer_step_fn is not None
-        self.optimizers: dict[str, Optimizer] = optimizers_of(net, optimizer, custom_step=self.custom_step)
+        if not several:
+            self.optimizers = optimizers_of(net, optimizer, custom_step=self.custom_step)
         #: where the initial weights came from (``init_from``), recorded in ``run_started``
         self.lineage = initial_weights(net, init_from)
         self.device = resolve_device(device, net)
@@ -262,6 +292,18 @@ class Trainer:
         if not isinstance(sample_weights, bool):
             raise ConfigError(f"sample_weights must be True or False, got {sample_weights!r}")
         forward = weighted_forward if sample_weights else default_forward
+        if isinstance(net, ModelSet):
+            if training_fn is None or train_step_fn is not None or eval_step_fn is not None:
+                raise ConfigError("a run of several models makes its predictions with training_fn(models, batch) -> "
+                                  "{key: tensor} (and its targets with loss_target_assembler); give training_fn, "
+                                  "and no train_step_fn / eval_step_fn")
+            keys = tuple(dict.fromkeys(t.target for t in self.objective.terms.values() if isinstance(t, Keyed)))
+            keys = tuple(target_keys) if target_keys is not None else keys
+            train_step_fn = multi_model_step(training_fn, loss_target_assembler, self.objective, keys, "train")
+            eval_step_fn = multi_model_step(training_fn, loss_target_assembler, self.objective, keys, "validate")
+        elif training_fn is not None or loss_target_assembler is not None:
+            raise ConfigError("training_fn / loss_target_assembler drive a run of several models: pass the models as "
+                              "{name: module} (for one net, use train_step_fn)")
         self.eval_step_fn = eval_step_fn or forward
         self.trainer_step_fn = trainer_step_fn or default_train_step
         check_run_args(runs_root=runs_root, seed=seed, progress=progress, batch_gather=batch_gather, recipe=recipe)
@@ -286,6 +328,7 @@ class Trainer:
             raise ConfigError(f"track_grad_norm must be True or False, got {track_grad_norm!r}")
         self.engine = UpdateEngine(net, self.optimizers, self.objective, self.schedulers, train_step_fn=train_step_fn or forward,
                                    track_grad_norm=track_grad_norm, metrics=self.metrics)
+        self.rows = self.engine.rows = RowRecorder(self.objective, history)
         self.update_hooks = self._update_hooks(hooks, accumulation, clip_grad_norm, precision)
         self.stages = self.engine.stages
         self.lag = lag_in_updates(checkpoint_lag)
@@ -294,6 +337,7 @@ class Trainer:
                                         callbacks=self.callbacks)
         self.ctx = TrainContext(net=net, optimizers=self.optimizers, schedulers=self.schedulers, monitor=self.monitor,
                                 engine=self.engine, trainer=self)
+        self.ctx.row_records = self.rows
         if (recipe_required or spec is not None) and any(isinstance(m, UserMetric) for m in self.metrics):
             raise ConfigError(f"metrics {[m.name for m in self.metrics if isinstance(m, UserMetric)]} are callables or "
                               "metric objects, which a recorded spec cannot hold yet: declare built-in metric names "
@@ -356,6 +400,7 @@ class Trainer:
             source=source, wall_time_s=time.time(), loaders=loader_geometries(self.components.loaders),
             spec=self.spec, spec_hash=spec_hash(self.spec), objective=describe_objective(self.objective),
             lineage=self.lineage, param_groups=group_names(self.optimizers),
+            models=self.net.declare() if isinstance(self.net, ModelSet) else None,
         )
 
     # --- the run ------------------------------------------------------------------------
@@ -427,6 +472,10 @@ class Trainer:
                 # (under DDP a rank's validation shard may be empty: validation_loader does not pad)
                 raise ConfigError(f"{role} has no batch (len 0): an empty data set, or drop_last=True with fewer "
                                   "rows than batch_size; nothing was trained or written")
+        if self.distributed and self.rows.journal is not None:
+            raise ConfigError(f"history={self.rows.journal!r} with distributed=: a history journal under data "
+                              "parallelism is not supported (each rank would journal only its own shard); nothing "
+                              "was trained or written")
         ensure_logging()
         with data_parallel(self.distributed, self.net, self.engine, train_loader, "Trainer.fit") as world:
             if world.distributed and self.run_id is None:  # one id for every rank: the writer's
@@ -449,6 +498,7 @@ class Trainer:
             state = self.state = self.ctx.state = session.state
             self.run_id, self.runs_root, self.run_dir = state.run_id, state.runs_root, state.run_dir
             self.engine.begin_run(state, callbacks)
+            self.rows.begin_run(state.recorder.log, state.store, state.run_id, world_size=state.world.size)
             committer = Committer(state, self.components, callbacks, self.ctx, lag=self.lag,
                                   phase_every=self.phase_every, keep_phases=self.keep_phases, keep_last=self.keep_last,
                                   keep_best=self.keep_best, pointers=session.checkpoints)
@@ -460,6 +510,9 @@ class Trainer:
                 step_fn=self.trainer_step_fn, custom_step=self.custom_step, batch_gather=self.batch_gather,
                 progress=Progress(self.progress_enabled), nonfinite=self.nonfinite, device=self.device,
                 final_validation=self.final_validation,
+                digest=ParamDigest(self.net, world, self.distributed.digest_every)
+                if world.distributed and self.distributed is not None else None,
+                rows=self.rows,
             )
             live = None
             if self.sinks and state.world.is_writer:
@@ -495,4 +548,4 @@ class Trainer:
                 cb(**seen, step_count=ctx.step_count, epoch=ctx.epoch)
         return evaluate(net, loader, self.objective, self.eval_step_fn, self.metrics, gather=self.batch_gather,
                         device=self.device, world=self.state.world if self.state is not None else None,
-                        on_batch=on_batch)
+                        on_batch=on_batch, rows=self.rows.val_batch)

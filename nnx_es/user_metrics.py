@@ -22,6 +22,9 @@ The names are reported as ``<name>`` (training) and ``val_<name>`` (validation),
 monitorable (``monitor="val_binary_f1_score"``: a torchmetrics metric's ``higher_is_better``
 sets the monitor's mode; a callable may carry the same attribute), and go to the history.
 
+Data parallelism: a per-row callable's sums join the epoch's one agreement (``MetricSums.agree``);
+a torchmetrics metric syncs its states over the default process group in ``compute()``.
+
 Resume: a metric's running state is not checkpointed. It does not need to be: LAST is
 committed at epoch boundaries only, so a resumed run restarts the epoch it was in and every
 metric starts that epoch from its reset state, exactly as the uninterrupted run did.
@@ -111,6 +114,14 @@ class RowMetric(UserMetric):
             self._sum = self._sum + torch.where(w != 0, values * w, torch.zeros_like(values)).sum()
             self._count = self._count + w.sum()
 
+    def sums(self) -> tuple[float, float]:
+        """``(sum of weighted values, sum of weights)`` so far (one host read each)."""
+        return float(self._sum), float(self._count)
+
+    def set_sums(self, total: float, count: float) -> None:
+        """Replace the sums (data parallelism: the union's, agreed by ``MetricSums.agree``)."""
+        self._sum, self._count = total, count
+
     def compute(self) -> float:
         count = float(self._count)
         return float(self._sum) / count if count > 0 else float("nan")
@@ -152,7 +163,11 @@ class TorchMetric(UserMetric):
             self._seen = True
 
     def compute(self) -> float:
-        if not self._seen:
+        import torch.distributed as dist
+
+        # under data parallelism torchmetrics syncs the ranks' states inside compute(): every rank
+        # must call it, one without rows too
+        if not self._seen and not (dist.is_available() and dist.is_initialized()):
             return float("nan")
         value = self.metric.compute()
         if isinstance(value, Tensor) and value.numel() != 1:

@@ -37,6 +37,8 @@ def _sample_value(t: msgspec.inspect.Type, salt: int) -> Any:
             return 0.25 + salt
         case mi.StrType():
             return f"s{salt}"
+        case mi.BytesType():
+            return bytes([salt % 256, 1, 2])
         case mi.ListType(item_type=item):
             return [_sample_value(item, salt), _sample_value(item, salt + 1)]
         case mi.DictType(value_type=value):

@@ -1,4 +1,4 @@
-"""The audit behind ``tools/replay``: check a recorded run against the ten invariants of docs/INVARIANTS.md.
+"""The audit behind ``tools/replay``: check a recorded run against the eleven invariants of docs/INVARIANTS.md.
 
 Modules: :mod:`~nnx_es.audit.report` (what an audit returns),
 :mod:`~nnx_es.audit.sequence` (checks over the whole sequence: 2, 3, 7's early

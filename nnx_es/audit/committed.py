@@ -26,6 +26,7 @@ from events.schema import (
     EvaluationRecorded,
     Event,
     HistoryAppended,
+    JournalPublished,
     LastCommitted,
     MonitorDecided,
     MonitorSpec,
@@ -33,6 +34,7 @@ from events.schema import (
     PlateauState,
     RunFinalized,
     RunResumed,
+    RowsRecorded,
     RunStarted,
     SchedulerDecl,
     SchedulerStepped,
@@ -42,6 +44,8 @@ from events.schema import (
 from nnx_es.audit.report import Sink
 from nnx_es.checkpoint import Manifest, load_component, verify_checkpoint
 from nnx_es.errors import CorruptCheckpointError
+from nnx_es.rows.columns import check_columns
+from nnx_es.rows.journal import verify_manifest
 from nnx_es.storage import BlobStore
 from projections import Projections
 
@@ -103,6 +107,7 @@ class CommittedCheck:
         self.prev_decision: MonitorDecided | None = None
         self.best_epochs: set[int] = set()
         self.pending_best: tuple[int, int, int] | None = None  # (LAST seq, epoch, decision seq)
+        self.journal_head = ""  # the manifest of the newest committed journal_published
 
     # --- dispatch -------------------------------------------------------------------
 
@@ -163,6 +168,12 @@ class CommittedCheck:
                 self._blob(seq, name, blob)
             case CheckpointPruned(manifest=m):
                 self._pruned(seq, m, folded.p)
+            case RowsRecorded(epoch=e, split=split, rows=n, columns=columns):
+                if (problem := check_columns(n, columns)) is not None:
+                    self.sink.add(seq, 4, f"rows_recorded of epoch {e} ({split}) is malformed: {problem}",
+                                  expected=f"{n} records in every column", found=problem)
+            case JournalPublished():
+                self._journal(seq, event)
             case RunFinalized():
                 self._missing_best()
             case EvaluationRecorded(manifest=m):  # the checkpoint it scored must verify
@@ -200,6 +211,16 @@ class CommittedCheck:
             self.sink.add(seq, 4, f"checkpoint_pruned deletes a checkpoint {' and '.join(named)} still names",
                           expected="a checkpoint no pointer names", found=f"manifest {digest}")
         self.pruned.add(digest)
+
+    def _journal(self, seq: int, event: JournalPublished) -> None:
+        """A committed journal publication chains to the one before and its manifest and chunks verify."""
+        if event.previous != self.journal_head:
+            self.sink.add(seq, 4, f"journal_published of epoch {event.epoch} does not chain to the newest committed "
+                          "manifest", expected=repr(self.journal_head), found=repr(event.previous))
+        for problem in verify_manifest(self.store, event.manifest, epoch=event.epoch, previous=event.previous):
+            self.sink.add(seq, 4, f"the history journal of epoch {event.epoch} does not verify: {problem}",
+                          expected=f"manifest {event.manifest} and its chunks intact", found=problem)
+        self.journal_head = event.manifest
 
     def _blob(self, seq: int, name: str, digest: str) -> None:
         if digest not in self.blobs:

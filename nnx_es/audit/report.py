@@ -1,4 +1,4 @@
-"""What an audit returns: violations of the ten invariants of docs/INVARIANTS.md, and the error for unusable input."""
+"""What an audit returns: violations of the eleven invariants of docs/INVARIANTS.md, and the error for unusable input."""
 
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ INVARIANTS: dict[int, str] = {
     8: "finalization in reverse callback order, for every begun callback; LAST refreshed after it",
     9: "materialized views equal the projections",
     10: "counters and scheduler state in LAST's checkpoint equal the projections",
+    11: "the ranks of a data-parallel run agree on every recorded parameter digest",
 }
 
 
@@ -34,7 +35,7 @@ class Violation(msgspec.Struct, frozen=True, kw_only=True):
     """One broken invariant.
 
     seq: the 0-based sequence number of the event at fault (``None`` when the
-    violation is about a file or the log as a whole). invariant: 1-10 (docs/INVARIANTS.md).
+    violation is about a file or the log as a whole). invariant: 1-11 (docs/INVARIANTS.md).
     expected / found: short renderings of what should be and what is, when meaningful.
     """
 

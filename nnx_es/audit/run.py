@@ -1,4 +1,4 @@
-"""Audit one run directory against the ten invariants of docs/INVARIANTS.md, in one streaming pass.
+"""Audit one run directory against the eleven invariants of docs/INVARIANTS.md, in one streaming pass.
 
 The pass reads ``events.lmdb`` read-only (so it works beside a live writer) up
 to the length it had when opened:
@@ -47,7 +47,7 @@ from nnx_es.audit.committed import CommittedCheck
 from nnx_es.audit.fold import CommittedFold
 from nnx_es.audit.reading import decoded, open_run_log
 from nnx_es.audit.report import AuditReport, Sink
-from nnx_es.audit.sequence import CommitOrderCheck, FinalizationCheck, LifecycleCheck
+from nnx_es.audit.sequence import CommitOrderCheck, DigestCheck, FinalizationCheck, LifecycleCheck
 from nnx_es.audit.snapshots import SnapshotCheck
 from nnx_es.storage import BlobStore
 from nnx_es.views import expected_views, read_views
@@ -65,7 +65,7 @@ class _Source:
         self.log, self.stop, self.sink = log, stop, sink
         self.events = 0
         self.run_started: RunStarted | None = None
-        self.checks = (LifecycleCheck(sink), CommitOrderCheck(sink), FinalizationCheck(sink))
+        self.checks = (LifecycleCheck(sink), CommitOrderCheck(sink), FinalizationCheck(sink), DigestCheck(sink))
 
     def __iter__(self) -> Iterator[tuple[int, Event]]:
         expected, previous = 0, None  # the seq due next, the key before

@@ -6,6 +6,9 @@
   decision of its epoch that did not improve;
 * invariant 8: finalization in reverse ``callback_began`` order, every begun
   callback finalized, LAST refreshed (``final=True``) after the last finalization.
+* invariant 11 (data parallelism): every ``params_digested`` holds one digest per rank
+  of the run (``update_committed.data_parallel_size``), all equal, and says so; a step
+  never goes back.
 
 Each check is fed ``(seq, event)`` of every decodable event and keeps O(callbacks) state.
 """
@@ -23,6 +26,7 @@ from events.schema import (
     HistoryAppended,
     LastCommitted,
     MonitorDecided,
+    ParamsDigested,
     PhaseCommitted,
     RunFailed,
     RunFinalized,
@@ -35,7 +39,7 @@ from events.schema import (
 from nnx_es.audit.report import Sink
 from nnx_es.lifecycle import INITIAL, STATES, TRANSITIONS, compiled_table
 
-__all__ = ["CommitOrderCheck", "FinalizationCheck", "LifecycleCheck"]
+__all__ = ["CommitOrderCheck", "DigestCheck", "FinalizationCheck", "LifecycleCheck"]
 
 _STATUSES = ("completed", "stopped", "failed", "interrupted")
 
@@ -360,3 +364,34 @@ class FinalizationCheck:
                     else "last_committed(final=true) before run_finalized",
                     found="none",
                 )
+
+
+class DigestCheck:
+    """Invariant 11: the ranks' recorded parameter digests agree (see the module docstring)."""
+
+    KINDS = frozenset({"run_started", "run_resumed", "params_digested"})
+
+    def __init__(self, sink: Sink) -> None:
+        self.sink = sink
+        self.size = 1
+        self.step = -1
+
+    def feed(self, seq: int, event: Event) -> None:
+        match event:
+            case RunStarted() | RunResumed():
+                self.step = -1
+            case ParamsDigested(step=step, digests=digests, diverged=diverged):
+                apart = sorted(r for r, d in enumerate(digests) if d != digests[0])
+                if apart or diverged:
+                    self.sink.add(seq, 11, f"the ranks' parameters differ at step {step}: rank(s) {apart} "
+                                  "disagree with rank 0" if apart else f"params_digested at step {step} says "
+                                  "the ranks disagree", expected="equal digests", found=digests)
+                if len(digests) < 2:
+                    self.sink.add(seq, 11, "params_digested with fewer than 2 ranks' digests",
+                                  expected=">= 2 digests", found=len(digests))
+                if step < self.step:
+                    self.sink.add(seq, 11, "params_digested goes back in steps", expected=f">= {self.step}",
+                                  found=step)
+                self.step = step
+            case _:
+                pass

@@ -16,6 +16,12 @@ commands:
                     resume it with fit(..., resume_from=RUN_DIR)
   plot --out FILE   loss, metric and learning-rate curves (matplotlib, headless); FILE's
                     extension names the format (png, pdf, svg, ...)
+  plot cartography --out FILE
+                    the data map of the per-row records: each training row's variability
+                    against its mean confidence in the true label, coloured by correctness
+  rows [--hardest N] [--json]
+                    each training row's dynamics across the committed epochs (confidence,
+                    variability, fraction correct: nnx_es.rows.dynamics), the hardest first
   export --tensorboard DIR
                     TensorBoard scalars, into a DIR holding no TensorBoard event files yet
     --follow        keep exporting a live run: polls the log, writes each event's scalars once
@@ -71,7 +77,9 @@ from nnx_es.cli.projected import at, summary
 
 __all__ = ["COMMANDS", "json_schema", "main"]
 
-COMMANDS: tuple[str, ...] = ("events", "summary", "plot", "export")
+COMMANDS: tuple[str, ...] = ("events", "summary", "plot", "export", "rows")
+#: what ``plot`` draws: the run's curves (default) or the per-row data map
+PLOTS: tuple[str, ...] = ("curves", "cartography")
 _UNDECODABLE = "<undecodable>"
 _BULKY = frozenset({"recipe", "library_versions", "traceback", "components"})
 _VALUE_CHARS = 80
@@ -86,6 +94,9 @@ def _parser() -> argparse.ArgumentParser:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("run_dir", type=Path, nargs="?", metavar="RUN_DIR", help="the run directory, runs/<id>")
     parser.add_argument("command", nargs="?", choices=COMMANDS, default="events", help="what to show (default: events)")
+    parser.add_argument("what", nargs="?", choices=PLOTS, default=None, metavar="PLOT",
+                        help=f"plot: what to draw, one of {PLOTS} (default: curves)")
+    parser.add_argument("--hardest", type=_seq, default=None, metavar="N", help="rows: the N hardest rows only")
     parser.add_argument("--kind", action="append", default=[], metavar="K",
                         help="events: only events of kind K (repeatable; K may be comma-separated)")
     parser.add_argument("--from", dest="start", type=_seq, default=None, metavar="SEQ", help="events: first seq shown")
@@ -117,13 +128,14 @@ _TAKES: dict[str, frozenset[str]] = {
     "--at": frozenset({"--at", "--json"}),
     "summary": frozenset({"--json"}),
     "plot": frozenset({"--out"}),
+    "rows": frozenset({"--hardest", "--json"}),
     "export": frozenset({"--tensorboard", "--follow"}),
     "--schema": frozenset({"--schema"}),
 }
 _SHOWN = {"--follow": "events --follow", "--at": "events --at"}
 _OPTION_DEST = {"--kind": "kind", "--from": "start", "--to": "end", "--limit": "limit", "--epoch": "epoch",
                 "--rank": "rank", "--json": "json", "--follow": "follow", "--at": "at", "--schema": "schema",
-                "--out": "out", "--tensorboard": "tensorboard"}
+                "--out": "out", "--tensorboard": "tensorboard", "--hardest": "hardest"}
 
 
 def _check_applicable(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -388,6 +400,8 @@ def _missing_argument(args: argparse.Namespace) -> str | None:
         return None
     if args.run_dir is None:
         return "RUN_DIR is required (or --schema)"
+    if args.what is not None and args.command != "plot":
+        return f"{args.what!r} names a plot: inspect RUN_DIR plot {args.what} --out FILE"
     if args.command == "plot" and args.out is None:
         return "plot needs --out FILE (its extension names the format: .png, .pdf, .svg, ...)"
     if args.command == "plot":
@@ -425,6 +439,17 @@ def _run(log: LmdbLog, args: argparse.Namespace, kinds: frozenset[str] | None) -
         log.check_keys()
     if args.command == "summary":
         summary(log, args.run_dir, args.json)
+    elif args.command == "rows" or (args.command == "plot" and args.what == "cartography"):
+        from nnx_es.cli.rows import plot_cartography, rows_command
+
+        log.close()  # the records' reader opens the log itself
+        if args.command == "rows":
+            return rows_command(args.run_dir, args.hardest, args.json)
+        try:
+            print(f"wrote {plot_cartography(args.run_dir, args.out)}")
+        except (OSError, ImportError, ValueError) as exc:
+            print(f"inspect: cannot write the data map to {args.out}: {exc}", file=sys.stderr)
+            return EXIT_UNUSABLE
     elif args.command == "plot":
         from nnx_es.plotting import plot_run
 

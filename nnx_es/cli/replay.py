@@ -1,4 +1,4 @@
-"""``replay RUN_DIR [--json]``: audit a run against the ten invariants of docs/INVARIANTS.md.
+"""``replay RUN_DIR [--json]``: audit a run against the eleven invariants of docs/INVARIANTS.md.
 
 Exit status: 0 when every invariant holds, 1 when any is violated (each
 violation is named: event seq, invariant, expected, found), 2 when the input

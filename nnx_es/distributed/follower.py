@@ -35,6 +35,10 @@ class FollowerLog(MemoryLog):
         LogBase.__init__(self, next_seq)
         self._stored: list[bytes] = []
         self._blobs: dict[bytes, bytes] = {}
+        self._snapshots: dict[int, bytes] = {}
+
+    def put_snapshot(self, seq: int, value: bytes) -> None:
+        """Nothing: projection snapshots are the writer's log's cache."""
 
     def flush(self, *, sync: bool = False) -> None:
         self._buffer.clear()

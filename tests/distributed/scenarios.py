@@ -357,6 +357,69 @@ def callback_roles(world: World, out: Path) -> dict[str, Any]:
     return got
 
 
+# --- part 6: the parameter digest ----------------------------------------------------------
+
+
+@case
+def divergence(world: World, out: Path) -> dict[str, Any]:
+    """Rank 1 alone nudges a weight at the start of epoch 1: the epoch's digest catches it on both ranks."""
+    from nnx_es import LambdaCallback
+
+    def nudge(ctx: Any) -> None:
+        if ctx.epoch == 1 and ctx.state.world.rank == 1:
+            with torch.no_grad():
+                next(ctx.net.parameters()).view(-1)[0] += 1e-6
+
+    try:
+        _train(world, out, "diverged", epochs=3,
+               callbacks=[LambdaCallback(name="nudge", distributed="all", on_epoch_begin=nudge)])
+        return {"raised": None}
+    except Exception as exc:  # noqa: BLE001
+        return {"raised": _error(exc)}
+
+
+# --- a rank killed mid-epoch -----------------------------------------------------------------
+
+
+@case
+def killed(world: World, out: Path) -> dict[str, Any]:
+    """Rank 1 dies in epoch 1 (after epoch 0's LAST); rank 0 must fail within the group's bound."""
+    import time
+
+    import ddpkit
+    from nnx_es import LambdaCallback
+    from nnx_es.distributed import DDP, train_loader
+
+    def die(ctx: Any) -> None:
+        if ctx.epoch == 1 and ctx.batch_index == 1 and ctx.state.world.rank == 1:
+            launch.write_result(out, "killed", 1, {"ok": True, "died": True})
+            os._exit(0)  # exit 0: torchrun leaves rank 0 alone, so rank 0's own bound is what ends it
+
+    model = ddpkit.net()
+    t = ddpkit.trainer(model, runs_root=out / "runs", run_id="killed", distributed=DDP(timeout_seconds=20),
+                       callbacks=[LambdaCallback(name="die", distributed="all", on_batch_end=die)])
+    t0 = time.monotonic()
+    try:
+        t.fit(train_loader(ddpkit.dataset(), ddpkit.BATCH, seed=ddpkit.SEED), epochs=2)
+        res: dict[str, Any] = {"ok": True, "raised": None}
+    except Exception as exc:  # noqa: BLE001
+        res = {"ok": True, "raised": _error(exc)}
+    res["elapsed_s"] = time.monotonic() - t0
+    launch.write_result(out, "killed", world.rank, res)
+    os._exit(0)
+
+
+@case
+def resume_killed(world: World, out: Path) -> dict[str, Any]:
+    """The killed run, resumed by a new group with resume='auto': the uninterrupted run's parameters."""
+    import ddpkit
+
+    killed_dir = Path(os.environ["NNX_TEST_KILLED"])
+    model, t, result = _train(world, out, killed_dir.name, epochs=2, runs_root=killed_dir.parent,
+                              fit={"resume": "auto"})
+    return {"digest": ddpkit.digest(model), "status": result.status, "history": len(result.history)}
+
+
 def main() -> None:
     out = Path(sys.argv[1])
     names = [n for n in sys.argv[2].split(",") if n]

@@ -12,13 +12,27 @@ from launch import results, torchrun
 
 SCRIPT = Path(__file__).resolve().parent / "scenarios.py"
 CASES = ["equivalence", "masked_window", "nonfinite_window", "refusals", "decisions", "local_stop", "writer_only",
-         "commit_fault", "resume_other_world", "resume_auto", "sha_refusal", "callback_roles"]
+         "commit_fault", "resume_other_world", "resume_auto", "sha_refusal", "callback_roles",
+         "divergence", "resume_killed"]
 
 
 @pytest.fixture(scope="module")
-def ddp_run(tmp_path_factory: pytest.TempPathFactory, reference) -> Path:
+def killed_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A launch in which rank 1 dies mid-epoch 1 (exit 0, so torchrun does not stop rank 0 itself)."""
+    from nnx_es.result import load_result
+
+    out = tmp_path_factory.mktemp("killed")
+    torchrun(SCRIPT, str(out), "killed", timeout_s=90)
+    before = load_result(out / "runs" / "killed")  # before ddp_run resumes it
+    (out / "before.txt").write_text(f"{before.status} {[h.epoch for h in before.history]}")
+    return out
+
+
+@pytest.fixture(scope="module")
+def ddp_run(tmp_path_factory: pytest.TempPathFactory, reference, killed_run: Path) -> Path:
     out = tmp_path_factory.mktemp("ddp")
-    proc = torchrun(SCRIPT, str(out), ",".join(CASES), timeout_s=180, env={"NNX_TEST_REF": str(reference[1])})
+    proc = torchrun(SCRIPT, str(out), ",".join(CASES), timeout_s=180,
+                    env={"NNX_TEST_REF": str(reference[1]), "NNX_TEST_KILLED": str(killed_run / "runs" / "killed")})
     assert proc.returncode == 0, proc.stdout[-6000:]
     return out
 
@@ -183,3 +197,52 @@ def test_callbacks_run_where_they_declare_and_an_undeclared_one_is_refused_on_ev
         assert r["undeclared_written"] is False
     assert r0["built"] == [0] and r1["built"] == []  # the factory runs on the writer alone
     assert r0["ran"] == ["logger", "writes", "every"] and r1["ran"] == ["every"]
+
+
+def test_the_parameter_digest_catches_a_planted_divergence_on_every_rank(ddp_run: Path) -> None:
+    from nnx_es.audit import audit_run
+    from nnx_es.result import load_result
+    from trainkit import of_kind
+
+    r0, r1 = _ok(ddp_run, "divergence")
+    for r in (r0, r1):
+        assert r["raised"][0] == "DivergenceError"
+        assert "rank(s) [1]" in r["raised"][1] and "after 4 committed updates (epoch 1)" in r["raised"][1]
+        assert "first differed after step 2" in r["raised"][1]
+    run_dir = ddp_run / "runs" / "diverged"
+    digests = of_kind(run_dir, "params_digested")
+    assert [(d.step, d.diverged, d.since_step) for d in digests] == [(2, False, 0), (4, True, 2)]
+    assert digests[1].digests[0] != digests[1].digests[1] and len(set(digests[0].digests)) == 1
+    assert load_result(run_dir).status == "failed"
+    report = audit_run(run_dir)
+    assert not report.ok and {v.invariant for v in report.violations} == {11}
+
+
+def test_replay_audits_a_two_rank_run_clean(ddp_run: Path) -> None:
+    import subprocess
+    import sys
+
+    from launch import REPO
+
+    _ok(ddp_run, "equivalence")
+    run_dir = ddp_run / "runs" / "equiv"
+    proc = subprocess.run([sys.executable, str(REPO / "tools" / "replay"), str(run_dir)], capture_output=True,
+                          text=True, timeout=60, cwd=str(REPO))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    from trainkit import of_kind
+
+    digests = of_kind(run_dir, "params_digested")
+    assert [d.step for d in digests] == [2, 4] and all(not d.diverged and len(d.digests) == 2 for d in digests)
+
+
+def test_a_rank_killed_mid_epoch_makes_the_other_fail_within_the_bound_and_the_run_resumes(
+        killed_run: Path, ddp_run: Path) -> None:
+    r0, r1 = results(killed_run, "killed")
+    assert r1 == {"ok": True, "died": True}
+    assert r0["raised"] is not None and "RuntimeError" in r0["raised"], r0  # gloo: the peer is gone
+    assert r0["elapsed_s"] < 60  # within the group's bound (timeout_seconds=20), never a hang
+    assert (killed_run / "before.txt").read_text() == "failed [0]"  # epoch 0 committed, epoch 1 lost
+    resumed = _ok(ddp_run, "resume_killed")
+    whole = _ok(ddp_run, "equivalence")[0]
+    assert resumed[0]["digest"] == resumed[1]["digest"] == whole["digest"]  # as if never interrupted
+    assert resumed[0]["status"] == "completed" and resumed[0]["history"] == 2

@@ -181,3 +181,24 @@ def test_losses_read_once_per_window_are_the_floats_a_read_per_microbatch_gives(
     assert [repr(d.loss) for d in done] == [repr(x) for x in eager.losses]
     assert math.isnan(done[3].loss) and math.isnan(done[5].loss) and set(done[0].terms) == {"ce", "ls"}
     assert {s.reason for s in of_kind(b.run_dir, "update_skipped")} >= {"nonfinite"}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("accumulation", [1, 4])
+def test_per_row_records_add_no_host_read_inside_a_window(tmp_path, host_reads, device, accumulation):
+    # batches carrying row ids: every row's values stay on the device until the epoch's close
+    plain = batches([5] * 9 + [2])
+    starts = [sum(len(b[0]) for b in plain[:i]) for i in range(len(plain))]
+    train = [{"x": b[0], "y": b[1], "idx": torch.arange(s, s + len(b[0]))} for s, b in zip(starts, plain)]
+    net = small_net(0)
+    watch = ReadsPerBatch(host_reads)
+    trainer = Trainer(net, torch.optim.SGD(net.parameters(), lr=0.1), nn.CrossEntropyLoss(), runs_root=tmp_path,
+                      run_id="r", progress=False, accumulation=accumulation, callbacks=[watch], device=device)
+    host_reads.counting = False
+    with host_reads:
+        run = trainer.fit(train, epochs=2)
+    for i, (reads, updates) in enumerate(watch.per_batch):
+        closes_window = (i % 10 + 1) % accumulation == 0
+        assert (reads, updates) == ((1, 1) if closes_window else (0, 0)), f"microbatch {i}"
+    assert sum(r for r, _ in watch.per_batch) + sum(watch.trailing) <= run.counters.step + 2 * 2  # + the close's reads
+    assert len(of_kind(trainer.run_dir, "rows_recorded")) == 2
