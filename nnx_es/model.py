@@ -28,6 +28,7 @@ from nnx_es.evaluation import (
 )
 from nnx_es.metrics import evaluate as evaluate_pass
 from nnx_es.metrics import check_metric_names, validate_metrics
+from nnx_es.user_metrics import bind_activation
 from nnx_es.objective import Objective
 from nnx_es.result import RunResult, load_result
 from nnx_es.snapshot import weight_misfits
@@ -303,6 +304,7 @@ class NNModel:
         objective = loss if isinstance(loss, Objective) else Objective(loss if loss is not None else _default_loss(head))
         declared = validate_metrics(metrics)
         check_metric_names(objective, declared)
+        bind_activation(declared, (t.fn for t in objective.terms.values()))
         values, rows = evaluate_pass(self.net, loader, objective, forward, declared, device=model_device(self.net))
         result = {k.removeprefix("val_"): v for k, v in values.items()}
         if record:

@@ -78,7 +78,7 @@ from nnx_es.snapshot import RunComponents
 from nnx_es.schedulers import wrap_schedulers
 from nnx_es.storage import BlobStore, validate_run_id
 from nnx_es.update_hooks import GradientAccumulation, GradientClipping, MixedPrecision, collect
-from nnx_es.user_metrics import UserMetric, higher_is_better, metric_names
+from nnx_es.user_metrics import UserMetric, bind_activation, higher_is_better, metric_names
 
 __all__ = ["Trainer"]
 
@@ -275,6 +275,7 @@ class Trainer:
         self.final_validation = final_validation
         self.metrics = validate_metrics(metrics)
         check_metric_names(self.objective, self.metrics)
+        bind_activation(self.metrics, (t.fn for t in self.objective.terms.values()))
         self.monitor: Monitor | None = monitor_of(monitor, higher_is_better(self.metrics))
         if isinstance(callbacks, Callback) or not isinstance(callbacks, Iterable):
             raise ConfigError(f"callbacks must be a list of Callback, got {callbacks!r}")
