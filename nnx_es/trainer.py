@@ -450,7 +450,8 @@ class Trainer:
                 refused, never cleared. Needs ``run_id``; excludes ``resume_from``.
 
         Raises:
-            ConfigError: bad ``epochs``/``resume_mode``/``resume``, an empty train or validation
+            ConfigError: bad ``epochs``/``resume_mode``/``resume`` (a ``resume_mode`` other than
+                ``"stateful"`` without ``resume_from`` included), an empty train or validation
                 loader, or a run directory in the way.
             ResumeError: the resume point is missing or does not verify, the recipe
                 differs from the run's, or a loader has or lacks a generator of its own
@@ -466,6 +467,10 @@ class Trainer:
             raise ConfigError(f"resume_mode must be one of {RESUME_MODES}, got {resume_mode!r}")
         if resume not in (None, "auto"):
             raise ConfigError(f"resume must be None or 'auto', got {resume!r}")
+        if resume_mode != "stateful" and resume_from is None:
+            raise ConfigError(f"resume_mode={resume_mode!r} starts a new run from another run's checkpoint: give "
+                              "resume_from=runs/<id> (and this trainer a run_id of its own); resume='auto' always "
+                              "continues this trainer's own run statefully; nothing was trained or written")
         if resume == "auto" and (self.run_id is None or resume_from is not None):
             raise ConfigError("resume='auto' continues this trainer's own run: give Trainer(run_id=...) and no "
                               f"resume_from (got run_id={self.run_id!r}, resume_from={resume_from!r})")
@@ -479,7 +484,8 @@ class Trainer:
                               "parallelism is not supported (each rank would journal only its own shard); nothing "
                               "was trained or written")
         ensure_logging()
-        with data_parallel(self.distributed, self.net, self.engine, train_loader, "Trainer.fit") as world:
+        with data_parallel(self.distributed, self.net, self.engine, train_loader, "Trainer.fit",
+                           val_loader) as world:
             if world.distributed and self.run_id is None:  # one id for every rank: the writer's
                 self.run_id = world.share(new_run_id())
             return self._fit(train_loader, val_loader, epochs=epochs, resume_from=resume_from,

@@ -82,7 +82,7 @@ COMMANDS: tuple[str, ...] = ("events", "summary", "plot", "export", "rows")
 #: what ``plot`` draws: the run's curves (default) or the per-row data map
 PLOTS: tuple[str, ...] = ("curves", "cartography")
 _UNDECODABLE = "<undecodable>"
-_BULKY = frozenset({"recipe", "library_versions", "traceback", "components"})
+_BULKY = frozenset({"recipe", "library_versions", "traceback", "components", "columns"})  # columns: per-row records
 _VALUE_CHARS = 80
 
 

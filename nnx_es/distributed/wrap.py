@@ -73,12 +73,15 @@ def is_writer_rank(ddp: DDP) -> bool:
 
 
 @contextmanager
-def data_parallel(ddp: DDP | None, net: nn.Module, engine: Any, train_loader: Any, entry: str) -> Iterator[World]:
+def data_parallel(ddp: DDP | None, net: nn.Module, engine: Any, train_loader: Any, entry: str,
+                  val_loader: Any = None) -> Iterator[World]:
     """The world of one ``fit`` (see the module docstring); the engine runs through DDP inside it.
 
     Raises:
         ConfigError: without ``ddp``, a group of more than one rank; with it, a train loader
-            without a length, or ranks whose train loaders have different lengths (every rank).
+            without a length, ranks whose train loaders have different lengths, or train partitions
+            the ranks do not share, or a validation loader that would score some row twice or not
+            at all (:func:`_check_one_partition`) -- on every rank.
     """
     if ddp is None:
         refuse_group(entry)
@@ -98,6 +101,7 @@ def data_parallel(ddp: DDP | None, net: nn.Module, engine: Any, train_loader: An
             f"the ranks' train loaders have different lengths (from {int(-counts[1])} to {int(counts[0])} batches; "
             f"rank {world.rank} has {n}): every rank must take the same number of steps, or the group hangs; build "
             "them with nnx_es.distributed.train_loader(dataset, batch_size) on the same data set; nothing was trained")
+    _check_one_partition(world, train_loader, val_loader)
     device_ids = [torch.device(world.device).index] if world.device.startswith("cuda") else None
     # broadcast_buffers=False: no collective per forward (BatchNorm is refused; buffers agree from the start)
     try:
@@ -109,3 +113,84 @@ def data_parallel(ddp: DDP | None, net: nn.Module, engine: Any, train_loader: An
         yield world
     finally:
         engine.use_ddp(None)
+
+
+def _partition_of(loader: Any) -> tuple[int | None, int | None, Any]:
+    """(rank, world size, what the ranks must share) of a train loader's partition sampler --
+    :class:`~nnx_es.distributed.PartitionSampler` or ``DistributedSampler`` -- else Nones."""
+    sampler = getattr(loader, "sampler", None)
+    describe = getattr(sampler, "describe", None)
+    if callable(describe) and isinstance(getattr(sampler, "world_size", None), int):
+        return sampler.rank, sampler.world_size, describe()
+    from torch.utils.data.distributed import DistributedSampler
+
+    if isinstance(sampler, DistributedSampler):
+        shared = {"kind": "DistributedSampler", "rows": len(sampler.dataset), "seed": sampler.seed,  # type: ignore[arg-type]
+                  "shuffle": sampler.shuffle, "drop_last": sampler.drop_last}
+        return sampler.rank, sampler.num_replicas, shared
+    return None, None, None
+
+
+def _validation_problem(world: World, loader: Any) -> str | None:
+    """Why ``loader`` would not score every validation row exactly once over the ranks, else None:
+    a training partition (shuffled, padded or cut), a ``DistributedSampler`` that pads or drops,
+    or a shard built for another rank or world size."""
+    from nnx_es.distributed.partitions import PartitionSampler, ShardSampler
+
+    sampler = getattr(loader, "sampler", None)
+    if isinstance(sampler, PartitionSampler):
+        return (f"rank {world.rank}'s validation loader deals a training partition (policy={sampler.policy!r}: "
+                "rows repeated or left out)")
+    if isinstance(sampler, ShardSampler) and (sampler.rank, sampler.world_size) != (world.rank, world.size):
+        return (f"rank {world.rank}'s validation loader is built for rank {sampler.rank} of "
+                f"world_size={sampler.world_size}")
+    from torch.utils.data.distributed import DistributedSampler
+
+    if isinstance(sampler, DistributedSampler):
+        rows = len(sampler.dataset)  # type: ignore[arg-type]
+        if rows % sampler.num_replicas:
+            left = rows % sampler.num_replicas
+            how = f"leaves out {left}" if sampler.drop_last else f"scores {sampler.num_replicas - left} twice"
+            return (f"rank {world.rank}'s validation loader is a DistributedSampler over {rows} rows and "
+                    f"{sampler.num_replicas} ranks: it {how}")
+    return None
+
+
+def _check_one_partition(world: World, train_loader: Any, val_loader: Any = None) -> None:
+    """Refuse, on every rank alike, train partitions that are not one partition of the group's rows,
+    and a validation loader that would not score every row exactly once.
+
+    Every rank taking the same number of steps is not enough: a loader seeded per rank
+    (``seed=rank``), or built for another rank or world size, deals rows that overlap and rows
+    that no rank reads, and the run would complete on them. Validation sums are all-reduced, so
+    a padded validation partition (``DistributedSampler``, a ``train_loader``) counts its repeated
+    rows twice in every metric. One gather of each rank's ``(rank, world size, description,
+    validation problem)``; the message is built from all of them, so it is the same on every rank.
+
+    Raises:
+        ConfigError: a rank's sampler names another rank or world size than the group's, the
+            ranks' descriptions (rows, policy, seed, shuffle) differ, or a validation loader
+            repeats or leaves out rows (use :func:`~nnx_es.distributed.validation_loader`).
+    """
+    mine = _partition_of(train_loader)
+    ranks = world.gather([world.rank, *mine, _validation_problem(world, val_loader)])
+    bad_val = [r[4] for r in ranks if r[4] is not None]
+    if bad_val:
+        raise ConfigError(
+            f"the validation loaders would not score every row exactly once ({'; '.join(bad_val)}): the agreed "
+            "metrics would count some rows twice or miss them; build every rank's with "
+            "nnx_es.distributed.validation_loader(dataset, batch_size) (rows rank::world, unpadded); nothing was "
+            "trained")
+    if all(r[3] is None for r in ranks):
+        return  # no partition sampler anywhere: a loader of the user's own (its lengths were checked)
+    wrong = [f"rank {r[0]}'s is built for rank {r[1]} of world_size={r[2]}" for r in ranks
+             if r[3] is not None and (r[1], r[2]) != (r[0], world.size)]
+    kinds = {repr(r[3]) for r in ranks}
+    if wrong or len(kinds) > 1:
+        why = "; ".join(wrong) if wrong else "the ranks' partitions differ: " + "; ".join(
+            f"rank {r[0]}: {r[3]}" for r in ranks)
+        raise ConfigError(
+            f"the ranks' train loaders do not deal one partition of the rows ({why}): rows would overlap and some "
+            f"go unread; build every rank's with nnx_es.distributed.train_loader(dataset, batch_size, seed=S) -- the "
+            f"same data set, policy and seed on every rank, rank and world_size left to the group "
+            f"({world.size} ranks); nothing was trained")

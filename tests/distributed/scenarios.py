@@ -156,6 +156,54 @@ def refusals(world: World, out: Path) -> dict[str, Any]:
     return got
 
 
+@case
+def partition_mismatch(world: World, out: Path) -> dict[str, Any]:
+    """Train partitions the ranks do not share: each rank seeded by its rank (rows overlap and go
+    missing, yet every rank takes the same number of steps), and a loader built for another rank."""
+    import ddpkit
+    from nnx_es.distributed import DDP, train_loader
+
+    got: dict[str, Any] = {}
+    loaders = {"seed_per_rank": train_loader(ddpkit.dataset(), ddpkit.BATCH, seed=world.rank),
+               "rank_zero_everywhere": train_loader(ddpkit.dataset(), ddpkit.BATCH, seed=ddpkit.SEED, rank=0,
+                                                    world_size=world.size),
+               "one_process_loader": train_loader(torch.utils.data.Subset(ddpkit.dataset(), range(12)), ddpkit.BATCH, seed=ddpkit.SEED, rank=0,
+                                                  world_size=1)}
+    for name, loader in loaders.items():
+        t = ddpkit.trainer(ddpkit.net(), runs_root=out / "pm", run_id=name, distributed=DDP(timeout_seconds=30))
+        try:
+            t.fit(loader, epochs=1)
+            got[name] = None
+        except Exception as exc:  # noqa: BLE001
+            got[name] = _error(exc)
+    got["wrote"] = sorted(p.name for p in (out / "pm").iterdir()) if (out / "pm").exists() else []
+    return got
+
+
+@case
+def validation_mismatch(world: World, out: Path) -> dict[str, Any]:
+    """Validation loaders that would score some row twice (padding) or never, under DDP."""
+    import ddpkit
+    from torch.utils.data import DataLoader, DistributedSampler
+
+    from nnx_es.distributed import DDP, train_loader, validation_loader
+
+    val = torch.utils.data.Subset(ddpkit.dataset(), range(7))  # 7 rows on 2 ranks: padding repeats one
+    loaders = {"train_loader_as_val": train_loader(val, 4, seed=0),
+               "distributed_sampler": DataLoader(val, batch_size=4, sampler=DistributedSampler(val, shuffle=False)),
+               "shard_for_rank_zero": validation_loader(val, 4, rank=0, world_size=world.size),
+               "fine": validation_loader(val, 4)}
+    got: dict[str, Any] = {}
+    for name, loader in loaders.items():
+        t = ddpkit.trainer(ddpkit.net(), runs_root=out / "vm", run_id=name, distributed=DDP(timeout_seconds=30))
+        try:
+            got[name] = t.fit(train_loader(ddpkit.dataset(), ddpkit.BATCH, seed=ddpkit.SEED), loader,
+                              epochs=1).status
+        except Exception as exc:  # noqa: BLE001
+            got[name] = _error(exc)
+    return got
+
+
 # --- part 3: records and decisions agreed ------------------------------------------------
 
 

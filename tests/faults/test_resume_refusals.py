@@ -318,3 +318,18 @@ def test_a_stateful_resume_without_a_callback_whose_state_last_holds_is_refused(
     assert counting.epochs == 2  # restored (1) and one more epoch
     # a new, stateless callback is welcome on resume
     assert train(runs, 3, [], resume_from=runs / "r", callbacks=[EpochCounter(), Callback()]).status == "completed"
+
+
+@pytest.mark.parametrize("mode", ["weights_only", "fork"])
+@pytest.mark.parametrize("auto", [True, False])
+def test_a_resume_mode_without_a_source_is_refused_not_ignored(tmp_path, mode, auto):
+    """Found in review: ``resume='auto', resume_mode='weights_only'`` (what the world-size refusal's
+    advice reads like) resumed the run statefully, and a mode without ``resume_from`` started a
+    fresh run: the mode was dropped silently either way."""
+    runs = tmp_path / "runs"
+    train(runs, 1, [])
+    before = _tree(runs / "r")
+    with pytest.raises(ConfigError, match=f"resume_mode='{mode}'.*resume_from=") as err:
+        train(runs, 2, [], run_id="r" if auto else "other", resume_mode=mode, **({"resume": "auto"} if auto else {}))
+    assert isinstance(err.value, ValueError)
+    assert _tree(runs / "r") == before and not (runs / "other").exists()

@@ -1,0 +1,52 @@
+"""Under DDP the ranks' train partitions must be one partition: refused before training otherwise.
+
+Found in review (issue 13): a loader seeded per rank (``seed=rank``), or one built for another
+rank or another world size, gives every rank the same number of steps -- so the length check
+passed -- and the run completed on overlapping, incomplete partitions.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from launch import results, torchrun
+
+SCRIPT = Path(__file__).resolve().parent / "scenarios.py"
+
+
+@pytest.fixture(scope="module")
+def mismatch_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("mismatch")
+    proc = torchrun(SCRIPT, str(out), "partition_mismatch,validation_mismatch", timeout_s=120)
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    return out
+
+
+def test_train_partitions_the_ranks_do_not_share_are_refused_on_every_rank_before_training(
+        mismatch_run: Path) -> None:
+    r0, r1 = results(mismatch_run, "partition_mismatch")
+    assert r0["ok"] and r1["ok"], (r0, r1)
+    for name, named in (("seed_per_rank", "'seed': 0"), ("rank_zero_everywhere", "rank 0"),
+                        ("one_process_loader", "world_size=1")):
+        for r in (r0, r1):
+            assert r[name] is not None, f"{name} trained"
+            assert r[name][0] == "ConfigError" and "ValueError" in r[name], r[name]
+            assert "train_loader" in r[name][1] and named in r[name][1], r[name][1]
+        assert r0[name][1] == r1[name][1]  # the same refusal on every rank
+    assert r0["wrote"] == r1["wrote"] == []  # refused before a run directory was made
+
+
+def test_validation_loaders_that_would_score_a_row_twice_or_never_are_refused_on_every_rank(
+        mismatch_run: Path) -> None:
+    """Found in review: a padded validation partition (a train_loader, a DistributedSampler on 7 rows
+    and 2 ranks) completed with the repeated row counted twice in the agreed metrics."""
+    r0, r1 = results(mismatch_run, "validation_mismatch")
+    assert r0["ok"] and r1["ok"], (r0, r1)
+    assert r0["fine"] == r1["fine"] == "completed"
+    for name, named in (("train_loader_as_val", "training partition"), ("distributed_sampler", "scores 1 twice"),
+                        ("shard_for_rank_zero", "built for rank 0")):
+        assert r0[name] == r1[name], name  # the same refusal on every rank
+        assert r0[name][0] == "ConfigError" and "validation_loader(dataset, batch_size)" in r0[name][1], r0[name]
+        assert named in r0[name][1], r0[name][1]
