@@ -207,3 +207,22 @@ def _trainer_at(runs_root, run_id) -> Trainer:
                    metrics={"f1": torchmetrics.classification.BinaryF1Score(),
                             "auroc": torchmetrics.classification.BinaryAUROC()},
                    monitor="val_auroc", runs_root=runs_root, run_id=run_id, progress=False, seed=0)
+
+
+def test_builtin_accuracy_under_a_bce_of_probabilities_is_refused_before_training(tmp_path):
+    # found in review: under nn.BCELoss (a net ending in Sigmoid) the built-in accuracy read each
+    # probability as a logit (> 0), i.e. scored "always 1", and the run completed with that number
+    net = nn.Sequential(nn.Linear(4, 1), nn.Sigmoid())
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    with pytest.raises(ConfigError, match="BCELoss.*BCEWithLogitsLoss"):
+        Trainer(net, opt, nn.BCELoss(), metrics=["accuracy"], runs_root=tmp_path)
+    loader = [(torch.randn(6, 4), torch.ones(6, 1))]
+    with pytest.raises(ConfigError, match="BCELoss"):
+        NNModel(net, head="binary").evaluate(loader, loss=nn.BCELoss())
+    # a torchmetrics accuracy reads the probabilities as they are
+    x, y = torch.randn(20, 4), (torch.rand(20, 1) > 0.5).float()
+    got = NNModel(net, head="binary").evaluate([(x, y)], loss=nn.BCELoss(),
+                                                metrics={"accuracy": torchmetrics.classification.BinaryAccuracy()})
+    with torch.no_grad():
+        expected = float(((net(x) > 0.5).float() == y).float().mean())
+    assert got["accuracy"] == pytest.approx(expected, rel=1e-6)
