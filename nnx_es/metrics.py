@@ -32,7 +32,7 @@ from nnx_es.monitor import Monitor
 from nnx_es.objective import LossParts, Objective, accuracy, accuracy_kind, batch_rows, hits
 from nnx_es.user_metrics import RowMetric, UserMetric, metric_names, split_declared, user_metric
 
-__all__ = ["METRICS", "MetricSums", "check_metric_names", "check_monitor", "evaluate", "reported_metrics",
+__all__ = ["METRICS", "MetricSums", "check_accuracy", "check_metric_names", "check_monitor", "evaluate", "reported_metrics",
            "validate_metrics"]
 
 #: Metrics a run may declare (beyond the loss, which is always reported).
@@ -87,6 +87,25 @@ def check_metric_names(objective: Objective, metrics: tuple[Any, ...]) -> None:
         raise ConfigError(f"metrics {clash} are named like loss terms of the objective {sorted(terms)}: each is "
                           "reported under its name, so the metric would replace the loss term's value; rename "
                           "the metric (metrics={new_name: m}) or the loss term")
+
+
+def check_accuracy(objective: Objective, metrics: tuple[Any, ...]) -> None:
+    """Refuse the built-in ``accuracy`` under a ``BCELoss`` (outputs that are probabilities).
+
+    ``accuracy`` reads one output per row as a logit (1 when it is > 0); a ``BCELoss`` scores
+    probabilities, every one of which is > 0, so the accuracy would be that of always predicting 1.
+
+    Raises:
+        ConfigError: naming the loss and what to use instead.
+    """
+    if "accuracy" not in [m for m in metrics if isinstance(m, str)]:  # the built-in, not a metric named so
+        return
+    fns = [t.fn for t in objective.terms.values()]
+    if any(isinstance(f, nn.BCELoss) for f in fns) and not any(isinstance(f, nn.BCEWithLogitsLoss) for f in fns):
+        raise ConfigError("metric 'accuracy' reads one output as a logit (> 0 predicts 1), but the loss is a BCELoss, "
+                          "which scores probabilities (all > 0): end the net with logits and use BCEWithLogitsLoss "
+                          "(numerically stabler), or score the probabilities with torchmetrics' BinaryAccuracy "
+                          "(metrics={'accuracy': BinaryAccuracy()})")
 
 
 def check_monitor(monitor: Monitor, objective: Objective, metrics: tuple[str, ...]) -> None:

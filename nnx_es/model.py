@@ -25,7 +25,8 @@ from nnx_es.evaluation import (
     weights_fingerprint,
 )
 from nnx_es.metrics import evaluate as evaluate_pass
-from nnx_es.metrics import check_metric_names, validate_metrics
+from nnx_es.metrics import check_accuracy, check_metric_names, validate_metrics
+from nnx_es.user_metrics import bind_activation
 from nnx_es.objective import Objective
 from nnx_es.result import RunResult, load_result
 from nnx_es.snapshot import weight_misfits
@@ -312,6 +313,8 @@ class NNModel:
         objective = loss if isinstance(loss, Objective) else Objective(loss)
         declared = validate_metrics(metrics)
         check_metric_names(objective, declared)
+        check_accuracy(objective, declared)
+        bind_activation(declared, (t.fn for t in objective.terms.values()))
         values, rows = evaluate_pass(self.net, loader, objective, forward, declared, device=model_device(self.net))
         result = {k.removeprefix("val_"): v for k, v in values.items()}
         if record:
