@@ -103,7 +103,8 @@ class DDP:
         Reuses an initialized group (its rank and size); otherwise reads ``RANK``,
         ``WORLD_SIZE``, ``LOCAL_RANK`` (and ``MASTER_ADDR``/``MASTER_PORT``, through the
         ``env://`` rendezvous) and initializes gloo (CPU) or nccl (CUDA, device
-        ``cuda:LOCAL_RANK``) with ``timeout_seconds``.
+        ``cuda:LOCAL_RANK``) with ``timeout_seconds`` -- under torchrun's agent store in a
+        namespace of each restarted generation's own (:mod:`nnx_es.distributed.elastic`).
 
         Raises:
             ConfigError: no group and no launcher environment, or ``writer_rank`` >= the size.
@@ -124,8 +125,12 @@ class DDP:
                     "torch.distributed.init_process_group first")
             if cuda:
                 torch.cuda.set_device(local_rank)
-            dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=size,
-                                    timeout=datetime.timedelta(seconds=float(self.timeout_seconds)))
+            # under torchrun's agent store each restarted generation meets in a namespace of its own
+            # (nnx_es.distributed.elastic): a restarted rank never reads a dead rank's address
+            from nnx_es.distributed.elastic import init_process_group
+
+            init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=size,
+                               timeout=datetime.timedelta(seconds=float(self.timeout_seconds)))
             log.info("process group initialized", rank=rank, world_size=size, backend=dist.get_backend())
         rank, size = int(dist.get_rank()), int(dist.get_world_size())
         if self.writer_rank >= size:
