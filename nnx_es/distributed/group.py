@@ -104,7 +104,8 @@ class DDP:
         Reuses an initialized group (its rank and size); otherwise reads ``RANK``,
         ``WORLD_SIZE``, ``LOCAL_RANK`` (and ``MASTER_ADDR``/``MASTER_PORT``, through the
         ``env://`` rendezvous) and initializes gloo (CPU) or nccl (CUDA, device
-        ``cuda:LOCAL_RANK``) with ``timeout_seconds``.
+        ``cuda:LOCAL_RANK``) with ``timeout_seconds`` -- under torchrun's agent store in a
+        namespace of each restarted generation's own (:mod:`nnx_es.distributed.elastic`).
 
         Raises:
             ConfigError: no group and no launcher environment, or ``writer_rank`` >= the size.
