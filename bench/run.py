@@ -89,6 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     load_overhead = os.getloadavg()  # the machine's load while the overhead rows ran
     totals, profiled_microbatches = stages.profile_by_stage(args.epochs)
     extra_calls, hand_calls = calls.extra_calls()
+    costs = stages.epoch_end_costs(args.epochs)
     python_calls = sum(v for (f, _), v in extra_calls.items() if f != "C")
     all_calls = sum(extra_calls.values())
     base = statistics.median(times[HAND])
@@ -213,6 +214,18 @@ def main(argv: list[str] | None = None) -> int:
         "(`python -m bench.stages`)",
         "",
         *stages.table(totals, profiled_microbatches),
+        "",
+        f"Without a profiler (`bench.stages.epoch_end_costs`, CPU ms on the training thread, medians): each epoch's "
+        f"end costs {costs['epoch end']:.2f} ms ({costs['epoch end'] / steps * 1e3:.0f} µs per microbatch), of "
+        f"which the commit {costs['commit']:.2f} ms (capture {costs['capture']:.2f} ms, then encoding, hashing, "
+        f"LAST's group and the one synced write); a run's fixed start and finish (opening the log, the initial "
+        f"and final commits, finalization, the views) {costs['fixed']:.1f} ms, "
+        f"{costs['fixed'] / (args.epochs * steps) * 1e3:.0f} µs per microbatch over {args.epochs} epochs. The "
+        f"rest of the own overhead, about "
+        f"{max(0.0, per_microbatch_us - (costs['epoch end'] / steps + costs['fixed'] / (args.epochs * steps)) * 1e3):.0f}"
+        f" µs per microbatch, is the per-microbatch path: {all_calls:.0f} calls beyond the hand loop's (engine, "
+        "recorder, lifecycle, log append) and four small tensor ops a window (the loss detached, the fused "
+        "finiteness check, the one stacked host read of losses and flag).",
         "",
         "2. Event log",
         "",

@@ -26,7 +26,7 @@ from torch import nn
 
 from bench.overhead import digits_loader, make_net
 
-__all__ = ["STAGES", "profile_by_stage", "stage_of"]
+__all__ = ["STAGES", "epoch_end_costs", "profile_by_stage", "stage_of"]
 
 #: (stage, path fragments of the files whose functions it owns), first match wins
 STAGES: tuple[tuple[str, tuple[str, ...]], ...] = (
@@ -95,6 +95,54 @@ def _fit(Trainer: type, epochs: int, *, profile: bool) -> tuple[dict[str, tuple[
         else:
             add(stage_of(filename), tottime, ncalls)
     return totals, epochs * len(loader)
+
+
+def epoch_end_costs(epochs: int = 10, runs: int = 3) -> dict[str, float]:
+    """CPU ms (``thread_time``, medians over every epoch of ``runs`` fits, no profiler) of each
+    epoch's end on the training thread: ``"epoch end"`` (summary, decision, history and the
+    commit), ``"commit"`` (capture, encode, LAST and its group, the one synced write) and
+    ``"capture"``; and ``"fixed"``, a run's CPU ms outside its epochs (opening, the initial
+    and final commits, finalization, the views)."""
+    import statistics
+    import time
+
+    from nnx_es import Trainer
+    from nnx_es.commit import Committer
+    from nnx_es.loop import TrainingLoop
+    from nnx_es import commit as commit_module
+
+    torch.set_num_threads(1)
+    seen: dict[str, list[float]] = {"epoch end": [], "commit": [], "capture": [], "epoch": [], "fit": []}
+    originals = [(TrainingLoop, "_close_epoch", "epoch end"), (Committer, "submit", "commit"),
+                 (commit_module, "capture", "capture"), (TrainingLoop, "_epoch", "epoch"), (Trainer, "fit", "fit")]
+
+    def timed(f, label):  # noqa: ANN001, ANN202
+        def g(*a, **k):  # noqa: ANN002, ANN003, ANN202
+            t0 = time.thread_time()
+            try:
+                return f(*a, **k)
+            finally:
+                seen[label].append(time.thread_time() - t0)
+        return g
+
+    saved = [(owner, name, getattr(owner, name)) for owner, name, _ in originals]
+    try:
+        for owner, name, label in originals:
+            setattr(owner, name, timed(getattr(owner, name), label))
+        _fit(Trainer, 1, profile=False)
+        for v in seen.values():
+            v.clear()
+        for _ in range(runs):
+            _fit(Trainer, epochs, profile=False)
+    finally:
+        for owner, name, f in saved:
+            setattr(owner, name, f)
+    # the initial and final commits are among seen["commit"] (2 of 12 a run): the median is an epoch's
+    fixed = statistics.median([seen["fit"][i] - sum(seen["epoch"][i * epochs:(i + 1) * epochs])
+                               for i in range(runs)])
+    return {"epoch end": statistics.median(seen["epoch end"]) * 1e3,
+            "commit": statistics.median(seen["commit"]) * 1e3,
+            "capture": statistics.median(seen["capture"]) * 1e3, "fixed": fixed * 1e3}
 
 
 def table(totals: dict[str, tuple[float, int]], microbatches: int) -> list[str]:

@@ -29,7 +29,10 @@ if TYPE_CHECKING:
     from nnx_es.callbacks import Callback, EarlyStopping, LambdaCallback
     from nnx_es.context import TrainContext
     from nnx_es.engine import default_forward, default_train_step, finalize_step
+    from nnx_es.finetune import Freeze, WeightsFrom, param_groups
+    from nnx_es.loss_weights import Constant, Cosine, LinearWarmup, StepWeight
     from nnx_es.model import NNModel
+    from nnx_es.models import Keyed
     from nnx_es.monitor import Monitor
     from nnx_es.objective import Objective, Term
     from nnx_es.result import RunResult, load_result
@@ -54,6 +57,9 @@ _LAZY = {
     "UpdateHook": "nnx_es.update_hooks",
     "HistoryJournal": "nnx_es.rows", "read_rows": "nnx_es.rows", "with_row_ids": "nnx_es.rows",
     "CsvSink": "nnx_es.sinks", "MlflowSink": "nnx_es.sinks", "TensorBoardSink": "nnx_es.sinks",
+    "Freeze": "nnx_es.finetune", "WeightsFrom": "nnx_es.finetune", "param_groups": "nnx_es.finetune",
+    "Constant": "nnx_es.loss_weights", "Cosine": "nnx_es.loss_weights", "LinearWarmup": "nnx_es.loss_weights",
+    "StepWeight": "nnx_es.loss_weights", "Keyed": "nnx_es.models",
 }
 
 
@@ -78,18 +84,23 @@ __all__ = [
     "Callback",
     "CheckpointWriteError",
     "ConfigError",
+    "Constant",
     "CorruptCheckpointError",
     "CorruptEventError",
+    "Cosine",
     "CsvSink",
     "EMA",
     "EarlyStopping",
     "EventLogError",
+    "Freeze",
     "GradientAccumulation",
     "GradientClipping",
     "HistoryJournal",
     "InvalidRunIdError",
+    "Keyed",
     "LambdaCallback",
     "LeaseHeldError",
+    "LinearWarmup",
     "MixedPrecision",
     "MlflowSink",
     "Monitor",
@@ -103,6 +114,7 @@ __all__ = [
     "ResumeError",
     "RunResult",
     "Scheduler",
+    "StepWeight",
     "TensorBoardSink",
     "Term",
     "TrainContext",
@@ -111,10 +123,12 @@ __all__ = [
     "UnsafePayloadError",
     "UnsafeRecipeError",
     "UpdateHook",
+    "WeightsFrom",
     "default_forward",
     "default_train_step",
     "finalize_step",
     "load_result",
+    "param_groups",
     "read_rows",
     "with_row_ids",
 ]

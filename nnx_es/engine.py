@@ -188,6 +188,10 @@ class UpdateEngine:
         self._ddp: Any = None
         self._forward_net: nn.Module = net
         self._unsynced = False  # the window's last backward ran under no_sync (a trailing short window)
+        #: the window's agreement carried by DDP's last gradient bucket (nnx_es.distributed.fused), under DDP
+        self._fused: Any = None
+        self._syncing = False  # the current microbatch's backward synchronizes the gradients
+        self._w_num_t: Tensor | None = None  # the window's numerator on the device (float64), under DDP
         self._grad_bytes = sum(p.numel() * p.element_size() for p in self._params)
         #: per-row records of batches carrying row ids (set by the trainer; ``None``: none)
         self.rows: RowRecorder | None = None
@@ -211,6 +215,12 @@ class UpdateEngine:
         """
         self._ddp = ddp
         self._forward_net = ddp if ddp is not None else self.net
+        self._fused = None
+        if ddp is not None:
+            from nnx_es.distributed.fused import FusedAgreement
+
+            # [numerator, W] ride in the last gradient bucket's all-reduce: one collective per window
+            self._fused = FusedAgreement(ddp)
 
     def set_precision(self, precision: str, *, init_scale: float = 2.0**16) -> None:
         """``"fp32"``, ``"bf16"`` (autocast) or ``"fp16"`` (autocast + GradScaler).
@@ -246,6 +256,7 @@ class UpdateEngine:
 
     def _reset_window(self) -> None:
         self.w_microbatches = 0
+        self._w_num_t = None
         self.w_den = 0.0  # this rank's denominator (the receipt's local_examples)
         # The data-parallel seam of the step receipt (spec 003): the DDP path sets the window's
         # denominator summed over the ranks (W of "One update"; None: one process, W = w_den) and
@@ -280,11 +291,13 @@ class UpdateEngine:
         ddp = self._ddp
         if ddp is not None:
             if self.w_microbatches + 1 < self.accumulation:
+                self._syncing = False
                 with ddp.no_sync():
                     self._microbatch(ctx, batch)
                 self._unsynced = True
                 return
             self._unsynced = False
+            self._syncing = True
         self._microbatch(ctx, batch)
 
     def _microbatch(self, ctx: TrainContext, batch: Any) -> None:
@@ -304,6 +317,12 @@ class UpdateEngine:
         den = parts.den
         loss_t = total.detach()  # stays on the device: read with the window (see _settle)
         ctx.defer_loss(loss_t, den)
+        fused = self._fused
+        if fused is not None:  # DDP: the window's [numerator, W] go with the synchronizing backward
+            num_t = loss_t.double() if self._w_num_t is None else self._w_num_t + loss_t.double()
+            self._w_num_t = num_t
+            if self._syncing:
+                fused.stage(torch.stack((num_t, num_t.new_tensor(self.w_den + den))))
         if stages:
             stages(TrainingStage.AFTER_LOSS, ctx)
             stages(TrainingStage.BEFORE_BACKWARD, ctx)
@@ -519,15 +538,27 @@ class UpdateEngine:
         return True
 
     def _agree_window(self) -> float:
-        """The window's one agreement (data parallelism): read this rank's losses, then ONE all-reduce of
-        ``[sum of numerators, sum of denominators, non-finite flag]``; return the global ``W``.
+        """The window's one agreement (data parallelism): read this rank's losses, then the window's
+        ``[sum of numerators, sum of denominators]`` summed over the ranks; return the global ``W``.
 
-        After it every rank holds the same numerator (the receipt's loss is global), ``W`` and
-        non-finite mark, so every rank skips or steps alike. A window whose last backward ran
-        under ``no_sync`` (the epoch's trailing short window) has its gradients summed here too.
+        The sums travel with the gradients: staged before the window's synchronizing backward, they
+        ride in the last bucket's all-reduce (:class:`~nnx_es.distributed.fused.FusedAgreement`), so a
+        window costs one collective. A window whose last backward ran under ``no_sync`` (the
+        epoch's trailing short window) has its gradients summed here, then ONE all-reduce of
+        ``[numerators, denominators, non-finite flag]``. After it every rank holds the same
+        numerator (the receipt's loss is global), ``W`` and non-finite mark (a sum is finite only
+        when every rank's numerator is), so every rank skips or steps alike.
         """
         self._settle()
         world = self.state.world
+        carried = self._fused.result() if self._fused is not None and not self._unsynced else None
+        if carried is not None:  # summed by the gradients' own all-reduce (nnx_es.distributed.fused)
+            num, W = carried.tolist()
+            self.w_num = num
+            self.w_nonfinite = not math.isfinite(num)  # a sum is finite only if every term was
+            self.w_global_den = W
+            self.w_collective_bytes += self._grad_bytes + 16
+            return W  # type: ignore[no-any-return]
         if self._unsynced:
             self._unsynced = False
             grads = [p.grad for p in self._params if p.grad is not None]

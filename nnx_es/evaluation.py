@@ -2,9 +2,9 @@
 
 * :func:`predict_outputs` runs a net over every batch of a loader (eval mode, no gradients)
   and returns its outputs concatenated over the rows, in loader order.
-* :func:`head_of` names the head a net's outputs are read with: ``"multiclass"`` (``(N, C)``
-  logits, C >= 2), ``"binary"`` (one logit ``(N, 1)``) or ``"regression"`` (declared: the
-  shapes of a binary head and of a one-output regression are the same).
+* :data:`HEADS`: how a net's outputs are read: ``"multiclass"`` (``(N, C)`` logits, C >= 2),
+  ``"binary"`` (one logit ``(N, 1)``) or ``"regression"`` (declared: the shapes of a binary head
+  and of a one-output regression are the same).
 * :func:`record_evaluation` appends an :class:`~events.schema.EvaluationRecorded` to the run
   that produced the weights.
 
@@ -36,25 +36,11 @@ from nnx_es.data import iterate_batches
 from nnx_es.errors import ConfigError, ResumeError
 from nnx_es.storage import Lease, validate_run_id
 
-__all__ = ["HEADS", "evaluation_event", "head_of", "input_of", "predict_outputs", "record_evaluation",
+__all__ = ["HEADS", "evaluation_event", "input_of", "predict_outputs", "record_evaluation",
            "state_fingerprint", "weights_fingerprint"]
 
 #: how a net's outputs are read (``NNModel(head=...)``)
 HEADS = ("multiclass", "binary", "regression")
-
-
-def head_of(outputs: Tensor, declared: str | None) -> str:
-    """The head ``outputs`` (``(N, ...)``) are read with: ``declared``, else inferred from their shape.
-
-    Raises:
-        ConfigError: no head declared and outputs that are not ``(N, C)`` (named, with what to declare).
-    """
-    if declared is not None:
-        return declared
-    if outputs.dim() == 2:
-        return "binary" if outputs.shape[1] == 1 else "multiclass"
-    raise ConfigError(f"outputs of shape {tuple(outputs.shape)} are neither (N, C) logits nor one logit (N, 1): "
-                      "declare NNModel(net, head='regression') to read them as values")
 
 
 def input_of(batch: Any) -> Any:

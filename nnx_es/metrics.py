@@ -30,9 +30,10 @@ from nnx_es.data import iterate_batches
 from nnx_es.errors import ConfigError
 from nnx_es.monitor import Monitor
 from nnx_es.objective import LossParts, Objective, accuracy, accuracy_kind, batch_rows, hits
-from nnx_es.user_metrics import UserMetric, metric_names, split_declared, user_metric
+from nnx_es.user_metrics import RowMetric, UserMetric, metric_names, split_declared, user_metric
 
-__all__ = ["METRICS", "MetricSums", "check_monitor", "evaluate", "reported_metrics", "validate_metrics"]
+__all__ = ["METRICS", "MetricSums", "check_accuracy", "check_metric_names", "check_monitor", "evaluate", "reported_metrics",
+           "validate_metrics"]
 
 #: Metrics a run may declare (beyond the loss, which is always reported).
 METRICS = ("accuracy",)
@@ -70,6 +71,41 @@ def reported_metrics(objective: Objective, metrics: tuple[Any, ...]) -> set[str]
     """The names of the training metrics a run reports (validation reports the same with ``val_``)."""
     terms = objective.terms if len(objective.terms) > 1 else {}
     return {"loss", *terms, *metric_names(metrics)}
+
+
+def check_metric_names(objective: Objective, metrics: tuple[Any, ...]) -> None:
+    """Refuse a metric named like a loss term the run reports (its value would replace the term's).
+
+    An objective of one term reports it as ``loss`` alone, so its name is free for a metric.
+
+    Raises:
+        ConfigError: naming the metrics and the terms they collide with.
+    """
+    terms = objective.terms if len(objective.terms) > 1 else {}
+    clash = sorted(set(metric_names(metrics)) & set(terms))
+    if clash:
+        raise ConfigError(f"metrics {clash} are named like loss terms of the objective {sorted(terms)}: each is "
+                          "reported under its name, so the metric would replace the loss term's value; rename "
+                          "the metric (metrics={new_name: m}) or the loss term")
+
+
+def check_accuracy(objective: Objective, metrics: tuple[Any, ...]) -> None:
+    """Refuse the built-in ``accuracy`` under a ``BCELoss`` (outputs that are probabilities).
+
+    ``accuracy`` reads one output per row as a logit (1 when it is > 0); a ``BCELoss`` scores
+    probabilities, every one of which is > 0, so the accuracy would be that of always predicting 1.
+
+    Raises:
+        ConfigError: naming the loss and what to use instead.
+    """
+    if "accuracy" not in [m for m in metrics if isinstance(m, str)]:  # the built-in, not a metric named so
+        return
+    fns = [t.fn for t in objective.terms.values()]
+    if any(isinstance(f, nn.BCELoss) for f in fns) and not any(isinstance(f, nn.BCEWithLogitsLoss) for f in fns):
+        raise ConfigError("metric 'accuracy' reads one output as a logit (> 0 predicts 1), but the loss is a BCELoss, "
+                          "which scores probabilities (all > 0): end the net with logits and use BCEWithLogitsLoss "
+                          "(numerically stabler), or score the probabilities with torchmetrics' BinaryAccuracy "
+                          "(metrics={'accuracy': BinaryAccuracy()})")
 
 
 def check_monitor(monitor: Monitor, objective: Objective, metrics: tuple[str, ...]) -> None:
@@ -186,10 +222,16 @@ class MetricSums:
             names = []
         values = [self.num, self.den, self.correct, self.scored, float(self.rows)]
         values += [float(self.terms.get(n, 0.0)) for n in names]
+        rows = [m for m in self.user if isinstance(m, RowMetric)]  # a torchmetrics metric syncs in its compute()
+        for m in rows:
+            values += list(m.sums())
         out = world.agree(torch.tensor(values, dtype=torch.float64)).tolist()
         self.num, self.den, self._correct, self.scored, self.rows = out[0], out[1], out[2], out[3], int(out[4])
         if names:
-            self.terms = dict(zip(names, out[5:]))
+            self.terms = dict(zip(names, out[5:5 + len(names)]))
+        at = 5 + len(names)
+        for i, m in enumerate(rows):
+            m.set_sums(out[at + 2 * i], out[at + 2 * i + 1])
 
     def metrics(self, prefix: str = "") -> dict[str, float]:
         """``{prefix+"loss", prefix+<term> (several terms only), prefix+"accuracy"}`` as floats."""

@@ -20,14 +20,13 @@ from nnx_es.engine import default_forward
 from nnx_es.evaluation import (
     HEADS,
     evaluation_event,
-    head_of,
-    input_of,
     predict_outputs,
     record_evaluation,
     weights_fingerprint,
 )
 from nnx_es.metrics import evaluate as evaluate_pass
-from nnx_es.metrics import validate_metrics
+from nnx_es.metrics import check_accuracy, check_metric_names, validate_metrics
+from nnx_es.user_metrics import bind_activation
 from nnx_es.objective import Objective
 from nnx_es.result import RunResult, load_result
 from nnx_es.snapshot import weight_misfits
@@ -78,6 +77,15 @@ def _is_array(data: Any) -> bool:
     if hasattr(data, "__array__"):
         return True
     return isinstance(data, list) and bool(data) and isinstance(data[0], (int, float, list))
+
+
+def _classifier_loss(outputs: Tensor, targets: Tensor) -> Tensor:
+    """Per-row loss of an undeclared head: one logit ``(N, 1)`` -> binary cross-entropy with logits
+    (targets 0/1, ``(N,)`` or ``(N, 1)``), ``(N, C)`` -> cross-entropy (class ids ``(N,)``)."""
+    if outputs.dim() == 2 and outputs.shape[1] == 1:
+        return nn.functional.binary_cross_entropy_with_logits(
+            outputs[:, 0], targets.reshape(-1).to(outputs.dtype), reduction="none")
+    return nn.functional.cross_entropy(outputs, targets, reduction="none")
 
 
 def _default_loss(head: str) -> nn.Module:
@@ -275,7 +283,9 @@ class NNModel:
 
         Args:
             loss: default by head: ``CrossEntropyLoss`` (multiclass), ``BCEWithLogitsLoss``
-                (binary: float 0/1 targets shaped as the outputs), ``MSELoss`` (regression).
+                (binary: 0/1 targets, ``(N,)`` or ``(N, 1)``), ``MSELoss`` (regression); with no head
+                declared, cross-entropy or binary cross-entropy by the outputs' shape. The loader
+                is iterated once.
             metrics: as ``Trainer(metrics=...)``; default ``("accuracy",)`` for a classifier,
                 none for a regression.
             record: also append the result to the run the weights came from (:attr:`source`, set by
@@ -296,13 +306,16 @@ class NNModel:
                               "a checkpoint that is not what was scored (load() it again)")
         forward = weighted_forward if sample_weights else default_forward
         head = self.head
-        if head is None:  # read from the first batch's outputs
-            head = head_of(self.outputs(input_of(next(iter(loader)))), None)
         if metrics is None:
             metrics = () if head == "regression" else ("accuracy",)
-        objective = loss if isinstance(loss, Objective) else Objective(loss if loss is not None else _default_loss(head))
-        values, rows = evaluate_pass(self.net, loader, objective, forward, validate_metrics(metrics),
-                                     device=model_device(self.net))
+        if loss is None:  # no head declared: the outputs' shape says which, batch by batch (the loader is read once)
+            loss = _default_loss(head) if head is not None else _classifier_loss
+        objective = loss if isinstance(loss, Objective) else Objective(loss)
+        declared = validate_metrics(metrics)
+        check_metric_names(objective, declared)
+        check_accuracy(objective, declared)
+        bind_activation(declared, (t.fn for t in objective.terms.values()))
+        values, rows = evaluate_pass(self.net, loader, objective, forward, declared, device=model_device(self.net))
         result = {k.removeprefix("val_"): v for k, v in values.items()}
         if record:
             src = self.source

@@ -17,7 +17,9 @@ commit (read back from the log, a chunk at a time, partially decoded) and, every
 back, stores a *projection snapshot* (:mod:`projections.snapshots`) in one unsynced
 transaction of its own (:meth:`events.log.LmdbLog.put_snapshot`). The fold is incremental:
 about one read and partial decode per event, paid at the commit that wrote it (measured in
-``bench/scale.py``). A snapshot is a cache: one that cannot be made is dropped with a
+``bench/scale.py``). A run whose LASTs are deferred (``checkpoint_lag``) has such a point only
+at its final commit (each deferred LAST leaves the next epoch's first events pending): it
+gets one snapshot at its end, when one is due, and its readers fold from there or from 0. A snapshot is a cache: one that cannot be made is dropped with a
 warning, and the run goes on without snapshots; it never fails the run.
 """
 

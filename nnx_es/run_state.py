@@ -83,6 +83,19 @@ class World:
 
         return bool(self.agree(torch.tensor([1.0 if flag else 0.0], dtype=torch.float64), "max").item())
 
+    def gather_tensor(self, tensor: Any) -> list[Any]:
+        """Every rank's ``tensor`` (same shape and dtype on every rank), in rank order, on every rank:
+        one all-gather, no pickling. One process: ``[tensor]``."""
+        if self.size == 1:
+            return [tensor]
+        import torch
+        import torch.distributed as dist
+
+        t = tensor.to(self.device)
+        out = [torch.empty_like(t) for _ in range(self.size)]
+        dist.all_gather(out, t)
+        return [o.cpu() for o in out]
+
     def gather(self, obj: Any) -> list[Any]:
         """Every rank's ``obj`` (picklable builtins), in rank order, on every rank. One process: ``[obj]``."""
         if self.size == 1:
@@ -161,9 +174,12 @@ class RunState:
 
     def agree_stop(self) -> None:
         """Decide the stop request once for every rank (agreement point 2): one all-gather of each
-        rank's request; the first in rank order wins on every rank. Never a barrier plus a
-        rank-local flag (that is how early stopping hangs a group). One process: nothing."""
+        rank's request (after one all-reduce saying whether any rank asked); the first in rank order
+        wins on every rank. Never a barrier plus a rank-local flag (that is how early stopping hangs
+        a group). One process: nothing."""
         if not self.world.distributed:
+            return
+        if not self.world.agree_flag(self._stop is not None):  # one all-reduce; the reasons only when asked
             return
         asked = [r for r in self.world.gather(self._stop) if r is not None]
         self._stop = (str(asked[0][0]), str(asked[0][1])) if asked else None

@@ -45,7 +45,13 @@ class SinkWarning(RuntimeWarning):
 
 
 class Sink(Protocol):
-    """A live logging sink: ``open(run_dir)`` once, ``write(seq, event)`` per committed event, ``close()``."""
+    """A live logging sink: ``open(run_dir)`` once, ``write(seq, event)`` per committed event, ``close()``.
+
+    A session feeds a sink the committed events from its own start (``run_started`` or
+    ``run_resumed``) on; a sink with ``from_start = True`` (one that rewrites its output each
+    session, like :class:`CsvSink`) is fed the run's whole committed log from seq 0 instead, so a
+    resumed run's files still hold the epochs before the resume.
+    """
 
     def open(self, run_dir: Path) -> None: ...
 
@@ -105,6 +111,8 @@ class CsvSink:
     distributed = "writer"  # a sink writes: the writer rank alone feeds it
 
     out_of_process = True
+
+    from_start = True  # rewrites its files each session: a resumed run's earlier rows come from the log again
 
     def __init__(self, out_dir: str | Path | None = None) -> None:
         self.out_dir = Path(out_dir) if out_dir is not None else None
@@ -172,8 +180,8 @@ _END = None
 class _Feed:
     """Runs sinks over batches of ``(seq, raw value)``: decode, committed view, write; records failures."""
 
-    def __init__(self, run_dir: Path, sinks: Sequence[Sink]) -> None:
-        self.run_dir, self.sinks = run_dir, list(sinks)
+    def __init__(self, run_dir: Path, sinks: Sequence[Sink], start: int = 0) -> None:
+        self.run_dir, self.sinks, self.start = run_dir, list(sinks), start
         self.failures: list[str] = []
 
     def _call(self, sink: Sink, what: str, *args: Any) -> bool:
@@ -189,7 +197,8 @@ class _Feed:
         live = [s for s in self.sinks if self._call(s, "open", self.run_dir)]
         events = ((seq, decode(raw, seq)) for batch in batches for seq, raw in batch)
         for seq, event in committed(events):
-            live = [s for s in live if self._call(s, "write", seq, event)]
+            live = [s for s in live if (seq < self.start and not getattr(s, "from_start", False))
+                    or self._call(s, "write", seq, event)]
         for s in live:
             self._call(s, "close")
 
@@ -214,12 +223,14 @@ class LiveSinks:
     Args:
         run_dir: the run directory (sinks place their default output under it).
         log: the run's event log, read on the training thread only (:meth:`collect`).
-        start: the first seq of this session (``run_started``'s or ``run_resumed``'s).
+        start: the first seq of this session (``run_started``'s or ``run_resumed``'s); the log is
+            read from 0 when a sink is ``from_start`` (:class:`Sink`), the others still fed from ``start``.
         sinks: the sinks; the ``out_of_process`` ones run in a forked child, the others on a thread.
     """
 
     def __init__(self, run_dir: Path, log: Any, start: int, sinks: Sequence[Sink]) -> None:
-        self.run_dir, self.log, self.next = Path(run_dir), log, start
+        self.run_dir, self.log = Path(run_dir), log
+        self.next = 0 if any(getattr(s, "from_start", False) for s in sinks) else start
         far = [s for s in sinks if getattr(s, "out_of_process", False)]
         near = [s for s in sinks if not getattr(s, "out_of_process", False)]
         self._proc: Any = None
@@ -227,11 +238,11 @@ class LiveSinks:
         if far:
             parent, child = multiprocessing.get_context("fork").Pipe()
             self._proc = multiprocessing.get_context("fork").Process(
-                target=_child, args=(child, _Feed(self.run_dir, far)), name="nnx_es-sinks", daemon=True)
+                target=_child, args=(child, _Feed(self.run_dir, far, start)), name="nnx_es-sinks", daemon=True)
             self._proc.start()
             child.close()
             self._conn = parent
-        self._near = _Feed(self.run_dir, near) if near else None
+        self._near = _Feed(self.run_dir, near, start) if near else None
         self._queue: queue.Queue[Any] = queue.Queue()
         self._thread: threading.Thread | None = None
         if self._near is not None:

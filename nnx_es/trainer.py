@@ -58,7 +58,7 @@ from nnx_es.finetune import group_names, initial_weights
 from nnx_es.loaders import length_of, loader_geometries
 from nnx_es.logs import ensure_logging
 from nnx_es.loop import NONFINITE, Cadence, TrainingLoop
-from nnx_es.metrics import check_monitor, evaluate, validate_metrics
+from nnx_es.metrics import check_accuracy, check_metric_names, check_monitor, evaluate, validate_metrics
 from nnx_es.models import Keyed, ModelSet, multi_model_step
 from nnx_es.monitor import Monitor
 from nnx_es.declare import describe_objective
@@ -78,7 +78,7 @@ from nnx_es.snapshot import RunComponents
 from nnx_es.schedulers import wrap_schedulers
 from nnx_es.storage import BlobStore, validate_run_id
 from nnx_es.update_hooks import GradientAccumulation, GradientClipping, MixedPrecision, collect
-from nnx_es.user_metrics import UserMetric, higher_is_better, metric_names
+from nnx_es.user_metrics import UserMetric, bind_activation, higher_is_better, metric_names
 
 __all__ = ["Trainer"]
 
@@ -274,6 +274,9 @@ class Trainer:
             raise ConfigError(f"final_validation must be True, False or 'auto', got {final_validation!r}")
         self.final_validation = final_validation
         self.metrics = validate_metrics(metrics)
+        check_metric_names(self.objective, self.metrics)
+        check_accuracy(self.objective, self.metrics)
+        bind_activation(self.metrics, (t.fn for t in self.objective.terms.values()))
         self.monitor: Monitor | None = monitor_of(monitor, higher_is_better(self.metrics))
         if isinstance(callbacks, Callback) or not isinstance(callbacks, Iterable):
             raise ConfigError(f"callbacks must be a list of Callback, got {callbacks!r}")

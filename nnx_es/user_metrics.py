@@ -16,11 +16,19 @@ names (``"accuracy"``), a mapping ``{name: metric}`` or a sequence mixing names 
   and each validation pass works on its own ``clone()``, reset; the object given is never
   updated. With row weights, rows of weight 0 (masked) are left out and any other weight
   than 0 or 1 is refused (torchmetrics metrics take no row weights); named by the mapping's key,
-  or by its class name in snake case (``BinaryF1Score`` -> ``binary_f1_score``).
+  or by its class name in snake case (``BinaryF1Score`` -> ``binary_f1_score``). Under a
+  ``BCEWithLogitsLoss`` (and no ``BCELoss``) one-output logits ``(B, 1)`` / ``(B,)`` are given as
+  their sigmoid, and under a ``CrossEntropyLoss`` ``(B, C)`` logits as their softmax
+  (:func:`bind_activation`): torchmetrics decides per ``update`` call whether floats are logits
+  (any value outside [0, 1]), so a batch of logits that all lie in [0, 1] would otherwise be
+  thresholded as probabilities -- a silently wrong F1 or AUROC.
 
 The names are reported as ``<name>`` (training) and ``val_<name>`` (validation), are
 monitorable (``monitor="val_binary_f1_score"``: a torchmetrics metric's ``higher_is_better``
 sets the monitor's mode; a callable may carry the same attribute), and go to the history.
+
+Data parallelism: a per-row callable's sums join the epoch's one agreement (``MetricSums.agree``);
+a torchmetrics metric syncs its states over the default process group in ``compute()``.
 
 Resume: a metric's running state is not checkpointed. It does not need to be: LAST is
 committed at epoch boundaries only, so a resumed run restarts the epoch it was in and every
@@ -39,8 +47,8 @@ from torch import Tensor
 
 from nnx_es.errors import ConfigError
 
-__all__ = ["RowMetric", "TorchMetric", "UserMetric", "higher_is_better", "is_torchmetric", "metric_names",
-           "split_declared", "user_metric"]
+__all__ = ["RowMetric", "TorchMetric", "UserMetric", "bind_activation", "higher_is_better", "is_torchmetric",
+           "metric_names", "split_declared", "user_metric"]
 
 
 def is_torchmetric(obj: Any) -> bool:
@@ -111,6 +119,14 @@ class RowMetric(UserMetric):
             self._sum = self._sum + torch.where(w != 0, values * w, torch.zeros_like(values)).sum()
             self._count = self._count + w.sum()
 
+    def sums(self) -> tuple[float, float]:
+        """``(sum of weighted values, sum of weights)`` so far (one host read each)."""
+        return float(self._sum), float(self._count)
+
+    def set_sums(self, total: float, count: float) -> None:
+        """Replace the sums (data parallelism: the union's, agreed by ``MetricSums.agree``)."""
+        self._sum, self._count = total, count
+
     def compute(self) -> float:
         count = float(self._count)
         return float(self._sum) / count if count > 0 else float("nan")
@@ -129,9 +145,14 @@ class TorchMetric(UserMetric):
         self._template = metric
         self._placed = False
         self._seen = False
+        #: ``"sigmoid"`` / ``"softmax"``: the outputs are logits, given to the metric as probabilities
+        #: (:func:`bind_activation`); ``None``: given as they are
+        self.activation: str | None = None
 
     def fresh(self) -> TorchMetric:
-        return TorchMetric(self.name, self._template)
+        out = TorchMetric(self.name, self._template)
+        out.activation = self.activation
+        return out
 
     def update(self, outputs: Tensor, targets: Tensor, weights: Tensor | None) -> None:
         if not self._placed:
@@ -147,18 +168,48 @@ class TorchMetric(UserMetric):
                                   "callable metric for a weighted mean")
             keep = w != 0
             outputs, targets = outputs[keep], targets[keep]
+        if self.activation == "sigmoid" and outputs.is_floating_point() and (
+                outputs.dim() == 1 or (outputs.dim() == 2 and outputs.shape[1] == 1)):
+            outputs = torch.sigmoid(outputs)
+        elif self.activation == "softmax" and outputs.is_floating_point() and outputs.dim() == 2 \
+                and outputs.shape[1] >= 2:
+            outputs = torch.softmax(outputs, dim=1)
         if outputs.shape[0]:
             self.metric.update(outputs, targets)
             self._seen = True
 
     def compute(self) -> float:
-        if not self._seen:
+        import torch.distributed as dist
+
+        # under data parallelism torchmetrics syncs the ranks' states inside compute(): every rank
+        # must call it, one without rows too
+        if not self._seen and not (dist.is_available() and dist.is_initialized()):
             return float("nan")
         value = self.metric.compute()
         if isinstance(value, Tensor) and value.numel() != 1:
             raise ConfigError(f"metric {self.name!r} computes {tuple(value.shape)} values, not one: configure it to "
                               "reduce to a scalar (e.g. average='macro')")
         return float(value)
+
+
+def bind_activation(metrics: Iterable[Any], loss_fns: Iterable[Any]) -> None:
+    """Tell each torchmetrics metric of ``metrics`` whether the outputs are logits, from the loss terms' functions.
+
+    ``BCEWithLogitsLoss`` (without a ``BCELoss``): one-output logits, given as their sigmoid;
+    ``CrossEntropyLoss``: ``(B, C)`` logits, given as their softmax; otherwise as they are.
+    """
+    from torch import nn
+
+    fns = list(loss_fns)
+    if any(isinstance(f, nn.BCEWithLogitsLoss) for f in fns) and not any(isinstance(f, nn.BCELoss) for f in fns):
+        activation: str | None = "sigmoid"
+    elif any(isinstance(f, nn.CrossEntropyLoss) for f in fns):
+        activation = "softmax"
+    else:
+        activation = None
+    for m in metrics:
+        if isinstance(m, TorchMetric):
+            m.activation = activation
 
 
 def user_metric(name: str | None, obj: Any) -> UserMetric:

@@ -74,6 +74,7 @@ from nnx_es.cli._format import fields, fmt
 from nnx_es.cli._schema import json_schema, plot_format_error, tensorboard_error
 from nnx_es.cli.many import diff_command, is_runs_root, list_command
 from nnx_es.cli.projected import at, summary
+from nnx_es.errors import CorruptCheckpointError
 
 __all__ = ["COMMANDS", "json_schema", "main"]
 
@@ -81,7 +82,7 @@ COMMANDS: tuple[str, ...] = ("events", "summary", "plot", "export", "rows")
 #: what ``plot`` draws: the run's curves (default) or the per-row data map
 PLOTS: tuple[str, ...] = ("curves", "cartography")
 _UNDECODABLE = "<undecodable>"
-_BULKY = frozenset({"recipe", "library_versions", "traceback", "components"})
+_BULKY = frozenset({"recipe", "library_versions", "traceback", "components", "columns"})  # columns: per-row records
 _VALUE_CHARS = 80
 
 
@@ -443,10 +444,14 @@ def _run(log: LmdbLog, args: argparse.Namespace, kinds: frozenset[str] | None) -
         from nnx_es.cli.rows import plot_cartography, rows_command
 
         log.close()  # the records' reader opens the log itself
-        if args.command == "rows":
-            return rows_command(args.run_dir, args.hardest, args.json)
         try:
+            if args.command == "rows":
+                return rows_command(args.run_dir, args.hardest, args.json)
             print(f"wrote {plot_cartography(args.run_dir, args.out)}")
+        except CorruptCheckpointError as exc:  # a journal chunk or manifest that does not verify
+            print(f"inspect: the per-row records of {args.run_dir} do not verify: {exc}; run tools/replay "
+                  f"{args.run_dir} to audit the run", file=sys.stderr)
+            return EXIT_UNUSABLE
         except (OSError, ImportError, ValueError) as exc:
             print(f"inspect: cannot write the data map to {args.out}: {exc}", file=sys.stderr)
             return EXIT_UNUSABLE

@@ -25,9 +25,10 @@ from nnx_es.result import load_result
 
 __all__ = ["RunRow", "diff_command", "first_difference", "is_runs_root", "list_command", "list_runs"]
 
-#: fields that differ between any two runs, whatever they computed
+#: fields that differ between any two runs, whatever they computed (``previous``: the journal
+#: manifest before, a hash of a blob naming its run, like ``manifest``)
 _INCIDENTAL = frozenset({"wall_time_s", "duration_s", "library_versions", "run_id", "started_at", "manifest",
-                         "blobs", "components", "traceback", "cleaned_temporaries"})
+                         "previous", "blobs", "components", "traceback", "cleaned_temporaries"})
 
 
 class RunRow(msgspec.Struct, frozen=True, kw_only=True):

@@ -32,12 +32,14 @@ def raise_described(error: dict[str, str], *, by: str = "the writer rank") -> No
 
 
 def agree_outcome(world: Any, error: BaseException | None) -> None:
-    """Every rank's outcome of the same step, in ONE all-gather; the first failure (rank order) is
-    raised on every rank -- this rank's own exception object where it is this rank's. One process:
+    """Every rank's outcome of the same step: one all-reduce of "did any rank fail", then (only then)
+    an all-gather of the failures; the first failure (rank order) is raised on every rank -- this rank's own exception object where it is this rank's. One process:
     ``error`` is raised as it is."""
     if not world.distributed:
         if error is not None:
             raise error
+        return
+    if not world.agree_flag(error is not None):  # one all-reduce; the descriptions only on a failure
         return
     outcomes = world.gather(None if error is None else describe_error(error))
     for rank, outcome in enumerate(outcomes):

@@ -4,7 +4,7 @@
 
 Trains the same small deterministic model once per name of ``RUNS`` (default
 ``reference,elastic``), one after another in one process group, with
-``Trainer(run_id=<name>, runs_root=$NNX_ES_RUNS_ROOT or OUT_DIR/runs, distributed=DDP())`` and
+``Trainer(run_id=<name>, runs_root=OUT_DIR/runs, distributed=DDP())`` and
 ``fit(..., resume="auto")``. A run whose results this rank already wrote is skipped (a
 restarted generation goes on where the killed one was). In run ``elastic``, ``KILL`` =
 ``rank:epoch:batch`` (``""``: none) makes that rank SIGKILL itself after that microbatch
@@ -68,22 +68,16 @@ class KillOnce(Callback):
             os.kill(os.getpid(), signal.SIGKILL)
 
 
-def runs_root(out: Path) -> Path:
-    """``NNX_ES_RUNS_ROOT`` when the launch sets it (one per torchrun agent: a host's own disk), else ``OUT_DIR/runs``."""
-    return Path(os.environ.get("NNX_ES_RUNS_ROOT") or out / "runs")
-
-
 def _train(out: Path, ddp: DDP, run_id: str, callbacks: list) -> dict:
     model = net()
     opt = torch.optim.SGD(model.parameters(), lr=0.3, momentum=0.9)
-    trainer = Trainer(model, opt, nn.CrossEntropyLoss(), runs_root=runs_root(out), run_id=run_id,
+    trainer = Trainer(model, opt, nn.CrossEntropyLoss(), runs_root=out / "runs", run_id=run_id,
                       distributed=ddp, callbacks=callbacks, progress=False)
     result = trainer.fit(train_loader(dataset(), BATCH, seed=SEED), epochs=EPOCHS, resume="auto")
     return {
         "params": {k: v.detach().double().flatten().tolist() for k, v in model.state_dict().items()},
         "status": result.status, "step": result.counters.step, "epoch": result.counters.epoch,
         "restarts": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
-        "runs_root": str(runs_root(out)),
     }
 
 

@@ -46,3 +46,23 @@ def test_a_rank_killed_mid_epoch_restarts_and_resumes_to_the_uninterrupted_param
     for run in (run_dir, tmp_path / "runs" / "reference"):  # tools/replay accepts the killed-and-resumed log
         report = audit_run(run)
         assert report.ok, [str(v) for v in report.violations]
+
+
+def _gradient_bytes() -> int:
+    import elastic_script
+
+    return sum(p.numel() * p.element_size() for p in elastic_script.net().parameters())
+    _assert_receipts(tmp_path / "runs" / "reference")
+
+
+def _assert_receipts(run_dir: Path) -> None:
+    """The step receipts of a 2-rank run (spec 003): every window of 4 rows a rank, 8 over both."""
+    import elastic_script
+
+    grad_bytes = sum(p.numel() * p.element_size() for p in elastic_script.net().parameters())
+    receipts = of_kind(run_dir, "update_committed")
+    assert len(receipts) == elastic_script.EPOCHS * (elastic_script.ROWS // 2 // elastic_script.BATCH)
+    for r in receipts:
+        assert (r.data_parallel_size, r.accumulation_steps, r.microbatches, r.skipped) == (2, 1, 1, False)
+        assert (r.local_examples, r.global_examples) == (float(elastic_script.BATCH), 2.0 * elastic_script.BATCH)
+        assert r.collective_bytes >= grad_bytes  # at least the gradients' all-reduce, every window

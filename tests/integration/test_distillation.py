@@ -120,3 +120,26 @@ def test_the_digits_distillation_example_audits_both_runs_clean(tmp_path, capsys
     assert module.main(["--epochs", "2", "--runs", str(tmp_path / "runs"), "--run-id", "ex"]) == 0
     out = capsys.readouterr().out
     assert "audit ex-teacher: clean" in out and "audit ex-student: clean" in out
+
+
+def test_each_trainable_model_has_its_optimizer_and_its_state_under_its_name(tmp_path):
+    torch.manual_seed(0)
+    encoder, head = nn.Sequential(nn.Linear(4, 6), nn.Tanh()), nn.Linear(6, 3)
+
+    def fn(models, batch):
+        return {"logits": models["head"](models["encoder"](batch[0]))}
+
+    trainer = Trainer({"encoder": encoder, "head": head},
+                      {"enc": torch.optim.SGD(encoder.parameters(), lr=0.1), "head": torch.optim.Adam(head.parameters())},
+                      Objective({"ce": Keyed(nn.CrossEntropyLoss(), prediction="logits", target="y")}),
+                      training_fn=fn, runs_root=tmp_path / "runs", run_id="two", progress=False)
+    before = {k: v.clone() for k, v in {**encoder.state_dict(), **head.state_dict()}.items()}
+    run = trainer.fit(loaders()[0], epochs=1)
+    started = read_events(run.run_dir)[0][1]
+    assert not started.models["encoder"].frozen and not started.models["head"].frozen
+    store = BlobStore(Path(run.run_dir) / "blobs")
+    state = load_component(store, verify_checkpoint(store, run.last.manifest), "model")
+    assert sorted(state) == ["encoder.0.bias", "encoder.0.weight", "head.bias", "head.weight"]
+    assert torch.equal(state["head.weight"], head.weight) and not torch.equal(head.weight, before["weight"])
+    receipts = [e for _, e in read_events(run.run_dir) if e.KIND == "update_committed"]
+    assert {r.optimizer for r in receipts} == {"enc", "head"}

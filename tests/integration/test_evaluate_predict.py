@@ -124,3 +124,22 @@ def test_recording_into_a_run_that_is_not_finalized_is_refused(tmp_path):
     with pytest.raises(ResumeError, match="not finalized"):
         record_evaluation(run_dir, evaluation_event(name="x", checkpoint="last", manifest="0" * 64, epoch=0,
                                                     weights="raw", metrics={}, examples=0))
+
+
+def test_evaluate_iterates_the_loader_once(tmp_path):
+    model, val = _trained(tmp_path)
+
+    class Counting:
+        def __init__(self, loader):
+            self.loader, self.iterations = loader, 0
+
+        def __iter__(self):
+            self.iterations += 1
+            return iter(self.loader)
+
+        def __len__(self):
+            return len(self.loader)
+
+    counted = Counting(val)
+    assert model.evaluate(counted) == model.evaluate(val)
+    assert counted.iterations == 1  # a shuffling loader's generator is drawn from as by one pass

@@ -227,3 +227,27 @@ def test_records_and_the_journal_are_refused_under_data_parallelism(tmp_path):
         batch = {"x": torch.zeros(2, 4), "y": torch.zeros(2, dtype=torch.long), "idx": torch.arange(2)}
         with pytest.raises(ConfigError, match=r"row ids \('idx'\) under data parallelism \(2 ranks\)"):
             rows.train_batch(batch, torch.zeros(2, 3), batch["y"])
+
+
+def test_inspect_rows_and_the_data_map_of_a_damaged_chunk_say_so_without_a_traceback(tmp_path, capsys):
+    # found in review: `inspect RUN rows` over a corrupt journal chunk ended in a traceback
+    from nnx_es.cli.inspect import main
+    from nnx_es.rows.journal import read_manifest
+    from nnx_es.storage import BlobStore
+
+    train, val = _loaders()
+    trainer = _trainer(tmp_path)
+    trainer.fit(train, val, epochs=2)
+    manifest = read_manifest(BlobStore(trainer.run_dir / "blobs"), of_kind(trainer.run_dir, "journal_published")[1].manifest)
+    chunk = trainer.run_dir / "blobs" / "sha256" / manifest.parts[0].chunks[1].blob
+    data = bytearray(chunk.read_bytes())
+    data[-3] ^= 0xFF
+    chunk.write_bytes(bytes(data))
+    capsys.readouterr()
+    assert main([str(trainer.run_dir), "rows"]) == 2
+    err = capsys.readouterr().err
+    assert manifest.parts[0].chunks[1].blob in err and "tools/replay" in err and "Traceback" not in err
+    assert main([str(trainer.run_dir), "plot", "cartography", "--out", str(tmp_path / "map.png")]) == 2
+    err = capsys.readouterr().err
+    assert manifest.parts[0].chunks[1].blob in err and "tools/replay" in err
+    assert not (tmp_path / "map.png").exists()

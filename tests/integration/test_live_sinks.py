@@ -96,3 +96,27 @@ def test_scalars_of_tags_as_the_export_does(tmp_path):
     history = next(e for _, e in read_events(run.run_dir) if e.KIND == "history_appended")
     tags = {t for t, _, _ in scalars_of(history)}
     assert {"epoch/loss", "epoch/val_loss", "epoch/lr/sgd/0"} <= tags
+
+
+def test_csv_sink_of_a_resumed_run_keeps_the_epochs_and_updates_before_the_resume(tmp_path):
+    # found in review: a resume rewrote epochs.csv / updates.csv with the resumed session's rows only
+    from nnx_es import Callback
+
+    class FailAt(Callback):
+        def on_epoch_begin(self, ctx):
+            if ctx.epoch == 2:
+                raise RuntimeError("stop here")
+
+    out = tmp_path / "csv"
+    with pytest.raises(RuntimeError, match="stop here"):
+        _trainer(tmp_path, sinks=[CsvSink(out)], callbacks=[FailAt()]).fit(*loaders(), epochs=4)
+    run = _trainer(tmp_path, sinks=[CsvSink(out)]).fit(*loaders(), epochs=4, resume_from=tmp_path / "r")
+    with open(out / "epochs.csv") as f:
+        epochs = list(csv.DictReader(f))
+    assert [int(r["epoch"]) for r in epochs] == [0, 1, 2, 3]
+    assert [float(r["val_loss"]) for r in epochs] == [h.val["val_loss"] for h in run.history]
+    with open(out / "updates.csv") as f:
+        updates = list(csv.DictReader(f))
+    from projections.view import committed
+    receipts = [e for _, e in committed(read_events(run.run_dir)) if e.KIND == "update_committed"]
+    assert [(int(u["step"]), float(u["loss"])) for u in updates] == [(r.step, r.loss) for r in receipts]

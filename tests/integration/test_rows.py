@@ -267,3 +267,17 @@ def test_one_logit_under_bce_records_the_probability_of_the_true_label(tmp_path)
     np.testing.assert_array_equal(c["confidence"], torch.where(y > 0.5, p, 1 - p).numpy())
     np.testing.assert_array_equal(c["prediction"], (logit > 0).float().numpy())
     np.testing.assert_array_equal(c["correct"], ((logit > 0).float() == y).float().numpy())
+
+
+def test_inspect_lists_a_records_event_by_its_size_not_its_bytes(tmp_path, capsys):
+    from nnx_es.cli.inspect import main as inspect_main
+
+    train, val = _loaders()
+    trainer = _trainer(tmp_path)
+    trainer.fit(train, val, epochs=1)
+    assert inspect_main([str(trainer.run_dir), "--kind", "rows_recorded"]) == 0
+    lines = capsys.readouterr().out.splitlines()[1:]
+    assert [line.split()[1:] for line in lines] == [
+        ["rows_recorded", "epoch=0", "split=train", f"rows={N_TRAIN}", "columns=<6>"],
+        ["rows_recorded", "epoch=0", "split=val", f"rows={N_VAL}", "columns=<6>"],
+    ]

@@ -143,6 +143,52 @@ def test_bad_metrics_are_refused_by_name_before_training(tmp_path):
         bad.fit(train, epochs=1)
 
 
+def test_a_metric_named_like_a_loss_term_is_refused_before_training(tmp_path):
+    # found in review: metrics={"ce": fn} beside a loss term "ce" replaced the term's reported
+    # per-epoch value with the metric's, silently (history's "ce" was no longer the loss)
+    from nnx_es import Objective
+    net = nn.Linear(4, 1)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    objective = Objective({"bce": nn.BCEWithLogitsLoss(), "l1": (nn.L1Loss(), 0.5)})
+    with pytest.raises(ConfigError, match="'bce'.*loss term"):
+        Trainer(net, opt, objective, metrics={"bce": _abs_error}, runs_root=tmp_path)
+    with pytest.raises(ConfigError, match="'l1'.*loss term"):
+        NNModel(net, head="binary").evaluate([(torch.zeros(2, 4), torch.zeros(2, 1))], loss=objective,
+                                            metrics={"l1": _abs_error})
+    # one term is reported as "loss" alone: its name is free for a metric
+    Trainer(net, opt, Objective({"bce": nn.BCEWithLogitsLoss()}), metrics={"bce": _abs_error}, runs_root=tmp_path)
+
+
+def test_logits_that_all_lie_in_0_1_are_scored_as_logits_by_torchmetrics(tmp_path):
+    # found in review: torchmetrics takes floats all within [0, 1] as probabilities (per update
+    # call), so one-logit outputs of 0.3 were scored as class 0 although sigmoid(0.3) > 0.5
+    g = torch.Generator().manual_seed(0)
+    x = torch.rand(40, 1, generator=g)  # the logits: every one in [0, 1), every row predicted 1
+    y = (torch.rand(40, 1, generator=g) > 0.5).float()
+    loader = DataLoader(TensorDataset(x, y), batch_size=10)
+    expected_f1 = sklearn_metrics.f1_score(y[:, 0].numpy(), (x[:, 0] > 0).numpy())
+    net = nn.Linear(1, 1)
+    with torch.no_grad():
+        net.weight.fill_(1.0)
+        net.bias.zero_()
+    run = Trainer(net, torch.optim.SGD(net.parameters(), lr=0.0), nn.BCEWithLogitsLoss(),
+                  metrics={"f1": torchmetrics.classification.BinaryF1Score(),
+                           "acc": torchmetrics.classification.BinaryAccuracy()},
+                  runs_root=tmp_path, run_id="r", progress=False).fit(loader, loader, epochs=1)
+    record = run.history[-1]
+    assert record.train["f1"] == pytest.approx(expected_f1, rel=1e-6)
+    assert record.val["val_f1"] == pytest.approx(expected_f1, rel=1e-6)
+    assert record.val["val_acc"] == pytest.approx(float((y[:, 0] == 1).float().mean()), rel=1e-6)
+    got = NNModel(net, head="binary").evaluate(loader, metrics={"f1": torchmetrics.classification.BinaryF1Score()})
+    assert got["f1"] == pytest.approx(expected_f1, rel=1e-6)
+    # (B, C) logits under a cross-entropy reach a score-based metric as their softmax
+    logits = torch.tensor([[0.9, 0.1, 0.0], [0.2, 0.3, 0.1], [0.0, 0.6, 0.5], [0.4, 0.0, 0.9]])
+    classes = torch.tensor([0, 2, 1, 2])
+    auroc = torchmetrics.classification.MulticlassAUROC(num_classes=3, average="macro")
+    got = NNModel(nn.Identity(), head="multiclass").evaluate([(logits, classes)], metrics={"auroc": auroc})
+    assert got["auroc"] == pytest.approx(float(auroc(logits.softmax(1), classes)), rel=1e-6)
+
+
 def test_a_torchmetrics_metric_resumes_bitwise_after_sigkill(tmp_path):
     # a metric's state is not checkpointed: LAST is at epoch boundaries, so a resumed run restarts
     # the epoch and the metric starts it reset, as the uninterrupted run did
@@ -161,3 +207,22 @@ def _trainer_at(runs_root, run_id) -> Trainer:
                    metrics={"f1": torchmetrics.classification.BinaryF1Score(),
                             "auroc": torchmetrics.classification.BinaryAUROC()},
                    monitor="val_auroc", runs_root=runs_root, run_id=run_id, progress=False, seed=0)
+
+
+def test_builtin_accuracy_under_a_bce_of_probabilities_is_refused_before_training(tmp_path):
+    # found in review: under nn.BCELoss (a net ending in Sigmoid) the built-in accuracy read each
+    # probability as a logit (> 0), i.e. scored "always 1", and the run completed with that number
+    net = nn.Sequential(nn.Linear(4, 1), nn.Sigmoid())
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    with pytest.raises(ConfigError, match="BCELoss.*BCEWithLogitsLoss"):
+        Trainer(net, opt, nn.BCELoss(), metrics=["accuracy"], runs_root=tmp_path)
+    loader = [(torch.randn(6, 4), torch.ones(6, 1))]
+    with pytest.raises(ConfigError, match="BCELoss"):
+        NNModel(net, head="binary").evaluate(loader, loss=nn.BCELoss())
+    # a torchmetrics accuracy reads the probabilities as they are
+    x, y = torch.randn(20, 4), (torch.rand(20, 1) > 0.5).float()
+    got = NNModel(net, head="binary").evaluate([(x, y)], loss=nn.BCELoss(),
+                                                metrics={"accuracy": torchmetrics.classification.BinaryAccuracy()})
+    with torch.no_grad():
+        expected = float(((net(x) > 0.5).float() == y).float().mean())
+    assert got["accuracy"] == pytest.approx(expected, rel=1e-6)

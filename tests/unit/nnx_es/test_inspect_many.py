@@ -41,3 +41,22 @@ def test_diff_names_the_first_event_where_two_runs_differ(tmp_path, capsys):
     assert found["kind_a"] == found["kind_b"] == "update_committed" and found["field"] == "lrs[0]"
     assert (found["a"], found["b"]) == (0.1, 0.2)
     assert main(["diff", str(tmp_path / "a")]) == 2
+
+
+def test_diff_finds_two_identical_journal_runs_the_same(tmp_path, capsys):
+    # found in review: a journal manifest names its run, so the `previous` manifest chained in
+    # each journal_published differed between two identical runs and diff reported them different
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from nnx_es import HistoryJournal, with_row_ids
+
+    g = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(40, 4, generator=g), torch.randint(0, 3, (40,), generator=g))
+    for run_id in ("a", "b"):
+        torch.manual_seed(0)
+        net = nn.Linear(4, 3)
+        Trainer(net, torch.optim.SGD(net.parameters(), lr=0.1), nn.CrossEntropyLoss(), runs_root=tmp_path,
+                run_id=run_id, seed=0, progress=False, history=HistoryJournal(window=1, chunk_rows=16)).fit(
+            DataLoader(with_row_ids(data), batch_size=8, shuffle=True), epochs=3)
+    assert main(["diff", str(tmp_path / "a"), str(tmp_path / "b"), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out) == {"same": True, "first_difference": None}

@@ -1,0 +1,90 @@
+"""Units of nnx_es.distributed that need no process group: one process's World, the refusals made
+at construction, callback roles, how a refusal travels, the follower's memory store and log."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from events.schema import EpochBegan
+from nnx_es import Callback, EarlyStopping, LambdaCallback, Trainer
+from nnx_es.distributed import DDP, writer_only
+from nnx_es.distributed.follower import FollowerBlobStore, FollowerLog
+from nnx_es.distributed.roles import check_declared, for_rank
+from nnx_es.distributed.verdict import agree_outcome, describe_error, raise_described
+from nnx_es.errors import CheckpointWriteError, ConfigError, CorruptCheckpointError, ResumeError
+from nnx_es.run_state import World
+
+
+def test_one_process_world_agrees_with_itself_without_a_group() -> None:
+    w = World()
+    t = torch.tensor([1.0, 2.0])
+    assert w.agree(t) is t and t.tolist() == [1.0, 2.0]
+    assert w.agree_flag(True) is True and w.agree_flag(False) is False
+    assert w.gather("x") == ["x"] and w.share(3) == 3 and w.gather_tensor(t)[0] is t
+    assert not w.distributed and w.is_writer
+
+
+@pytest.mark.parametrize("kwargs,word", [(dict(writer_rank=-1), "writer_rank"), (dict(timeout_seconds=0), "timeout"),
+                                         (dict(digest_every=0), "digest_every")])
+def test_ddp_arguments_are_checked(kwargs: dict, word: str) -> None:
+    with pytest.raises(ConfigError, match=word):
+        DDP(**kwargs)
+
+
+def _trainer(net: nn.Module, **kw) -> Trainer:
+    return Trainer(net, torch.optim.SGD(net.parameters(), lr=0.1), nn.CrossEntropyLoss(), distributed=DDP(), **kw)
+
+
+def test_batchnorm_and_fp16_and_a_custom_step_are_refused_at_construction() -> None:
+    with pytest.raises(ConfigError, match="SyncBatchNorm"):
+        _trainer(nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4)))
+    with pytest.raises(ConfigError, match="fp16"):
+        _trainer(nn.Linear(3, 2), precision="fp16")
+    with pytest.raises(ConfigError, match="trainer_step_fn"):
+        _trainer(nn.Linear(3, 2), trainer_step_fn=lambda ctx, batch: None)
+    with pytest.raises(ConfigError, match="DDP"):
+        Trainer(nn.Linear(3, 2), torch.optim.SGD(nn.Linear(3, 2).parameters(), lr=0.1), nn.CrossEntropyLoss(),
+                distributed="ddp")
+
+
+def test_an_undeclared_callback_is_refused_and_roles_pick_the_ranks() -> None:
+    class Plain(Callback):
+        pass
+
+    with pytest.raises(ConfigError, match="declares nothing"):
+        check_declared([EarlyStopping(patience=1), Plain()])
+    built: list[int] = []
+
+    def factory() -> Callback:
+        built.append(1)
+        return LambdaCallback(name="w", distributed="writer")
+
+    every = LambdaCallback(name="a", distributed="all")
+    writes = LambdaCallback(name="b", distributed="writer")
+    assert for_rank([writer_only(factory), every, writes], is_writer=False) == [every] and built == []
+    mine = for_rank([writer_only(factory), every, writes], is_writer=True)
+    assert [c.name for c in mine] == ["w", "a", "b"] and built == [1]
+
+
+def test_a_refusal_travels_as_its_class_and_message() -> None:
+    with pytest.raises(ResumeError, match=r"corrupt LAST \(decided by the writer rank\)"):
+        raise_described(describe_error(ResumeError("corrupt LAST")))
+    with pytest.raises(CheckpointWriteError):
+        agree_outcome(World(), CheckpointWriteError("disk full"))
+    agree_outcome(World(), None)
+
+
+def test_the_follower_keeps_blobs_in_memory_and_no_event() -> None:
+    store = FollowerBlobStore(__import__("pathlib").Path("/nonexistent/blobs"))
+    digest = store.put(b"abc")
+    assert store.get(digest) == b"abc" and store.exists(digest)
+    store.delete([digest])
+    with pytest.raises(CorruptCheckpointError, match="writer rank"):
+        store.get(digest)
+    log = FollowerLog(7)
+    assert log.append(EpochBegan(epoch=0)) == 7
+    log.flush(sync=True)
+    assert log.durable_seq == 8 and list(log.read()) == [] and log.syncs == 1
+
