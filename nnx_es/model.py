@@ -294,9 +294,19 @@ class NNModel:
 
         Raises:
             ConfigError: a batch or outputs the loss or a metric refuses (named); ``record=True``
-                without a source, or with weights changed since they were loaded or trained.
+                without a source, with weights changed since they were loaded or trained, or in a
+                process that is one of several ranks (each would record its own shard's result).
             ResumeError / LeaseHeldError: the source run is not finalized / is being written.
         """
+        if record:
+            from nnx_es.distributed.group import env_world_size
+
+            if env_world_size() > 1:
+                raise ConfigError(
+                    f"evaluate(record=True) inside a group of {env_world_size()} ranks: each rank would score only "
+                    "the rows its loader gives it and record its own result into the run; record it from one "
+                    "process (a script run without torchrun: NNModel(net).load(run_dir), then evaluate(a loader over "
+                    "the whole data set, record=True)); nothing was recorded")
         if record and self.source is None:
             raise ConfigError("evaluate(record=True) records into the run the weights came from: train() or "
                               "load() a run first (these weights name no checkpoint)")

@@ -204,6 +204,34 @@ def validation_mismatch(world: World, out: Path) -> dict[str, Any]:
     return got
 
 
+@case
+def evaluate_record(world: World, out: Path) -> dict[str, Any]:
+    """NNModel.evaluate(record=True) on every rank after a DDP train: each rank holds only its shard."""
+    import ddpkit
+
+    from nnx_es import NNModel
+    from nnx_es.distributed import DDP, train_loader, validation_loader
+
+    model = NNModel(ddpkit.net())
+    val = validation_loader(torch.utils.data.Subset(ddpkit.dataset(), range(7)), 4)
+    model.train(train_loader(ddpkit.dataset(), ddpkit.BATCH, seed=ddpkit.SEED), val, epochs=1,
+                optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1), loss=torch.nn.CrossEntropyLoss(),
+                runs_root=out / "ev", run_id="ev", progress=False, distributed=DDP(timeout_seconds=30),
+                sample_weights=True)
+    got: dict[str, Any] = {"plain": sorted(model.evaluate(val, loss=torch.nn.CrossEntropyLoss(), sample_weights=True))}
+    world.gather(None)  # both ranks trained and evaluated before either records
+    try:
+        got["recorded"] = model.evaluate(val, loss=torch.nn.CrossEntropyLoss(), sample_weights=True, record=True)
+    except Exception as exc:  # noqa: BLE001
+        got["recorded"] = _error(exc)
+    world.gather(None)
+    from events.log import LmdbLog
+
+    with LmdbLog(out / "ev" / "ev" / "events.lmdb", readonly=True) as log:
+        got["evaluations"] = sum(1 for _ in log.read(kinds=("evaluation_recorded",)))
+    return got
+
+
 # --- part 3: records and decisions agreed ------------------------------------------------
 
 

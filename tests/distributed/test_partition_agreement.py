@@ -19,7 +19,7 @@ SCRIPT = Path(__file__).resolve().parent / "scenarios.py"
 @pytest.fixture(scope="module")
 def mismatch_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("mismatch")
-    proc = torchrun(SCRIPT, str(out), "partition_mismatch,validation_mismatch", timeout_s=120)
+    proc = torchrun(SCRIPT, str(out), "partition_mismatch,validation_mismatch,evaluate_record", timeout_s=120)
     assert proc.returncode == 0, proc.stdout[-4000:]
     return out
 
@@ -50,3 +50,14 @@ def test_validation_loaders_that_would_score_a_row_twice_or_never_are_refused_on
         assert r0[name] == r1[name], name  # the same refusal on every rank
         assert r0[name][0] == "ConfigError" and "validation_loader(dataset, batch_size)" in r0[name][1], r0[name]
         assert named in r0[name][1], r0[name][1]
+
+
+def test_a_recorded_evaluation_on_every_rank_of_a_group_is_refused_not_recorded_per_shard(mismatch_run: Path) -> None:
+    """Found in review: after a DDP train, evaluate(record=True) on every rank recorded one
+    evaluation_recorded per rank, each with the metrics of that rank's shard only."""
+    r0, r1 = results(mismatch_run, "evaluate_record")
+    assert r0["ok"] and r1["ok"], (r0, r1)
+    for r in (r0, r1):
+        assert r["plain"] == ["accuracy", "loss"]  # an unrecorded evaluation still runs
+        assert r["recorded"][0] == "ConfigError" and "inside a group of 2 ranks" in r["recorded"][1], r["recorded"]
+    assert r0["evaluations"] == r1["evaluations"] == 0
