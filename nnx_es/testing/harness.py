@@ -169,6 +169,44 @@ def choose_points(sites: list[Site], points: Points, seed: int) -> list[Site]:
 # --- one point -------------------------------------------------------------------------------
 
 
+def read_until_exit(pid: int, r: int) -> tuple[bytes, int]:
+    """Read the pipe ``r`` of the forked child ``pid`` until the child has exited; return what it
+    wrote and its wait status. Closes ``r``.
+
+    Not until the pipe's end alone: a process the child forked (a DataLoader worker) inherits the
+    write end and may hold it open after the child is SIGKILLed -- until it notices, or forever
+    if it is stuck -- which would hang the reader. Reads as the child writes (no full-pipe stall).
+    """
+    import select
+
+    chunks: list[bytes] = []
+    status: int | None = None
+    try:
+        while True:
+            ready, _, _ = select.select([r], [], [], 0.5)
+            if ready:
+                chunk = os.read(r, 65536)
+                if not chunk:
+                    break  # every writer closed its end
+                chunks.append(chunk)
+                continue
+            done, st = os.waitpid(pid, os.WNOHANG)
+            if done:
+                status = st
+                os.set_blocking(r, False)
+                try:  # what the child wrote before it exited is in the pipe now
+                    while chunk := os.read(r, 65536):
+                        chunks.append(chunk)
+                except BlockingIOError:
+                    pass
+                break
+    finally:
+        os.close(r)
+    if status is None:
+        _, status = os.waitpid(pid, 0)
+    return b"".join(chunks), status
+
+
 def run_in_child(target: Callable[[], Any]) -> str:
     """Run ``target`` in a forked child: ``"killed"``, ``"completed"`` or ``"error: <type>: <message>"``."""
     r, w = os.pipe()
@@ -185,9 +223,8 @@ def run_in_child(target: Callable[[], Any]) -> str:
             os.close(w)
             os._exit(code)
     os.close(w)
-    with os.fdopen(r, "rb") as f:
-        message = f.read().decode(errors="replace")
-    _, status = os.waitpid(pid, 0)
+    data, status = read_until_exit(pid, r)
+    message = data.decode(errors="replace")
     if os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL:
         return "killed"
     if os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0:
@@ -285,9 +322,7 @@ def _run_points(job: _Job, ref: Reference, root: Path, tasks: list[tuple[str, Si
     outcomes: dict[str, str] = {}
     failures: dict[str, Failure] = {}
     for pid, r, chunk in children:
-        with os.fdopen(r, "rb") as f:
-            data = f.read()
-        _, status = os.waitpid(pid, 0)
+        data, status = read_until_exit(pid, r)
         if not data:
             for name, site, _ in chunk:
                 outcomes[name] = "failed"

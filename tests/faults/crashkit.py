@@ -20,6 +20,7 @@ from typing import Any
 from events.log import LmdbLog
 from nnx_es import injection
 from nnx_es.injection import Point, install_kill
+from nnx_es.testing.harness import read_until_exit
 from nnx_es.testing.harness import run_in_child as run_forked
 
 
@@ -246,9 +247,8 @@ def run_in_child(target: Callable[[], Any]) -> str:
         os.write(w, out.encode()[:4000])
         os._exit(0)
     os.close(w)
-    with os.fdopen(r, "rb") as f:
-        message = f.read().decode(errors="replace")
-    _, status = os.waitpid(pid, 0)
+    data, status = read_until_exit(pid, r)  # not the pipe's end: a forked DataLoader worker may hold it
+    message = data.decode(errors="replace")
     if os.WIFSIGNALED(status):
         return f"signal {signal.Signals(os.WTERMSIG(status)).name}"
     return message

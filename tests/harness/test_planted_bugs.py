@@ -185,3 +185,31 @@ def test_the_digits_job_survives_50_sampled_crash_points_in_under_a_minute(tmp_p
 def test_a_failed_first_commit_leaves_a_log_that_audits_clean(tmp_path):
     report = fault_test(make_build(), epochs=1, faults=("ENOSPC",), points="all", runs_root=tmp_path)
     assert report.ok, report
+
+
+
+def test_a_killed_child_whose_own_fork_keeps_the_pipe_open_does_not_hang_the_harness(tmp_path):
+    """A DataLoader worker forked by the killed run inherits the report pipe: wait for the run, not the pipe."""
+    import os
+    import signal
+    import time
+
+    from nnx_es.testing.harness import run_in_child
+
+    marker = tmp_path / "orphan.pid"
+
+    def run() -> None:
+        orphan = os.fork()
+        if orphan == 0:  # outlives its parent, holding the pipe's write end
+            time.sleep(120)
+            os._exit(0)
+        marker.write_text(str(orphan))
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    started = time.monotonic()
+    try:
+        assert run_in_child(run) == "killed"
+        # reading to the pipe's end would wait out the orphan's 120 s (a bound on a hang, not a speed)
+        assert time.monotonic() - started < 100
+    finally:
+        os.kill(int(marker.read_text()), signal.SIGKILL)
