@@ -304,7 +304,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="nnx_es 2-rank DDP benchmark")
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--epochs", type=int, default=10)
-    ap.add_argument("--markdown", type=Path, help="append the table to this Markdown file")
+    ap.add_argument("--markdown", type=Path, help="write the table into its section of this Markdown file")
     ap.add_argument("--profile", help="directory for one cProfile'd nnx_es run per rank (rank<r>.prof)")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
@@ -317,8 +317,9 @@ def main(argv: list[str] | None = None) -> int:
     for rank, prof in enumerate(result.get("profile") or []):
         print(f"--- cProfile, rank {rank} (by own time) ---\n{prof}")
     if args.markdown:
-        with open(args.markdown, "a") as f:
-            f.write("\n" + text)
+        from bench.markdown import write_section
+
+        write_section(args.markdown, "bench.ddp", text)
     return 0
 
 

@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 from bench import calls, logbench, overhead, stages
+from bench.markdown import write_section
 
 HAND, HAND_GATHERED = "hand-written torch loop", "hand-written torch loop, batches gathered"
 NNX, NNX_ROWS, NNX_LAGGED = "nnx_es", "nnx_es, batch_gather=False", "nnx_es, checkpoint_lag='epoch'"
@@ -258,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
     text = "\n".join(lines).replace("{elapsed:.0f}", f"{time.monotonic() - started:.0f}")
     print(text)
     if args.markdown:
-        args.markdown.write_text("# Benchmarks\n\nProduced by `make bench` (`python -m bench.run`).\n\n" + text + "\n")
+        write_section(args.markdown, "bench.run", text)
     return 0
 
 

@@ -38,18 +38,8 @@ At the window's end (:meth:`UpdateEngine.finalize_step`), in this order
 Dividing the accumulated gradient by W makes the update the gradient of the
 mean loss over the whole window, with unequal microbatch sizes and masks.
 
-Sparse gradients (``torch.sparse_coo``, e.g. from ``nn.Embedding(sparse=True)``)
-take the same steps with the same results as the dense gradient they stand for:
-each is coalesced in place (``p.grad = p.grad.coalesce()``: duplicate indices
-summed, as the dense gradient sums them), and the division, the finiteness
-check and the norm run on its values (an implicit zero adds nothing to a norm
-and stays zero when divided); clipping scales them through
-``torch.nn.utils.clip_grads_with_norm_``. Whether a model has sparse gradients
-is decided once per parameter, at the first window its gradient is seen (a
-gradient keeps that layout unless the model changes, e.g. an embedding's
-``sparse`` flag flipped mid-run); a model without them keeps the dense path,
-which tests no layout per step. With fp16 the GradScaler unscales sparse
-gradients itself (``GradScaler.unscale_`` works on their values, CPU and CUDA).
+Sparse gradients take the same steps with the same results as the dense gradient they stand
+for (coalesced; divided, checked and normed on their values): :mod:`nnx_es.grads`.
 """
 
 from __future__ import annotations
@@ -67,6 +57,7 @@ from events.schema import MicrobatchDone, UpdateCommitted, UpdateSkipped
 from nnx_es.batches import split_batch
 from nnx_es.callbacks import CallbackList
 from nnx_es.errors import ConfigError
+from nnx_es.grads import WindowGradients
 from nnx_es.metrics import MetricSums
 from nnx_es.objective import batch_rows
 from nnx_es.objective import LossParts, Objective
@@ -165,12 +156,11 @@ class UpdateEngine:
         self.clip_grad_norm = clip_grad_norm
         self.train_step_fn = train_step_fn or default_forward
         self.track_grad_norm = bool(track_grad_norm)
-        self._found_inf: dict[torch.device, tuple[Tensor, Tensor, Tensor]] = {}
         self._inverse_key: tuple[float, torch.dtype, torch.device] | None = None
         self._inverse_t = torch.ones(())
-        self._params = [p for p in net.parameters() if p.requires_grad]
-        self._unseen = list(self._params)  # parameters whose gradient's layout no window has shown yet
-        self._sparse = False  # some parameter's gradient is sparse COO (see _window_grads)
+        #: the trainable parameters' gradients at a window's end (layout, finiteness: nnx_es.grads)
+        self.grads = WindowGradients([p for p in net.parameters() if p.requires_grad])
+        self._params = self.grads.params
         self.orchestrator = UpdateOrchestrator([])
         self.stages = StageDispatcher([])
         self._plan()
@@ -192,7 +182,7 @@ class UpdateEngine:
         self._fused: Any = None
         self._syncing = False  # the current microbatch's backward synchronizes the gradients
         self._w_num_t: Tensor | None = None  # the window's numerator on the device (float64), under DDP
-        self._grad_bytes = sum(p.numel() * p.element_size() for p in self._params)
+        self._grad_bytes = self.grads.nbytes
         #: per-row records of batches carrying row ids (set by the trainer; ``None``: none)
         self.rows: RowRecorder | None = None
         self._reset_window()
@@ -467,10 +457,8 @@ class UpdateEngine:
                     for opt in optimizers.values():
                         self.scaler.unscale_(opt)
                     unscaled = True
-                if self._sparse or self._unseen:
-                    grads = self._window_grads()
-                else:
-                    grads = [p.grad for p in self._params if p.grad is not None]
+                wg = self.grads
+                grads = wg.strided() if wg.sparse or wg.unseen else [p.grad for p in wg.params if p.grad is not None]
                 if W != size and not self.w_divided:
                     # DDP's all-reduce averaged the ranks' gradients: x size / W is the union's mean
                     torch._foreach_div_(grads, W / size if size > 1 else W)
@@ -482,7 +470,7 @@ class UpdateEngine:
                     norm_t = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads))) if grads else torch.zeros(())
                     flag = norm_t
                 else:
-                    flag, found = self._nonfinite_flag(grads)
+                    flag, found = self.grads.nonfinite_flag(grads)
                 value = self._settle(flag)
                 if found is not None and value:
                     found.zero_()  # found stays 0 until a check finds a non-finite value
@@ -588,72 +576,6 @@ class UpdateEngine:
             "data_parallel_size": self.state.world.size, "accumulation_steps": self.accumulation,
             "collective_bytes": self.w_collective_bytes,
         }
-
-    def _window_grads(self) -> list[Tensor]:
-        """The window's gradients as strided tensors: a dense gradient itself, a sparse COO one's values.
-
-        A sparse gradient is first coalesced in place (``p.grad`` is replaced), so its values
-        ``(nnz, *dense dims)`` hold each index once: dividing them divides the gradient, and
-        their L2 norm is the norm of the dense gradient (duplicates summed before squaring).
-        Parameters whose gradient appears for the first time are looked at once here, and
-        set ``_sparse`` if their gradient is sparse; after that a dense model does not come here
-        (a parameter that never gets a gradient stays watched: ~0.2 us a window for a few of them).
-        """
-        if self._unseen:
-            first = [p for p in self._unseen if p.grad is not None]  # first gradients (rare after the first window)
-            if first:
-                self._sparse = self._sparse or any(p.grad.is_sparse for p in first)
-                self._unseen = [p for p in self._unseen if p.grad is None]
-            if not self._sparse:
-                return [p.grad for p in self._params if p.grad is not None]
-        grads = []
-        for p in self._params:
-            g = p.grad
-            if g is None:
-                continue
-            if g.is_sparse:
-                if not g.is_coalesced():
-                    g = p.grad = g.coalesce()
-                g = g._values()
-            grads.append(g)
-        return grads
-
-    def _nonfinite_flag(self, grads: list[Tensor]) -> tuple[Tensor | None, Tensor | None]:
-        """A 0-dim tensor telling whether every gradient is finite, in one fused op (no norm), unread.
-
-        ``grads``: strided tensors (a sparse gradient's values, see :meth:`_window_grads`).
-        Returns ``(flag, found)``: ``found`` is the fused check's buffer (``flag`` is a view of it:
-        nonzero when a value is not finite; the caller zeroes it then), or ``None`` when the flag
-        is a total norm (not finite when a value is not). No gradients: ``(None, None)``.
-
-        Uses the check behind ``GradScaler.unscale_`` with a scale of exactly 1.0
-        (the gradients are unchanged); gradients on several devices fall back to the norm.
-        """
-        if not grads:
-            return None, None
-        device = grads[0].device
-        bufs = self._found_inf.get(device)
-        if bufs is None:
-            found = torch.zeros(1, device=device)
-            bufs = self._found_inf[device] = (found, torch.ones(1, device=device), found.view(()))
-        found, one, flag = bufs  # found stays 0 until a check finds a non-finite value; flag: its 0-dim view
-        try:
-            torch._amp_foreach_non_finite_check_and_unscale_(grads, found, one)
-        except RuntimeError:  # mixed devices or dtypes the fused check does not take
-            return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g).to(device) for g in grads])), None
-        return flag, found
-
-    def _grads_finite(self, grads: list[Tensor]) -> bool:
-        """Whether every gradient is finite: :meth:`_nonfinite_flag` read at once (one host read)."""
-        flag, found = self._nonfinite_flag(grads)
-        if flag is None:
-            return True
-        value = flag.item()
-        if found is not None:
-            if value:
-                found.zero_()
-            return not value
-        return math.isfinite(value)
 
     def report_update(
         self,

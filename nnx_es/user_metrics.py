@@ -17,7 +17,7 @@ names (``"accuracy"``), a mapping ``{name: metric}`` or a sequence mixing names 
   updated. With row weights, rows of weight 0 (masked) are left out and any other weight
   than 0 or 1 is refused (torchmetrics metrics take no row weights); named by the mapping's key,
   or by its class name in snake case (``BinaryF1Score`` -> ``binary_f1_score``). Under a
-  ``BCEWithLogitsLoss`` (and no ``BCELoss``) one-output logits ``(B, 1)`` / ``(B,)`` are given as
+  ``BCEWithLogitsLoss`` (and no ``BCELoss``) logits (one output, or multi-label) are given as
   their sigmoid, and under a ``CrossEntropyLoss`` ``(B, C)`` logits as their softmax
   (:func:`bind_activation`): torchmetrics decides per ``update`` call whether floats are logits
   (any value outside [0, 1]), so a batch of logits that all lie in [0, 1] would otherwise be
@@ -168,8 +168,7 @@ class TorchMetric(UserMetric):
                                   "callable metric for a weighted mean")
             keep = w != 0
             outputs, targets = outputs[keep], targets[keep]
-        if self.activation == "sigmoid" and outputs.is_floating_point() and (
-                outputs.dim() == 1 or (outputs.dim() == 2 and outputs.shape[1] == 1)):
+        if self.activation == "sigmoid" and outputs.is_floating_point():  # elementwise logits (multi-label too)
             outputs = torch.sigmoid(outputs)
         elif self.activation == "softmax" and outputs.is_floating_point() and outputs.dim() == 2 \
                 and outputs.shape[1] >= 2:
@@ -195,18 +194,20 @@ class TorchMetric(UserMetric):
 def bind_activation(metrics: Iterable[Any], loss_fns: Iterable[Any]) -> None:
     """Tell each torchmetrics metric of ``metrics`` whether the outputs are logits, from the loss terms' functions.
 
-    ``BCEWithLogitsLoss`` (without a ``BCELoss``): one-output logits, given as their sigmoid;
-    ``CrossEntropyLoss``: ``(B, C)`` logits, given as their softmax; otherwise as they are.
+    ``BCEWithLogitsLoss`` (alone of the two cross-entropies, without a ``BCELoss``): elementwise
+    logits (one output, or multi-label ``(B, C)``), given as their sigmoid; ``CrossEntropyLoss``
+    alone: ``(B, C)`` logits, given as their softmax; otherwise as they are.
     """
     from torch import nn
 
     fns = list(loss_fns)
-    if any(isinstance(f, nn.BCEWithLogitsLoss) for f in fns) and not any(isinstance(f, nn.BCELoss) for f in fns):
-        activation: str | None = "sigmoid"
-    elif any(isinstance(f, nn.CrossEntropyLoss) for f in fns):
+    logits = any(isinstance(f, nn.BCEWithLogitsLoss) for f in fns)
+    ce = any(isinstance(f, nn.CrossEntropyLoss) for f in fns)
+    activation: str | None = None  # several kinds of outputs (or probabilities): given as they are
+    if logits and not ce and not any(isinstance(f, nn.BCELoss) for f in fns):
+        activation = "sigmoid"
+    elif ce and not logits:
         activation = "softmax"
-    else:
-        activation = None
     for m in metrics:
         if isinstance(m, TorchMetric):
             m.activation = activation

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import structlog
 
+from nnx_es.distributed import elastic
 from nnx_es.errors import ConfigError
 from nnx_es.run_state import World
 
@@ -125,12 +126,10 @@ class DDP:
                     "torch.distributed.init_process_group first")
             if cuda:
                 torch.cuda.set_device(local_rank)
-            # under torchrun's agent store each restarted generation meets in a namespace of its own
-            # (nnx_es.distributed.elastic): a restarted rank never reads a dead rank's address
-            from nnx_es.distributed.elastic import init_process_group
-
-            init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=size,
-                               timeout=datetime.timedelta(seconds=float(self.timeout_seconds)))
+            # restart-safe under torchrun --max-restarts: each generation rendezvouses in its own
+            # namespace of the agent's store (nnx_es.distributed.elastic)
+            elastic.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=size,
+                                       timeout=datetime.timedelta(seconds=float(self.timeout_seconds)))
             log.info("process group initialized", rank=rank, world_size=size, backend=dist.get_backend())
         rank, size = int(dist.get_rank()), int(dist.get_world_size())
         if self.writer_rank >= size:

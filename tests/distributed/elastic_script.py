@@ -17,7 +17,6 @@ float32), the run's status and counters, and the restart count torchrun gave it.
 
 from __future__ import annotations
 
-import datetime
 import os
 import signal
 import sys
@@ -27,14 +26,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.utils.data import TensorDataset  # noqa: E402
 
 import launch  # noqa: E402
 from nnx_es import Callback, Trainer  # noqa: E402
 from nnx_es.distributed import DDP, shutdown, train_loader  # noqa: E402
-from nnx_es.distributed.elastic import init_process_group  # noqa: E402
 
 torch.set_num_threads(1)
 
@@ -86,10 +83,7 @@ def main() -> int:
     kill = sys.argv[2] if len(sys.argv) > 2 else ""
     names = (sys.argv[3] if len(sys.argv) > 3 else "reference,elastic").split(",")
     ddp = DDP(timeout_seconds=20)
-    if not dist.is_initialized():  # a restarted generation must not read the killed one's addresses
-        init_process_group("gloo", rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]),
-                           timeout=datetime.timedelta(seconds=20))
-    world = ddp.world()
+    world = ddp.world()  # initializes the group restart-safely (nnx_es.distributed.elastic)
     for name in names:
         if (out / f"{name}.rank{world.rank}.json").exists():  # a restarted generation skips a finished run
             continue  # (both ranks wrote theirs before any kill: the test kills in a later run)

@@ -110,7 +110,9 @@ def test_csv_sink_of_a_resumed_run_keeps_the_epochs_and_updates_before_the_resum
     out = tmp_path / "csv"
     with pytest.raises(RuntimeError, match="stop here"):
         _trainer(tmp_path, sinks=[CsvSink(out)], callbacks=[FailAt()]).fit(*loaders(), epochs=4)
-    run = _trainer(tmp_path, sinks=[CsvSink(out)]).fit(*loaders(), epochs=4, resume_from=tmp_path / "r")
+    seen = Seen()
+    run = _trainer(tmp_path, sinks=[CsvSink(out), seen]).fit(*loaders(), epochs=4, resume_from=tmp_path / "r")
+    assert seen.events[0][1] == "run_resumed"  # a sink that is not from_start: this session's events only
     with open(out / "epochs.csv") as f:
         epochs = list(csv.DictReader(f))
     assert [int(r["epoch"]) for r in epochs] == [0, 1, 2, 3]

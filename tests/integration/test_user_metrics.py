@@ -187,6 +187,13 @@ def test_logits_that_all_lie_in_0_1_are_scored_as_logits_by_torchmetrics(tmp_pat
     auroc = torchmetrics.classification.MulticlassAUROC(num_classes=3, average="macro")
     got = NNModel(nn.Identity(), head="multiclass").evaluate([(logits, classes)], metrics={"auroc": auroc})
     assert got["auroc"] == pytest.approx(float(auroc(logits.softmax(1), classes)), rel=1e-6)
+    # multi-label logits under BCEWithLogitsLoss: elementwise sigmoid
+    labels = torch.tensor([[1, 0, 0], [0, 0, 1], [0, 1, 1], [0, 0, 0]])
+    f1 = torchmetrics.classification.MultilabelF1Score(num_labels=3, average="micro")
+    got = NNModel(nn.Identity(), head="multiclass").evaluate([(logits, labels.float())], loss=nn.BCEWithLogitsLoss(),
+                                                             metrics={"f1": f1})
+    assert got["f1"] == pytest.approx(sklearn_metrics.f1_score(labels.numpy(), (logits > 0).int().numpy(),
+                                                               average="micro"), rel=1e-6)
 
 
 def test_a_torchmetrics_metric_resumes_bitwise_after_sigkill(tmp_path):

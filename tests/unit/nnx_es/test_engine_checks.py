@@ -22,13 +22,13 @@ def test_fused_finiteness_check_finds_any_nonfinite_value_and_leaves_gradients_u
     engine = _engine(tmp_path)
     grads = [torch.randn(3, 4, generator=torch.Generator().manual_seed(1)), torch.randn(5)]
     before = [g.clone() for g in grads]
-    assert engine._grads_finite(grads)
+    assert engine.grads.finite(grads)
     assert all(torch.equal(a, b) for a, b in zip(grads, before))
     grads[1][2] = bad
-    assert not engine._grads_finite(grads)
+    assert not engine.grads.finite(grads)
     grads[1][2] = 1.0
-    assert engine._grads_finite(grads)  # the found flag is reset between windows
-    assert engine._grads_finite([])
+    assert engine.grads.finite(grads)  # the found flag is reset between windows
+    assert engine.grads.finite([])
 
 
 def test_the_backward_seed_is_one_over_the_denominator_and_follows_its_changes(tmp_path):

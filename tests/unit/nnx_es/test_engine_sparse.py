@@ -81,7 +81,7 @@ def _assert_same_training(tmp: Path, data, **kw) -> None:
     """The sparse model's run equals the dense model's: weights, window outcomes and grad norms."""
     sparse, run_s = _fit(tmp / "s", True, data, **kw)
     dense, run_d = _fit(tmp / "d", False, data, **kw)
-    assert sparse.engine._sparse and not dense.engine._sparse
+    assert sparse.engine.grads.sparse and not dense.engine.grads.sparse
     ws, wd = _windows(run_s.run_dir), _windows(run_d.run_dir)
     assert [w[:2] for w in ws] == [w[:2] for w in wd] and any(w[0] == "committed" for w in ws)
     for (_, _, ns), (_, _, nd) in zip(ws, wd):
@@ -159,14 +159,14 @@ def test_an_embedding_whose_gradient_first_appears_in_a_later_window_still_updat
 
 
 def test_a_dense_model_looks_at_its_gradient_layouts_in_the_first_window_only(tmp_path, monkeypatch):
-    from nnx_es.engine import UpdateEngine
+    from nnx_es.grads import WindowGradients
 
     calls = []
-    real = UpdateEngine._window_grads
-    monkeypatch.setattr(UpdateEngine, "_window_grads", lambda self: (calls.append(1), real(self))[1])
+    real = WindowGradients.strided
+    monkeypatch.setattr(WindowGradients, "strided", lambda self: (calls.append(1), real(self))[1])
     trainer, run = _fit(tmp_path, False, index_batches(SIZES), clip_grad_norm=0.05)
     assert len(of_kind(run.run_dir, "update_committed")) == 2 * len(SIZES)
-    assert calls == [1] and not trainer.engine._sparse and trainer.engine._unseen == []
+    assert calls == [1] and not trainer.engine.grads.sparse and trainer.engine.grads.unseen == []
 
 
 # --- duplicates summed before the norm, and the division by W --------------------------------------
