@@ -51,7 +51,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 HAND, HAND_SAVE = "hand DDP loop", "hand DDP loop + torch.save each epoch"
 NNX_ROWS, NNX = "nnx_es DDP, batch_gather=False", "nnx_es DDP (every default)"
-HAND_SEPARATE = "hand DDP loop + save + a second all_reduce per step (nnx_es's agreement today)"
+HAND_SEPARATE = "hand DDP loop + save + a second all_reduce per step (nnx_es's agreement before the fusion)"
 HAND_FUSED = "hand DDP loop + save + the agreement in the last gradient bucket (comm hook)"
 BATCH = 32
 TARGET = 1.10
@@ -103,7 +103,7 @@ def _atomic_save(obj: object, path: Path) -> None:
 def run_hand(dataset, epochs: int, root: Path, *, save: bool = False, agree: str = "") -> int:
     """The hand-written DDP loop; returns the microbatches this rank trained.
 
-    ``agree``: ``"separate"`` adds what nnx_es's window end does today -- a second, blocking
+    ``agree``: ``"separate"`` adds what nnx_es's window end did before the fusion -- a second, blocking
     all_reduce of ``[numerator, denominator, non-finite flag]`` (float64) after backward and a
     host read of it; ``"fused"`` carries the same three values in the gradients' last bucket
     (:class:`nnx_es.distributed.fused.FusedAgreement`, a DDP comm hook: no second collective).

@@ -404,6 +404,7 @@ class Trainer:
             spec=self.spec, spec_hash=spec_hash(self.spec), objective=describe_objective(self.objective),
             lineage=self.lineage, param_groups=group_names(self.optimizers),
             models=self.net.declare() if isinstance(self.net, ModelSet) else None,
+            world_size=self.components.world.size, writer_rank=self.components.world.writer_rank,
         )
 
     # --- the run ------------------------------------------------------------------------

@@ -41,7 +41,8 @@ def test_a_rank_killed_mid_epoch_restarts_and_resumes_to_the_uninterrupted_param
     run_dir = tmp_path / "runs" / "elastic"
     (resumed,) = of_kind(run_dir, "run_resumed")
     assert resumed.epoch == 0
-    assert len(of_kind(run_dir, "run_started")) == 1
+    (started,) = of_kind(run_dir, "run_started")
+    assert (started.world_size, started.writer_rank) == (2, 0)  # the run declares the group it trains in
     assert not of_kind(tmp_path / "runs" / "reference", "run_resumed")
     for run in (run_dir, tmp_path / "runs" / "reference"):  # tools/replay accepts the killed-and-resumed log
         report = audit_run(run)

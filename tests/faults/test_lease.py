@@ -233,7 +233,7 @@ def test_a_process_forked_by_the_writer_does_not_keep_the_lease_after_the_writer
     repo = Path(__file__).resolve().parents[2]
     # no pipes: the run returns when the writer dies, not when the child does
     subprocess.run([sys.executable, "-c", script, str(tmp_path)], stdout=subprocess.DEVNULL,
-                   stderr=subprocess.DEVNULL, cwd=repo, env={**os.environ, "PYTHONPATH": str(repo)}, timeout=30)
+                   stderr=subprocess.DEVNULL, cwd=repo, env={**os.environ, "PYTHONPATH": str(repo)}, timeout=180)
     child = int((tmp_path / "child").read_text())
     try:
         os.kill(child, 0)  # the forked child outlives the killed writer

@@ -93,12 +93,26 @@ def test_follow_of_a_killed_writer_stops_with_its_committed_epochs_only(tmp_path
 def test_follow_ends_on_ctrl_c_with_what_it_wrote_kept(tmp_path, capsys):
     runs = tmp_path / "runs"
     pid = _writer(runs, pause_s=0.0, hang_after=0)
-    interrupt = threading.Timer(1.5, lambda: os.kill(os.getpid(), signal.SIGINT))
+    done = threading.Event()
+
+    def interrupt_once_exporting() -> None:
+        # Ctrl-C once the export has written its file (not after a fixed delay: a loaded machine may
+        # not have started the writer by then); the deadline only ends a broken run of the test
+        deadline = time.monotonic() + 120
+        while not done.is_set() and time.monotonic() < deadline:
+            if list((tmp_path / "tb").glob("events.out.tfevents.*")):
+                time.sleep(0.3)
+                break
+            time.sleep(0.05)
+        if not done.is_set():
+            os.kill(os.getpid(), signal.SIGINT)
+
+    interrupt = threading.Thread(target=interrupt_once_exporting, daemon=True)
     interrupt.start()
     try:
         code = main([str(runs / "live"), "export", "--tensorboard", str(tmp_path / "tb"), "--follow"])
     finally:
-        interrupt.cancel()
+        done.set()
         os.kill(pid, signal.SIGKILL)
         os.waitpid(pid, 0)
     assert code == 130
