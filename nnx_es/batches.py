@@ -106,10 +106,10 @@ def row_ids_of(batch: Any) -> Tensor | None:
     A mapping's ``"idx"``, or the fourth element of a 4-element tuple/list. Not checked here
     (:class:`nnx_es.rows.RowRecorder` checks dtype and shape against the batch's rows).
     """
+    if isinstance(batch, (tuple, list)):  # first: the common case, per microbatch (no ABC check)
+        return batch[3] if len(batch) == 4 else None
     if isinstance(batch, Mapping):
         return batch.get(ROW_ID_KEY)
-    if isinstance(batch, (tuple, list)) and len(batch) == 4:
-        return batch[3]
     return None
 
 

@@ -239,10 +239,12 @@ class Objective:
 def batch_rows(values: Any) -> int:
     """Rows of a microbatch's outputs or targets: a tensor's first dimension, or (a several-model
     run's ``{key: tensor}``) its first tensor's; 1 for a 0-dim tensor or anything else."""
+    if isinstance(values, Tensor):  # first: the one-model case, per microbatch (no ABC check)
+        return int(values.shape[0]) if values.dim() > 0 else 1
     if isinstance(values, Mapping):
         values = next((v for v in values.values() if isinstance(v, Tensor)), None)
-    if isinstance(values, Tensor):
-        return int(values.shape[0]) if values.dim() > 0 else 1
+        if isinstance(values, Tensor):
+            return int(values.shape[0]) if values.dim() > 0 else 1
     return 1
 
 
