@@ -30,7 +30,7 @@ $(BSTAMP): pyproject.toml
 
 bench: $(BSTAMP)
 	$(BVENV)/bin/python -m bench.run --markdown BENCHMARKS.md
-	# section 4, appended: a 2-rank torchrun (gloo) of nnx_es DDP against a hand-written DDP loop
+	# its own section (bench/markdown.py): a 2-rank torchrun (gloo) of nnx_es DDP against a hand-written DDP loop
 	$(BVENV)/bin/python -m bench.ddp --markdown BENCHMARKS.md
 
 bench-ddp: $(STAMP)
