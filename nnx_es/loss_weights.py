@@ -87,8 +87,8 @@ class Constant(WeightSchedule):
         return self.value_
 
 
-class LinearWarmup(WeightSchedule):
-    """From ``start`` at ``t = 0`` linearly to ``end`` at ``t = over``, then ``end``."""
+class _Ramp(WeightSchedule):
+    """From ``start`` at ``t = 0`` to ``end`` at ``t = over`` along :meth:`_at`, then ``end``."""
 
     def __init__(self, start: float, end: float, over: int, clock: str = "optimizer_update") -> None:
         self.start, self.end = _finite("start", start), _finite("end", end)
@@ -96,23 +96,24 @@ class LinearWarmup(WeightSchedule):
         self.clock = self._check_clock(clock)
 
     def value(self, t: int) -> float:
-        if t >= self.over:
-            return self.end
+        return self.end if t >= self.over else self._at(t)
+
+    def _at(self, t: int) -> float:  # 0 <= t < over
+        raise NotImplementedError
+
+
+class LinearWarmup(_Ramp):
+    """From ``start`` at ``t = 0`` linearly to ``end`` at ``t = over``, then ``end``."""
+
+    def _at(self, t: int) -> float:
         return self.start + (self.end - self.start) * (t / self.over)
 
 
-class Cosine(WeightSchedule):
+class Cosine(_Ramp):
     """Half a cosine from ``start`` at ``t = 0`` to ``end`` at ``t = over``, then ``end``
     (the shape of ``torch.optim.lr_scheduler.CosineAnnealingLR`` without restarts)."""
 
-    def __init__(self, start: float, end: float, over: int, clock: str = "optimizer_update") -> None:
-        self.start, self.end = _finite("start", start), _finite("end", end)
-        self.over = _count("over", over, 1)
-        self.clock = self._check_clock(clock)
-
-    def value(self, t: int) -> float:
-        if t >= self.over:
-            return self.end
+    def _at(self, t: int) -> float:
         return self.end + (self.start - self.end) * (1.0 + math.cos(math.pi * t / self.over)) / 2.0
 
 
