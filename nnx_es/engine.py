@@ -74,6 +74,8 @@ __all__ = ["EpochTotals", "UpdateEngine", "default_forward", "default_train_step
 
 StepFn = Callable[[nn.Module, Any], tuple[Tensor, Tensor, Tensor | None]]
 
+_PAIRS = (tuple, list)  # the batch types the default step splits without split_batch (an exact type test)
+
 
 def default_forward(net: nn.Module, batch: Any) -> tuple[Tensor, Tensor, Tensor | None]:
     """The default ``train_step_fn`` and ``eval_step_fn``: ``outputs = net(inputs)``.
@@ -87,7 +89,10 @@ def default_forward(net: nn.Module, batch: Any) -> tuple[Tensor, Tensor, Tensor 
 def default_train_step(ctx: TrainContext, batch: Any) -> None:
     """The default ``trainer_step_fn``: one microbatch, and the update when it fills the window."""
     engine = ctx.engine
-    engine.microbatch(ctx, batch)
+    if engine._ddp is None:  # engine.microbatch without its data-parallel branch (one call less per microbatch)
+        engine._microbatch(ctx, batch)
+    else:
+        engine.microbatch(ctx, batch)
     if engine.w_microbatches >= engine.accumulation:  # engine.window_full
         engine.finalize_step(ctx)
 
@@ -293,7 +298,19 @@ class UpdateEngine:
     def _microbatch(self, ctx: TrainContext, batch: Any) -> None:
         stages = self.stages if self.stages.by_stage else None
         autocast = self._autocast
-        if autocast is None:
+        if autocast is None and stages is None:  # _forward inlined: the common case, per microbatch
+            step = self.train_step_fn
+            if step is default_forward and type(batch) in _PAIRS and len(batch) == 2:  # (inputs, targets)
+                targets, weights = batch[1], None
+                outputs = self._forward_net(batch[0])
+            else:
+                outputs, targets, weights = step(self._forward_net, batch)
+            ctx.predictions, ctx.targets = outputs, targets
+            objective = self.objective
+            if objective.scheduled:  # scheduled loss weights: a function of the counters
+                objective.at(ctx.step_count, ctx.epoch)
+            parts = objective(outputs, targets, weights)
+        elif autocast is None:
             outputs, targets, weights, parts = self._forward(ctx, batch, stages)
         else:
             with autocast():
@@ -337,7 +354,7 @@ class UpdateEngine:
         self.w_den += den
         epoch = self.epoch
         epoch.microbatches += 1
-        rows = batch_rows(targets)
+        rows = (targets.shape[0] if targets.dim() else 1) if type(targets) is Tensor else batch_rows(targets)
         if sums.scores_rows:
             sums.add_rows(outputs, targets, weights, rows=rows)
         else:

@@ -173,7 +173,10 @@ class Finalization:
 
         if not self.state.world.is_writer:  # only the writer materializes views (and holds the log to project)
             return
-        log = self.state.recorder.log
-        p = project_log(log).projections  # from the newest projection snapshot on: O(events since it)
+        rec = self.state.recorder
+        log = rec.log
+        # the recorder's snapshot fold has folded every event already (no second fold of the log);
+        # else from the newest projection snapshot on: O(events since it)
+        p = rec.final_projections() or project_log(log).projections
         write_views(self.state.run_dir, p)
         self.projection = (p, log.next_seq)  # fit() returns its RunResult without reading the log again

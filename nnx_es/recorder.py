@@ -36,6 +36,7 @@ from events.schema import Counters, Event
 from nnx_es.lifecycle import Lifecycle
 from projections.counters import CountersAccumulator
 from projections.snapshots import SnapshotFolder, encode_snapshot, newest_usable
+from projections.view import Projections
 
 __all__ = ["SNAPSHOT_EVERY", "Recorder", "snapshot_folder", "store_snapshot"]
 
@@ -195,6 +196,18 @@ class Recorder:
             log.warning("projection snapshots turned off for this run: one could not be made; readers fold "
                         "the log from the last snapshot written", error=f"{type(exc).__name__}: {exc}",
                         durable_seq=self.log.durable_seq)
+
+    def final_projections(self) -> Projections | None:
+        """The projections of the whole log from the snapshot fold, when it has folded every
+        stored event (after the run's last synced write), else None; the fold is spent then
+        (no more snapshots from this recorder). Saves the writer a second fold of its own log
+        at finalization (:mod:`nnx_es.finalize`)."""
+        folder = self._snapshots
+        if not isinstance(folder, SnapshotFolder) or folder.next_seq != self.log.next_seq or self._held \
+                or self.log.durable_seq != self.log.next_seq:
+            return None
+        self._snapshots = False
+        return folder.finish()
 
     def _wrote(self) -> None:
         self._last_flush = time.monotonic()

@@ -168,3 +168,9 @@ class SnapshotFolder:
             return None
         self.last_snapshot = end - 1
         return Snapshot(seq=end - 1, in_group=p.in_group, projections=p.state())
+
+    def finish(self) -> Projections:
+        """The projections of every event fed, a finalized tail's closing events folded (what
+        :func:`projections.project` of the same prefix returns). Folds that tail into the state:
+        call it once, when nothing more will be fed (the writer's views at finalization)."""
+        return self._projector.finish()
