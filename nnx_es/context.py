@@ -61,7 +61,7 @@ class TrainContext:
         self.predictions: Tensor | None = None
         self.targets: Tensor | None = None
         self._loss: float | None = None
-        self._loss_deferred: tuple[Tensor, float] | None = None
+        self._loss_deferred: tuple[Tensor, float | Tensor] | None = None
         self.rows = 0
         self.validation: dict[str, float] | None = None
         self.decision: MonitorDecided | None = None
@@ -85,6 +85,8 @@ class TrainContext:
             self._loss_deferred = None
             total, den = deferred
             num = total.item()
+            if not isinstance(den, (int, float)):  # a tensor: less the rows of ignored targets, read now
+                den = float(den)
             self._loss = num / den if den > 0 else math.nan
         return self._loss
 
@@ -92,8 +94,9 @@ class TrainContext:
     def loss(self, value: float | None) -> None:
         self._loss, self._loss_deferred = value, None
 
-    def defer_loss(self, total: Tensor, den: float) -> None:
-        """Set :attr:`loss` to ``total / den``, read from ``total`` (0-dim, any device) only when asked for."""
+    def defer_loss(self, total: Tensor, den: float | Tensor) -> None:
+        """Set :attr:`loss` to ``total / den``, read from ``total`` (0-dim, any device; ``den`` a float,
+        or a 0-dim tensor read with it) only when asked for."""
         self._loss_deferred = (total, den)
 
     def settle_loss(self, total: Tensor, value: float) -> None:

@@ -175,8 +175,9 @@ class UpdateEngine:
         self.state: RunState = None  # type: ignore[assignment]  # bound by begin_run
         self.callbacks = CallbackList([])
         self._on_update = False
-        #: microbatches whose loss is still on the device: (seq, epoch, batch, rows, den, term names, loss)
-        self._pending: list[tuple[int, int, int, int, float, tuple[str, ...], Tensor]] = []
+        #: microbatches whose loss is still on the device: (seq, epoch, batch, rows, den, term names,
+        #: whether ignored rows follow, loss)
+        self._pending: list[tuple[int, int, int, int, float, tuple[str, ...], bool, Tensor]] = []
         self._pending_t: list[Tensor] = []  # their 0-dim values, in reading order (loss, then terms)
         self._ctx: TrainContext | None = None
         #: data parallelism (:meth:`use_ddp`): the DDP wrapper the microbatches run through, or None
@@ -262,6 +263,8 @@ class UpdateEngine:
         self.w_num = 0.0  # filled when the window's losses are read (_settle)
         self.w_nonfinite = False
         self.w_divided = False  # the window's gradient already is the mean (one microbatch)
+        self.w_scale = 0.0  # what the gradients were divided by when they were (the denominator then known)
+        self._w_ign_t: Tensor | None = None  # the window's ignored rows on the device, under DDP
 
     @property
     def window_open(self) -> bool:
@@ -275,6 +278,7 @@ class UpdateEngine:
         if self._pending:  # a custom step left microbatches unread: they belong to the epoch before
             self._settle()
         self.epoch = EpochTotals(self.metrics)
+        self.epoch.sums.ignore = self.objective.ignore  # accuracy leaves out what the loss ignores
 
     # --- one microbatch -------------------------------------------------------------------
 
@@ -322,14 +326,20 @@ class UpdateEngine:
             self.rows.train_batch(batch, outputs, targets)
         total = parts.total
         den = parts.den
+        ign = parts.ignored  # rows of ignored targets (an ignore_index): den - ign is exact, read with the window
         loss_t = total.detach()  # stays on the device: read with the window (see _settle)
-        ctx.defer_loss(loss_t, den)
+        ctx.defer_loss(loss_t, den if ign is None else den - ign)
         fused = self._fused
         if fused is not None:  # DDP: the window's [numerator, W] go with the synchronizing backward
             num_t = loss_t.double() if self._w_num_t is None else self._w_num_t + loss_t.double()
             self._w_num_t = num_t
+            if ign is not None:
+                self._w_ign_t = ign if self._w_ign_t is None else self._w_ign_t + ign
             if self._syncing:
-                fused.stage(torch.stack((num_t, num_t.new_tensor(self.w_den + den))))
+                w_t = num_t.new_tensor(self.w_den + den)
+                if self._w_ign_t is not None:
+                    w_t = w_t - self._w_ign_t
+                fused.stage(torch.stack((num_t, w_t)))
         if stages:
             stages(TrainingStage.AFTER_LOSS, ctx)
             stages(TrainingStage.BEFORE_BACKWARD, ctx)
@@ -346,6 +356,7 @@ class UpdateEngine:
                 # it and skips the update, and its gradients are zeroed unused.
                 total.backward(self._inverse(den, total))
                 self.w_divided = True
+                self.w_scale = den
             else:
                 total.backward()
         if stages:
@@ -368,12 +379,14 @@ class UpdateEngine:
         seq = rec.emit(MicrobatchDone(epoch=ctx.epoch, batch=ctx.batch_index, rows=rows, examples=den, loss=math.nan))
         terms = parts.terms
         if len(terms) > 1:
-            self._pending.append((seq, ctx.epoch, ctx.batch_index, rows, den, tuple(terms), loss_t))
+            self._pending.append((seq, ctx.epoch, ctx.batch_index, rows, den, tuple(terms), ign is not None, loss_t))
             self._pending_t.append(loss_t)
             self._pending_t.extend(terms.values())
         else:
-            self._pending.append((seq, ctx.epoch, ctx.batch_index, rows, den, (), loss_t))
+            self._pending.append((seq, ctx.epoch, ctx.batch_index, rows, den, (), ign is not None, loss_t))
             self._pending_t.append(loss_t)
+        if ign is not None:
+            self._pending_t.append(ign)
         self._ctx = ctx
 
     def _forward(self, ctx: TrainContext, batch: Any,
@@ -413,13 +426,20 @@ class UpdateEngine:
         nan = math.nan
         i = 0
         loss = nan
-        for seq, epoch, batch, rows, den, names, _ in pending:
+        for seq, epoch, batch, rows, den, names, ignoring, _ in pending:
             num = values[i]
             i += 1
             terms: dict[str, float] = {}
+            nums = {}
             if names:
                 nums = dict(zip(names, values[i:i + len(names)]))
                 i += len(names)
+            if ignoring:  # targets an ignore_index leaves out: the exact denominator
+                ignored = values[i]
+                i += 1
+                den -= ignored
+                self.w_den -= ignored
+            if names:
                 terms = {k: (v / den if den > 0 else nan) for k, v in nums.items()}
                 sums.add_loss(num, den, nums)
             else:
@@ -466,9 +486,14 @@ class UpdateEngine:
             # both are formed; read first on their own when a GradScaler must not unscale a window whose
             # loss was not finite, or a stage hook before the step may change the gradients (_plan)
             if self._read_early or self.scaler is not None:
+                before = self.w_den
                 self._settle()
+                if size == 1:
+                    W -= before - self.w_den  # less the rows of ignored targets, read now
             if self.w_nonfinite:
                 reason, detail = "nonfinite", "a microbatch loss was not finite"
+            elif W <= 0:
+                reason = "masked"  # every target was ignored
             else:
                 if self.scaler is not None:
                     for opt in optimizers.values():
@@ -476,9 +501,14 @@ class UpdateEngine:
                     unscaled = True
                 wg = self.grads
                 grads = wg.strided() if wg.sparse or wg.unseen else [p.grad for p in wg.params if p.grad is not None]
-                if W != size and not self.w_divided:
-                    # DDP's all-reduce averaged the ranks' gradients: x size / W is the union's mean
-                    torch._foreach_div_(grads, W / size if size > 1 else W)
+                if not self.w_divided:
+                    if W != size:
+                        # DDP's all-reduce averaged the ranks' gradients: x size / W is the union's mean
+                        torch._foreach_div_(grads, W / size if size > 1 else W)
+                    self.w_scale = W
+                elif self.w_scale != W:  # divided in backward by a denominator read since to hold ignored rows
+                    torch._foreach_mul_(grads, self.w_scale / W)
+                    self.w_scale = W
                 if self.stages.by_stage:
                     self.stages(TrainingStage.BEFORE_OPTIMIZER_STEP, ctx)
                 norm_t = found = None
@@ -488,9 +518,18 @@ class UpdateEngine:
                     flag = norm_t
                 else:
                     flag, found = self.grads.nonfinite_flag(grads)
+                before = self.w_den
                 value = self._settle(flag)
                 if found is not None and value:
                     found.zero_()  # found stays 0 until a check finds a non-finite value
+                if size == 1 and self.w_den != before:
+                    # the read found rows of ignored targets: the gradients were divided by too many rows
+                    W -= before - self.w_den
+                    if W > 0:
+                        scale = self.w_scale / W
+                        torch._foreach_mul_(grads, scale)
+                        if norm_t is not None:
+                            norm_t, value = norm_t * scale, value * scale  # type: ignore[operator]
                 if norm_t is not None:
                     norm = value
                     finite = math.isfinite(norm)
@@ -501,6 +540,8 @@ class UpdateEngine:
                     norm = None
                 elif not finite:
                     reason, detail = "nonfinite", "a gradient is not finite"
+                elif W <= 0:
+                    reason, norm = "masked", None  # every target was ignored
                 elif self.orchestrator.can_veto and self.orchestrator.vetoed(ctx):
                     reason, detail = "vetoed", "an update hook vetoed the step"
                 else:

@@ -29,7 +29,7 @@ from torch import Tensor, nn
 from nnx_es.data import iterate_batches
 from nnx_es.errors import ConfigError
 from nnx_es.monitor import Monitor
-from nnx_es.objective import LossParts, Objective, accuracy, accuracy_kind, batch_rows, hits
+from nnx_es.objective import LossParts, Objective, accuracy, accuracy_kind, batch_rows, hits, ignored_mask
 from nnx_es.user_metrics import RowMetric, UserMetric, metric_names, split_declared, user_metric
 
 __all__ = ["METRICS", "MetricSums", "check_accuracy", "check_metric_names", "check_monitor", "evaluate", "reported_metrics",
@@ -126,7 +126,7 @@ class MetricSums:
     """Running sums of one epoch's loss terms and accuracy."""
 
     __slots__ = ("num", "den", "terms", "_correct", "scored", "rows", "with_accuracy", "_checked", "keep_nonfinite",
-                 "user", "scores_rows")
+                 "user", "scores_rows", "_unscored", "ignore")
 
     def __init__(self, metrics: tuple[Any, ...] = (), *, keep_nonfinite: bool = False) -> None:
         self.with_accuracy = "accuracy" in metric_names(metrics)
@@ -140,12 +140,21 @@ class MetricSums:
         self.terms: dict[str, float] = {}
         self._correct: Tensor | float = 0.0  # a tensor while accumulating: no sync per microbatch
         self.scored = 0.0
+        self._unscored: Tensor | float = 0.0  # ignored targets among the scored rows (a tensor: read with the sums)
+        #: class targets accuracy leaves out: the objective's ``ignore_index`` values (set by its user)
+        self.ignore: tuple[int, ...] = ()
         self.rows = 0
         self._checked: tuple[Any, Any] | None = None  # the shapes check() last accepted
 
     @property
     def correct(self) -> float:
         return float(self._correct)
+
+    def _settle_scored(self) -> None:
+        """Take the ignored targets out of ``scored`` (one read, when there were any)."""
+        if isinstance(self._unscored, Tensor):
+            self.scored -= float(self._unscored)
+            self._unscored = 0.0
 
     def check(self, outputs: Tensor, targets: Tensor) -> None:
         """Refuse outputs and targets a declared metric cannot score (call before backward).
@@ -176,7 +185,7 @@ class MetricSums:
             *, rows: int | None = None) -> None:
         """Add one microbatch (``num``: its total numerator as a float; ``rows``: its row count,
         when the caller has it)."""
-        self.add_loss(num, parts.den, parts.terms if len(parts.terms) > 1 else None)
+        self.add_loss(num, parts.exact_den(), parts.terms if len(parts.terms) > 1 else None)
         self.add_rows(outputs, targets, weights, rows=rows)
 
     def add_loss(self, num: float, den: float, terms: dict[str, Any] | None = None) -> None:
@@ -194,17 +203,25 @@ class MetricSums:
 
     def add_rows(self, outputs: Tensor, targets: Tensor, weights: Tensor | None, *, rows: int | None = None) -> None:
         """Count one microbatch's rows and score its accuracy (kept as a tensor: no host read
-        without weights)."""
+        without weights). Rows whose class target is one of :attr:`ignore` (the loss's
+        ``ignore_index``) are left out of accuracy, as the loss leaves them out of its mean."""
         if rows is None:
             rows = batch_rows(targets)
         for m in self.user:
             m.update(outputs, targets, weights)
         if self.with_accuracy:
-            if weights is None:
+            skip = ignored_mask(targets, self.ignore) if self.ignore else None
+            if weights is None and skip is None:
                 self._correct = self._correct + hits(outputs.detach(), targets).sum()
                 self.scored += rows
+            elif weights is None:  # rows of ignored targets are neither hits nor scored (kept on the device)
+                assert skip is not None
+                self._correct = self._correct + (hits(outputs.detach(), targets) & ~skip).sum()
+                self.scored += rows
+                self._unscored = self._unscored + skip.sum()
             else:
-                c, s = accuracy(outputs.detach(), targets, weights)
+                w = weights if skip is None else weights * (~skip).to(weights.dtype)
+                c, s = accuracy(outputs.detach(), targets, w)
                 self._correct = self._correct + c
                 self.scored += s
         self.rows += rows
@@ -220,6 +237,7 @@ class MetricSums:
         names = list(term_names)
         if len(names) <= 1:  # one term: the loss itself
             names = []
+        self._settle_scored()
         values = [self.num, self.den, self.correct, self.scored, float(self.rows)]
         values += [float(self.terms.get(n, 0.0)) for n in names]
         rows = [m for m in self.user if isinstance(m, RowMetric)]  # a torchmetrics metric syncs in its compute()
@@ -239,6 +257,7 @@ class MetricSums:
         out = {f"{prefix}loss": self.num / den if den > 0 else math.nan}
         if len(self.terms) > 1:
             out.update({f"{prefix}{k}": v / den if den > 0 else math.nan for k, v in self.terms.items()})
+        self._settle_scored()
         if self.scored > 0:
             out[f"{prefix}accuracy"] = self.correct / self.scored
         for m in self.user:
@@ -280,6 +299,7 @@ def evaluate(
     was_training = net.training
     net.eval()
     sums = MetricSums(metrics, keep_nonfinite=True)
+    sums.ignore = objective.ignore
     try:
         for index, batch in enumerate(iterate_batches(loader, gather=gather, device=device)):
             outputs, targets, weights = step_fn(net, batch)
@@ -288,7 +308,8 @@ def evaluate(
             num = float(parts.total)
             sums.add(parts, num, outputs, targets, weights)
             if on_batch is not None:
-                on_batch(batch=batch, predictions=outputs, loss=num / parts.den if parts.den > 0 else math.nan,
+                den = parts.exact_den()
+                on_batch(batch=batch, predictions=outputs, loss=num / den if den > 0 else math.nan,
                          batch_count=index)
             if rows is not None:
                 rows(batch, outputs, targets)

@@ -34,7 +34,7 @@ from nnx_es.errors import ConfigError
 from nnx_es.loss_weights import WeightSchedule
 from nnx_es.argchecks import as_number
 
-__all__ = ["LossParts", "Objective", "Term", "accuracy", "accuracy_kind", "hits", "row_losses"]
+__all__ = ["LossParts", "Objective", "Term", "accuracy", "accuracy_kind", "hits", "ignored_mask", "row_losses"]
 
 LossFn = Callable[[Tensor, Tensor], Tensor]
 
@@ -60,6 +60,9 @@ class Term:
 
     def __init__(self, fn: LossFn | nn.Module, weight: float = 1.0) -> None:
         self.sum_fn: LossFn | None = None  # the same loss summed over every row, when one exists
+        #: targets equal to this count in no mean (``CrossEntropyLoss`` / ``NLLLoss``'s ``ignore_index``), or None
+        self.ignore_index: int | None = (int(fn.ignore_index) if isinstance(fn, (nn.CrossEntropyLoss, nn.NLLLoss))
+                                         else None)
         if isinstance(fn, nn.Module) and hasattr(fn, "reduction"):
             _refuse_own_normaliser(fn)
             summed = copy.copy(fn)
@@ -145,12 +148,19 @@ class LossParts:
     ``float`` when needed, which syncs a device).
     """
 
-    __slots__ = ("total", "den", "terms")
+    __slots__ = ("total", "den", "terms", "ignored")
 
-    def __init__(self, total: Tensor, den: float, terms: dict[str, Tensor]) -> None:
+    def __init__(self, total: Tensor, den: float, terms: dict[str, Tensor], ignored: Tensor | None = None) -> None:
         self.total = total
         self.den = den
         self.terms = terms
+        #: rows' worth of targets a term's ``ignore_index`` leaves out (0-dim float64 on the targets' device,
+        #: unread): the true denominator is ``den - ignored``; None: ``den`` is exact
+        self.ignored = ignored
+
+    def exact_den(self) -> float:
+        """``den`` less the ignored targets (reads ``ignored`` on the host: one sync when there is one)."""
+        return self.den if self.ignored is None else self.den - float(self.ignored)
 
 
 class Objective:
@@ -184,6 +194,9 @@ class Objective:
             name, term = next(iter(self.terms.items()))
             if term.sum_fn is not None and term.weight == 1.0 and term.schedule is None:
                 self._single = (name, term)
+        #: the ``ignore_index`` values of the terms that have one (``CrossEntropyLoss``, ``NLLLoss``)
+        self.ignore: tuple[int, ...] = tuple(sorted({t.ignore_index for t in self.terms.values()
+                                                    if t.ignore_index is not None}))
 
     def at(self, step: int, epoch: int) -> None:
         """Set each scheduled term's weight for a microbatch after ``step`` committed updates in 0-based ``epoch``."""
@@ -206,24 +219,39 @@ class Objective:
             ConfigError: a loss term's output (see :class:`Term`), or weights of another shape,
                 negative or not finite (the row and value named).
         """
+        ignore = self.ignore  # class targets a term ignores count in no mean, as in torch's reduction="mean"
         if weights is None and self._single is not None:  # one unweighted term: one fused reduction
             name, term = self._single
             total = term.summed(outputs, targets)
-            return LossParts(total, float(batch_rows(outputs)), {name: total})
+            ignored = _ignored_rows(targets, ignore) if ignore else None
+            return LossParts(total, float(batch_rows(outputs)), {name: total}, ignored)
+        share = _valid_share(targets, ignore) if ignore else None
         total: Tensor | None = None
         nums: dict[str, Tensor] = {}
         rows = batch_rows(outputs)
-        den = float(rows) if weights is None else _weight_sum(weights, rows)
+        ignored = None
+        if weights is None:
+            den = float(rows)
+            if share is not None:
+                ignored = rows - share.sum()
+        else:
+            kept = share is not None and isinstance(weights, Tensor) and tuple(weights.shape) == (rows,)
+            den = _weight_sum(weights * share.to(weights.dtype) if kept else weights, rows)  # type: ignore[union-attr]
         if weights is not None and isinstance(outputs, Tensor) and outputs.requires_grad:
             # masked rows pass no gradient back to the outputs: a non-finite loss on them (a
             # missing target) would otherwise turn the whole gradient into NaN (0 * NaN)
             keep = (weights != 0).reshape(-1, *([1] * (outputs.dim() - 1)))
             outputs = torch.where(keep, outputs, outputs.detach())
         for name, term in self.terms.items():
-            if weights is None and term.sum_fn is not None:
+            # a term without the ignore_index counts each row by its targets' valid share, as the mean's denominator does
+            masked = share is not None and term.ignore_index is None
+            if weights is None and term.sum_fn is not None and not masked:
                 num = term.summed(outputs, targets)  # one fused reduction: the row sum
             else:
                 losses = term.per_row(outputs, targets)
+                if masked:
+                    assert share is not None
+                    losses = torch.where(share != 0, losses * share.to(losses.dtype), torch.zeros_like(losses))
                 if weights is not None:
                     w = weights.to(losses.dtype)
                     # masked rows contribute exactly 0, even when their loss is not finite
@@ -233,7 +261,47 @@ class Objective:
             part = num * term.weight if term.weight != 1.0 else num
             total = part if total is None else total + part
         assert total is not None
-        return LossParts(total, den, nums)
+        return LossParts(total, den, nums, ignored)
+
+
+def ignored_mask(targets: Any, ignore: tuple[int, ...]) -> Tensor | None:
+    """Where class-index targets (integer ``(B,)`` or ``(B, d1, ...)``) equal one of ``ignore`` (bool, the
+    targets' shape); None for other targets (probabilities, a mapping, a 0-dim tensor) or no ``ignore``."""
+    if not ignore or not isinstance(targets, Tensor) or targets.dim() == 0 or targets.is_floating_point() \
+            or targets.dtype == torch.bool:
+        return None
+    hit = targets == ignore[0]
+    for value in ignore[1:]:
+        hit = hit | (targets == value)
+    return hit
+
+
+def _ignored_rows(targets: Any, ignore: tuple[int, ...]) -> Tensor | None:
+    """Rows' worth of class-index targets equal to an ``ignore_index`` (0-dim, unread): their count for
+    ``(B,)`` targets, the count over the values per row for ``(B, d1, ...)``; None for other targets
+    (see :func:`ignored_mask`). Two small ops on the device, no host read."""
+    hit = ignored_mask(targets, ignore)
+    if hit is None:
+        return None
+    if targets.dim() == 1:
+        return hit.sum()
+    return hit.sum() / (targets[0].numel() or 1)
+
+
+def _valid_share(targets: Any, ignore: tuple[int, ...]) -> Tensor | None:
+    """Each row's share of targets that no term ignores, float64 ``(B,)`` (1.0: none ignored), for class-index
+    targets ``(B,)`` or ``(B, d1, ...)`` (integer dtype); None for other targets (probabilities, a mapping).
+
+    Follows torch's ``CrossEntropyLoss`` / ``NLLLoss`` with ``reduction="mean"``: the mean is over the
+    targets that are not ``ignore_index``. A row's loss is the mean of its values (ignored ones are 0),
+    so counting each row by its valid share makes the window's mean torch's.
+    """
+    hit = ignored_mask(targets, ignore)
+    if hit is None:
+        return None
+    if targets.dim() == 1:
+        return (~hit).to(torch.float64)
+    return (~hit).reshape(targets.shape[0], -1).to(torch.float64).mean(dim=1)
 
 
 def batch_rows(values: Any) -> int:
