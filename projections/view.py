@@ -287,13 +287,15 @@ class Projector:
             if codes[b] == _RESUMED:
                 self.pending.clear()
             else:
-                self._commit(events[b].covers)
+                self._commit(events[b].covers, seqs[b])
                 self.in_group = True
             self.fold(seqs[b : b + 1], events[b : b + 1], codes[b : b + 1])
             i = b + 1
 
-    def _commit(self, covers: int) -> None:
-        """Fold what a LAST commits: every pending event, or, deferred, those up to ``covers`` and checkpoints."""
+    def _commit(self, covers: int, at: int = -1) -> None:
+        """Fold what a LAST commits: every pending event, or, deferred, those up to ``covers`` and checkpoints.
+
+        ``at``: the LAST's seq (for a subclass that folds with checks: the point the log was read to)."""
         pending = self.pending
         if not pending:
             return
