@@ -36,12 +36,12 @@ import subprocess
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
-from events.codec import TYPE_CODES, partial_decoder, partial_type
+from events.codec import TYPE_CODES, partial_decoder, skimming_decoder
 from events.errors import CorruptEventError, EventLogError, SequenceGapError
 from events.log import LmdbLog
-from events.schema import MicrobatchDone, RunStarted, UpdateCommitted
+from events.schema import Event, MicrobatchDone, RunStarted, UpdateCommitted
 from events.sums import SumProblem
 from nnx_es.audit.committed import CommittedCheck
 from nnx_es.audit.report import Sink
@@ -67,11 +67,27 @@ PARALLEL_FROM = 1 << 18
 
 #: the full types, coded (what the event-by-event pass decodes)
 _full = partial_decoder({})
-#: the hot kinds as the checks and folds read them: a receipt's step, data-parallel size and optimizer
-_light = partial_decoder({
-    MicrobatchDone: partial_type(MicrobatchDone),
-    UpdateCommitted: partial_type(UpdateCommitted, "data_parallel_size", "optimizer"),
-})
+
+
+class _Counted(Event, frozen=True, kw_only=True, tag=MicrobatchDone.__struct_config__.tag):  # type: ignore[misc]
+    """A ``microbatch_done`` as this process reads it beside the second one: its kind (it is counted)."""
+
+    KIND: ClassVar[str] = MicrobatchDone.KIND
+    VERSION: ClassVar[int] = MicrobatchDone.VERSION
+
+
+class _Receipt(Event, frozen=True, kw_only=True, tag=UpdateCommitted.__struct_config__.tag):  # type: ignore[misc]
+    """An ``update_committed`` as this process reads it beside the second one: what the folds and checks read."""
+
+    KIND: ClassVar[str] = UpdateCommitted.KIND
+    VERSION: ClassVar[int] = UpdateCommitted.VERSION
+    step: int
+    optimizer: str = "default"
+    data_parallel_size: int = 1
+
+
+#: the hot kinds as the checks and folds read them (the second process decodes them fully)
+_light = skimming_decoder({MicrobatchDone: _Counted, UpdateCommitted: _Receipt})
 
 
 class AuditProjector(Projector):
