@@ -25,9 +25,11 @@ checksums all verify (:func:`run_segments` returns None otherwise): on anything 
 the audit runs its pass event by event, whose findings on damaged logs are the
 reference. Whether every key is in place and every value decodes with the full types
 (optional fields included) is :func:`keys_and_values_ok`: in this process, or, for a
-long log, in a second one (``python -m nnx_es.audit.segments LMDB_DIR STOP``) while this
-one folds with the lighter decoding of the hot kinds that reads only the fields the
-checks and folds read (the same answer, on two cores).
+long log, in a second one (``python -m nnx_es.audit.segments LMDB_DIR STOP SPLIT``: every key,
+the values below SPLIT, :data:`_WORKER_SHARE` of the log) while this one folds those values
+with the lighter decoding of the hot kinds that reads only the fields the checks and folds
+read, and decodes the values from SPLIT on fully itself (the same answer, on two cores; the
+answer is ``ok`` or ``damaged``, so the result cannot depend on which process finishes first).
 """
 
 from __future__ import annotations
@@ -64,6 +66,9 @@ _IS_HOT = bytes(int(t is not None and t.KIND in HOT_KINDS) for t in
 
 #: a log at least this long is checked for its keys and full decoding in a second process
 PARALLEL_FROM = 1 << 18
+#: the share of the log (from seq 0) whose values the second process decodes fully; this one decodes
+#: the rest fully in its pass (the second process also reads every key: about equal work on each core)
+_WORKER_SHARE = 0.8
 
 #: the full types, coded (what the event-by-event pass decodes)
 _full = partial_decoder({})
@@ -260,9 +265,10 @@ def run_segments(run_dir: Path, log: LmdbLog, stop: int, sink: Sink, store: Any,
     """
     if parallel is None:
         parallel = stop >= PARALLEL_FROM
-    worker = _start_worker(log.path, stop) if parallel else None
+    split = int(stop * _WORKER_SHARE) if parallel else 0  # the second process decodes the values below it
+    worker = _start_worker(log.path, stop, split) if parallel else None
     try:
-        if worker is None and not keys_and_values_ok(log, stop, values=False):  # the pass decodes them fully
+        if worker is None and not keys_and_values_ok(log, stop, values=0):  # the pass decodes them fully
             return None
         sequence = _Sequence(sink)
         check = CommittedCheck(sink, store, run_id="")
@@ -273,12 +279,13 @@ def run_segments(run_dir: Path, log: LmdbLog, stop: int, sink: Sink, store: Any,
 
         snapshots = SnapshotCheck(log, stop, sink)
         folded = AuditProjector(check, snapshots, run_id_of)
-        decode = _light if worker is not None else _full
+        if worker is None:
+            split = 0
 
         def each_chunk(first: int, values: list[bytes]) -> None:
             if not values:
                 return
-            events, codes = decode(values, first)
+            events, codes = (_light if first + len(values) <= split else _full)(values, first)
             seqs = range(first, first + len(values))
             sequence.chunk(seqs, events, codes)
             folded.chunk(seqs, events, codes)
@@ -287,7 +294,7 @@ def run_segments(run_dir: Path, log: LmdbLog, stop: int, sink: Sink, store: Any,
             problems = list(log.verify_sums(stop, each_chunk=each_chunk))
         except CorruptEventError:
             return None
-        if problems or (worker is not None and not _worker_ok(worker, log, stop)):
+        if problems or (worker is not None and not _worker_ok(worker, log, stop, split)):
             return None
         worker = None
         folded.finish()
@@ -300,47 +307,51 @@ def run_segments(run_dir: Path, log: LmdbLog, stop: int, sink: Sink, store: Any,
             worker.wait()
 
 
-def keys_and_values_ok(log: LmdbLog, stop: int, *, values: bool = True) -> bool:
-    """Whether the first ``stop`` stored keys are 0 .. stop - 1 and (``values``) each value decodes with the
-    full types; one cursor pass (:meth:`~events.log.LmdbLog.check_keys`).
+def keys_and_values_ok(log: LmdbLog, stop: int, *, values: int | None = None) -> bool:
+    """Whether the first ``stop`` stored keys are 0 .. stop - 1 and each value below seq ``values``
+    (default: ``stop``) decodes with the full types; one cursor pass (:meth:`~events.log.LmdbLog.check_keys`).
 
     Raises:
         EventLogError: LMDB refused a read.
     """
     try:
-        return log.check_keys(0, stop, each_chunk=_decodes if values else None) == stop
+        end = stop if values is None else values
+
+        def decodes(first: int, chunk: list[bytes]) -> None:
+            if first < end:
+                _full(chunk, first)
+
+        return log.check_keys(0, stop, each_chunk=decodes if end > 0 else None) == stop
     except (SequenceGapError, CorruptEventError):
         return False
 
 
-def _decodes(first: int, values: list[bytes]) -> None:
-    _full(values, first)
-
-
-def _start_worker(path: Path, stop: int) -> subprocess.Popen[bytes] | None:
+def _start_worker(path: Path, stop: int, split: int) -> subprocess.Popen[bytes] | None:
     root = Path(__file__).resolve().parent.parent.parent
     try:
-        return subprocess.Popen([sys.executable, "-m", "nnx_es.audit.segments", str(path), str(stop)], cwd=root,
+        return subprocess.Popen([sys.executable, "-m", "nnx_es.audit.segments", str(path), str(stop), str(split)], cwd=root,
                                 stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
     except OSError:
         return None  # checked in this process instead
 
 
-def _worker_ok(worker: subprocess.Popen[bytes], log: LmdbLog, stop: int) -> bool:
+def _worker_ok(worker: subprocess.Popen[bytes], log: LmdbLog, stop: int, split: int) -> bool:
     """The second process's answer; when it gave none (it failed), the check is done here."""
     out, _ = worker.communicate()
     answer = out.strip()
     if worker.returncode == 0 and answer in (b"ok", b"damaged"):
         return answer == b"ok"
-    return keys_and_values_ok(log, stop)
+    return keys_and_values_ok(log, stop, values=split)
 
 
 def _main(argv: list[str]) -> int:
-    """``python -m nnx_es.audit.segments LMDB_DIR STOP``: print ``ok`` or ``damaged`` (:func:`keys_and_values_ok`)."""
+    """``python -m nnx_es.audit.segments LMDB_DIR STOP [SPLIT]``: print ``ok`` or ``damaged``
+    (:func:`keys_and_values_ok` of the keys below STOP and the values below SPLIT, default STOP)."""
     path, stop = Path(argv[0]), int(argv[1])
+    split = int(argv[2]) if len(argv) > 2 else stop
     try:
         with LmdbLog(path, readonly=True) as log:
-            ok = keys_and_values_ok(log, stop)
+            ok = keys_and_values_ok(log, stop, values=split)
     except EventLogError:
         ok = False
     sys.stdout.write("ok\n" if ok else "damaged\n")

@@ -88,7 +88,7 @@ class LifecycleCheck:
         when every one is accepted: the state after a run is looked up (the runs of a long log repeat: a
         microbatch and its receipt), else walked code by code; a run holding an event that is not
         accepted is fed event by event, so its violations and the resynchronization are :meth:`feed`'s."""
-        if self.candidates is not None:  # a resynchronization reads its next event's fields
+        while self.candidates is not None:  # a resynchronization reads its next event's fields
             self.feed(seqs[0], events[0])
             seqs, events, codes = seqs[1:], events[1:], codes[1:]
             if not codes:
