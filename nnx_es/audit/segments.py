@@ -57,9 +57,11 @@ __all__ = ["HOT_KINDS", "PARALLEL_FROM", "AuditProjector", "keys_and_values_ok",
 
 #: kinds taken a run at once (they are only counted by the folds and read by the lifecycle machine)
 HOT_KINDS = frozenset({MicrobatchDone.KIND, UpdateCommitted.KIND})
-for _check in (CommitOrderCheck, FinalizationCheck, DigestCheck):
-    assert HOT_KINDS.isdisjoint(_check.KINDS), f"{_check.__name__} reads a hot kind: feed it event by event"
-assert not {MicrobatchDone, UpdateCommitted} & set(_BY_TYPE), "a projection other than the counters folds a hot kind"
+for _check in (CommitOrderCheck, FinalizationCheck, DigestCheck):  # what taking a run at once relies on
+    if not HOT_KINDS.isdisjoint(_check.KINDS):
+        raise ImportError(f"{_check.__name__} reads a hot kind: nnx_es.audit.segments must feed it event by event")
+if {MicrobatchDone, UpdateCommitted} & set(_BY_TYPE):
+    raise ImportError("a projection other than the counters folds a hot kind: nnx_es.audit.segments must fold it")
 
 _IS_HOT = bytes(int(t is not None and t.KIND in HOT_KINDS) for t in
                 [None, *sorted(TYPE_CODES, key=TYPE_CODES.__getitem__)]).ljust(256, b"\0")
