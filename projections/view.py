@@ -152,6 +152,9 @@ for _i, (_name, _fn, _types) in enumerate(_FOLDS):
     for _t in _types:
         _BY_TYPE[_t] = (*_BY_TYPE.get(_t, ()), (_i, _fn))
 
+#: the event types a projection other than the counters folds (every other type is only counted)
+FOLDED_BEYOND_COUNTERS: frozenset[type] = frozenset(_BY_TYPE)
+
 
 #: a ``microbatch_done`` as a fold that only counts it reads it: its required fields checked,
 #: ``terms`` skipped (for :func:`events.codec.partial_decoder`; the projections and the curves use it)

@@ -51,7 +51,7 @@ from nnx_es.audit.sequence import CommitOrderCheck, DigestCheck, FinalizationChe
 from nnx_es.audit.snapshots import SnapshotCheck
 from projections import Projections
 from projections.history import HistoryState
-from projections.view import _BY_TYPE, Projector
+from projections.view import FOLDED_BEYOND_COUNTERS, Projector
 
 __all__ = ["HOT_KINDS", "PARALLEL_FROM", "AuditProjector", "keys_and_values_ok", "run_segments"]
 
@@ -60,7 +60,7 @@ HOT_KINDS = frozenset({MicrobatchDone.KIND, UpdateCommitted.KIND})
 for _check in (CommitOrderCheck, FinalizationCheck, DigestCheck):  # what taking a run at once relies on
     if not HOT_KINDS.isdisjoint(_check.KINDS):
         raise ImportError(f"{_check.__name__} reads a hot kind: nnx_es.audit.segments must feed it event by event")
-if {MicrobatchDone, UpdateCommitted} & set(_BY_TYPE):
+if {MicrobatchDone, UpdateCommitted} & FOLDED_BEYOND_COUNTERS:
     raise ImportError("a projection other than the counters folds a hot kind: nnx_es.audit.segments must fold it")
 
 _IS_HOT = bytes(int(t is not None and t.KIND in HOT_KINDS) for t in
