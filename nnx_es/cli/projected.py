@@ -92,7 +92,7 @@ def summary(log: LmdbLog, run_dir: Path, as_json: bool, *, verify: bool = False)
     p, tail, start = projected(log, stop, check_keys=not verify)
     start = 0 if verify else start
     doc = {**summary_of(p), "events": stop, "tail": tail, "writer_alive": None,
-           "checksums": _checksums(log, stop, start), "verified": _verified(start, stop, run_dir)}
+           "checksums": _checksums(log, stop, start), "verified": _verified(start, run_dir)}
     if stop and p.status.status in _UNFINISHED:  # asked again: a writer resuming it meanwhile counts as alive
         doc["writer_alive"] = alive or writer_alive(run_dir)
     if p.history.records:
@@ -116,7 +116,7 @@ def summary(log: LmdbLog, run_dir: Path, as_json: bool, *, verify: bool = False)
         sys.stdout.write("".join(f"{k:<{width}}  {v}\n" for k, v in lines))
 
 
-def _verified(start: int, stop: int, run_dir: Path) -> dict[str, Any]:
+def _verified(start: int, run_dir: Path) -> dict[str, Any]:
     """What the summary verified: keys and checksums from ``from_seq`` on (0: the whole log), after
     the snapshot at ``snapshot_seq`` (None: none used), and how to verify everything."""
     return {"from_seq": start, "snapshot_seq": start - 1 if start else None,
