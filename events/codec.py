@@ -56,6 +56,7 @@ __all__ = [
     "encode",
     "kind_of",
     "partial_decoder",
+    "skimming_decoder",
     "partial_type",
     "type_codes",
     "upcast",
@@ -209,9 +210,9 @@ def type_codes(events: Iterable[Any]) -> bytes:
 class _PartialDecoder:
     __slots__ = ("_decoder", "_codes")
 
-    def __init__(self, partials: Mapping[type[Event], type[Event]]) -> None:
+    def __init__(self, partials: Mapping[type[Event], type[Event]], complete: bool = True) -> None:
         for full, part in partials.items():
-            _check_partial(full, part)
+            _check_partial(full, part, complete)
         types = tuple(partials.get(t, t) for t in EVENT_TYPES)
         self._decoder: msgspec.msgpack.Decoder[list[Any]] = msgspec.msgpack.Decoder(
             list[Union[types]]  # type: ignore[valid-type]
@@ -255,6 +256,22 @@ def partial_decoder(
     return _PartialDecoder(partials)
 
 
+def skimming_decoder(
+    skims: Mapping[type[Event], type[Event]],
+) -> Callable[[list[Any], int], tuple[list[Any], bytes]]:
+    """A :func:`partial_decoder` whose lighter types may leave out required fields too: each holds
+    only the fields its reader reads (same names on the wire, types and defaults), so a value
+    lacking or mistyping another required field is *not* refused. Only for a reader whose values
+    are validated with the full types by another pass (the audit's second process,
+    :mod:`nnx_es.audit.segments`).
+
+    Raises:
+        TypeError: a lighter type has another tag than the type it stands for, or a field that
+            is not that type's (or is typed or defaulted otherwise).
+    """
+    return _PartialDecoder(skims, complete=False)
+
+
 def partial_type(full: type[Event], *optional: str) -> type[Event]:
     """A partial type of the current event type ``full`` for :func:`partial_decoder`: its tag,
     every required field and the ``optional`` ones named, with the same types and defaults,
@@ -286,7 +303,7 @@ def partial_type(full: type[Event], *optional: str) -> type[Event]:
     return part
 
 
-def _check_partial(full: type[Event], part: type[Event]) -> None:
+def _check_partial(full: type[Event], part: type[Event], complete: bool = True) -> None:
     if full not in CURRENT_TYPES:
         raise TypeError(f"partial type {part.__name__} stands for {full.__name__}, expected a current event type")
     fc, pc = full.__struct_config__, part.__struct_config__  # type: ignore[attr-defined]
@@ -295,7 +312,7 @@ def _check_partial(full: type[Event], part: type[Event]) -> None:
     fields = {f.name: f for f in msgspec.structs.fields(full)}
     declared = {f.name for f in msgspec.structs.fields(part)}
     for f in fields.values():
-        if f.required and f.name not in declared:
+        if complete and f.required and f.name not in declared:
             raise TypeError(f"partial type {part.__name__} leaves out {full.__name__}'s required field {f.name!r}")
     for f in msgspec.structs.fields(part):
         like = fields.get(f.name)

@@ -15,12 +15,12 @@ from __future__ import annotations
 import itertools
 import sys
 from array import array
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import NoReturn
 
 from events.errors import SequenceGapError
 
-__all__ = ["check_keys"]
+__all__ = ["check_items", "check_keys"]
 
 #: keys compared per block
 _BLOCK = 1 << 16
@@ -43,6 +43,24 @@ def check_keys(keys: Iterator[bytes], first: int = 0) -> int:
     while block := list(itertools.islice(keys, _BLOCK)):
         if not _in_order(block, n):
             _raise_first([*block, *itertools.islice(keys, 1)], n)  # with the key after the block
+        n += len(block)
+    return n - first
+
+
+def check_items(items: Iterator[tuple[bytes, bytes]], each: Callable[[int, list[bytes]], None], first: int = 0,
+                size: int = 1024) -> int:
+    """:func:`check_keys` over ``(key, value)`` items, in one pass: each block of at most ``size`` values is
+    handed to ``each(first_seq, values)`` once its keys are checked; returns how many there are.
+
+    Raises:
+        SequenceGapError: as :func:`check_keys` (the values of that block are not handed on).
+    """
+    n = first
+    while block := list(itertools.islice(items, size)):
+        keys, values = zip(*block)
+        if not _in_order(keys, n):  # type: ignore[arg-type]
+            _raise_first([*keys, *(k for k, _ in itertools.islice(items, 1))], n)
+        each(n, list(values))
         n += len(block)
     return n - first
 

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import itertools
 import os
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -44,7 +44,7 @@ import lmdb
 
 from events.chunks import RawChunk, StoredPairs, cursor_chunks, ends_read
 from events.errors import EventLogError, LogClosedError, TruncatedLogError
-from events.keys import check_keys
+from events.keys import check_items, check_keys
 from events.logbase import EventLog, MemoryLog, LogBase, seq_key  # noqa: F401 (EventLog, MemoryLog: re-exported)
 from events.sums import SUMS_DB, SumProblem, SumRecord, batch_crc, pack_sum, unpack_sum, verify
 
@@ -323,7 +323,9 @@ class LmdbLog(LogBase):
         with self._reading(), self._txn() as txn:
             yield from cursor_chunks(txn.cursor(self._events), start, stop, self.read_chunk)
 
-    def check_keys(self, start: int = 0, stop: int | None = None) -> int:
+    def check_keys(
+        self, start: int = 0, stop: int | None = None, *, each_chunk: Callable[[int, list[bytes]], None] | None = None,
+    ) -> int:
         """Check that the stored keys are 0, 1, 2, ... in stored order; return how many there are.
 
         With ``start`` / ``stop``: only the keys of the entries from the first at or past
@@ -331,7 +333,9 @@ class LmdbLog(LogBase):
         folding from a snapshot checks the keys it folds); the count returned is theirs.
 
         One key-only pass of the cursor (no value is read; ``events.keys``): about
-        0.1 µs a key.
+        0.1 µs a key. With ``each_chunk``, the values are read in the same pass and handed on a
+        chunk (:attr:`read_chunk` values) at a time, each once its keys are checked
+        (:func:`events.keys.check_items`: a reader that checks both pays for one cursor pass).
 
         Raises:
             SequenceGapError: naming the first key out of place, the seq due there and the
@@ -344,9 +348,11 @@ class LmdbLog(LogBase):
             cur = txn.cursor(self._events)
             if start > 0 and not cur.set_range(seq_key(start)):
                 return 0
-            keys = cur.iternext(keys=True, values=False)
+            keys = cur.iternext(keys=True, values=each_chunk is not None)
             if stop is not None:
                 keys = itertools.islice(keys, max(stop - start, 0))
+            if each_chunk is not None:
+                return check_items(keys, each_chunk, start, self.read_chunk)  # type: ignore[arg-type]
             return check_keys(keys, start)
 
     def read(
@@ -385,11 +391,23 @@ class LmdbLog(LogBase):
                 return
             yield record
 
-    def verify_sums(self, stop: int | None = None) -> Iterator[SumProblem]:
+    def verify_sums(
+        self, stop: int | None = None, *, start: int = 0,
+        each_chunk: Callable[[int, list[bytes]], None] | None = None,
+    ) -> Iterator[SumProblem]:
         """Yield the ranges of stored values with seq < ``stop`` that do not verify (:func:`events.sums.verify`).
+
+        ``start``: verify only from the sum record that covers seq ``start`` (the last one whose
+        first seq is at or before it; with none, from ``start``, its values uncovered) on: a reader
+        that folds from a snapshot verifies the values it folds, O(those) not O(log).
 
         One read transaction: the sum records and the values (:meth:`read_chunks`' reading)
         are one snapshot, so a live writer's batches are seen whole or not at all.
+
+        ``each_chunk(first_seq, values)``: called with each chunk of values read (every value
+        below ``stop``, in seq order, once) before its checksum is accumulated, so a reader that
+        needs the values too (the audit, :mod:`nnx_es.audit.segments`) reads them once. Its
+        exceptions end the read and propagate. The problems are the same with it or without.
 
         Raises:
             EventLogError: LMDB refused a read (a corrupted page).
@@ -398,8 +416,19 @@ class LmdbLog(LogBase):
             raise LogClosedError("read on a closed event log")
         self._open_sums()  # before the transaction: a database opened during one is not valid in it
         with self._reading(), self._txn() as txn:
-            chunks = cursor_chunks(txn.cursor(self._events), 0, stop, self.read_chunk)
-            yield from verify(self._sum_records(txn, 0, stop), chunks, stop)
+            begin = self._covering(txn, start) if start > 0 else 0
+            chunks = cursor_chunks(txn.cursor(self._events), begin, stop, self.read_chunk)
+            if each_chunk is not None:
+                chunks = _passing(chunks, each_chunk)
+            yield from verify(self._sum_records(txn, begin, stop), chunks, stop)
+
+    def _covering(self, txn: lmdb.Transaction, seq: int) -> int:
+        """The first seq of the last sum record starting at or before ``seq`` (``seq`` when there is none)."""
+        if self._sums is None:
+            return seq
+        cur = txn.cursor(self._sums)
+        found = cur.prev() if cur.set_range(seq_key(seq + 1)) else cur.last()
+        return int.from_bytes(cur.key(), "big") if found else seq
 
     def put_snapshot(self, seq: int, value: bytes) -> None:
         """Store the projection snapshot ``value`` under ``seq`` (replacing one there), in one unsynced
@@ -532,3 +561,9 @@ class LmdbLog(LogBase):
             self._env.close()
         super().close()
 
+
+def _passing(chunks: Iterator[RawChunk], each: Callable[[int, list[bytes]], None]) -> Iterator[RawChunk]:
+    """``chunks``, each handed to ``each`` before it is yielded."""
+    for first, values in chunks:
+        each(first, values)
+        yield first, values

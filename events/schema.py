@@ -122,6 +122,9 @@ class RunStarted(Event, frozen=True, kw_only=True, tag="run_started"):
     #: the models of a several-model run by name (a frozen one by the hash of its state: a stateful
     #: resume with other frozen weights is refused); None: a run of one net
     models: dict[str, ModelDecl] | None = None
+    #: the per-row history journal (``Trainer(history=...)``: ``"HistoryJournal(window=N, chunk_rows=M)"``,
+    #: ``"none"`` without one; a stateful resume with another is refused); None: a run recorded before it was
+    history: str | None = None
 
 
 class RunResumed(Event, frozen=True, kw_only=True, tag="run_resumed"):

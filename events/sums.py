@@ -139,7 +139,8 @@ def verify(sums: Iterable[SumRecord], chunks: Iterable[RawChunk], stop: int | No
 
     Args:
         sums: the sum records in key (first seq) order.
-        chunks: the stored values in seq order (``read_chunks``), from seq 0.
+        chunks: the stored values in seq order (``read_chunks``), from seq 0 -- or from the first seq
+            of the first record of ``sums`` (a verification of the log from that record on).
         stop: records starting at or after it, and values from it on, are not read
             (``None``: all of them).
 

@@ -275,9 +275,10 @@ def _require_run_dir(source: Path) -> None:
 
 
 def _check_same_recipe(components: RunComponents, mine: RunStarted, started: RunStarted | None,
-                       manifest: Manifest) -> None:
+                       manifest: Manifest, *, fork: bool = False) -> None:
     """A stateful resume continues the same recipe: optimizers, schedulers, monitor, window, loss
-    (:mod:`nnx_es.declare`), averaging update hooks, and a callback for every callback state LAST holds.
+    (:mod:`nnx_es.declare`), history journal, averaging update hooks, and a callback for every
+    callback state LAST holds. A ``fork`` writes its own run and journal: its history journal may differ.
 
     The averaging hooks (:class:`~nnx_es.update_hooks.EMA`) are not declared in ``run_started``:
     they are read from the LAST ``manifest``'s ``update_hook/<name>`` components, in order (the
@@ -311,9 +312,13 @@ def _check_same_recipe(components: RunComponents, mine: RunStarted, started: Run
         return
     for field, label in (("optimizers", "optimizers"), ("schedulers", "schedulers"), ("monitor", "monitor"),
                          ("accumulation", "accumulation window"), ("update", "precision or gradient clipping"),
-                         ("objective", "loss"), ("models", "models (a frozen model's weights, by hash)")):
+                         ("objective", "loss"), ("models", "models (a frozen model's weights, by hash)"),
+                         ("history", "history journal (history=: its records would be split between the log and "
+                                     "the journal, or chunked otherwise)")):
+        if field == "history" and fork:
+            continue
         theirs, ours = getattr(started, field), getattr(mine, field)
-        if theirs != ours and not (field in ("update", "objective", "models") and theirs is None):  # None: an older run declared none
+        if theirs != ours and not (field in ("update", "objective", "models", "history") and theirs is None):  # None: an older run declared none
             raise ResumeError(
                 f"cannot resume run {started.run_id!r} statefully with a different {label}: the run declared "
                 f"{theirs!r}, this trainer has {ours!r} (use resume_mode='weights_only' to start a new run); "
@@ -339,7 +344,7 @@ def _load_from(components: RunComponents, source: Path, *, own: Path, at: int | 
     with LmdbLog(source / "events.lmdb", readonly=True) as src_log:
         point = find_resume_point(source, src_log, at=at)
         if fork:
-            _check_same_recipe(components, declared, point.started, point.manifest)
+            _check_same_recipe(components, declared, point.started, point.manifest, fork=True)
         loaded = load_state(BlobStore(source / "blobs", log=src_log), point.manifest)
     apply_loaded(components, loaded, fork=fork)
     return SourceRef(run_id=point.run_id, last_seq=point.last_seq, manifest=point.manifest_hash,

@@ -405,6 +405,7 @@ class Trainer:
             lineage=self.lineage, param_groups=group_names(self.optimizers),
             models=self.net.declare() if isinstance(self.net, ModelSet) else None,
             world_size=self.components.world.size, writer_rank=self.components.world.writer_rank,
+            history=repr(self.rows.journal) if self.rows.journal is not None else "none",
         )
 
     # --- the run ------------------------------------------------------------------------

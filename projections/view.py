@@ -152,6 +152,9 @@ for _i, (_name, _fn, _types) in enumerate(_FOLDS):
     for _t in _types:
         _BY_TYPE[_t] = (*_BY_TYPE.get(_t, ()), (_i, _fn))
 
+#: the event types a projection other than the counters folds (every other type is only counted)
+FOLDED_BEYOND_COUNTERS: frozenset[type] = frozenset(_BY_TYPE)
+
 
 #: a ``microbatch_done`` as a fold that only counts it reads it: its required fields checked,
 #: ``terms`` skipped (for :func:`events.codec.partial_decoder`; the projections and the curves use it)
@@ -287,13 +290,15 @@ class Projector:
             if codes[b] == _RESUMED:
                 self.pending.clear()
             else:
-                self._commit(events[b].covers)
+                self._commit(events[b].covers, seqs[b])
                 self.in_group = True
             self.fold(seqs[b : b + 1], events[b : b + 1], codes[b : b + 1])
             i = b + 1
 
-    def _commit(self, covers: int) -> None:
-        """Fold what a LAST commits: every pending event, or, deferred, those up to ``covers`` and checkpoints."""
+    def _commit(self, covers: int, at: int = -1) -> None:
+        """Fold what a LAST commits: every pending event, or, deferred, those up to ``covers`` and checkpoints.
+
+        ``at``: the LAST's seq (for a subclass that folds with checks: the point the log was read to)."""
         pending = self.pending
         if not pending:
             return

@@ -38,7 +38,6 @@ from events.schema import (
     RunStarted,
     SchedulerDecl,
     SchedulerStepped,
-    UpdateCommitted,
     ValidationDone,
 )
 from nnx_es.audit.report import Sink
@@ -108,6 +107,14 @@ class CommittedCheck:
         self.best_epochs: set[int] = set()
         self.pending_best: tuple[int, int, int] | None = None  # (LAST seq, epoch, decision seq)
         self.journal_head = ""  # the manifest of the newest committed journal_published
+        self.update_clocked = False  # a scheduler on the optimizer_update clock is declared
+
+    def hot_inert(self) -> bool:
+        """Whether :meth:`feed` of a ``microbatch_done`` or an ``update_committed`` would only set ``prev_kind``
+        now: no optimizer_update window open (nothing owed), no epoch-end validation awaiting its
+        summary, no scheduler on the optimizer_update clock (each receipt would open a window).
+        Then a run of them can be taken at once (:mod:`nnx_es.audit.segments`): ``prev_kind`` = the last one's."""
+        return not self.owed and self.validation is None and not self.update_clocked
 
     # --- dispatch -------------------------------------------------------------------
 
@@ -123,10 +130,15 @@ class CommittedCheck:
         if kind == "microbatch_done":  # the hot path: nothing else to check
             self.prev_kind = kind
             return
+        if kind == "update_committed":  # by kind: the audit may read it as a partial struct (audit.segments)
+            self._receipt(seq, event.optimizer)  # type: ignore[attr-defined]
+            self.prev_kind = kind
+            return
         match event:
             case RunStarted(schedulers=decls, monitor=monitor, run_id=run_id):
                 self.decls = {d.name: d for d in decls}
                 self.steps = {d.name: 0 for d in decls}
+                self.update_clocked = any(d.clock == "optimizer_update" for d in decls)
                 self.monitor = monitor
                 self.run_id = self.run_id or run_id
             case RunResumed():
@@ -134,11 +146,6 @@ class CommittedCheck:
             case EpochBegan(epoch=e):
                 self._missing_best()
                 self.epoch, self.epoch_end, self.epoch_steps, self.summary = e, False, {}, {}
-            case UpdateCommitted(optimizer=opt):
-                for name, d in self.decls.items():
-                    if d.clock == "optimizer_update" and d.optimizer == opt:
-                        first, n = self.owed.get(name, (seq, 0))
-                        self.owed[name] = (first, n + 1)
             case SchedulerStepped():
                 self._stepped(seq, event)
             case ValidationDone(metrics=metrics, trigger=trigger):
@@ -181,6 +188,13 @@ class CommittedCheck:
             case _:
                 pass
         self.prev_kind = kind
+
+    def _receipt(self, seq: int, optimizer: str) -> None:
+        """An ``update_committed`` of ``optimizer``: each optimizer_update-clock scheduler of it owes a step."""
+        for name, d in self.decls.items():
+            if d.clock == "optimizer_update" and d.optimizer == optimizer:
+                first, n = self.owed.get(name, (seq, 0))
+                self.owed[name] = (first, n + 1)
 
     def finish(self) -> None:
         if self.owed:

@@ -47,6 +47,7 @@ from nnx_es.audit.committed import CommittedCheck
 from nnx_es.audit.fold import CommittedFold
 from nnx_es.audit.reading import decoded, open_run_log
 from nnx_es.audit.report import AuditReport, Sink
+from nnx_es.audit.segments import run_segments
 from nnx_es.audit.sequence import CommitOrderCheck, DigestCheck, FinalizationCheck, LifecycleCheck
 from nnx_es.audit.snapshots import SnapshotCheck
 from nnx_es.storage import BlobStore
@@ -112,9 +113,40 @@ def audit_run(run_dir: Path) -> AuditReport:
         log.close()
 
 
-def _audit(run_dir: Path, log: LmdbLog) -> AuditReport:
-    sink = Sink()
+def _audit(run_dir: Path, log: LmdbLog, parallel: bool | None = None) -> AuditReport:
+    """The pass a segment at a time (:mod:`nnx_es.audit.segments`), or, on a log it does not cover
+    (a key out of place, a value that does not decode, a checksum problem), event by event."""
     stop = log.next_seq  # a live writer may append meanwhile: audit what was there when opened
+    sink = Sink()
+    store = BlobStore(run_dir / "blobs", log=log)
+    done = run_segments(run_dir, log, stop, sink, store, parallel)
+    if done is None:
+        return _audit_by_event(run_dir, log, stop)
+    folded, snapshots, problems = done
+    tail = _check_tail(log, sink, folded, stop)
+    notes = [*snapshots.notes, *_check_sums(iter(problems), sink, stop)]
+    return _report(run_dir, sink, folded.p, stop, tail, notes)
+
+
+def _report(run_dir: Path, sink: Sink, p: Projections, events: int, tail: int, notes: list[str]) -> AuditReport:
+    _check_views(run_dir, sink, p)
+    last = p.checkpoints.last
+    violations = sink.sorted()
+    return AuditReport(
+        ok=not violations,
+        run_id=p.status.run_id or run_dir.name,
+        status=p.status.status,
+        events=events,
+        committed_epoch=last.epoch if last is not None and last.epoch >= 0 else None,
+        tail=tail,
+        violations=violations,
+        notes=notes,
+    )
+
+
+def _audit_by_event(run_dir: Path, log: LmdbLog, stop: int) -> AuditReport:
+    """The pass event by event: the reference for a damaged log (module docstring)."""
+    sink = Sink()
     source = _Source(log, stop, sink)
     check = CommittedCheck(sink, BlobStore(run_dir / "blobs", log=log), run_id="")
     folded = CommittedFold(source)
@@ -131,19 +163,7 @@ def _audit(run_dir: Path, log: LmdbLog) -> AuditReport:
     p = folded.p
     tail = _check_tail(log, sink, folded, stop)
     notes = [*snapshots.notes, *_check_sums(log.verify_sums(stop), sink, stop)]
-    _check_views(run_dir, sink, p)
-    last = p.checkpoints.last
-    violations = sink.sorted()
-    return AuditReport(
-        ok=not violations,
-        run_id=p.status.run_id or run_dir.name,
-        status=p.status.status,
-        events=source.events,
-        committed_epoch=last.epoch if last is not None and last.epoch >= 0 else None,
-        tail=tail,
-        violations=violations,
-        notes=notes,
-    )
+    return _report(run_dir, sink, p, source.events, tail, notes)
 
 
 def _check_sums(problems: Iterator[SumProblem], sink: Sink, stop: int) -> list[str]:

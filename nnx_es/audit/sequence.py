@@ -15,7 +15,9 @@ Each check is fed ``(seq, event)`` of every decodable event and keeps O(callback
 
 from __future__ import annotations
 
-from events.codec import KINDS
+from collections.abc import Sequence
+
+from events.codec import EVENT_TYPES, KINDS, TYPE_CODES
 from events.schema import (
     BestCommitted,
     CallbackBegan,
@@ -74,6 +76,46 @@ class LifecycleCheck:
                 sources = row["source"] if isinstance(row["source"], list) else [row["source"]]
                 self.stays.setdefault(row["trigger"], set()).update(sources)
         self.candidates: list[str] | None = None  # undecided resynchronization
+        # for runs of events taken at once (feed_run): (state, type code) -> next state, and
+        # (state, a block of a run's codes) -> the state after it (None: an event of it is not accepted)
+        self.by_code: dict[tuple[str, int], str] = {
+            (src, TYPE_CODES[t]): dest for (src, kind), dest in self.table.items() for t in EVENT_TYPES if t.KIND == kind
+        }
+        self.runs: dict[tuple[str, bytes], str | None] = {}
+
+    def feed_run(self, seqs: Sequence[int], events: Sequence[Event], codes: bytes) -> None:
+        """:meth:`feed` each event of a run, in order (``codes``: their :data:`~events.codec.TYPE_CODES`), at once
+        when every one is accepted: the state after a run is looked up (the runs of a long log repeat: a
+        microbatch and its receipt), else walked code by code; a run holding an event that is not
+        accepted is fed event by event, so its violations and the resynchronization are :meth:`feed`'s."""
+        while self.candidates is not None:  # a resynchronization reads its next event's fields
+            self.feed(seqs[0], events[0])
+            seqs, events, codes = seqs[1:], events[1:], codes[1:]
+            if not codes:
+                return
+        end: str | None = self.state
+        runs = self.runs
+        for k in range(0, len(codes), 64):  # blocks of a periodic run repeat
+            block = codes[k:k + 64]
+            key = (end, block)
+            if key in runs:
+                end = runs[key]
+            else:
+                start, table = end, self.by_code
+                for code in block:
+                    end = table.get((end, code))  # type: ignore[arg-type]
+                    if end is None:
+                        break
+                if len(runs) >= 4096:
+                    runs.clear()
+                runs[(start, block)] = end
+            if end is None:
+                break
+        if end is not None:
+            self.state = end
+            return
+        for seq, event in zip(seqs, events):
+            self.feed(seq, event)
 
     def feed(self, seq: int, event: Event) -> None:
         kind = event.KIND

@@ -93,6 +93,7 @@ class SnapshotCheck:
         self.checked = 0
         self._stored = log.read_snapshots(stop, newest_first=False)
         self._next: Snapshot | None = None
+        self._body = memoryview(b"")  # the stored msgpack of ``_next`` (after its checksum)
         #: the seq of the next snapshot to meet (a pass need not call :meth:`feed` before it)
         self.next_seq = 1 << 64
         self._advance()
@@ -101,7 +102,7 @@ class SnapshotCheck:
         for seq, value in self._stored:
             found = decode_snapshot(seq, value)
             if isinstance(found, Snapshot):
-                self._next, self.next_seq = found, found.seq
+                self._next, self.next_seq, self._body = found, found.seq, memoryview(value)[4:]
                 return
             self.notes.append(found.note())
         self._next, self.next_seq = None, 1 << 64
@@ -134,6 +135,8 @@ class SnapshotCheck:
     def _compare(self, snap: Snapshot, event: Event, p: Projections) -> None:
         self.checked += 1
         in_group = event.KIND == "last_committed" or event.KIND in GROUP_KINDS
+        if _ENCODE(Snapshot(seq=snap.seq, in_group=in_group, projections=p, version=snap.version)) == self._body:
+            return  # byte for byte the snapshot the fold would store: every field equal (one encoding, not two)
         differ = [name for name in _FIELDS
                   if _ENCODE(getattr(p, name)) != _ENCODE(getattr(snap.projections, name))]
         if snap.in_group != in_group:

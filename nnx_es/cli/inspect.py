@@ -9,11 +9,15 @@ commands:
                     machine holds its writer lease; Ctrl-C stops it (exit 130)
     --at SEQ        every projection's state after the log up to SEQ (with --json or not);
                     takes no filter, since projections fold every event
-  summary           status, epochs, LAST, BEST, learning rates, counters, whether the log's
-                    values verify against their checksums, tail (--json: one
+  summary           status, epochs, LAST, BEST, learning rates, counters, whether the values
+                    it folds verify against their checksums, tail (--json: one
                     object, "writer_alive" among its keys); a run not finalized whose writer
                     lease no process on this machine holds is flagged: killed or crashed?
-                    resume it with fit(..., resume_from=RUN_DIR)
+                    resume it with fit(..., resume_from=RUN_DIR). It reads from the newest
+                    projection snapshot on (O(events since it)) and verifies what it folds:
+                    the snapshot's own checksum, the keys and values after it
+    --verify        verify the whole log instead (every key, every value's checksum); the
+                    full audit, every invariant, is tools/replay RUN_DIR
   plot --out FILE   loss, metric and learning-rate curves (matplotlib, headless); FILE's
                     extension names the format (png, pdf, svg, ...)
   plot cartography --out FILE
@@ -110,6 +114,9 @@ def _parser() -> argparse.ArgumentParser:
                         help="events: only events of data-parallel rank R")
     parser.add_argument("--json", action="store_true",
                         help="events and --at: JSON lines; summary: one JSON object")
+    parser.add_argument("--verify", action="store_true",
+                        help="summary: verify the whole log (every key, every value's checksum) instead of "
+                        "what it folds (the snapshot's checksum, the events after it)")
     parser.add_argument("--follow", action="store_true",
                         help="events: keep printing new events of a live run; export: keep exporting it")
     parser.add_argument("--at", type=_seq, default=None, metavar="SEQ",
@@ -127,7 +134,7 @@ _TAKES: dict[str, frozenset[str]] = {
     "events": frozenset({*_FILTERS, "--json", "--follow", "--at"}),
     "--follow": frozenset({*_FILTERS, "--json", "--follow"}),
     "--at": frozenset({"--at", "--json"}),
-    "summary": frozenset({"--json"}),
+    "summary": frozenset({"--json", "--verify"}),
     "plot": frozenset({"--out"}),
     "rows": frozenset({"--hardest", "--json"}),
     "export": frozenset({"--tensorboard", "--follow"}),
@@ -136,7 +143,8 @@ _TAKES: dict[str, frozenset[str]] = {
 _SHOWN = {"--follow": "events --follow", "--at": "events --at"}
 _OPTION_DEST = {"--kind": "kind", "--from": "start", "--to": "end", "--limit": "limit", "--epoch": "epoch",
                 "--rank": "rank", "--json": "json", "--follow": "follow", "--at": "at", "--schema": "schema",
-                "--out": "out", "--tensorboard": "tensorboard", "--hardest": "hardest"}
+                "--out": "out", "--tensorboard": "tensorboard", "--hardest": "hardest",
+                "--verify": "verify"}
 
 
 def _check_applicable(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -428,18 +436,19 @@ def _damaged(args: argparse.Namespace, exc: SequenceGapError) -> str:
 def _run(log: LmdbLog, args: argparse.Namespace, kinds: frozenset[str] | None) -> int:
     """Run the command on the opened ``log``; return the exit status.
 
-    The commands that fold the log (summary, plot, export) first check its keys
-    (:meth:`~events.log.LmdbLog.check_keys`, a key-only pass): a projection over a damaged key
-    could be silently wrong. ``--at`` checks the keys it folds (from its snapshot to SEQ).
+    The commands that fold the whole log (plot, export, rows; summary with ``--verify``) first
+    check its keys (:meth:`~events.log.LmdbLog.check_keys`, a key-only pass): a projection over a
+    damaged key could be silently wrong. ``--at`` and ``summary`` check the keys they fold (from
+    their snapshot on).
 
     Raises:
         SequenceGapError: a key of the log is out of place (for --at: at or before SEQ).
         EventLogError: LMDB refused a read.
     """
-    if args.command != "events":
+    if args.command != "events" and (args.command != "summary" or args.verify):
         log.check_keys()
     if args.command == "summary":
-        summary(log, args.run_dir, args.json)
+        summary(log, args.run_dir, args.json, verify=args.verify)
     elif args.command == "rows" or (args.command == "plot" and args.what == "cartography"):
         from nnx_es.cli.rows import plot_cartography, rows_command
 

@@ -24,8 +24,9 @@ from projections import Projections
 __all__ = ["at", "projected", "summary"]
 
 
-def projected(log: LmdbLog, stop: int, *, check_keys: bool = False) -> tuple[Projections, int]:
-    """The projections of the events in ``[0, stop)`` and their uncommitted tail.
+def projected(log: LmdbLog, stop: int, *, check_keys: bool = False) -> tuple[Projections, int, int]:
+    """The projections of the events in ``[0, stop)``, their uncommitted tail, and the seq the fold
+    started at (0, or the snapshot's seq + 1).
 
     From the newest usable snapshot below ``stop`` on, a chunk at a time, decoding the
     frequent kinds partially, as the runtime projects (:func:`nnx_es.audit.project_log`); a
@@ -41,13 +42,13 @@ def projected(log: LmdbLog, stop: int, *, check_keys: bool = False) -> tuple[Pro
         log.check_keys(start, stop)
     for note in notes:
         print(f"inspect: {note}", file=sys.stderr)
-    return p, committed_tail(log, stop)
+    return p, committed_tail(log, stop), start
 
 
 def at(log: LmdbLog, seq: int, as_json: bool) -> None:
     """Every projection after folding the committed view of the log up to ``seq`` (time travel)."""
     stop = min(seq + 1, log.next_seq)
-    p, tail = projected(log, stop, check_keys=True)
+    p, tail, _ = projected(log, stop, check_keys=True)
     last = p.checkpoints.last
     doc = {
         "at": seq,
@@ -71,11 +72,27 @@ def at(log: LmdbLog, seq: int, as_json: bool) -> None:
 _UNFINISHED = frozenset({"new", "running", "failing"})
 
 
-def summary(log: LmdbLog, run_dir: Path, as_json: bool) -> None:
+def summary(log: LmdbLog, run_dir: Path, as_json: bool, *, verify: bool = False) -> None:
+    """The summary of a run, from its newest usable snapshot: O(events since it), not O(run).
+
+    It verifies what it folds: the snapshot's own checksum (an unusable snapshot is skipped with
+    a note on stderr), then the keys of the events after it and the checksums of the values
+    after it (of the write batch holding the snapshot's seq on); ``verified`` says from which
+    seq. Damage *before* the snapshot is not seen here (the snapshot was folded from those
+    values while intact): ``verify`` checks the whole log (every key -- the caller,
+    :func:`nnx_es.cli.inspect._run`, checks them first -- and every value's checksum), and
+    ``tools/replay`` audits every invariant from seq 0. The issue 14 contract: opening a run
+    costs O(events since the nearest snapshot).
+
+    Raises:
+        SequenceGapError: a key after the snapshot is out of place.
+    """
     alive = writer_alive(run_dir)  # before the log: a writer that finalizes meanwhile is not taken for dead
     stop = log.next_seq
-    p, tail = projected(log, stop)
-    doc = {**summary_of(p), "events": stop, "tail": tail, "writer_alive": None, "checksums": _checksums(log, stop)}
+    p, tail, start = projected(log, stop, check_keys=not verify)
+    start = 0 if verify else start
+    doc = {**summary_of(p), "events": stop, "tail": tail, "writer_alive": None,
+           "checksums": _checksums(log, stop, start), "verified": _verified(start, run_dir)}
     if stop and p.status.status in _UNFINISHED:  # asked again: a writer resuming it meanwhile counts as alive
         doc["writer_alive"] = alive or writer_alive(run_dir)
     if p.history.records:
@@ -99,19 +116,27 @@ def summary(log: LmdbLog, run_dir: Path, as_json: bool) -> None:
         sys.stdout.write("".join(f"{k:<{width}}  {v}\n" for k, v in lines))
 
 
-def _checksums(log: LmdbLog, stop: int) -> str:
-    """Whether the stored values verify against their CRC-32s (:mod:`events.sums`): the one check of
-    the log's bytes ``summary`` makes (a streamed pass, ~0.2 s a million events); ``tools/replay``
-    names what differs."""
+def _verified(start: int, run_dir: Path) -> dict[str, Any]:
+    """What the summary verified: keys and checksums from ``from_seq`` on (0: the whole log), after
+    the snapshot at ``snapshot_seq`` (None: none used), and how to verify everything."""
+    return {"from_seq": start, "snapshot_seq": start - 1 if start else None,
+            "whole_log": f"tools/replay {run_dir}" if start == 0 else
+            f"tools/replay {run_dir} (every invariant) or inspect {run_dir} summary --verify"}
+
+
+def _checksums(log: LmdbLog, stop: int, start: int = 0) -> str:
+    """Whether the stored values from ``start`` on verify against their CRC-32s (:mod:`events.sums`; from
+    the write batch holding ``start``): the one check of the log's bytes ``summary`` makes (a streamed
+    pass, ~0.2 s a million events); ``tools/replay`` names what differs."""
     bad, uncovered = 0, 0
-    for first, last, problem, _, _ in log.verify_sums(stop):
+    for first, last, problem, _, _ in log.verify_sums(stop, start=start):
         if problem == "uncovered":
             uncovered += last - first + 1
         else:
             bad += 1
     if bad:
         return f"{bad} range{'s' if bad != 1 else ''} of values do not verify: run tools/replay"
-    if uncovered and uncovered >= stop:
+    if uncovered and uncovered >= stop - start:
         return "not verified: the log was written before checksums existed"
     return "ok" + (f" ({uncovered} values written before checksums existed are not covered)" if uncovered else "")
 
@@ -152,5 +177,9 @@ def _summary_lines(doc: dict[str, Any], run_dir: Path) -> list[tuple[str, str]]:
         lines.append(("resumes", str(doc["resumes"])))
     lines.append(("events", str(doc["events"])))
     lines.append(("checksums", doc["checksums"]))
+    v = doc["verified"]
+    lines.append(("verified", "the whole log: every key and every value's checksum" if v["from_seq"] == 0 else
+                  f"from seq {v['from_seq']} on (the snapshot at seq {v['snapshot_seq']} by its own checksum); "
+                  f"the whole log: {v['whole_log']}"))
     lines.append(("tail", f"{doc['tail']} uncommitted event{'s' if doc['tail'] != 1 else ''}"))
     return lines

@@ -120,28 +120,75 @@ def test_a_flipped_byte_in_a_stored_event_is_refused_naming_its_seq(template, tm
         load_result(run_dir)
 
 
-def test_a_flipped_byte_before_a_projection_snapshot_is_reported_by_summary_replay_and_resume(tmp_path, monkeypatch,
-                                                                                             capsys):
-    """Deliberate: ``load_result`` (and ``inspect --at``) folds from the newest snapshot, so damage to a
-    value before it is not seen there -- the state it returns was folded from that value while intact,
-    the run's own answer. The readers that must report damage still do: ``inspect summary``'s
-    checksums, ``tools/replay`` (re-folds from 0) and a resume (reads the whole log)."""
+def _snapshotted_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Path, Any, int]:
+    """A finished run with a projection snapshot every few events: (run dir, result, newest snapshot's seq)."""
     from nnx_es import recorder
 
     monkeypatch.setattr(recorder, "SNAPSHOT_EVERY", 5)
     runs = tmp_path / "runs"
     result = fit(make_trainer(runs, RUN_ID))
-    run_dir = runs / RUN_ID
+    with LmdbLog(runs / RUN_ID / "events.lmdb", readonly=True) as log:
+        newest = max(s for s, _ in log.read_snapshots())
+    return runs / RUN_ID, result, newest
+
+
+def _summary(run_dir: Path, capsys: pytest.CaptureFixture[str], *flags: str) -> dict[str, Any]:
+    assert inspect_cli.main([str(run_dir), "summary", "--json", *flags]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_a_flipped_byte_before_a_projection_snapshot_is_reported_by_summary_verify_replay_and_resume(
+        tmp_path, monkeypatch, capsys):
+    """Deliberate: ``load_result``, ``inspect --at`` and ``inspect summary`` fold from the newest
+    snapshot (issue 14: opening a run costs O(events since it)), so damage to a value before it is
+    not seen there -- the state they return was folded from that value while intact, the run's own
+    answer; the summary says from which seq it verified. The readers that must report damage still
+    do: ``inspect summary --verify`` (every value's checksum), ``tools/replay`` (re-folds from 0)
+    and a resume (reads the whole log)."""
+    run_dir, result, newest = _snapshotted_run(tmp_path, monkeypatch)
     seq = _seq_of(run_dir, "history_appended", 0)
-    with LmdbLog(run_dir / "events.lmdb", readonly=True) as log:
-        assert any(s > seq for s, _ in log.read_snapshots())
+    assert seq < newest
     _flip_in_file(run_dir, seq, "msgpack header")
     assert load_result(run_dir) == result  # from the snapshot: the run's answer
-    assert inspect_cli.main([str(run_dir), "summary", "--json"]) == 0
-    assert "do not verify: run tools/replay" in json.loads(capsys.readouterr().out)["checksums"]
+    doc = _summary(run_dir, capsys)
+    assert doc["checksums"] == "ok" and doc["verified"]["from_seq"] == newest + 1 > seq
+    assert doc["verified"]["snapshot_seq"] == newest and "summary --verify" in doc["verified"]["whole_log"]
+    doc = _summary(run_dir, capsys, "--verify")
+    assert "do not verify: run tools/replay" in doc["checksums"] and doc["verified"]["from_seq"] == 0
     report = audit_run(run_dir)
     assert (seq, 1) in [(v.seq, v.invariant) for v in report.violations]
     _assert_refused_untouched(run_dir, ResumeError, rf"cannot resume .*event at seq {seq} does not decode")
+
+
+def test_a_flipped_byte_after_the_newest_snapshot_is_reported_by_summary(tmp_path, monkeypatch, capsys):
+    """What the summary folds it verifies: a value after the newest snapshot (here one that still
+    decodes, so only its checksum tells) is reported, without ``--verify``."""
+    run_dir, _, newest = _snapshotted_run(tmp_path, monkeypatch)
+    seq = [s for s, _ in raw_values(run_dir)][-1]  # run_finalized
+    assert seq > newest
+    raw = dict(raw_values(run_dir))[seq]
+    at = raw.index(b"completed")
+    flip_in_file(run_dir, seq, at, ord("C"))  # "Completed": decodes, an unknown status
+    doc = _summary(run_dir, capsys)
+    assert doc["checksums"] == "1 range of values do not verify: run tools/replay"
+    assert doc["verified"]["from_seq"] == newest + 1
+    assert (seq, 1) in [(v.seq, v.invariant) for v in audit_run(run_dir).violations]
+
+
+def test_summary_checks_the_keys_it_folds_and_verify_every_key(tmp_path, monkeypatch, capsys):
+    """A changed key after the newest snapshot stops the summary (exit 2, named); one before it, only
+    ``summary --verify`` (and tools/replay) see."""
+    run_dir, _, newest = _snapshotted_run(tmp_path, monkeypatch)
+    n = len(raw_values(run_dir))
+    before, after = 3, n - 1
+    assert before < newest < after
+    change_key(run_dir / "events.lmdb", before, before | 1 << 40)
+    assert _summary(run_dir, capsys)["checksums"] == "ok"
+    assert inspect_cli.main([str(run_dir), "summary", "--verify"]) == 2
+    assert f"damaged at seq {before}" in capsys.readouterr().err
+    change_key(run_dir / "events.lmdb", after, after | 1 << 40)
+    assert inspect_cli.main([str(run_dir), "summary"]) == 2
+    assert f"damaged at seq {after}" in capsys.readouterr().err
 
 
 # --- flipped bytes in LMDB's own pages --------------------------------------------------------

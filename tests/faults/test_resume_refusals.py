@@ -333,3 +333,54 @@ def test_a_resume_mode_without_a_source_is_refused_not_ignored(tmp_path, mode, a
         train(runs, 2, [], run_id="r" if auto else "other", resume_mode=mode, **({"resume": "auto"} if auto else {}))
     assert isinstance(err.value, ValueError)
     assert _tree(runs / "r") == before and not (runs / "other").exists()
+
+
+# --- another history journal ---------------------------------------------------------------------
+
+
+def _journal_fit(runs: Path, epochs: int, history, **kw):
+    from nnx_es.rows import HistoryJournal, with_row_ids
+
+    net = small_net(0)
+    train_loader, val_loader = loaders(batch_size=8)
+    train_loader = torch.utils.data.DataLoader(with_row_ids(train_loader.dataset), batch_size=8)
+    val_loader = torch.utils.data.DataLoader(with_row_ids(val_loader.dataset), batch_size=8)
+    trainer = Trainer(net, torch.optim.SGD(net.parameters(), lr=0.1), torch.nn.CrossEntropyLoss(), runs_root=runs,
+                      run_id="r", seed=0, progress=False,
+                      history=None if history is None else HistoryJournal(*history))
+    return trainer.fit(train_loader, val_loader, epochs=epochs, **kw)
+
+
+@pytest.mark.parametrize("first, then, said", [
+    ((2, 16), None, "'HistoryJournal(window=2, chunk_rows=16)', this trainer has 'none'"),
+    (None, (2, 16), "'none', this trainer has 'HistoryJournal(window=2, chunk_rows=16)'"),
+    ((2, 16), (2, 8), "'HistoryJournal(window=2, chunk_rows=16)', this trainer has 'HistoryJournal(window=2, "
+                      "chunk_rows=8)'"),
+], ids=["dropped", "added", "rechunked"])
+def test_a_stateful_resume_with_another_history_journal_is_refused_naming_old_and_new(tmp_path, first, then, said):
+    import re
+
+    runs = tmp_path / "runs"
+    _journal_fit(runs, 1, first)
+    started = next(e for _, e in read_events(runs / "r") if e.KIND == "run_started")
+    assert started.history == ("none" if first is None else f"HistoryJournal(window={first[0]}, chunk_rows={first[1]})")
+    before = _tree(runs / "r")
+    with pytest.raises(ResumeError, match=r"different history journal .*the run declared " + re.escape(said)):
+        _journal_fit(runs, 2, then, resume_from=runs / "r")
+    assert _tree(runs / "r") == before  # refused before training: nothing restored or written
+    assert len(_journal_fit(runs, 2, first, resume_from=runs / "r").history) == 2  # the same journal resumes
+
+
+def test_a_run_recorded_before_the_journal_was_declared_resumes_with_any(tmp_path, monkeypatch):
+    import msgspec
+
+    import nnx_es.trainer
+
+    runs = tmp_path / "runs"
+    real = nnx_es.trainer.Trainer._declare
+    with monkeypatch.context() as m:  # a run_started as recorded before history was declared in it
+        m.setattr(nnx_es.trainer.Trainer, "_declare",
+                  lambda self, *a: msgspec.structs.replace(real(self, *a), history=None))
+        _journal_fit(runs, 1, None)
+    assert next(e for _, e in read_events(runs / "r") if e.KIND == "run_started").history is None
+    assert len(_journal_fit(runs, 2, (2, 16), resume_from=runs / "r").history) == 2
