@@ -30,6 +30,16 @@ def dataset(n: int = N_ROWS) -> TensorDataset:
     return TensorDataset(x, y, w)
 
 
+def ignored_data(n: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (n, 5), y (n,) class ids with ignore_index (-100) targets, more on even rows (rank 0 under
+    ``train_loader(..., shuffle=False)``) than odd; batch 2 of rows 0-3 is ignored on rank 0 only."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(n, 5, generator=g)
+    y = torch.randint(0, 3, (n,), generator=g)
+    y[torch.tensor([0, 2, 6, 8, 9, 14])] = -100
+    return x, y
+
+
 def net(seed: int = 0) -> nn.Module:
     torch.manual_seed(seed)
     return nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3))

@@ -110,6 +110,23 @@ def _fit_rows(out: Path, run_id: str, data: Any, **kw: Any) -> tuple[Any, Any]:
 
 
 @case
+def ignored_targets(world: World, out: Path) -> dict[str, Any]:
+    """Unweighted CrossEntropyLoss with ignore_index targets, unequal per rank (rank 0 holds more):
+    every update is torch's mean over the union's kept targets (the staged W carries them)."""
+    import ddpkit
+    from nnx_es import Trainer
+    from nnx_es.distributed import DDP, train_loader
+
+    x, y = ddpkit.ignored_data()
+    model = ddpkit.net()
+    t = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.5), torch.nn.CrossEntropyLoss(),
+                runs_root=out / "runs", run_id="ignored", distributed=DDP(timeout_seconds=30), progress=False)
+    result = t.fit(train_loader(torch.utils.data.TensorDataset(x, y), 2, shuffle=False), epochs=1)
+    return {"params": ddpkit.params(model), "digest": ddpkit.digest(model), "steps": result.counters.step,
+            "status": result.status}
+
+
+@case
 def masked_window(world: World, out: Path) -> dict[str, Any]:
     """Rows are dealt in order (rank r: r, r+2, ...), 2 per batch. Batch 0: every weight 0 on both ranks
     (W == 0: skipped everywhere); batch 1: 0 on rank 0 only (W > 0: committed everywhere)."""

@@ -11,7 +11,7 @@ import ddpkit
 from launch import results, torchrun
 
 SCRIPT = Path(__file__).resolve().parent / "scenarios.py"
-CASES = ["equivalence", "masked_window", "nonfinite_window", "refusals", "decisions", "local_stop", "writer_only",
+CASES = ["equivalence", "ignored_targets", "masked_window", "nonfinite_window", "refusals", "decisions", "local_stop", "writer_only",
          "commit_fault", "resume_other_world", "resume_auto", "sha_refusal", "callback_roles",
          "divergence", "resume_killed"]
 
@@ -65,6 +65,22 @@ def test_two_ranks_commit_the_parameters_of_one_process_on_the_union_of_their_ba
         assert torch.allclose(torch.tensor(r0["params"][k]), torch.tensor(v), rtol=1e-5, atol=1e-6), k
     assert r0["status"] == r1["status"] == "completed"
     assert r0["wrapped"] == "Sequential"  # DDP wraps per fit; the net is never replaced
+
+
+def test_ignored_targets_are_left_out_of_the_unions_mean_on_every_rank(ddp_run: Path) -> None:
+    """torch's mean CE over the union's kept targets, each update: rank r holds rows r, r+2, ... (2 a batch)."""
+    r0, r1 = _ok(ddp_run, "ignored_targets")
+    assert r0["digest"] == r1["digest"]
+    x, y = ddpkit.ignored_data()
+    ref = ddpkit.net()
+    opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+    for i in range(0, len(x), 4):  # the union of the ranks' batch i: rows 4i .. 4i+3
+        opt.zero_grad()
+        torch.nn.CrossEntropyLoss()(ref(x[i:i + 4]), y[i:i + 4]).backward()
+        opt.step()
+    for k, v in ddpkit.params(ref).items():
+        assert torch.allclose(torch.tensor(r0["params"][k]), torch.tensor(v), rtol=1e-5, atol=1e-6), k
+    assert r0["steps"] == 4
 
 
 def test_learning_rates_and_receipts_do_not_depend_on_world_size(ddp_run: Path, reference) -> None:
