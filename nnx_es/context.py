@@ -61,7 +61,7 @@ class TrainContext:
         self.predictions: Tensor | None = None
         self.targets: Tensor | None = None
         self._loss: float | None = None
-        self._loss_deferred: tuple[Tensor, float | Tensor] | None = None
+        self._loss_deferred: tuple[Tensor, float, Tensor | None] | None = None
         self.rows = 0
         self.validation: dict[str, float] | None = None
         self.decision: MonitorDecided | None = None
@@ -83,10 +83,14 @@ class TrainContext:
         deferred = self._loss_deferred
         if deferred is not None:
             self._loss_deferred = None
-            total, den = deferred
-            num = total.item()
-            if not isinstance(den, (int, float)):  # a tensor: less the rows of ignored targets, read now
-                den = float(den)
+            total, den, ignored = deferred
+            if ignored is None:
+                num = total.item()
+            else:  # less the rows of ignored targets: read with the loss (one transfer)
+                import torch
+
+                num, ignored_rows = torch.stack([total.detach().double(), ignored.double()]).tolist()
+                den -= ignored_rows
             self._loss = num / den if den > 0 else math.nan
         return self._loss
 
@@ -94,10 +98,10 @@ class TrainContext:
     def loss(self, value: float | None) -> None:
         self._loss, self._loss_deferred = value, None
 
-    def defer_loss(self, total: Tensor, den: float | Tensor) -> None:
-        """Set :attr:`loss` to ``total / den``, read from ``total`` (0-dim, any device; ``den`` a float,
-        or a 0-dim tensor read with it) only when asked for."""
-        self._loss_deferred = (total, den)
+    def defer_loss(self, total: Tensor, den: float, ignored: Tensor | None = None) -> None:
+        """Set :attr:`loss` to ``total / (den - ignored)``, read from ``total`` (0-dim, any device) and
+        ``ignored`` (0-dim: rows of ignored targets; None: none) only when asked for."""
+        self._loss_deferred = (total, den, ignored)
 
     def settle_loss(self, total: Tensor, value: float) -> None:
         """``total``'s mean loss is known on the host now: :attr:`loss` is ``value`` if it still waits for ``total``."""

@@ -328,7 +328,7 @@ class UpdateEngine:
         den = parts.den
         ign = parts.ignored  # rows of ignored targets (an ignore_index): den - ign is exact, read with the window
         loss_t = total.detach()  # stays on the device: read with the window (see _settle)
-        ctx.defer_loss(loss_t, den if ign is None else den - ign)
+        ctx.defer_loss(loss_t, den, ign)
         fused = self._fused
         if fused is not None:  # DDP: the window's [numerator, W] go with the synchronizing backward
             num_t = loss_t.double() if self._w_num_t is None else self._w_num_t + loss_t.double()

@@ -280,6 +280,8 @@ def _ignored_rows(targets: Any, ignore: tuple[int, ...]) -> Tensor | None:
     """Rows' worth of class-index targets equal to an ``ignore_index`` (0-dim, unread): their count for
     ``(B,)`` targets, the count over the values per row for ``(B, d1, ...)``; None for other targets
     (see :func:`ignored_mask`). Two small ops on the device, no host read."""
+    if type(targets) is Tensor and len(ignore) == 1 and targets.dim() == 1 and targets.dtype == torch.int64:
+        return (targets == ignore[0]).sum()  # the common case first: (B,) class ids, one ignore_index
     hit = ignored_mask(targets, ignore)
     if hit is None:
         return None

@@ -186,3 +186,27 @@ def test_weighted_rows_with_ignored_targets_divide_by_the_kept_weight(tmp_path):
         ((per_row * wb)[keep].sum() / wb[keep].sum()).backward()
         opt.step()
     torch.testing.assert_close(net.weight, ref.weight, rtol=0, atol=1e-6)
+
+
+def test_ctx_loss_read_inside_a_window_is_the_mean_over_the_kept_targets(tmp_path):
+    from nnx_es import Callback
+
+    x, y = _data()
+    seen: list[float] = []
+
+    class Reader(Callback):
+        distributed = "all"
+
+        def on_batch_end(self, ctx) -> None:  # noqa: ANN001
+            seen.append(ctx.loss)  # read inside the window on the first microbatch of each
+
+    torch.manual_seed(1)
+    net = nn.Linear(5, 3)
+    trainer = Trainer(net, torch.optim.SGD(net.parameters(), lr=0.5), nn.CrossEntropyLoss(), runs_root=tmp_path,
+                      run_id="r", progress=False, accumulation=2, callbacks=[Reader()])
+    trainer.fit(DataLoader(TensorDataset(x, y), batch_size=16), epochs=1)
+    done = of_kind(tmp_path / "r", "microbatch_done")
+    assert seen == pytest.approx([m.loss for m in done], rel=1e-6)
+    torch.manual_seed(1)
+    first = nn.Linear(5, 3)
+    assert seen[0] == pytest.approx(nn.CrossEntropyLoss()(first(x[:16]), y[:16]).item(), rel=1e-6)
