@@ -140,7 +140,7 @@ def run_hand(dataset, epochs: int, root: Path, *, save: bool = False, agree: str
                 dist.all_reduce(t)
                 t.tolist()
             elif fused is not None:
-                fused.result().tolist()
+                fused.result()
             opt.step()
             steps += 1
         if save and writer:

@@ -556,13 +556,14 @@ class UpdateEngine:
         """
         self._settle()
         world = self.state.world
-        carried = self._fused.result() if self._fused is not None and not self._unsynced else None
+        fused = self._fused
+        carried = fused.result() if fused is not None and not self._unsynced else None
         if carried is not None:  # summed by the gradients' own all-reduce (nnx_es.distributed.fused)
-            num, W = carried.tolist()
+            num, W = carried
             self.w_num = num
             self.w_nonfinite = not math.isfinite(num)  # a sum is finite only if every term was
             self.w_global_den = W
-            self.w_collective_bytes += self._grad_bytes + 16
+            self.w_collective_bytes += self._grad_bytes + fused.last_bytes
             return W  # type: ignore[no-any-return]
         if self._unsynced:
             self._unsynced = False

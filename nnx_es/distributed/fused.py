@@ -9,15 +9,31 @@ all-reduce per step against the same loop with :class:`FusedAgreement`).
 
 :class:`FusedAgreement` is a DDP communication hook (``DistributedDataParallel.register_comm_hook``,
 torch's documented extension point) that appends the staged values to the last bucket the
-reducer all-reduces in a backward and splits them off again:
+reducer all-reduces in a backward and splits them off again. The gradients are reduced exactly
+as torch's default hook does (``allreduce_hook``: divide by the world size, sum, in the bucket's
+own dtype); the bucket is never widened. The staged values (float64) travel as follows:
 
-* the last bucket and the values are summed in float64 -- the values exactly as a float64
-  all-reduce of their own gives them; the bucket's gradients are the float64 sum of the ranks'
-  float32 gradients, divided by the world size and rounded once to float32 (with 2 ranks that
-  is exactly what a float32 sum gives: IEEE addition is correctly rounded);
-* every other bucket, and a backward with nothing staged, is reduced as torch's default hook
-  does (``allreduce_hook``: divide by the world size, sum).
+* a float64 bucket: appended as they are (their sums are those of a float64 all-reduce);
+* a float32 bucket (the common case): each value ``v`` is cut into float32 *parts* on a fixed
+  grid of powers of two, ``2**b_0 < 2**b_1 < ... < 2**b_M`` with ``b_0 = -149`` (float32's
+  smallest subnormal) and steps of ``k = 24 - ceil(log2(world size))`` bits:
+  ``part_j = fmod(v, 2**b_j) - fmod(v, 2**b_(j-1))`` (``fmod`` and that difference are exact in
+  IEEE arithmetic). A part is an integer multiple of ``2**b_(j-1)`` below ``2**k`` of them, so
+  the sum of the world size's parts -- in any order, as gloo's ring takes them -- is an integer
+  below ``2**24`` of them: exact in float32. The host adds the summed parts with ``math.fsum``
+  (correctly rounded), so the result is the exact sum of the ranks' values rounded once to
+  float64 -- with 2 ranks bitwise what a float64 all-reduce gives (one correctly rounded
+  addition), with more ranks at least as accurate. The grid is the same on every rank and
+  needs no collective; ``2 * 12 + 1`` float32 values for ``[numerator, W]`` on 2 ranks.
+* a value the grid cannot carry exactly -- ``|v| >= 2**b_M`` (``2**127`` on 2 ranks), a non-finite
+  value, or one with bits below ``2**-149`` (a float64 value that no float32/float16/bfloat16
+  sum gives) -- sets a count appended after the parts. The count is part of the same sum, so
+  every rank sees it; then :meth:`FusedAgreement.result` all-reduces the staged values in float64
+  on every rank (a second collective, only then: today's exact answer, never a rounded one).
+* any other bucket dtype (float16, bfloat16): the values are appended to a float64 copy of the
+  bucket, whose sum is divided by the world size and rounded once to the bucket's dtype.
 
+Every other bucket, and a backward with nothing staged, is reduced as ``allreduce_hook`` does.
 The values must be known before the backward that synchronizes (they are: the window's losses
 and denominators are formed by its forwards); :meth:`FusedAgreement.result` reads the sums
 after that backward returned (DDP waits for every bucket's future before ``backward`` returns).
@@ -26,6 +42,7 @@ A backward under ``no_sync`` runs no hook: the staged values wait for the next s
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -34,7 +51,43 @@ from torch import Tensor
 
 from nnx_es.errors import ConfigError
 
-__all__ = ["FusedAgreement"]
+__all__ = ["FusedAgreement", "float32_grid", "float32_parts", "from_parts"]
+
+_LOW = -149  # float32's smallest subnormal is 2**-149: every float32/float16/bfloat16 sum is a multiple
+
+
+def float32_grid(world_size: int) -> list[float] | None:
+    """The powers of two ``[2**b_0, ..., 2**b_M]`` that cut a float64 value into float32 parts whose
+    sums over ``world_size`` ranks are exact (module docstring), or ``None`` when the world is too
+    large for parts of at least 8 bits (more than 65,536 ranks: the float64 path is used)."""
+    k = 24 - max(0, math.ceil(math.log2(world_size)))
+    if k < 8:
+        return None
+    # the last part's sums stay below 2**(b_(M-1) + 24), within float32's range (< 2**128)
+    m = (128 - 24 - _LOW) // k + 1
+    return [math.ldexp(1.0, _LOW + j * k) for j in range(m + 1)]
+
+
+def float32_parts(values: Tensor, grid: Tensor) -> Tensor:
+    """``values`` ((V,) float64) cut into float32 parts on ``grid`` (:func:`float32_grid` as a float64
+    tensor of M + 1 powers, on their device), value by value, then the count of values the grid
+    cannot carry exactly (too large, non-finite, or with bits below ``2**-149``): a (V * M + 1,)
+    float32 tensor, formed on the device without a host read. Summing such tensors of up to the
+    grid's world size in float32, in any order, is exact; :func:`from_parts` reads the sums."""
+    m = torch.fmod(values.unsqueeze(1), grid)  # (V, M + 1): the bits of each value below each power, exact
+    parts = torch.diff(m, dim=1)  # (V, M): bits [b_(j-1), b_j) of each value, exact
+    missed = (values.abs() >= grid[-1]) | (m[:, 0] != 0)  # too large or non-finite; bits below 2**-149 (or NaN)
+    return torch.cat((parts.reshape(-1), missed.sum().reshape(1))).to(torch.float32)
+
+
+def from_parts(sums: list[float], count: int) -> list[float] | None:
+    """The ``count`` values whose :func:`float32_parts` were summed into ``sums`` (V * M + 1 floats),
+    each the exact sum rounded once to float64 (``math.fsum``); ``None`` when the last entry (the count
+    of values the parts could not carry) is not 0 -- then sum the values themselves in float64."""
+    if sums[-1] != 0:
+        return None
+    m = (len(sums) - 1) // count
+    return [math.fsum(sums[i * m:(i + 1) * m]) for i in range(count)]
 
 
 class FusedAgreement:
@@ -51,8 +104,17 @@ class FusedAgreement:
 
     def __init__(self, ddp: Any, group: Any = None) -> None:
         self.group = group
+        self.size = dist.get_world_size(group)
         self._staged: Tensor | None = None
-        self._result: Tensor | None = None
+        #: after a carrying backward: (the summed tail, its kind, this rank's staged values)
+        self._result: tuple[Tensor, str, Tensor] | None = None
+        grid = float32_grid(self.size)
+        self._grid = grid
+        self._powers: dict[Any, Tensor] = {}  # device -> the grid as a float64 tensor
+        #: how many synchronizing backwards fell back to a float64 all-reduce of the values (a count, for tests)
+        self.fallbacks = 0
+        #: bytes the last result added to the gradients' all-reduce (its tail), plus a fallback's
+        self.last_bytes = 0
         try:
             ddp.register_comm_hook(self, FusedAgreement._hook)
         except RuntimeError as exc:
@@ -65,16 +127,38 @@ class FusedAgreement:
         self._staged = values.detach().to(torch.float64)
         self._result = None
 
-    def result(self) -> Tensor | None:
-        """The staged values summed over the ranks (float64, 1-D), once the backward carrying them returned;
-        ``None`` if no synchronizing backward carried them yet. Each result is handed out once."""
+    def result(self) -> list[float] | None:
+        """The staged values summed over the ranks (float64, as Python floats), once the backward
+        carrying them returned; ``None`` if no synchronizing backward carried them yet. Each result
+        is handed out once. One host read; a second, float64 all-reduce only when some rank's value
+        could not ride in float32 parts exactly (the module docstring; counted in :attr:`fallbacks`)."""
         out, self._result = self._result, None
-        return out
+        if out is None:
+            return None
+        tail, kind, staged = out
+        self.last_bytes = tail.numel() * tail.element_size()
+        if kind == "float64":
+            return tail.tolist()  # type: ignore[no-any-return]
+        got = from_parts(tail.tolist(), staged.numel())
+        if got is None:  # the same count on every rank: every rank falls back alike
+            self.fallbacks += 1
+            self.last_bytes += staged.numel() * staged.element_size()
+            exact = staged.clone()
+            dist.all_reduce(exact, group=self.group)
+            return exact.tolist()  # type: ignore[no-any-return]
+        return got
+
+    def _parts(self, staged: Tensor) -> Tensor:
+        """:func:`float32_parts` of ``staged`` on this agreement's grid (cached per device)."""
+        grid = self._powers.get(staged.device)
+        if grid is None:
+            grid = self._powers[staged.device] = torch.tensor(self._grid, dtype=torch.float64, device=staged.device)
+        return float32_parts(staged, grid)
 
     @staticmethod
     def _hook(state, bucket):  # type: ignore[no-untyped-def]  # DDP checks the annotations: none (a GradBucket)
         buf = bucket.buffer()
-        size = dist.get_world_size(state.group)
+        size = state.size
         staged = state._staged
         if staged is None or not bucket.is_last():
             buf.div_(size)
@@ -82,13 +166,26 @@ class FusedAgreement:
             return work.get_future().then(lambda fut: fut.value()[0])
         state._staged = None
         n = buf.numel()
-        joined = torch.cat([buf.to(torch.float64), staged.to(buf.device)])
+        staged = staged.to(buf.device)
+        if buf.dtype == torch.float64 or (buf.dtype == torch.float32 and state._grid is not None):
+            kind = "float64" if buf.dtype == torch.float64 else "float32"
+            tail = staged if kind == "float64" else state._parts(staged)
+            joined = torch.cat((buf.div_(size), tail))
+
+            def split(fut: torch.futures.Future) -> Tensor:
+                out = fut.value()[0]
+                state._result = (out[n:], kind, staged)
+                buf.copy_(out[:n])
+                return buf
+        else:  # float16 / bfloat16 (or a world too large for the grid): a float64 copy of the bucket
+            kind = "float64"
+            joined = torch.cat((buf.to(torch.float64), staged))
+
+            def split(fut: torch.futures.Future) -> Tensor:
+                out = fut.value()[0]
+                state._result = (out[n:], kind, staged)
+                buf.copy_(out[:n].div_(size))
+                return buf
+
         work = dist.all_reduce(joined, group=state.group, async_op=True)
-
-        def split(fut: torch.futures.Future) -> Tensor:
-            out = fut.value()[0]
-            state._result = out[n:].clone()
-            buf.copy_(out[:n].div_(size))
-            return buf
-
         return work.get_future().then(split)

@@ -67,6 +67,42 @@ def partitions(world: World, out: Path) -> dict[str, Any]:
             "expect_val": shard_indices(11, rank=world.rank, world_size=world.size)}
 
 
+@case
+def fused_hook(world: World, out: Path) -> dict[str, Any]:
+    """FusedAgreement on a float32 and a float64 model: the gradients bitwise those of DDP's own hook,
+    the values summed exactly (float32 parts), a value the parts cannot carry summed in float64."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    from nnx_es.distributed.fused import FusedAgreement
+
+    got: dict[str, Any] = {}
+    for dtype in (torch.float32, torch.float64):
+        torch.manual_seed(0)
+        base = torch.nn.Linear(6, 3).to(dtype)
+        plain = DistributedDataParallel(base)
+        fused_net = torch.nn.Linear(6, 3).to(dtype)
+        fused_net.load_state_dict(base.state_dict())
+        fused_ddp = DistributedDataParallel(fused_net)
+        agreement = FusedAgreement(fused_ddp)
+        x = torch.randn(4, 6, generator=torch.Generator().manual_seed(world.rank + 1), dtype=dtype)
+        runs = []
+        for values in ([float(torch.tensor(0.1 * (world.rank + 1), dtype=torch.float32)) * 3, 4.0 + world.rank * 2.5],
+                       [2.0 ** -200 if world.rank == 0 else 1.0, 3.0],  # off the float32 grid: the float64 path
+                       [1e300 * (world.rank + 1), 1.0]):  # beyond 2**127
+            for m in (plain, fused_ddp):
+                m.zero_grad()
+            plain(x).square().sum().backward()
+            agreement.stage(torch.tensor(values, dtype=torch.float64))
+            fused_ddp(x).square().sum().backward()
+            exact = torch.tensor(values, dtype=torch.float64)
+            dist.all_reduce(exact)
+            runs.append({"sum": agreement.result(), "float64": exact.tolist(), "fallbacks": agreement.fallbacks,
+                         "same_grads": all(torch.equal(a.grad, b.grad) for a, b in
+                                           zip(base.parameters(), fused_net.parameters()))})
+        got[str(dtype)] = runs
+    return got
+
+
 # --- part 2: the trainer path ------------------------------------------------------------
 
 
