@@ -52,7 +52,9 @@ REPO = Path(__file__).resolve().parents[1]
 HAND, HAND_SAVE = "hand DDP loop", "hand DDP loop + torch.save each epoch"
 NNX_ROWS, NNX = "nnx_es DDP, batch_gather=False", "nnx_es DDP (every default)"
 HAND_SEPARATE = "hand DDP loop + save + a second all_reduce per step (nnx_es's agreement before the fusion)"
-HAND_FUSED = "hand DDP loop + save + the agreement in the last gradient bucket (comm hook)"
+HAND_FUSED = "hand DDP loop + save + the agreement in the last gradient bucket (comm hook, float32 parts)"
+HAND_FUSED64 = "hand DDP loop + save + the agreement in a float64 copy of the last bucket (the hook before)"
+HAND_PYHOOK = "hand DDP loop + save + a Python comm hook doing what DDP's C++ one does"
 BATCH = 32
 TARGET = 1.10
 
@@ -106,7 +108,9 @@ def run_hand(dataset, epochs: int, root: Path, *, save: bool = False, agree: str
     ``agree``: ``"separate"`` adds what nnx_es's window end did before the fusion -- a second, blocking
     all_reduce of ``[numerator, denominator, non-finite flag]`` (float64) after backward and a
     host read of it; ``"fused"`` carries the same three values in the gradients' last bucket
-    (:class:`nnx_es.distributed.fused.FusedAgreement`, a DDP comm hook: no second collective).
+    (:class:`nnx_es.distributed.fused.FusedAgreement`, a DDP comm hook: no second collective);
+    ``"fused64"`` the same hook widening the bucket to float64 (``carry="float64"``, as before the
+    float32 parts); ``"pyhook"`` torch's Python ``allreduce_hook`` (the cost of a Python hook alone).
     """
     import torch
     import torch.distributed as dist
@@ -116,10 +120,14 @@ def run_hand(dataset, epochs: int, root: Path, *, save: bool = False, agree: str
     net = _net()
     model = DistributedDataParallel(net)
     fused = None
-    if agree == "fused":
+    if agree in ("fused", "fused64"):
         from nnx_es.distributed.fused import FusedAgreement
 
-        fused = FusedAgreement(model)
+        fused = FusedAgreement(model, carry="float64" if agree == "fused64" else "auto")
+    elif agree == "pyhook":
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+        model.register_comm_hook(None, allreduce_hook)
     loader = _loader(dataset)
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     loss_fn = nn.CrossEntropyLoss()
@@ -178,6 +186,8 @@ def _contenders(with_nnx: bool) -> dict[str, Callable[[Any, int, Path], int]]:
         HAND: run_hand,
         HAND_SAVE: lambda d, e, r: run_hand(d, e, r, save=True),
         HAND_SEPARATE: lambda d, e, r: run_hand(d, e, r, save=True, agree="separate"),
+        HAND_PYHOOK: lambda d, e, r: run_hand(d, e, r, save=True, agree="pyhook"),
+        HAND_FUSED64: lambda d, e, r: run_hand(d, e, r, save=True, agree="fused64"),
         HAND_FUSED: lambda d, e, r: run_hand(d, e, r, save=True, agree="fused"),
     }
     if with_nnx:

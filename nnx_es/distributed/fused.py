@@ -27,7 +27,7 @@ own dtype); the bucket is never widened. The staged values (float64) travel as f
   needs no collective; ``2 * 12 + 1`` float32 values for ``[numerator, W]`` on 2 ranks.
 * a value the grid cannot carry exactly -- ``|v| >= 2**b_M`` (``2**127`` on 2 ranks), a non-finite
   value, or one with bits below ``2**-149`` (a float64 value that no float32/float16/bfloat16
-  sum gives) -- sets a count appended after the parts. The count is part of the same sum, so
+  sum gives) -- makes a count appended after the parts non-zero. The count is part of the same sum, so
   every rank sees it; then :meth:`FusedAgreement.result` all-reduces the staged values in float64
   on every rank (a second collective, only then: today's exact answer, never a rounded one).
 * any other bucket dtype (float16, bfloat16): the values are appended to a float64 copy of the
@@ -68,16 +68,20 @@ def float32_grid(world_size: int) -> list[float] | None:
     return [math.ldexp(1.0, _LOW + j * k) for j in range(m + 1)]
 
 
-def float32_parts(values: Tensor, grid: Tensor) -> Tensor:
-    """``values`` ((V,) float64) cut into float32 parts on ``grid`` (:func:`float32_grid` as a float64
-    tensor of M + 1 powers, on their device), value by value, then the count of values the grid
-    cannot carry exactly (too large, non-finite, or with bits below ``2**-149``): a (V * M + 1,)
-    float32 tensor, formed on the device without a host read. Summing such tensors of up to the
-    grid's world size in float32, in any order, is exact; :func:`from_parts` reads the sums."""
-    m = torch.fmod(values.unsqueeze(1), grid)  # (V, M + 1): the bits of each value below each power, exact
-    parts = torch.diff(m, dim=1)  # (V, M): bits [b_(j-1), b_j) of each value, exact
-    missed = (values.abs() >= grid[-1]) | (m[:, 0] != 0)  # too large or non-finite; bits below 2**-149 (or NaN)
-    return torch.cat((parts.reshape(-1), missed.sum().reshape(1))).to(torch.float32)
+def float32_parts(values: Tensor, grid: Tensor, zeros: Tensor) -> Tensor:
+    """``values`` ((V,) float64) cut into float32 parts on ``grid``, value by value, then a count that is
+    not 0 when the grid cannot carry some value exactly (too large, non-finite, or with bits below
+    ``2**-149``; torch's ``fmod`` gives NaN where the quotient overflows, counted too): a (V * M + 1,) float32 tensor, formed on the device without a host read. ``grid``: the float64
+    tensor ``[*float32_grid(world), inf]`` (M + 2 powers, on the values' device); ``zeros``: (V, 1)
+    float64 zeros there. Summing such tensors of up to the grid's world size in float32, in any
+    order, is exact; :func:`from_parts` reads the sums."""
+    # fmod by inf is the value itself (NaN for a non-finite one); fmod by a power of two whose quotient
+    # does not overflow (any |value| < 2**128 on this grid) is exact; with a 0 before them the differences
+    # are [bits below 2**-149, the M parts, bits from 2**b_M up] of each value, every one exact
+    d = torch.diff(torch.fmod(values.unsqueeze(1), grid), dim=1, prepend=zeros)  # (V, M + 2)
+    m = d.shape[1] - 2
+    missed = torch.count_nonzero(d[:, ::m + 1])  # the first and last columns (NaN counts too)
+    return torch.cat((d[:, 1:m + 1].reshape(-1), missed.reshape(1))).to(torch.float32)
 
 
 def from_parts(sums: list[float], count: int) -> list[float] | None:
@@ -97,20 +101,27 @@ class FusedAgreement:
         ddp: a ``torch.nn.parallel.DistributedDataParallel``; the hook is registered on it (once:
             DDP takes one comm hook).
         group: the process group (default: DDP's own, the default group).
+        carry: ``"auto"`` (the module docstring) or ``"float64"``: always append the values to a
+            float64 copy of the bucket (what this hook did before the float32 parts; kept to
+            measure against, ``bench/ddp.py``).
 
     Raises:
-        ConfigError: ``ddp`` already has a comm hook (torch raises then; the message says so).
+        ConfigError: ``ddp`` already has a comm hook (torch raises then; the message says so), or
+            another ``carry``.
     """
 
-    def __init__(self, ddp: Any, group: Any = None) -> None:
+    def __init__(self, ddp: Any, group: Any = None, carry: str = "auto") -> None:
+        if carry not in ("auto", "float64"):
+            raise ConfigError(f"FusedAgreement(carry=) must be 'auto' or 'float64', got {carry!r}")
         self.group = group
+        self.widen = carry == "float64"
         self.size = dist.get_world_size(group)
         self._staged: Tensor | None = None
         #: after a carrying backward: (the summed tail, its kind, this rank's staged values)
         self._result: tuple[Tensor, str, Tensor] | None = None
         grid = float32_grid(self.size)
         self._grid = grid
-        self._powers: dict[Any, Tensor] = {}  # device -> the grid as a float64 tensor
+        self._powers: dict[Any, tuple[Tensor, Tensor]] = {}  # (device, V) -> (the grid + inf, (V, 1) zeros)
         #: how many synchronizing backwards fell back to a float64 all-reduce of the values (a count, for tests)
         self.fallbacks = 0
         #: bytes the last result added to the gradients' all-reduce (its tail), plus a fallback's
@@ -150,10 +161,12 @@ class FusedAgreement:
 
     def _parts(self, staged: Tensor) -> Tensor:
         """:func:`float32_parts` of ``staged`` on this agreement's grid (cached per device)."""
-        grid = self._powers.get(staged.device)
-        if grid is None:
-            grid = self._powers[staged.device] = torch.tensor(self._grid, dtype=torch.float64, device=staged.device)
-        return float32_parts(staged, grid)
+        key = (staged.device, staged.numel())
+        cached = self._powers.get(key)
+        if cached is None:
+            grid = torch.tensor([*self._grid, math.inf], dtype=torch.float64, device=staged.device)  # type: ignore[misc]
+            cached = self._powers[key] = (grid, torch.zeros(staged.numel(), 1, dtype=torch.float64, device=staged.device))
+        return float32_parts(staged, *cached)
 
     @staticmethod
     def _hook(state, bucket):  # type: ignore[no-untyped-def]  # DDP checks the annotations: none (a GradBucket)
@@ -167,7 +180,8 @@ class FusedAgreement:
         state._staged = None
         n = buf.numel()
         staged = staged.to(buf.device)
-        if buf.dtype == torch.float64 or (buf.dtype == torch.float32 and state._grid is not None):
+        if buf.dtype == torch.float64 or (buf.dtype == torch.float32 and state._grid is not None
+                                          and not state.widen):
             kind = "float64" if buf.dtype == torch.float64 else "float32"
             tail = staged if kind == "float64" else state._parts(staged)
             joined = torch.cat((buf.div_(size), tail))
@@ -177,7 +191,7 @@ class FusedAgreement:
                 state._result = (out[n:], kind, staged)
                 buf.copy_(out[:n])
                 return buf
-        else:  # float16 / bfloat16 (or a world too large for the grid): a float64 copy of the bucket
+        else:  # float16 / bfloat16 (or a world too large for the grid, or carry="float64"): a float64 copy
             kind = "float64"
             joined = torch.cat((buf.to(torch.float64), staged))
 

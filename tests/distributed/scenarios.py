@@ -268,6 +268,70 @@ def evaluate_record(world: World, out: Path) -> dict[str, Any]:
     return got
 
 
+@case
+def plain_loader(world: World, out: Path) -> dict[str, Any]:
+    """Found in review (issue 13): a plain DataLoader under DDP trained every rank on the same rows."""
+    import ddpkit
+    from torch.utils.data import DataLoader, DistributedSampler, Subset
+
+    from nnx_es.distributed import DDP
+
+    data = ddpkit.dataset()
+    cases = {"plain": (DataLoader(data, batch_size=5), DDP(timeout_seconds=30)),
+             "shuffled": (DataLoader(data, batch_size=5, shuffle=True), DDP(timeout_seconds=30)),
+             "list_of_batches": ([tuple(t[:5] for t in data.tensors)], DDP(timeout_seconds=30)),
+             "distributed_sampler": (DataLoader(data, batch_size=5, sampler=DistributedSampler(data, shuffle=False)),
+                                     DDP(timeout_seconds=30)),
+             "own_partition": (DataLoader(Subset(data, range(world.rank, len(data), world.size)), batch_size=5),
+                               DDP(timeout_seconds=30, own_partition=True))}
+    got: dict[str, Any] = {}
+    for name, (loader, ddp) in cases.items():
+        model = ddpkit.net()
+        t = ddpkit.trainer(model, runs_root=out / "pl", run_id=name, distributed=ddp)
+        try:
+            got[name] = t.fit(loader, epochs=1).status
+        except Exception as exc:  # noqa: BLE001
+            got[name] = _error(exc)
+    got["wrote"] = sorted(p.name for p in (out / "pl").iterdir() if not p.name.startswith(".")) \
+        if (out / "pl").exists() else []  # run directories (the lease directory aside)
+    return got
+
+
+@case
+def evaluate_whole(world: World, out: Path) -> dict[str, Any]:
+    """Found in review (issue 13): NNModel.evaluate(loader) under DDP returned the rank's shard's metrics."""
+    import ddpkit
+    from torch.utils.data import DataLoader, DistributedSampler, Subset
+
+    from nnx_es import NNModel
+    from nnx_es.batches import weighted_forward
+    from nnx_es.distributed import DDP, train_loader, validation_loader
+    from nnx_es.metrics import evaluate
+    from nnx_es.objective import Objective
+
+    model = NNModel(ddpkit.net())
+    val_set = Subset(ddpkit.dataset(), range(7))
+    val = validation_loader(val_set, 4)
+    model.train(train_loader(ddpkit.dataset(), ddpkit.BATCH, seed=ddpkit.SEED), val, epochs=1,
+                optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1), loss=torch.nn.CrossEntropyLoss(),
+                runs_root=out / "ew", run_id="ew", progress=False, distributed=DDP(timeout_seconds=30),
+                sample_weights=True)
+    loss = torch.nn.CrossEntropyLoss()
+    got: dict[str, Any] = {"gathered": model.evaluate(val, loss=loss, sample_weights=True)}
+    objective = Objective(loss)
+    got["whole"] = {k.removeprefix("val_"): v for k, v in evaluate(
+        model.net, DataLoader(val_set, 7), objective, weighted_forward, ("accuracy",))[0].items()}
+    got["shard"] = {k.removeprefix("val_"): v for k, v in evaluate(
+        model.net, val, objective, weighted_forward, ("accuracy",))[0].items()}
+    for name, loader in (("padded", DataLoader(val_set, batch_size=4, sampler=DistributedSampler(val_set, shuffle=False))),
+                         ("training_partition", train_loader(val_set, 4, seed=0))):
+        try:
+            got[name] = model.evaluate(loader, loss=loss, sample_weights=True)
+        except Exception as exc:  # noqa: BLE001
+            got[name] = _error(exc)
+    return got
+
+
 # --- part 3: records and decisions agreed ------------------------------------------------
 
 
