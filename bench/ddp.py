@@ -140,7 +140,7 @@ def run_hand(dataset, epochs: int, root: Path, *, save: bool = False, agree: str
             loss = loss_fn(model(x), y)
             if fused is not None:
                 fused.stage(torch.stack([loss.detach().double() * len(y), torch.tensor(float(len(y)), dtype=torch.float64),
-                                         (~torch.isfinite(loss.detach())).double()]))
+                                         (~torch.isfinite(loss.detach())).double()]), float32_sums=True)
             loss.backward()
             if agree == "separate":
                 t = torch.stack([loss.detach().double() * len(y), torch.tensor(float(len(y)), dtype=torch.float64),

@@ -75,6 +75,9 @@ __all__ = ["EpochTotals", "UpdateEngine", "default_forward", "default_train_step
 StepFn = Callable[[nn.Module, Any], tuple[Tensor, Tensor, Tensor | None]]
 
 _PAIRS = (tuple, list)  # the batch types the default step splits without split_batch (an exact type test)
+#: loss dtypes whose float64 sums are multiples of 2**-149: the fused agreement carries them as float32 parts
+_FLOAT32_SUMS = (torch.float32, torch.bfloat16, torch.float16)
+_TINY32 = 2.0**-149  # float32's smallest subnormal: a W that is a multiple of it is a float32 sum too
 
 
 def default_forward(net: nn.Module, batch: Any) -> tuple[Tensor, Tensor, Tensor | None]:
@@ -252,6 +255,7 @@ class UpdateEngine:
     def _reset_window(self) -> None:
         self.w_microbatches = 0
         self._w_num_t = None
+        self._w_float32_sums = True  # every loss of the window is a float32/bf16/fp16 number (DDP's fused agreement)
         self.w_den = 0.0  # this rank's denominator (the receipt's local_examples)
         # The data-parallel seam of the step receipt (spec 003): the DDP path sets the window's
         # denominator summed over the ranks (W of "One update"; None: one process, W = w_den) and
@@ -328,8 +332,12 @@ class UpdateEngine:
         if fused is not None:  # DDP: the window's [numerator, W] go with the synchronizing backward
             num_t = loss_t.double() if self._w_num_t is None else self._w_num_t + loss_t.double()
             self._w_num_t = num_t
-            if self._syncing:
-                fused.stage(torch.stack((num_t, num_t.new_tensor(self.w_den + den))))
+            if loss_t.dtype not in _FLOAT32_SUMS:
+                self._w_float32_sums = False
+            if self._syncing:  # declared float32 sums from the host alone: the dtypes, W's value (no read)
+                w = self.w_den + den
+                fused.stage(torch.stack((num_t, num_t.new_tensor(w))), float32_sums=self._w_float32_sums
+                            and math.isfinite(w) and math.fmod(w, _TINY32) == 0.0)  # fused.float32_sum
         if stages:
             stages(TrainingStage.AFTER_LOSS, ctx)
             stages(TrainingStage.BEFORE_BACKWARD, ctx)

@@ -14,24 +14,28 @@ as torch's default hook does (``allreduce_hook``: divide by the world size, sum,
 own dtype); the bucket is never widened. The staged values (float64) travel as follows:
 
 * a float64 bucket: appended as they are (their sums are those of a float64 all-reduce);
-* a float32 bucket (the common case): each value ``v`` is cut into float32 *parts* on a fixed
-  grid of powers of two, ``2**b_0 < 2**b_1 < ... < 2**b_M`` with ``b_0 = -149`` (float32's
-  smallest subnormal) and steps of ``k = 24 - ceil(log2(world size))`` bits:
-  ``part_j = fmod(v, 2**b_j) - fmod(v, 2**b_(j-1))`` (``fmod`` and that difference are exact in
-  IEEE arithmetic). A part is an integer multiple of ``2**b_(j-1)`` below ``2**k`` of them, so
-  the sum of the world size's parts -- in any order, as gloo's ring takes them -- is an integer
-  below ``2**24`` of them: exact in float32. The host adds the summed parts with ``math.fsum``
-  (correctly rounded), so the result is the exact sum of the ranks' values rounded once to
-  float64 -- with 2 ranks bitwise what a float64 all-reduce gives (one correctly rounded
-  addition), with more ranks at least as accurate. The grid is the same on every rank and
-  needs no collective; ``2 * 12 + 1`` float32 values for ``[numerator, W]`` on 2 ranks.
-* a value the grid cannot carry exactly -- ``|v| >= 2**b_M`` (``2**127`` on 2 ranks), a non-finite
-  value, or one with bits below ``2**-149`` (a float64 value that no float32/float16/bfloat16
-  sum gives) -- makes a count appended after the parts non-zero. The count is part of the same sum, so
-  every rank sees it; then :meth:`FusedAgreement.result` all-reduces the staged values in float64
-  on every rank (a second collective, only then: today's exact answer, never a rounded one).
-* any other bucket dtype (float16, bfloat16): the values are appended to a float64 copy of the
-  bucket, whose sum is divided by the world size and rounded once to the bucket's dtype.
+* a float32 bucket (the common case), values declared *float32 sums* (multiples of ``2**-149``:
+  float32/float16/bfloat16 numbers added in float64 -- the window's losses -- and counts or
+  weights that are such numbers): each value ``v`` is cut into float32 *parts* on a fixed grid
+  of powers of two, ``2**b_0 < 2**b_1 < ... < 2**b_M`` with ``b_0 = -149`` (float32's smallest
+  subnormal) and steps of ``k = 24 - ceil(log2(world size))`` bits: ``part_j = fmod(v, 2**b_(j+1))
+  - fmod(v, 2**b_j)`` for ``j < M`` and the rest ``v - fmod(v, 2**b_M)`` (``fmod`` by a power of two and
+  those differences are exact in IEEE arithmetic). Part ``j < M`` is an integer multiple of
+  ``2**b_j`` below ``2**k`` of them, so the world size's parts sum -- in any order, as gloo's ring
+  takes them -- to an integer below ``2**24`` of them: exact in float32. The rest is a multiple of
+  ``2**b_M``; its partial sums are exact until one leaves float32's range, then infinite. The host
+  adds a value's summed parts with ``math.fsum`` (correctly rounded): the exact sum of the ranks'
+  values rounded once to float64 -- with 2 ranks bitwise what a float64 all-reduce gives (one
+  correctly rounded addition), with more ranks at least as accurate. The grid is the same on
+  every rank and needs no collective: ``2 * 13`` float32 values for ``[numerator, W]`` on 2 ranks,
+  four small ops on the device, no host read.
+* a sum the parts cannot carry -- a non-finite value, or ``|v| >= 2**128`` -- comes out non-finite
+  on every rank (a NaN or an infinity in the same sums), and a staging not declared float32 sums
+  is staged as NaN parts; then :meth:`FusedAgreement.result` all-reduces the staged values in
+  float64 on every rank alike (a second collective, only then: today's exact answer).
+* any other bucket dtype (float16, bfloat16) or ``carry="float64"``: the values are appended to a
+  float64 copy of the bucket, whose sum is divided by the world size and rounded once to the
+  bucket's dtype (the hook before the float32 parts: it doubles the last bucket's bytes).
 
 Every other bucket, and a backward with nothing staged, is reduced as ``allreduce_hook`` does.
 The values must be known before the backward that synchronizes (they are: the window's losses
@@ -51,7 +55,7 @@ from torch import Tensor
 
 from nnx_es.errors import ConfigError
 
-__all__ = ["FusedAgreement", "float32_grid", "float32_parts", "from_parts"]
+__all__ = ["FusedAgreement", "float32_grid", "float32_parts", "float32_sum", "from_parts"]
 
 _LOW = -149  # float32's smallest subnormal is 2**-149: every float32/float16/bfloat16 sum is a multiple
 
@@ -68,30 +72,37 @@ def float32_grid(world_size: int) -> list[float] | None:
     return [math.ldexp(1.0, _LOW + j * k) for j in range(m + 1)]
 
 
-def float32_parts(values: Tensor, grid: Tensor, zeros: Tensor) -> Tensor:
-    """``values`` ((V,) float64) cut into float32 parts on ``grid``, value by value, then a count that is
-    not 0 when the grid cannot carry some value exactly (too large, non-finite, or with bits below
-    ``2**-149``; torch's ``fmod`` gives NaN where the quotient overflows, counted too): a (V * M + 1,) float32 tensor, formed on the device without a host read. ``grid``: the float64
-    tensor ``[*float32_grid(world), inf]`` (M + 2 powers, on the values' device); ``zeros``: (V, 1)
-    float64 zeros there. Summing such tensors of up to the grid's world size in float32, in any
-    order, is exact; :func:`from_parts` reads the sums."""
-    # fmod by inf is the value itself (NaN for a non-finite one); fmod by a power of two whose quotient
-    # does not overflow (any |value| < 2**128 on this grid) is exact; with a 0 before them the differences
-    # are [bits below 2**-149, the M parts, bits from 2**b_M up] of each value, every one exact
-    d = torch.diff(torch.fmod(values.unsqueeze(1), grid), dim=1, prepend=zeros)  # (V, M + 2)
-    m = d.shape[1] - 2
-    missed = torch.count_nonzero(d[:, ::m + 1])  # the first and last columns (NaN counts too)
-    return torch.cat((d[:, 1:m + 1].reshape(-1), missed.reshape(1))).to(torch.float32)
+def float32_parts(values: Tensor, grid: Tensor) -> Tensor:
+    """``values`` ((V,) float64 float32 sums: multiples of ``2**-149``) cut into float32 parts on
+    ``grid``, value by value: a (V * (M + 1),) float32 tensor formed on the device without a host
+    read. ``grid``: the float64 tensor ``[*float32_grid(world), inf]`` (M + 2 powers, on the values'
+    device). Summing such tensors of up to the grid's world size in float32, in any order, is
+    exact or non-finite; :func:`from_parts` reads the sums."""
+    # fmod by inf is the value itself (NaN for a non-finite one; torch's fmod is NaN too where the
+    # quotient overflows, |value| >= 2**875); fmod(v, 2**-149) is 0 for a float32 sum, so the
+    # differences are [the M parts, the rest from 2**b_M up] of each value, every one exact
+    return torch.diff(torch.fmod(values.unsqueeze(1), grid), dim=1).to(torch.float32).view(-1)
 
 
 def from_parts(sums: list[float], count: int) -> list[float] | None:
-    """The ``count`` values whose :func:`float32_parts` were summed into ``sums`` (V * M + 1 floats),
-    each the exact sum rounded once to float64 (``math.fsum``); ``None`` when the last entry (the count
-    of values the parts could not carry) is not 0 -- then sum the values themselves in float64."""
-    if sums[-1] != 0:
-        return None
-    m = (len(sums) - 1) // count
-    return [math.fsum(sums[i * m:(i + 1) * m]) for i in range(count)]
+    """The ``count`` values whose :func:`float32_parts` were summed into ``sums`` (V * (M + 1) floats),
+    each the exact sum rounded once to float64 (``math.fsum``); ``None`` when some sum is not finite
+    (a value was not finite, or the parts could not carry it) -- then sum the values in float64."""
+    m = len(sums) // count
+    out = [math.fsum(sums[i * m:(i + 1) * m]) for i in range(count)]
+    for x in out:  # fsum of finite parts is finite; of a NaN or an infinity, not
+        if not math.isfinite(x):
+            return None
+    return out
+
+
+_FLOAT32_SUMS = 2.0 ** -149
+
+
+def float32_sum(x: float) -> bool:
+    """Whether the host float ``x`` is a float32 sum (a finite multiple of ``2**-149``, ``math.fmod``
+    being exact): the declaration :meth:`FusedAgreement.stage` takes for a value known on the host."""
+    return math.isfinite(x) and math.fmod(x, _FLOAT32_SUMS) == 0.0
 
 
 class FusedAgreement:
@@ -117,11 +128,12 @@ class FusedAgreement:
         self.widen = carry == "float64"
         self.size = dist.get_world_size(group)
         self._staged: Tensor | None = None
+        self._on_grid = False
         #: after a carrying backward: (the summed tail, its kind, this rank's staged values)
         self._result: tuple[Tensor, str, Tensor] | None = None
         grid = float32_grid(self.size)
         self._grid = grid
-        self._powers: dict[Any, tuple[Tensor, Tensor]] = {}  # (device, V) -> (the grid + inf, (V, 1) zeros)
+        self._powers: dict[Any, Tensor] = {}  # device -> the grid and inf, float64
         #: how many synchronizing backwards fell back to a float64 all-reduce of the values (a count, for tests)
         self.fallbacks = 0
         #: bytes the last result added to the gradients' all-reduce (its tail), plus a fallback's
@@ -131,11 +143,18 @@ class FusedAgreement:
         except RuntimeError as exc:
             raise ConfigError(f"FusedAgreement: this DDP module already has a communication hook ({exc})") from None
 
-    def stage(self, values: Tensor) -> None:
-        """Values (1-D, any float dtype, on the buckets' device) to sum with the next synchronizing backward."""
+    def stage(self, values: Tensor, *, float32_sums: bool = False) -> None:
+        """Values (1-D, any float dtype, on the buckets' device) to sum with the next synchronizing backward.
+
+        ``float32_sums``: every value is a multiple of ``2**-149`` (float32/float16/bfloat16 numbers
+        added in float64, counts, such weights): they ride in a float32 bucket as float32 parts.
+        Otherwise (the safe default) they ride as NaN parts and :meth:`result` sums them in float64
+        with a second all-reduce. A wrong declaration gives a wrong sum: check it on the host
+        (:func:`float32_sum`, a tensor's dtype), never with a host read of the device."""
         if values.dim() != 1:
             raise ConfigError(f"FusedAgreement.stage takes a 1-D tensor, got shape {tuple(values.shape)}")
         self._staged = values.detach().to(torch.float64)
+        self._on_grid = bool(float32_sums)
         self._result = None
 
     def result(self) -> list[float] | None:
@@ -151,7 +170,7 @@ class FusedAgreement:
         if kind == "float64":
             return tail.tolist()  # type: ignore[no-any-return]
         got = from_parts(tail.tolist(), staged.numel())
-        if got is None:  # the same count on every rank: every rank falls back alike
+        if got is None:  # non-finite sums on every rank alike: every rank falls back alike
             self.fallbacks += 1
             self.last_bytes += staged.numel() * staged.element_size()
             exact = staged.clone()
@@ -160,13 +179,16 @@ class FusedAgreement:
         return got
 
     def _parts(self, staged: Tensor) -> Tensor:
-        """:func:`float32_parts` of ``staged`` on this agreement's grid (cached per device)."""
-        key = (staged.device, staged.numel())
-        cached = self._powers.get(key)
-        if cached is None:
-            grid = torch.tensor([*self._grid, math.inf], dtype=torch.float64, device=staged.device)  # type: ignore[misc]
-            cached = self._powers[key] = (grid, torch.zeros(staged.numel(), 1, dtype=torch.float64, device=staged.device))
-        return float32_parts(staged, *cached)
+        """:func:`float32_parts` of ``staged`` on this agreement's grid (cached per device); NaN parts
+        when the staging was not declared float32 sums."""
+        grid = self._powers.get(staged.device)
+        if grid is None:
+            grid = self._powers[staged.device] = torch.tensor([*self._grid, math.inf], dtype=torch.float64,  # type: ignore[misc]
+                                                              device=staged.device)
+        if not self._on_grid:
+            return torch.full((staged.numel() * (grid.numel() - 1),), math.nan, dtype=torch.float32,
+                              device=staged.device)
+        return float32_parts(staged, grid)
 
     @staticmethod
     def _hook(state, bucket):  # type: ignore[no-untyped-def]  # DDP checks the annotations: none (a GradBucket)

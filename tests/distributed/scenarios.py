@@ -73,7 +73,7 @@ def fused_hook(world: World, out: Path) -> dict[str, Any]:
     the values summed exactly (float32 parts), a value the parts cannot carry summed in float64."""
     from torch.nn.parallel import DistributedDataParallel
 
-    from nnx_es.distributed.fused import FusedAgreement
+    from nnx_es.distributed.fused import FusedAgreement, float32_sum
 
     got: dict[str, Any] = {}
     for dtype in (torch.float32, torch.float64):
@@ -87,12 +87,13 @@ def fused_hook(world: World, out: Path) -> dict[str, Any]:
         x = torch.randn(4, 6, generator=torch.Generator().manual_seed(world.rank + 1), dtype=dtype)
         runs = []
         for values in ([float(torch.tensor(0.1 * (world.rank + 1), dtype=torch.float32)) * 3, 4.0 + world.rank * 2.5],
-                       [2.0 ** -200 if world.rank == 0 else 1.0, 3.0],  # off the float32 grid: the float64 path
-                       [1e300 * (world.rank + 1), 1.0]):  # beyond 2**127
+                       [2.0 ** -200 if world.rank == 0 else 1.0, 3.0],  # not a float32 sum: the float64 path
+                       [1e300 * (world.rank + 1), 1.0]):  # a float32 sum beyond 2**128: non-finite parts
             for m in (plain, fused_ddp):
                 m.zero_grad()
             plain(x).square().sum().backward()
-            agreement.stage(torch.tensor(values, dtype=torch.float64))
+            agreement.stage(torch.tensor(values, dtype=torch.float64),
+                            float32_sums=all(float32_sum(v) for v in values))  # declared on the host
             fused_ddp(x).square().sum().backward()
             exact = torch.tensor(values, dtype=torch.float64)
             dist.all_reduce(exact)

@@ -10,14 +10,13 @@ import random
 import pytest
 import torch
 
-from nnx_es.distributed.fused import float32_grid, float32_parts, from_parts
+from nnx_es.distributed.fused import float32_grid, float32_parts, float32_sum, from_parts
 
 
 def _float32_sums(values_per_rank: list[list[float]], world: int, order: list[int]) -> list[float]:
     """What a float32 all-reduce of every rank's parts gives, adding the ranks in ``order``."""
     grid = torch.tensor([*float32_grid(world), math.inf], dtype=torch.float64)
-    zeros = torch.zeros(len(values_per_rank[0]), 1, dtype=torch.float64)
-    parts = [float32_parts(torch.tensor(v, dtype=torch.float64), grid, zeros) for v in values_per_rank]
+    parts = [float32_parts(torch.tensor(v, dtype=torch.float64), grid) for v in values_per_rank]
     total = parts[order[0]].clone()
     for r in order[1:]:
         total += parts[r]  # float32 addition, rounded -- exact when the parts are carried exactly
@@ -57,13 +56,30 @@ def test_the_grid_of_two_ranks_covers_float32_sums_from_2_to_the_minus_149_to_2_
     assert float32_grid(65537) is None  # parts of fewer than 8 bits: the float64 path
 
 
-@pytest.mark.parametrize("bad", [2.0 ** 127, -1e300, float("inf"), float("nan"), 2.0 ** -160, 1 / 3 * 2 ** -120])
-def test_a_value_the_parts_cannot_carry_exactly_is_counted_so_every_rank_falls_back(bad: float) -> None:
+@pytest.mark.parametrize("bad", [2.0 ** 128, -1e300, float("inf"), float("nan")])
+def test_a_value_the_parts_cannot_carry_makes_the_sums_non_finite_on_every_rank(bad: float) -> None:
     sums = _float32_sums([[1.5, bad], [2.0, 3.0]], 2, [0, 1])
-    assert sums[-1] > 0  # the count, the same on every rank after the sum
+    assert not all(math.isfinite(x) for x in sums[13:])  # the second value's parts: the same on every rank
     assert from_parts(sums, 2) is None  # the caller all-reduces the values in float64 instead
-    sums = _float32_sums([[1.5, 2.0 ** 126], [-0.0, 2.0 ** -149]], 2, [1, 0])  # the extremes it carries
-    assert from_parts(sums, 2) == [1.5, 2.0 ** 126 + 2.0 ** -149] and sums[-1] == 0.0
+
+
+def test_the_extremes_the_parts_carry_exactly() -> None:
+    top = 2.0 ** 128 - 2.0 ** 104  # float32's largest number
+    for values, order in (([[1.5, 2.0 ** 127], [-0.0, -(2.0 ** 127)]], [1, 0]),  # the rests cancel exactly
+                          ([[top, 2.0 ** -149], [-top, 2.0 ** -149]], [0, 1]),
+                          ([[2.0 ** 127 + 2.0 ** 100, 1.0], [2.0 ** -149, 3.0]], [0, 1])):
+        got = from_parts(_float32_sums(values, 2, order), 2)
+        assert got == [values[0][0] + values[1][0], values[0][1] + values[1][1]]
+    # both ranks past 2**127: the rests' float32 sum leaves the range -- non-finite, never rounded
+    assert from_parts(_float32_sums([[2.0 ** 127, 0.0], [2.0 ** 127, 0.0]], 2, [0, 1]), 2) is None
+
+
+def test_the_float32_sum_declaration_on_the_host() -> None:
+    assert float32_sum(2.5) and float32_sum(31.0) and float32_sum(2.0 ** -149) and float32_sum(-0.0)
+    assert float32_sum(float(torch.tensor(0.1, dtype=torch.float32)) + float(torch.tensor(1e-30)))
+    assert float32_sum(0.1)  # float64's 0.1 is a multiple of 2**-56: all the parts need
+    assert not float32_sum(0.1 * 2.0 ** -100)  # its last bit is 2**-156
+    assert not float32_sum(2.0 ** -160) and not float32_sum(math.inf) and not float32_sum(math.nan)
 
 
 def test_torch_fmod_by_the_grid_is_exact_where_the_parts_rely_on_it() -> None:

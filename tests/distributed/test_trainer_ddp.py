@@ -78,6 +78,9 @@ def test_learning_rates_and_receipts_do_not_depend_on_world_size(ddp_run: Path, 
     for g, r in zip(got, ref):
         assert g["loss"] == pytest.approx(r["loss"], rel=1e-6)
     assert any(g["local"] != g["global"] for g in got)
+    # the window's agreement: float32 parts in the gradients' own all-reduce (66 float32 parameters: 264
+    # bytes, + 2 x 13 parts), never a second collective; the trailing no_sync window: one float64 agreement
+    assert {g["bytes"] for g in got} == {264 + 104, 264 + 24}
 
 
 def test_a_window_without_valid_rows_on_any_rank_is_skipped_on_every_rank(ddp_run: Path) -> None:
@@ -95,6 +98,8 @@ def test_a_nonfinite_loss_on_one_rank_skips_the_update_on_every_rank(ddp_run: Pa
     got = ddpkit.receipts(ddp_run / "runs" / "nonfinite")
     assert [(r["kind"], r["reason"]) for r in got] == [("update_committed", None), ("update_skipped", "nonfinite"),
                                                        ("update_committed", None)]
+    # the NaN loss makes its parts non-finite on both ranks: that window alone sums [numerator, W] in float64 too
+    assert [r["bytes"] for r in got] == [264 + 104, 264 + 104 + 16, 264 + 104]
     assert r0["steps"] == r1["steps"] == 2
 
 
