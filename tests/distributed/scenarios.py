@@ -48,7 +48,10 @@ def agree(world: World, out: Path) -> dict[str, Any]:
     mx = world.agree(torch.tensor([float(world.rank)]), "max")
     return {"sum": t.tolist(), "max": mx.tolist(), "flag_any": world.agree_flag(world.rank == 1),
             "flag_none": world.agree_flag(False), "gathered": world.gather({"rank": world.rank}),
-            "shared": world.share(f"from {world.rank}"), "size": world.size, "writer": world.is_writer}
+            "shared": world.share(f"from {world.rank}"), "size": world.size, "writer": world.is_writer,
+            # one rank's object larger than the gather's frame: every rank grows it alike and gathers again
+            "big": [len(x) for x in world.gather("x" * (100_000 if world.rank == 1 else 3))],
+            "after_big": world.gather((world.rank, "y" * 5))}
 
 
 @case
