@@ -157,6 +157,44 @@ def run_hand(dataset, epochs: int, root: Path, *, save: bool = False, agree: str
     return steps
 
 
+BIG_HIDDEN, BIG_STEPS = 1536, 8
+BIG = {"DDP's C++ hook": None, "FusedAgreement, float64 copy of the bucket (before)": "float64",
+       "FusedAgreement, float32 parts (now)": "auto"}
+
+
+def run_big_bucket(carry: str | None, steps: int = BIG_STEPS) -> int:
+    """The comm hook alone on a bucket of 9.9 MB: the MLP 64-1536-1536-10 (2,476,042 parameters, one
+    bucket, so the agreement rides in all of it), SGD, 32 random rows per rank, ``steps`` steps;
+    ``carry``: None (DDP's own C++ hook) or :class:`~nnx_es.distributed.fused.FusedAgreement`'s."""
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+    from torch.nn.parallel import DistributedDataParallel
+
+    from nnx_es.distributed.fused import FusedAgreement
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(64, BIG_HIDDEN), nn.ReLU(), nn.Linear(BIG_HIDDEN, BIG_HIDDEN), nn.ReLU(),
+                        nn.Linear(BIG_HIDDEN, 10))
+    model = DistributedDataParallel(net, bucket_cap_mb=1000)
+    fused = FusedAgreement(model, carry=carry) if carry is not None else None
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    loss_fn = nn.CrossEntropyLoss()
+    g = torch.Generator().manual_seed(dist.get_rank())
+    x, y = torch.randn(32, 64, generator=g), torch.randint(0, 10, (32,), generator=g)
+    for _ in range(steps):
+        opt.zero_grad(set_to_none=True)
+        loss = loss_fn(model(x), y)
+        if fused is not None:
+            fused.stage(torch.stack([loss.detach().double() * len(y), torch.tensor(float(len(y)), dtype=torch.float64)]),
+                        float32_sums=True)
+        loss.backward()
+        if fused is not None:
+            fused.result()
+        opt.step()
+    return steps
+
+
 def nnx_available() -> bool:
     """Whether this tree's Trainer takes ``distributed=`` (the DDP trainer path)."""
     from nnx_es import Trainer
@@ -214,6 +252,8 @@ def _timed(fn: Callable[[Any, int, Path], int], dataset, epochs: int) -> dict[st
 
 def worker(args: argparse.Namespace) -> int:
     """One rank: every contender interleaved ``reps`` times; rank 0 writes the JSON to ``args.out``."""
+    import time
+
     import torch
     import torch.distributed as dist
 
@@ -233,6 +273,18 @@ def worker(args: argparse.Namespace) -> int:
             dist.all_gather_object(both, mine)
             runs[name].append({"wall": max(t["wall"] for t in both), "cpu": sum(t["cpu"] for t in both),
                                "steps": sum(t["steps"] for t in both)})
+    big: dict[str, list[float]] = {k: [] for k in BIG}  # CPU ms per step over both ranks, per rep
+    for carry in BIG.values():  # warm-up
+        run_big_bucket(carry, 1)
+    for _ in range(args.reps):
+        for name, carry in BIG.items():
+            dist.barrier()
+            c0 = time.process_time()
+            steps = run_big_bucket(carry)
+            dist.barrier()
+            both = [None] * dist.get_world_size()
+            dist.all_gather_object(both, time.process_time() - c0)
+            big[name].append(sum(both) / steps * 1e3)
     profile = None
     if args.profile and with_nnx:
         prof_dir = Path(args.profile)
@@ -248,7 +300,7 @@ def worker(args: argparse.Namespace) -> int:
         dist.all_gather_object(both, text.getvalue())
         profile = both
     if rank == 0:
-        Path(args.out).write_text(json.dumps({"runs": runs, "nnx": with_nnx, "profile": profile,
+        Path(args.out).write_text(json.dumps({"runs": runs, "nnx": with_nnx, "profile": profile, "big": big,
                                               "world_size": dist.get_world_size()}))
     dist.barrier()
     dist.destroy_process_group()
@@ -307,6 +359,15 @@ def report(result: dict[str, Any], reps: int, epochs: int) -> str:
                      f"({steps} microbatches over both ranks).")
     else:
         lines.append("nnx_es rows left out: this tree's Trainer takes no `distributed=` yet.")
+    big = result.get("big")
+    if big:
+        ref = statistics.median(big[next(iter(BIG))])
+        lines += ["", f"The window's agreement in a bucket of 9.9 MB (MLP 64-{BIG_HIDDEN}-{BIG_HIDDEN}-10, one bucket, "
+                  f"{BIG_STEPS} SGD steps, the same launch, {reps} interleaved reps; CPU ms per step, both ranks summed):",
+                  "", "| comm hook | median CPU ms / step | spread | over DDP's C++ hook |", "|---|---|---|---|"]
+        for name, xs in big.items():
+            med = statistics.median(xs)
+            lines.append(f"| {name} | {med:.1f} | {min(xs):.1f}-{max(xs):.1f} | {med - ref:+.1f} ms |")
     return "\n".join(lines) + "\n"
 
 

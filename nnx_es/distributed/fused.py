@@ -128,6 +128,7 @@ class FusedAgreement:
         self.widen = carry == "float64"
         self.size = dist.get_world_size(group)
         self._staged: Tensor | None = None
+        self._tail: Tensor | None = None  # the staged values' float32 parts (cut by stage)
         self._on_grid = False
         #: after a carrying backward: (the summed tail, its kind, this rank's staged values)
         self._result: tuple[Tensor, str, Tensor] | None = None
@@ -153,9 +154,11 @@ class FusedAgreement:
         (:func:`float32_sum`, a tensor's dtype), never with a host read of the device."""
         if values.dim() != 1:
             raise ConfigError(f"FusedAgreement.stage takes a 1-D tensor, got shape {tuple(values.shape)}")
-        self._staged = values.detach().to(torch.float64)
+        staged = self._staged = values.detach().to(torch.float64)
         self._on_grid = bool(float32_sums)
         self._result = None
+        # the parts are cut here, before the backward, off its critical path (the hook only joins them)
+        self._tail = None if self._grid is None or self.widen else self._parts(staged)
 
     def result(self) -> list[float] | None:
         """The staged values summed over the ranks (float64, as Python floats), once the backward
@@ -205,13 +208,15 @@ class FusedAgreement:
         if buf.dtype == torch.float64 or (buf.dtype == torch.float32 and state._grid is not None
                                           and not state.widen):
             kind = "float64" if buf.dtype == torch.float64 else "float32"
-            tail = staged if kind == "float64" else state._parts(staged)
+            tail = staged if kind == "float64" else state._tail
+            if tail is None or tail.device != buf.device:
+                tail = state._parts(staged)
             joined = torch.cat((buf.div_(size), tail))
 
             def split(fut: torch.futures.Future) -> Tensor:
                 out = fut.value()[0]
                 state._result = (out[n:], kind, staged)
-                buf.copy_(out[:n])
+                buf.copy_(out[:n])  # into the bucket itself (a view of the result measured no faster)
                 return buf
         else:  # float16 / bfloat16 (or a world too large for the grid, or carry="float64"): a float64 copy
             kind = "float64"
