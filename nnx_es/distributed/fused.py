@@ -11,7 +11,8 @@ all-reduce per step against the same loop with :class:`FusedAgreement`).
 torch's documented extension point) that appends the staged values to the last bucket the
 reducer all-reduces in a backward and splits them off again. The gradients are reduced exactly
 as torch's default hook does (``allreduce_hook``: divide by the world size, sum, in the bucket's
-own dtype); the bucket is never widened. The staged values (float64) travel as follows:
+own dtype); a float32 or float64 bucket is never widened. The staged values (float64) travel as
+follows:
 
 * a float64 bucket: appended as they are (their sums are those of a float64 all-reduce);
 * a float32 bucket (the common case), values declared *float32 sums* (multiples of ``2**-149``:
@@ -28,9 +29,10 @@ own dtype); the bucket is never widened. The staged values (float64) travel as f
   values rounded once to float64 -- with 2 ranks bitwise what a float64 all-reduce gives (one
   correctly rounded addition), with more ranks at least as accurate. The grid is the same on
   every rank and needs no collective: ``2 * 13`` float32 values for ``[numerator, W]`` on 2 ranks,
-  four small ops on the device, no host read.
-* a sum the parts cannot carry -- a non-finite value, or ``|v| >= 2**128`` -- comes out non-finite
-  on every rank (a NaN or an infinity in the same sums), and a staging not declared float32 sums
+  four small ops on the device in :meth:`FusedAgreement.stage` (before the backward), no host read.
+* a sum the parts cannot carry -- a non-finite value, ``|v| >= 2**128``, or rests summing past
+  float32's range -- comes out non-finite on every rank (a NaN or an infinity in the same sums),
+  and a staging not declared float32 sums
   is staged as NaN parts; then :meth:`FusedAgreement.result` all-reduces the staged values in
   float64 on every rank alike (a second collective, only then: today's exact answer).
 * any other bucket dtype (float16, bfloat16) or ``carry="float64"``: the values are appended to a
