@@ -52,7 +52,9 @@ REPO = Path(__file__).resolve().parents[1]
 HAND, HAND_SAVE = "hand DDP loop", "hand DDP loop + torch.save each epoch"
 NNX_ROWS, NNX = "nnx_es DDP, batch_gather=False", "nnx_es DDP (every default)"
 HAND_SEPARATE = "hand DDP loop + save + a second all_reduce per step (nnx_es's agreement before the fusion)"
-HAND_FUSED = "hand DDP loop + save + the agreement in the last gradient bucket (comm hook)"
+HAND_FUSED = "hand DDP loop + save + the agreement in the last gradient bucket (comm hook, float32 parts)"
+HAND_FUSED64 = "hand DDP loop + save + the agreement in a float64 copy of the last bucket (the hook before)"
+HAND_PYHOOK = "hand DDP loop + save + a Python comm hook doing what DDP's C++ one does"
 BATCH = 32
 TARGET = 1.10
 
@@ -106,7 +108,9 @@ def run_hand(dataset, epochs: int, root: Path, *, save: bool = False, agree: str
     ``agree``: ``"separate"`` adds what nnx_es's window end did before the fusion -- a second, blocking
     all_reduce of ``[numerator, denominator, non-finite flag]`` (float64) after backward and a
     host read of it; ``"fused"`` carries the same three values in the gradients' last bucket
-    (:class:`nnx_es.distributed.fused.FusedAgreement`, a DDP comm hook: no second collective).
+    (:class:`nnx_es.distributed.fused.FusedAgreement`, a DDP comm hook: no second collective);
+    ``"fused64"`` the same hook widening the bucket to float64 (``carry="float64"``, as before the
+    float32 parts); ``"pyhook"`` torch's Python ``allreduce_hook`` (the cost of a Python hook alone).
     """
     import torch
     import torch.distributed as dist
@@ -116,10 +120,14 @@ def run_hand(dataset, epochs: int, root: Path, *, save: bool = False, agree: str
     net = _net()
     model = DistributedDataParallel(net)
     fused = None
-    if agree == "fused":
+    if agree in ("fused", "fused64"):
         from nnx_es.distributed.fused import FusedAgreement
 
-        fused = FusedAgreement(model)
+        fused = FusedAgreement(model, carry="float64" if agree == "fused64" else "auto")
+    elif agree == "pyhook":
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+        model.register_comm_hook(None, allreduce_hook)
     loader = _loader(dataset)
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     loss_fn = nn.CrossEntropyLoss()
@@ -132,7 +140,7 @@ def run_hand(dataset, epochs: int, root: Path, *, save: bool = False, agree: str
             loss = loss_fn(model(x), y)
             if fused is not None:
                 fused.stage(torch.stack([loss.detach().double() * len(y), torch.tensor(float(len(y)), dtype=torch.float64),
-                                         (~torch.isfinite(loss.detach())).double()]))
+                                         (~torch.isfinite(loss.detach())).double()]), float32_sums=True)
             loss.backward()
             if agree == "separate":
                 t = torch.stack([loss.detach().double() * len(y), torch.tensor(float(len(y)), dtype=torch.float64),
@@ -140,12 +148,50 @@ def run_hand(dataset, epochs: int, root: Path, *, save: bool = False, agree: str
                 dist.all_reduce(t)
                 t.tolist()
             elif fused is not None:
-                fused.result().tolist()
+                fused.result()
             opt.step()
             steps += 1
         if save and writer:
             _atomic_save({"model": net.state_dict(), "optimizer": opt.state_dict(), "epoch": epoch,
                           "rng": torch.get_rng_state()}, root / "last.pt")
+    return steps
+
+
+BIG_HIDDEN, BIG_STEPS = 1536, 8
+BIG = {"DDP's C++ hook": None, "FusedAgreement, float64 copy of the bucket (before)": "float64",
+       "FusedAgreement, float32 parts (now)": "auto"}
+
+
+def run_big_bucket(carry: str | None, steps: int = BIG_STEPS) -> int:
+    """The comm hook alone on a bucket of 9.9 MB: the MLP 64-1536-1536-10 (2,476,042 parameters, one
+    bucket, so the agreement rides in all of it), SGD, 32 random rows per rank, ``steps`` steps;
+    ``carry``: None (DDP's own C++ hook) or :class:`~nnx_es.distributed.fused.FusedAgreement`'s."""
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+    from torch.nn.parallel import DistributedDataParallel
+
+    from nnx_es.distributed.fused import FusedAgreement
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(64, BIG_HIDDEN), nn.ReLU(), nn.Linear(BIG_HIDDEN, BIG_HIDDEN), nn.ReLU(),
+                        nn.Linear(BIG_HIDDEN, 10))
+    model = DistributedDataParallel(net, bucket_cap_mb=1000)
+    fused = FusedAgreement(model, carry=carry) if carry is not None else None
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    loss_fn = nn.CrossEntropyLoss()
+    g = torch.Generator().manual_seed(dist.get_rank())
+    x, y = torch.randn(32, 64, generator=g), torch.randint(0, 10, (32,), generator=g)
+    for _ in range(steps):
+        opt.zero_grad(set_to_none=True)
+        loss = loss_fn(model(x), y)
+        if fused is not None:
+            fused.stage(torch.stack([loss.detach().double() * len(y), torch.tensor(float(len(y)), dtype=torch.float64)]),
+                        float32_sums=True)
+        loss.backward()
+        if fused is not None:
+            fused.result()
+        opt.step()
     return steps
 
 
@@ -178,6 +224,8 @@ def _contenders(with_nnx: bool) -> dict[str, Callable[[Any, int, Path], int]]:
         HAND: run_hand,
         HAND_SAVE: lambda d, e, r: run_hand(d, e, r, save=True),
         HAND_SEPARATE: lambda d, e, r: run_hand(d, e, r, save=True, agree="separate"),
+        HAND_PYHOOK: lambda d, e, r: run_hand(d, e, r, save=True, agree="pyhook"),
+        HAND_FUSED64: lambda d, e, r: run_hand(d, e, r, save=True, agree="fused64"),
         HAND_FUSED: lambda d, e, r: run_hand(d, e, r, save=True, agree="fused"),
     }
     if with_nnx:
@@ -204,6 +252,8 @@ def _timed(fn: Callable[[Any, int, Path], int], dataset, epochs: int) -> dict[st
 
 def worker(args: argparse.Namespace) -> int:
     """One rank: every contender interleaved ``reps`` times; rank 0 writes the JSON to ``args.out``."""
+    import time
+
     import torch
     import torch.distributed as dist
 
@@ -223,6 +273,18 @@ def worker(args: argparse.Namespace) -> int:
             dist.all_gather_object(both, mine)
             runs[name].append({"wall": max(t["wall"] for t in both), "cpu": sum(t["cpu"] for t in both),
                                "steps": sum(t["steps"] for t in both)})
+    big: dict[str, list[float]] = {k: [] for k in BIG}  # CPU ms per step over both ranks, per rep
+    for carry in BIG.values():  # warm-up
+        run_big_bucket(carry, 1)
+    for _ in range(args.reps):
+        for name, carry in BIG.items():
+            dist.barrier()
+            c0 = time.process_time()
+            steps = run_big_bucket(carry)
+            dist.barrier()
+            both = [None] * dist.get_world_size()
+            dist.all_gather_object(both, time.process_time() - c0)
+            big[name].append(sum(both) / steps * 1e3)
     profile = None
     if args.profile and with_nnx:
         prof_dir = Path(args.profile)
@@ -238,7 +300,7 @@ def worker(args: argparse.Namespace) -> int:
         dist.all_gather_object(both, text.getvalue())
         profile = both
     if rank == 0:
-        Path(args.out).write_text(json.dumps({"runs": runs, "nnx": with_nnx, "profile": profile,
+        Path(args.out).write_text(json.dumps({"runs": runs, "nnx": with_nnx, "profile": profile, "big": big,
                                               "world_size": dist.get_world_size()}))
     dist.barrier()
     dist.destroy_process_group()
@@ -297,6 +359,15 @@ def report(result: dict[str, Any], reps: int, epochs: int) -> str:
                      f"({steps} microbatches over both ranks).")
     else:
         lines.append("nnx_es rows left out: this tree's Trainer takes no `distributed=` yet.")
+    big = result.get("big")
+    if big:
+        ref = statistics.median(big[next(iter(BIG))])
+        lines += ["", f"The window's agreement in a bucket of 9.9 MB (MLP 64-{BIG_HIDDEN}-{BIG_HIDDEN}-10, one bucket, "
+                  f"{BIG_STEPS} SGD steps, the same launch, {reps} interleaved reps; CPU ms per step, both ranks summed):",
+                  "", "| comm hook | median CPU ms / step | spread | over DDP's C++ hook |", "|---|---|---|---|"]
+        for name, xs in big.items():
+            med = statistics.median(xs)
+            lines.append(f"| {name} | {med:.1f} | {min(xs):.1f}-{max(xs):.1f} | {med - ref:+.1f} ms |")
     return "\n".join(lines) + "\n"
 
 

@@ -75,6 +75,9 @@ __all__ = ["EpochTotals", "UpdateEngine", "default_forward", "default_train_step
 StepFn = Callable[[nn.Module, Any], tuple[Tensor, Tensor, Tensor | None]]
 
 _PAIRS = (tuple, list)  # the batch types the default step splits without split_batch (an exact type test)
+#: loss dtypes whose float64 sums are multiples of 2**-149: the fused agreement carries them as float32 parts
+_FLOAT32_SUMS = (torch.float32, torch.bfloat16, torch.float16)
+_TINY32 = 2.0**-149  # float32's smallest subnormal: a W that is a multiple of it is a float32 sum too
 
 
 def default_forward(net: nn.Module, batch: Any) -> tuple[Tensor, Tensor, Tensor | None]:
@@ -253,6 +256,7 @@ class UpdateEngine:
     def _reset_window(self) -> None:
         self.w_microbatches = 0
         self._w_num_t = None
+        self._w_float32_sums = True  # every loss of the window is a float32/bf16/fp16 number (DDP's fused agreement)
         self.w_den = 0.0  # this rank's denominator (the receipt's local_examples)
         # The data-parallel seam of the step receipt (spec 003): the DDP path sets the window's
         # denominator summed over the ranks (W of "One update"; None: one process, W = w_den) and
@@ -333,13 +337,19 @@ class UpdateEngine:
         if fused is not None:  # DDP: the window's [numerator, W] go with the synchronizing backward
             num_t = loss_t.double() if self._w_num_t is None else self._w_num_t + loss_t.double()
             self._w_num_t = num_t
+            if loss_t.dtype not in _FLOAT32_SUMS:
+                self._w_float32_sums = False
             if ign is not None:
                 self._w_ign_t = ign if self._w_ign_t is None else self._w_ign_t + ign
-            if self._syncing:
-                w_t = num_t.new_tensor(self.w_den + den)
-                if self._w_ign_t is not None:
+                if ign.is_floating_point():  # rows' worth of ignored positions: W need not sit on the float32 grid
+                    self._w_float32_sums = False
+            if self._syncing:  # declared float32 sums from the host alone: the dtypes, W's value (no read)
+                w = self.w_den + den
+                w_t = num_t.new_tensor(w)
+                if self._w_ign_t is not None:  # less the window's ignored targets (integers: W stays on the grid)
                     w_t = w_t - self._w_ign_t
-                fused.stage(torch.stack((num_t, w_t)))
+                fused.stage(torch.stack((num_t, w_t)), float32_sums=self._w_float32_sums
+                            and math.isfinite(w) and math.fmod(w, _TINY32) == 0.0)  # fused.float32_sum
         if stages:
             stages(TrainingStage.AFTER_LOSS, ctx)
             stages(TrainingStage.BEFORE_BACKWARD, ctx)
@@ -597,13 +607,14 @@ class UpdateEngine:
         """
         self._settle()
         world = self.state.world
-        carried = self._fused.result() if self._fused is not None and not self._unsynced else None
+        fused = self._fused
+        carried = fused.result() if fused is not None and not self._unsynced else None
         if carried is not None:  # summed by the gradients' own all-reduce (nnx_es.distributed.fused)
-            num, W = carried.tolist()
+            num, W = carried
             self.w_num = num
             self.w_nonfinite = not math.isfinite(num)  # a sum is finite only if every term was
             self.w_global_den = W
-            self.w_collective_bytes += self._grad_bytes + 16
+            self.w_collective_bytes += self._grad_bytes + fused.last_bytes
             return W  # type: ignore[no-any-return]
         if self._unsynced:
             self._unsynced = False

@@ -245,12 +245,17 @@ class TrainingLoop:
                 return "update_boundary"
         if outcome.skipped == "nonfinite":
             self._nonfinite_update(epoch, ctx.batch_index)
+        validating = val_loader is not None and ((epoch + 1) % self.cadence.every == 0 or last)
+        deferred = None
         if self.digest is not None:  # after the epoch's last update, before validation
-            self.digest.at_epoch_end(rec, epoch=epoch, step=ctx.step_count)
+            # without a validation pass nothing is recorded before the epoch's sums are agreed: the
+            # digests' comparison rides in that all-reduce (one collective fewer an epoch)
+            deferred = self.digest.at_epoch_end(rec, epoch=epoch, step=ctx.step_count, defer=not validating)
         val: dict[str, float] = {}
-        if val_loader is not None and ((epoch + 1) % self.cadence.every == 0 or last):
+        if validating:
+            assert val_loader is not None
             val = self._validation_pass(val_loader)
-        record = self._close_epoch(epoch, val, t_epoch)
+        record = self._close_epoch(epoch, val, t_epoch, digest_values=deferred)
         self.progress.end_epoch(epoch, record)
         log.info("epoch committed", run_id=state.run_id, epoch=epoch, **record.train, **record.val,
                  improved=record.improved)
@@ -294,11 +299,19 @@ class TrainingLoop:
                           NonFiniteWarning, stacklevel=2)
             log.warning("updates skipped: not finite", run_id=self.state.run_id, epoch=epoch, skipped=n)
 
-    def _close_epoch(self, epoch: int, val: dict[str, float], t_epoch: float) -> HistoryRecord:
-        """Summary, the one monitor decision, epoch-clock schedulers, ``on_epoch_end``, history, commit."""
+    def _close_epoch(self, epoch: int, val: dict[str, float], t_epoch: float,
+                     digest_values: list[float] | None = None) -> HistoryRecord:
+        """Summary, the one monitor decision, epoch-clock schedulers, ``on_epoch_end``, history, commit.
+
+        ``digest_values``: the parameter digest's comparison deferred into the sums' all-reduce
+        (:meth:`nnx_es.distributed.digest.ParamDigest.at_epoch_end`), settled right after it."""
         state, ctx, rec = self.state, self.ctx, self.state.recorder
         totals = self.engine.epoch
-        totals.sums.agree(state.world, self.engine.objective.terms)  # the union's sums on every rank
+        # the union's sums on every rank (and the digests' comparison, when deferred: the same all-reduce)
+        digest_sums = totals.sums.agree(state.world, self.engine.objective.terms, digest_values or ())
+        if digest_values is not None:
+            assert self.digest is not None
+            self.digest.settle(rec, digest_sums)  # records params_digested; a difference stops every rank
         train = totals.sums.metrics()
         if totals.microbatches == 0:
             raise ConfigError(f"the train loader yielded no batch in epoch {epoch}: it is empty or exhausted (an "

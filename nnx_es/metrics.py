@@ -20,7 +20,7 @@ cannot score are refused on the first batch, before its backward pass
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -226,14 +226,16 @@ class MetricSums:
                 self.scored += s
         self.rows += rows
 
-    def agree(self, world: Any, term_names: Iterable[str] = ()) -> None:
+    def agree(self, world: Any, term_names: Iterable[str] = (), extra: Sequence[float] = ()) -> list[float]:
         """Sum these sums over the ranks of ``world`` (a :class:`~nnx_es.run_state.World`), in ONE
         all-reduce: afterwards every rank holds the union's sums, so its metrics, records and
         decisions are the same (spec 000 §3 "Records and decisions"). ``term_names``: the
-        objective's terms (a rank that scored no batch has none of its own). One process: nothing.
+        objective's terms (a rank that scored no batch has none of its own). ``extra``: more values
+        to sum in the same all-reduce (float64; e.g. the parameter digest's, deferred); their sums
+        are returned. One process: nothing (``extra`` returned as given).
         """
         if not world.distributed:
-            return
+            return list(extra)
         names = list(term_names)
         if len(names) <= 1:  # one term: the loss itself
             names = []
@@ -243,13 +245,15 @@ class MetricSums:
         rows = [m for m in self.user if isinstance(m, RowMetric)]  # a torchmetrics metric syncs in its compute()
         for m in rows:
             values += list(m.sums())
-        out = world.agree(torch.tensor(values, dtype=torch.float64)).tolist()
+        ours = len(values)
+        out = world.agree(torch.tensor(values + list(extra), dtype=torch.float64)).tolist()
         self.num, self.den, self._correct, self.scored, self.rows = out[0], out[1], out[2], out[3], int(out[4])
         if names:
             self.terms = dict(zip(names, out[5:5 + len(names)]))
         at = 5 + len(names)
         for i, m in enumerate(rows):
             m.set_sums(out[at + 2 * i], out[at + 2 * i + 1])
+        return out[ours:]
 
     def metrics(self, prefix: str = "") -> dict[str, float]:
         """``{prefix+"loss", prefix+<term> (several terms only), prefix+"accuracy"}`` as floats."""

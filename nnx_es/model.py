@@ -278,7 +278,11 @@ class NNModel:
         """Score the net on every row of ``loader``; return ``{"loss", <term>..., <metric>...}`` as floats.
 
         Each value is exact over the loader's rows (a ratio of sums, not a mean of batch means),
-        computed in eval mode without gradients, on the model's device. Batches follow the batch
+        computed in eval mode without gradients, on the model's device. Inside a process group
+        of several ranks (torchrun) it is a collective: call it on every rank, each with its
+        shard (``nnx_es.distributed.validation_loader``); the ranks' sums are all-reduced once and
+        every rank returns the whole set's metrics (:func:`nnx_es.distributed.wrap.evaluation_world`).
+        A rank calling it alone waits for the others until the group's timeout, then raises. Batches follow the batch
         contract (:mod:`nnx_es.batches`; ``sample_weights=True`` reads a third element as row weights).
 
         Args:
@@ -293,7 +297,9 @@ class NNModel:
                 ``run_finalized`` (why there: :mod:`nnx_es.evaluation`), labelled ``name``.
 
         Raises:
-            ConfigError: a batch or outputs the loss or a metric refuses (named); ``record=True``
+            ConfigError: a batch or outputs the loss or a metric refuses (named); in a group, loaders
+                that would score a row twice over the ranks; outside one, a loader that is one rank's
+                share of several (its metrics would be the share's); ``record=True``
                 without a source, with weights changed since they were loaded or trained, or in a
                 process that is one of several ranks (each would record its own shard's result).
             ResumeError / LeaseHeldError: the source run is not finalized / is being written.
@@ -325,7 +331,11 @@ class NNModel:
         check_metric_names(objective, declared)
         check_accuracy(objective, declared)
         bind_activation(declared, (t.fn for t in objective.terms.values()))
-        values, rows = evaluate_pass(self.net, loader, objective, forward, declared, device=model_device(self.net))
+        from nnx_es.distributed.wrap import evaluation_world
+
+        world = evaluation_world(loader)  # a group of several ranks: the whole set's sums, on every rank
+        values, rows = evaluate_pass(self.net, loader, objective, forward, declared, device=model_device(self.net),
+                                     world=world)
         result = {k.removeprefix("val_"): v for k, v in values.items()}
         if record:
             src = self.source

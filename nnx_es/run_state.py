@@ -29,6 +29,9 @@ if TYPE_CHECKING:
 
 __all__ = ["RunState", "StepOutcome", "World"]
 
+#: the byte frame of :meth:`World.gather` (the same on every rank: it only grows, from gathered sizes)
+_FRAME = [1 << 15]
+
 
 @dataclass(frozen=True)
 class World:
@@ -97,14 +100,36 @@ class World:
         return [o.cpu() for o in out]
 
     def gather(self, obj: Any) -> list[Any]:
-        """Every rank's ``obj`` (picklable builtins), in rank order, on every rank. One process: ``[obj]``."""
+        """Every rank's ``obj`` (picklable builtins), in rank order, on every rank. One process: ``[obj]``.
+
+        ONE all-gather of fixed-size byte frames (``torch.distributed.all_gather_object`` takes two:
+        the sizes, then the padded objects): each rank sends an 8-byte length and its pickle padded
+        to the frame size every rank holds alike (:data:`_FRAME`, grown to the largest pickle seen);
+        when some pickle did not fit, every rank sees it in the lengths and all gather again in a
+        frame that fits (the same decision on every rank: the lengths are gathered)."""
         if self.size == 1:
             return [obj]
+        import pickle
+
+        import torch
         import torch.distributed as dist
 
-        out: list[Any] = [None] * self.size
-        dist.all_gather_object(out, obj)
-        return out
+        payload = pickle.dumps(obj)
+        n = len(payload)
+        while True:
+            frame = _FRAME[0]
+            buf = torch.zeros(8 + frame, dtype=torch.uint8)
+            buf[:8] = torch.frombuffer(bytearray(n.to_bytes(8, "little")), dtype=torch.uint8)
+            if n <= frame:
+                buf[8:8 + n] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+            t = buf.to(self.device)
+            out = [torch.empty_like(t) for _ in range(self.size)]
+            dist.all_gather(out, t)
+            frames = [o.cpu().numpy().tobytes() for o in out]
+            sizes = [int.from_bytes(f[:8], "little") for f in frames]
+            if max(sizes) <= frame:
+                return [pickle.loads(f[8:8 + k]) for f, k in zip(frames, sizes)]  # noqa: S301 - the group's own ranks
+            _FRAME[0] = 1 << (max(sizes) - 1).bit_length()  # every rank grows it alike, then gathers again
 
     def share(self, obj: Any) -> Any:
         """The writer's ``obj`` on every rank (others pass anything, e.g. ``None``). One process: ``obj``."""

@@ -43,16 +43,50 @@ class ParamDigest:
     def __init__(self, net: nn.Module, world: Any, every: int | None) -> None:
         self.net, self.world, self.every = net, world, every
         self.since = 0  # the step of the last agreeing digest
+        self._deferred: tuple[torch.Tensor, int, int] = (torch.empty(0, dtype=torch.uint8), 0, 0)
 
     def after_update(self, recorder: Any, *, epoch: int, step: int) -> None:
         """After a committed update: compare when ``step`` is a multiple of ``every``."""
         if self.every is not None and step % self.every == 0:
             self.check(recorder, epoch=epoch, step=step)
 
-    def at_epoch_end(self, recorder: Any, *, epoch: int, step: int) -> None:
-        """After the epoch's last update (before validation): compare when ``every`` is None."""
-        if self.every is None:
+    def at_epoch_end(self, recorder: Any, *, epoch: int, step: int, defer: bool = False) -> list[float] | None:
+        """After the epoch's last update (before validation): compare when ``every`` is None.
+
+        ``defer``: nothing is recorded between here and the epoch's sums agreement (no validation
+        pass this epoch): return the values to add to that all-reduce (:meth:`settle` decides from
+        their sums) instead of a collective of the digest's own; ``None`` when nothing is deferred."""
+        if self.every is not None:
+            return None
+        if not defer:
             self.check(recorder, epoch=epoch, step=step)
+            return None
+        mine = self._mine()
+        self._deferred = (mine, epoch, step)
+        # byte b of every rank's digest: sum and sum of squares, exact in float64; the ranks agree
+        # on every byte iff world * (sum of squares) == sum**2 (Cauchy-Schwarz, equality iff all equal)
+        values = mine.tolist()
+        return [float(b) for b in values] + [float(b * b) for b in values]
+
+    def settle(self, recorder: Any, sums: list[float]) -> None:
+        """Decide the deferred comparison from the summed values :meth:`at_epoch_end` returned: equal
+        digests are recorded as they are (no collective); on a difference the digests are gathered
+        (to record and name them) and the run stops as :meth:`check` does.
+
+        Raises:
+            DivergenceError: on every rank alike (the sums are the same on every rank).
+        """
+        mine, epoch, step = self._deferred
+        half = len(sums) // 2
+        n = self.world.size
+        if all(n * q == s * s for s, q in zip(sums[:half], sums[half:])):
+            self._decide(recorder, [bytes(mine.tolist()).hex()] * n, epoch=epoch, step=step)
+        else:
+            self._decide(recorder, [bytes(t.tolist()).hex() for t in self.world.gather_tensor(mine)], epoch=epoch,
+                         step=step)
+
+    def _mine(self) -> torch.Tensor:
+        return torch.frombuffer(bytearray.fromhex(params_digest(self.net)), dtype=torch.uint8)
 
     def check(self, recorder: Any, *, epoch: int, step: int) -> None:
         """Gather every rank's digest, record them, and stop on a difference.
@@ -60,8 +94,10 @@ class ParamDigest:
         Raises:
             DivergenceError: on every rank alike, naming the differing ranks and the step range.
         """
-        mine = torch.frombuffer(bytearray.fromhex(params_digest(self.net)), dtype=torch.uint8)
-        digests = [bytes(t.tolist()).hex() for t in self.world.gather_tensor(mine)]  # one all-gather of 16 bytes
+        digests = [bytes(t.tolist()).hex() for t in self.world.gather_tensor(self._mine())]  # one all-gather of 16 bytes
+        self._decide(recorder, digests, epoch=epoch, step=step)
+
+    def _decide(self, recorder: Any, digests: list[str], *, epoch: int, step: int) -> None:
         agreed = len(set(digests)) == 1
         recorder.emit(ParamsDigested(epoch=epoch, step=step, digests=digests, diverged=not agreed,
                                     since_step=self.since))

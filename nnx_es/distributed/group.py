@@ -77,6 +77,12 @@ class DDP:
             of its collectives under gloo): a dead peer is an error after this long, never a hang.
         digest_every: compare a digest of every rank's parameters every N committed updates
             (``None``: at each epoch's end); a mismatch stops the run naming the ranks.
+        own_partition: the train loaders deal each rank its own rows by means nnx_es cannot
+            see (a sampler of your own, an ``IterableDataset`` that shards by rank). Without it,
+            a train loader that is neither :func:`~nnx_es.distributed.train_loader` nor a
+            ``DataLoader`` over a ``DistributedSampler`` is refused before training on every rank:
+            a plain ``DataLoader`` deals every rank the same rows (duplicated work, a global batch
+            of ``world_size`` copies). With it, the lengths are still agreed; the rows are yours.
 
     Raises:
         ConfigError: a bad argument, or an environment without a process group and without
@@ -86,8 +92,11 @@ class DDP:
     writer_rank: int = 0
     timeout_seconds: float = 60.0
     digest_every: int | None = None
+    own_partition: bool = False
 
     def __post_init__(self) -> None:
+        if not isinstance(self.own_partition, bool):
+            raise ConfigError(f"DDP(own_partition=) must be True or False, got {self.own_partition!r}")
         if isinstance(self.writer_rank, bool) or not isinstance(self.writer_rank, int) or self.writer_rank < 0:
             raise ConfigError(f"DDP(writer_rank=) must be a rank >= 0, got {self.writer_rank!r}")
         if isinstance(self.timeout_seconds, bool) or not isinstance(self.timeout_seconds, (int, float)) \

@@ -22,7 +22,7 @@ from nnx_es.errors import ConfigError
 from nnx_es.loaders import length_of
 from nnx_es.run_state import World
 
-__all__ = ["check_distributed", "data_parallel", "is_writer_rank"]
+__all__ = ["check_distributed", "data_parallel", "evaluation_world", "is_writer_rank"]
 
 _BATCHNORM = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.LazyBatchNorm1d, nn.LazyBatchNorm2d,
               nn.LazyBatchNorm3d)
@@ -101,7 +101,7 @@ def data_parallel(ddp: DDP | None, net: nn.Module, engine: Any, train_loader: An
             f"the ranks' train loaders have different lengths (from {int(-counts[1])} to {int(counts[0])} batches; "
             f"rank {world.rank} has {n}): every rank must take the same number of steps, or the group hangs; build "
             "them with nnx_es.distributed.train_loader(dataset, batch_size) on the same data set; nothing was trained")
-    _check_one_partition(world, train_loader, val_loader)
+    _check_one_partition(world, train_loader, val_loader, own_partition=ddp.own_partition)
     device_ids = [torch.device(world.device).index] if world.device.startswith("cuda") else None
     # broadcast_buffers=False: no collective per forward (BatchNorm is refused; buffers agree from the start)
     try:
@@ -156,7 +156,21 @@ def _validation_problem(world: World, loader: Any) -> str | None:
     return None
 
 
-def _check_one_partition(world: World, train_loader: Any, val_loader: Any = None) -> None:
+def _loader_name(loader: Any) -> str:
+    """A train loader as a message names it: its type, and a DataLoader's sampler and row count."""
+    sampler = getattr(loader, "sampler", None)
+    if sampler is None:
+        return f"a {type(loader).__name__}"
+    dataset = getattr(loader, "dataset", None)
+    try:
+        rows = f" over {len(dataset)} rows" if dataset is not None else ""  # type: ignore[arg-type]
+    except TypeError:
+        rows = ""
+    return f"a {type(loader).__name__} with a {type(sampler).__name__}{rows}"
+
+
+def _check_one_partition(world: World, train_loader: Any, val_loader: Any = None, *,
+                         own_partition: bool = False) -> None:
     """Refuse, on every rank alike, train partitions that are not one partition of the group's rows,
     and a validation loader that would not score every row exactly once.
 
@@ -167,13 +181,18 @@ def _check_one_partition(world: World, train_loader: Any, val_loader: Any = None
     rows twice in every metric. One gather of each rank's ``(rank, world size, description,
     validation problem)``; the message is built from all of them, so it is the same on every rank.
 
+    A train loader with no partition sampler on any rank (a plain ``DataLoader``, a list of
+    batches) deals every rank the same rows unless it shards them by means of its own: refused
+    unless ``own_partition`` (``DDP(own_partition=True)``) says so.
+
     Raises:
         ConfigError: a rank's sampler names another rank or world size than the group's, the
-            ranks' descriptions (rows, policy, seed, shuffle) differ, or a validation loader
-            repeats or leaves out rows (use :func:`~nnx_es.distributed.validation_loader`).
+            ranks' descriptions (rows, policy, seed, shuffle) differ, no rank's train loader deals
+            a partition (without ``own_partition``), or a validation loader repeats or leaves out
+            rows (use :func:`~nnx_es.distributed.validation_loader`).
     """
     mine = _partition_of(train_loader)
-    ranks = world.gather([world.rank, *mine, _validation_problem(world, val_loader)])
+    ranks = world.gather([world.rank, *mine, _validation_problem(world, val_loader), _loader_name(train_loader)])
     bad_val = [r[4] for r in ranks if r[4] is not None]
     if bad_val:
         raise ConfigError(
@@ -182,7 +201,15 @@ def _check_one_partition(world: World, train_loader: Any, val_loader: Any = None
             "nnx_es.distributed.validation_loader(dataset, batch_size) (rows rank::world, unpadded); nothing was "
             "trained")
     if all(r[3] is None for r in ranks):
-        return  # no partition sampler anywhere: a loader of the user's own (its lengths were checked)
+        if own_partition:
+            return  # DDP(own_partition=True): a loader of the user's own that shards (its lengths were checked)
+        names = sorted({r[5] for r in ranks})
+        raise ConfigError(
+            f"the train loader ({'; '.join(names)}) deals no partition of the rows to the {world.size} ranks: every "
+            f"rank would train on the same rows -- duplicated work and a global batch of {world.size} copies of one "
+            "batch; build every rank's with nnx_es.distributed.train_loader(dataset, batch_size, seed=S) (or a "
+            "DataLoader over a torch.utils.data.DistributedSampler); if your loader already deals each rank its own "
+            "rows (a sampler or IterableDataset of yours), say so with DDP(own_partition=True); nothing was trained")
     wrong = [f"rank {r[0]}'s is built for rank {r[1]} of world_size={r[2]}" for r in ranks
              if r[3] is not None and (r[1], r[2]) != (r[0], world.size)]
     kinds = {repr(r[3]) for r in ranks}
@@ -194,3 +221,46 @@ def _check_one_partition(world: World, train_loader: Any, val_loader: Any = None
             f"go unread; build every rank's with nnx_es.distributed.train_loader(dataset, batch_size, seed=S) -- the "
             f"same data set, policy and seed on every rank, rank and world_size left to the group "
             f"({world.size} ranks); nothing was trained")
+
+
+def evaluation_world(loader: Any, entry: str = "NNModel.evaluate") -> World | None:
+    """The world a standalone evaluation of ``loader`` agrees its sums over, or ``None`` (one process).
+
+    Inside an initialized process group of more than one rank the evaluation is a collective:
+    every rank scores the rows its loader gives it and the sums are all-reduced once, so every
+    rank returns the whole set's metrics (each rank's shard alone was a silent wrong answer).
+    Every rank must call it. A loader that would score some row twice over the ranks (a padded
+    ``DistributedSampler``, a training partition, a shard built for another rank) is refused on
+    every rank alike (one gather of each rank's problem, as :func:`data_parallel` does).
+
+    Without a group, a loader built as one rank's share of several (``validation_loader`` /
+    ``train_loader`` under ``WORLD_SIZE`` > 1, a ``DistributedSampler``) is refused: its metrics
+    would be that share's.
+
+    Raises:
+        ConfigError: as above; the message names the loader and what to use.
+    """
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        world = DDP().world()
+        problems = [p for p in world.gather(_validation_problem(world, loader)) if p is not None]
+        if problems:
+            raise ConfigError(
+                f"{entry} inside a group of {world.size} ranks agrees the ranks' sums, but the loaders would not "
+                f"score every row exactly once ({'; '.join(problems)}); build every rank's with "
+                "nnx_es.distributed.validation_loader(dataset, batch_size) (rows rank::world, unpadded)")
+        return world
+    sampler = getattr(loader, "sampler", None)
+    from torch.utils.data.distributed import DistributedSampler
+
+    share = getattr(sampler, "world_size", None) if not isinstance(sampler, DistributedSampler) else \
+        sampler.num_replicas
+    if isinstance(share, int) and share > 1 and (isinstance(sampler, DistributedSampler)
+                                                 or callable(getattr(sampler, "describe", None))):
+        raise ConfigError(
+            f"{entry}: the loader ({_loader_name(loader)}) deals rank {getattr(sampler, 'rank', '?')}'s share of "
+            f"{share} ranks, but no process group of several ranks is initialized to gather the others' sums: "
+            "the metrics would be that share's alone; evaluate on every rank inside the group (the process group "
+            "torchrun started: DDP().world()), or pass a loader over the whole data set here")
+    return None

@@ -101,5 +101,6 @@ def receipts(run_dir: Path) -> list[dict[str, Any]]:
     with LmdbLog(Path(run_dir) / "events.lmdb", readonly=True) as log:
         return [{"kind": e.KIND, "step": getattr(e, "step", None), "lrs": list(getattr(e, "lrs", []) or []),
                  "global": getattr(e, "global_examples", None), "local": getattr(e, "local_examples", None),
-                 "loss": getattr(e, "loss", None), "reason": getattr(e, "reason", None)}
+                 "loss": getattr(e, "loss", None), "reason": getattr(e, "reason", None),
+                 "bytes": getattr(e, "collective_bytes", None)}
                 for _, e in log.read(kinds=("update_committed", "update_skipped"))]

@@ -48,7 +48,10 @@ def agree(world: World, out: Path) -> dict[str, Any]:
     mx = world.agree(torch.tensor([float(world.rank)]), "max")
     return {"sum": t.tolist(), "max": mx.tolist(), "flag_any": world.agree_flag(world.rank == 1),
             "flag_none": world.agree_flag(False), "gathered": world.gather({"rank": world.rank}),
-            "shared": world.share(f"from {world.rank}"), "size": world.size, "writer": world.is_writer}
+            "shared": world.share(f"from {world.rank}"), "size": world.size, "writer": world.is_writer,
+            # one rank's object larger than the gather's frame: every rank grows it alike and gathers again
+            "big": [len(x) for x in world.gather("x" * (100_000 if world.rank == 1 else 3))],
+            "after_big": world.gather((world.rank, "y" * 5))}
 
 
 @case
@@ -65,6 +68,43 @@ def partitions(world: World, out: Path) -> dict[str, Any]:
     return {"train": rows, "val": [int(x) for b in vl for x in b[0]],
             "expect0": partition_indices(11, rank=world.rank, world_size=world.size, epoch=0, seed=3),
             "expect_val": shard_indices(11, rank=world.rank, world_size=world.size)}
+
+
+@case
+def fused_hook(world: World, out: Path) -> dict[str, Any]:
+    """FusedAgreement on a float32 and a float64 model: the gradients bitwise those of DDP's own hook,
+    the values summed exactly (float32 parts), a value the parts cannot carry summed in float64."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    from nnx_es.distributed.fused import FusedAgreement, float32_sum
+
+    got: dict[str, Any] = {}
+    for dtype in (torch.float32, torch.float64):
+        torch.manual_seed(0)
+        base = torch.nn.Linear(6, 3).to(dtype)
+        plain = DistributedDataParallel(base)
+        fused_net = torch.nn.Linear(6, 3).to(dtype)
+        fused_net.load_state_dict(base.state_dict())
+        fused_ddp = DistributedDataParallel(fused_net)
+        agreement = FusedAgreement(fused_ddp)
+        x = torch.randn(4, 6, generator=torch.Generator().manual_seed(world.rank + 1), dtype=dtype)
+        runs = []
+        for values in ([float(torch.tensor(0.1 * (world.rank + 1), dtype=torch.float32)) * 3, 4.0 + world.rank * 2.5],
+                       [2.0 ** -200 if world.rank == 0 else 1.0, 3.0],  # not a float32 sum: the float64 path
+                       [1e300 * (world.rank + 1), 1.0]):  # a float32 sum beyond 2**128: non-finite parts
+            for m in (plain, fused_ddp):
+                m.zero_grad()
+            plain(x).square().sum().backward()
+            agreement.stage(torch.tensor(values, dtype=torch.float64),
+                            float32_sums=all(float32_sum(v) for v in values))  # declared on the host
+            fused_ddp(x).square().sum().backward()
+            exact = torch.tensor(values, dtype=torch.float64)
+            dist.all_reduce(exact)
+            runs.append({"sum": agreement.result(), "float64": exact.tolist(), "fallbacks": agreement.fallbacks,
+                         "same_grads": all(torch.equal(a.grad, b.grad) for a, b in
+                                           zip(base.parameters(), fused_net.parameters()))})
+        got[str(dtype)] = runs
+    return got
 
 
 # --- part 2: the trainer path ------------------------------------------------------------
@@ -246,6 +286,70 @@ def evaluate_record(world: World, out: Path) -> dict[str, Any]:
 
     with LmdbLog(out / "ev" / "ev" / "events.lmdb", readonly=True) as log:
         got["evaluations"] = sum(1 for _ in log.read(kinds=("evaluation_recorded",)))
+    return got
+
+
+@case
+def plain_loader(world: World, out: Path) -> dict[str, Any]:
+    """Found in review (issue 13): a plain DataLoader under DDP trained every rank on the same rows."""
+    import ddpkit
+    from torch.utils.data import DataLoader, DistributedSampler, Subset
+
+    from nnx_es.distributed import DDP
+
+    data = ddpkit.dataset()
+    cases = {"plain": (DataLoader(data, batch_size=5), DDP(timeout_seconds=30)),
+             "shuffled": (DataLoader(data, batch_size=5, shuffle=True), DDP(timeout_seconds=30)),
+             "list_of_batches": ([tuple(t[:5] for t in data.tensors)], DDP(timeout_seconds=30)),
+             "distributed_sampler": (DataLoader(data, batch_size=5, sampler=DistributedSampler(data, shuffle=False)),
+                                     DDP(timeout_seconds=30)),
+             "own_partition": (DataLoader(Subset(data, range(world.rank, len(data), world.size)), batch_size=5),
+                               DDP(timeout_seconds=30, own_partition=True))}
+    got: dict[str, Any] = {}
+    for name, (loader, ddp) in cases.items():
+        model = ddpkit.net()
+        t = ddpkit.trainer(model, runs_root=out / "pl", run_id=name, distributed=ddp)
+        try:
+            got[name] = t.fit(loader, epochs=1).status
+        except Exception as exc:  # noqa: BLE001
+            got[name] = _error(exc)
+    got["wrote"] = sorted(p.name for p in (out / "pl").iterdir() if not p.name.startswith(".")) \
+        if (out / "pl").exists() else []  # run directories (the lease directory aside)
+    return got
+
+
+@case
+def evaluate_whole(world: World, out: Path) -> dict[str, Any]:
+    """Found in review (issue 13): NNModel.evaluate(loader) under DDP returned the rank's shard's metrics."""
+    import ddpkit
+    from torch.utils.data import DataLoader, DistributedSampler, Subset
+
+    from nnx_es import NNModel
+    from nnx_es.batches import weighted_forward
+    from nnx_es.distributed import DDP, train_loader, validation_loader
+    from nnx_es.metrics import evaluate
+    from nnx_es.objective import Objective
+
+    model = NNModel(ddpkit.net())
+    val_set = Subset(ddpkit.dataset(), range(7))
+    val = validation_loader(val_set, 4)
+    model.train(train_loader(ddpkit.dataset(), ddpkit.BATCH, seed=ddpkit.SEED), val, epochs=1,
+                optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1), loss=torch.nn.CrossEntropyLoss(),
+                runs_root=out / "ew", run_id="ew", progress=False, distributed=DDP(timeout_seconds=30),
+                sample_weights=True)
+    loss = torch.nn.CrossEntropyLoss()
+    got: dict[str, Any] = {"gathered": model.evaluate(val, loss=loss, sample_weights=True)}
+    objective = Objective(loss)
+    got["whole"] = {k.removeprefix("val_"): v for k, v in evaluate(
+        model.net, DataLoader(val_set, 7), objective, weighted_forward, ("accuracy",))[0].items()}
+    got["shard"] = {k.removeprefix("val_"): v for k, v in evaluate(
+        model.net, val, objective, weighted_forward, ("accuracy",))[0].items()}
+    for name, loader in (("padded", DataLoader(val_set, batch_size=4, sampler=DistributedSampler(val_set, shuffle=False))),
+                         ("training_partition", train_loader(val_set, 4, seed=0))):
+        try:
+            got[name] = model.evaluate(loader, loss=loss, sample_weights=True)
+        except Exception as exc:  # noqa: BLE001
+            got[name] = _error(exc)
     return got
 
 

@@ -27,6 +27,8 @@ def test_agree_gives_every_rank_the_same_answer(group_run: Path) -> None:
         assert r["max"] == [1.0]
         assert r["flag_any"] is True and r["flag_none"] is False
         assert r["gathered"] == [{"rank": 0}, {"rank": 1}]
+        assert r["big"] == [3, 100_000]  # larger than the gather's frame on rank 1 only: gathered again, grown
+        assert r["after_big"] == [[0, "yyyyy"], [1, "yyyyy"]]  # and the next gather is one frame again
         assert r["shared"] == "from 0"
         assert r["size"] == 2
     assert (r0["writer"], r1["writer"]) == (True, False)

@@ -19,7 +19,7 @@ SCRIPT = Path(__file__).resolve().parent / "scenarios.py"
 @pytest.fixture(scope="module")
 def mismatch_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("mismatch")
-    proc = torchrun(SCRIPT, str(out), "partition_mismatch,validation_mismatch,evaluate_record", timeout_s=120)
+    proc = torchrun(SCRIPT, str(out), "partition_mismatch,validation_mismatch,evaluate_record,plain_loader,evaluate_whole", timeout_s=120)
     assert proc.returncode == 0, proc.stdout[-4000:]
     return out
 
@@ -61,3 +61,36 @@ def test_a_recorded_evaluation_on_every_rank_of_a_group_is_refused_not_recorded_
         assert r["plain"] == ["accuracy", "loss"]  # an unrecorded evaluation still runs
         assert r["recorded"][0] == "ConfigError" and "inside a group of 2 ranks" in r["recorded"][1], r["recorded"]
     assert r0["evaluations"] == r1["evaluations"] == 0
+
+
+def test_a_train_loader_that_deals_no_partition_is_refused_on_every_rank_unless_declared(mismatch_run: Path) -> None:
+    """Found in review (issue 13): a plain DataLoader under DDP trained every rank on the same rows,
+    silently (duplicated work, a global batch of world_size copies)."""
+    r0, r1 = results(mismatch_run, "plain_loader")
+    assert r0["ok"] and r1["ok"], (r0, r1)
+    for name, named in (("plain", "a DataLoader with a SequentialSampler over 24 rows"),
+                        ("shuffled", "a DataLoader with a RandomSampler over 24 rows"), ("list_of_batches", "a list")):
+        assert r0[name] == r1[name], name  # the same refusal on every rank
+        assert r0[name][0] == "ConfigError" and named in r0[name][1], r0[name]
+        for what in ("same rows", "nnx_es.distributed.train_loader(dataset, batch_size", "DistributedSampler",
+                     "DDP(own_partition=True)", "nothing was trained"):
+            assert what in r0[name][1], (what, r0[name][1])
+    assert r0["distributed_sampler"] == r1["distributed_sampler"] == "completed"
+    assert r0["own_partition"] == r1["own_partition"] == "completed"  # declared: the rows are the user's
+    assert r0["wrote"] == r1["wrote"] == ["distributed_sampler", "own_partition"]  # refused before a run directory
+
+
+def test_evaluate_under_ddp_returns_the_whole_sets_metrics_on_every_rank(mismatch_run: Path) -> None:
+    """Found in review (issue 13): NNModel.evaluate(loader) without record=True returned each rank's
+    shard's metrics; now the ranks' sums are agreed once and every rank returns the whole set's."""
+    r0, r1 = results(mismatch_run, "evaluate_whole")
+    assert r0["ok"] and r1["ok"], (r0, r1)
+    assert r0["gathered"] == r1["gathered"]  # bitwise the same on every rank
+    assert r0["whole"] == r1["whole"]
+    assert r0["gathered"].keys() == {"loss", "accuracy"}
+    for k, v in r0["whole"].items():
+        assert r0["gathered"][k] == pytest.approx(v, rel=1e-6)  # float32 sums in other batches
+    assert r0["shard"]["loss"] != pytest.approx(r0["whole"]["loss"], rel=1e-3)  # the shard alone is another answer
+    for name, named in (("padded", "scores 1 twice"), ("training_partition", "training partition")):
+        assert r0[name] == r1[name], name  # the same refusal on every rank
+        assert r0[name][0] == "ConfigError" and named in r0[name][1] and "validation_loader" in r0[name][1], r0[name]

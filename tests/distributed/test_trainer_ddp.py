@@ -13,7 +13,7 @@ from launch import results, torchrun
 SCRIPT = Path(__file__).resolve().parent / "scenarios.py"
 CASES = ["equivalence", "ignored_targets", "masked_window", "nonfinite_window", "refusals", "decisions", "local_stop", "writer_only",
          "commit_fault", "resume_other_world", "resume_auto", "sha_refusal", "callback_roles",
-         "divergence", "resume_killed"]
+         "divergence", "resume_killed", "fused_hook"]
 
 
 @pytest.fixture(scope="module")
@@ -94,6 +94,9 @@ def test_learning_rates_and_receipts_do_not_depend_on_world_size(ddp_run: Path, 
     for g, r in zip(got, ref):
         assert g["loss"] == pytest.approx(r["loss"], rel=1e-6)
     assert any(g["local"] != g["global"] for g in got)
+    # the window's agreement: float32 parts in the gradients' own all-reduce (66 float32 parameters: 264
+    # bytes, + 2 x 13 parts), never a second collective; the trailing no_sync window: one float64 agreement
+    assert {g["bytes"] for g in got} == {264 + 104, 264 + 24}
 
 
 def test_a_window_without_valid_rows_on_any_rank_is_skipped_on_every_rank(ddp_run: Path) -> None:
@@ -111,6 +114,8 @@ def test_a_nonfinite_loss_on_one_rank_skips_the_update_on_every_rank(ddp_run: Pa
     got = ddpkit.receipts(ddp_run / "runs" / "nonfinite")
     assert [(r["kind"], r["reason"]) for r in got] == [("update_committed", None), ("update_skipped", "nonfinite"),
                                                        ("update_committed", None)]
+    # the NaN loss makes its parts non-finite on both ranks: that window alone sums [numerator, W] in float64 too
+    assert [r["bytes"] for r in got] == [264 + 104, 264 + 104 + 16, 264 + 104]
     assert r0["steps"] == r1["steps"] == 2
 
 
@@ -262,3 +267,15 @@ def test_a_rank_killed_mid_epoch_makes_the_other_fail_within_the_bound_and_the_r
     whole = _ok(ddp_run, "equivalence")[0]
     assert resumed[0]["digest"] == resumed[1]["digest"] == whole["digest"]  # as if never interrupted
     assert resumed[0]["status"] == "completed" and resumed[0]["history"] == 2
+
+
+def test_the_fused_agreement_keeps_ddps_gradients_and_sums_the_values_exactly(ddp_run: Path) -> None:
+    """The window's [numerator, W] ride in the gradients' bucket without widening it: float32 parts on
+    a float32 bucket (issue 13's missed target), appended as they are on a float64 one."""
+    for r in _ok(ddp_run, "fused_hook"):
+        f32, f64 = r["torch.float32"], r["torch.float64"]
+        for runs in (f32, f64):
+            assert all(run["same_grads"] for run in runs)  # bitwise DDP's own hook (divide, then sum)
+            assert all(run["sum"] == run["float64"] for run in runs)  # bitwise a float64 all-reduce
+        assert [run["fallbacks"] for run in f32] == [0, 1, 2]  # only what float32 parts cannot carry
+        assert [run["fallbacks"] for run in f64] == [0, 0, 0]  # a float64 bucket carries the values as they are

@@ -39,15 +39,17 @@ def test_the_staged_values_come_back_summed_and_the_gradients_are_ddps(group):
     model = DistributedDataParallel(twin, bucket_cap_mb=0.0001)  # several buckets: only the last carries
     fused = FusedAgreement(model)
     x, y = torch.randn(5, 4), torch.randint(0, 3, (5,))
-    for _ in range(2):  # the result is handed out once per synchronizing backward
+    for declared in (True, False, True):  # the result is handed out once per synchronizing backward
         for net in (plain, twin):
             net.zero_grad(set_to_none=True)
         nn.functional.cross_entropy(plain(x), y).backward()
         values = torch.tensor([1.25, 5.0, 0.0], dtype=torch.float64) + 2.0 ** -40  # not exact in float32
-        fused.stage(values)
+        before = fused.fallbacks
+        fused.stage(values, float32_sums=declared)  # multiples of 2**-149: float32 parts carry them exactly
         nn.functional.cross_entropy(model(x), y).backward()
         got = fused.result()
-        assert got is not None and got.dtype == torch.float64 and torch.equal(got, values)
+        assert got == values.tolist()  # bitwise, as Python floats
+        assert fused.fallbacks == before + (0 if declared else 1)  # undeclared: a float64 all-reduce of its own
         assert fused.result() is None
         for a, b in zip(_grads(plain), _grads(twin)):
             assert torch.equal(a, b)
@@ -61,7 +63,7 @@ def test_a_backward_under_no_sync_carries_nothing_and_a_second_hook_is_refused(g
         model(torch.randn(2, 3)).sum().backward()
     assert fused.result() is None
     model(torch.randn(2, 3)).sum().backward()
-    assert fused.result().tolist() == [3.0]
+    assert fused.result() == [3.0]
     with pytest.raises(ConfigError, match="already has a communication hook"):
         FusedAgreement(model)
     with pytest.raises(ConfigError, match="1-D"):
