@@ -53,7 +53,7 @@ from torch import Tensor, nn
 
 from torch.optim import Optimizer
 
-from events.schema import MicrobatchDone, UpdateCommitted, UpdateSkipped
+from events.schema import MicrobatchDone, UpdateSkipped
 from nnx_es.batches import split_batch
 from nnx_es.callbacks import CallbackList
 from nnx_es.errors import ConfigError
@@ -61,9 +61,11 @@ from nnx_es.grads import WindowGradients
 from nnx_es.metrics import MetricSums
 from nnx_es.objective import batch_rows
 from nnx_es.objective import LossParts, Objective
-from nnx_es.schedulers import Scheduler, step_update_clock
+from nnx_es.schedulers import Scheduler
 from nnx_es.stages import StageDispatcher, TrainingStage
 from nnx_es.update_hooks import UpdateHook, UpdateOrchestrator
+from nnx_es.engine_ddp import DataParallelWindow
+from nnx_es.receipts import Receipts
 
 if TYPE_CHECKING:
     from nnx_es.context import TrainContext
@@ -76,8 +78,6 @@ StepFn = Callable[[nn.Module, Any], tuple[Tensor, Tensor, Tensor | None]]
 
 _PAIRS = (tuple, list)  # the batch types the default step splits without split_batch (an exact type test)
 #: loss dtypes whose float64 sums are multiples of 2**-149: the fused agreement carries them as float32 parts
-_FLOAT32_SUMS = (torch.float32, torch.bfloat16, torch.float16)
-_TINY32 = 2.0**-149  # float32's smallest subnormal: a W that is a multiple of it is a float32 sum too
 
 
 def default_forward(net: nn.Module, batch: Any) -> tuple[Tensor, Tensor, Tensor | None]:
@@ -112,7 +112,7 @@ class EpochTotals:
         self.skipped = 0
 
 
-class UpdateEngine:
+class UpdateEngine(DataParallelWindow, Receipts):
     """Accumulates microbatches and commits one optimizer update per window.
 
     Args:
@@ -204,23 +204,6 @@ class UpdateEngine:
         self._pending, self._pending_t = [], []
         state.recorder.settle = self._settle
 
-    def use_ddp(self, ddp: Any) -> None:
-        """Run microbatches through ``ddp`` (a ``DistributedDataParallel`` wrapping this engine's net),
-        or, with ``None``, through the net itself again (once per ``fit``; see :mod:`nnx_es.distributed`).
-
-        Under DDP every microbatch but a window's last runs under ``ddp.no_sync()`` (gradients
-        accumulate locally); the last one's backward averages them over the ranks. Its denominator
-        ``W`` and finiteness are agreed at the window's end (:meth:`finalize_step`).
-        """
-        self._ddp = ddp
-        self._forward_net = ddp if ddp is not None else self.net
-        self._fused = None
-        if ddp is not None:
-            from nnx_es.distributed.fused import FusedAgreement
-
-            # [numerator, W] ride in the last gradient bucket's all-reduce: one collective per window
-            self._fused = FusedAgreement(ddp)
-
     def set_precision(self, precision: str, *, init_scale: float = 2.0**16) -> None:
         """``"fp32"``, ``"bf16"`` (autocast) or ``"fp16"`` (autocast + GradScaler).
 
@@ -286,23 +269,6 @@ class UpdateEngine:
 
     # --- one microbatch -------------------------------------------------------------------
 
-    def microbatch(self, ctx: TrainContext, batch: Any) -> None:
-        """Forward and backward one microbatch; emit ``microbatch_done``.
-
-        Under DDP (:meth:`use_ddp`) a microbatch that does not fill the window runs under
-        ``no_sync`` (no collective); the window's last one synchronizes the gradients."""
-        ddp = self._ddp
-        if ddp is not None:
-            if self.w_microbatches + 1 < self.accumulation:
-                self._syncing = False
-                with ddp.no_sync():
-                    self._microbatch(ctx, batch)
-                self._unsynced = True
-                return
-            self._unsynced = False
-            self._syncing = True
-        self._microbatch(ctx, batch)
-
     def _microbatch(self, ctx: TrainContext, batch: Any) -> None:
         stages = self.stages if self.stages.by_stage else None
         autocast = self._autocast
@@ -333,23 +299,8 @@ class UpdateEngine:
         ign = parts.ignored  # rows of ignored targets (an ignore_index): den - ign is exact, read with the window
         loss_t = total.detach()  # stays on the device: read with the window (see _settle)
         ctx.defer_loss(loss_t, den, ign)
-        fused = self._fused
-        if fused is not None:  # DDP: the window's [numerator, W] go with the synchronizing backward
-            num_t = loss_t.double() if self._w_num_t is None else self._w_num_t + loss_t.double()
-            self._w_num_t = num_t
-            if loss_t.dtype not in _FLOAT32_SUMS:
-                self._w_float32_sums = False
-            if ign is not None:
-                self._w_ign_t = ign if self._w_ign_t is None else self._w_ign_t + ign
-                if ign.is_floating_point():  # rows' worth of ignored positions: W need not sit on the float32 grid
-                    self._w_float32_sums = False
-            if self._syncing:  # declared float32 sums from the host alone: the dtypes, W's value (no read)
-                w = self.w_den + den
-                w_t = num_t.new_tensor(w)
-                if self._w_ign_t is not None:  # less the window's ignored targets (integers: W stays on the grid)
-                    w_t = w_t - self._w_ign_t
-                fused.stage(torch.stack((num_t, w_t)), float32_sums=self._w_float32_sums
-                            and math.isfinite(w) and math.fmod(w, _TINY32) == 0.0)  # fused.float32_sum
+        if self._fused is not None:  # DDP: the window's [numerator, W] go with the synchronizing backward
+            self._stage_agreement(loss_t, den, ign)
         if stages:
             stages(TrainingStage.AFTER_LOSS, ctx)
             stages(TrainingStage.BEFORE_BACKWARD, ctx)
@@ -449,6 +400,7 @@ class UpdateEngine:
                 i += 1
                 den -= ignored
                 self.w_den -= ignored
+                self._w_ign_t = None  # under DDP: w_den holds them now (the staged W must not subtract them again)
             if names:
                 terms = {k: (v / den if den > 0 else nan) for k, v in nums.items()}
                 sums.add_loss(num, den, nums)
@@ -592,136 +544,6 @@ class UpdateEngine:
         if self.stages.by_stage:
             self.stages(TrainingStage.AFTER_OPTIMIZER_STEP, ctx)
         return True
-
-    def _agree_window(self) -> float:
-        """The window's one agreement (data parallelism): read this rank's losses, then the window's
-        ``[sum of numerators, sum of denominators]`` summed over the ranks; return the global ``W``.
-
-        The sums travel with the gradients: staged before the window's synchronizing backward, they
-        ride in the last bucket's all-reduce (:class:`~nnx_es.distributed.fused.FusedAgreement`), so a
-        window costs one collective. A window whose last backward ran under ``no_sync`` (the
-        epoch's trailing short window) has its gradients summed here, then ONE all-reduce of
-        ``[numerators, denominators, non-finite flag]``. After it every rank holds the same
-        numerator (the receipt's loss is global), ``W`` and non-finite mark (a sum is finite only
-        when every rank's numerator is), so every rank skips or steps alike.
-        """
-        self._settle()
-        world = self.state.world
-        fused = self._fused
-        carried = fused.result() if fused is not None and not self._unsynced else None
-        if carried is not None:  # summed by the gradients' own all-reduce (nnx_es.distributed.fused)
-            num, W = carried
-            self.w_num = num
-            self.w_nonfinite = not math.isfinite(num)  # a sum is finite only if every term was
-            self.w_global_den = W
-            self.w_collective_bytes += self._grad_bytes + fused.last_bytes
-            return W  # type: ignore[no-any-return]
-        if self._unsynced:
-            self._unsynced = False
-            grads = [p.grad for p in self._params if p.grad is not None]
-            if grads:
-                flat = torch.cat([g.reshape(-1) for g in grads])
-                world.agree(flat)
-                flat /= world.size  # as DDP's own all-reduce: the ranks' mean
-                torch._foreach_copy_(grads, [t.view_as(g) for t, g in zip(flat.split([g.numel() for g in grads]),
-                                                                          grads)])
-        agreed = world.agree(torch.tensor([self.w_num, self.w_den, 1.0 if self.w_nonfinite else 0.0],
-                                          dtype=torch.float64)).tolist()
-        self.w_num = agreed[0]
-        self.w_nonfinite = agreed[2] > 0 or not math.isfinite(agreed[0])
-        self.w_global_den = agreed[1]
-        # the receipt's collective bytes: the gradients' all-reduce (DDP's, or the one above) and this agreement
-        self.w_collective_bytes += self._grad_bytes + 24
-        return agreed[1]
-
-    def _receipt_counts(self) -> dict[str, Any]:
-        """The open window's accounting for its receipt: ``local_examples`` (this rank's denominator),
-        ``global_examples`` (over the ranks: the seam's ``w_global_den``, else the local one),
-        ``data_parallel_size``, ``accumulation_steps`` (configured), ``collective_bytes``."""
-        local = self.w_den
-        g = self.w_global_den
-        return {
-            "local_examples": local, "global_examples": local if g is None else g,
-            "data_parallel_size": self.state.world.size, "accumulation_steps": self.accumulation,
-            "collective_bytes": self.w_collective_bytes,
-        }
-
-    def report_update(
-        self,
-        ctx: TrainContext,
-        *,
-        loss: float,
-        examples: float,
-        optimizers: list[str],
-        microbatches: int,
-        grad_norm: float | None,
-        clipped: bool,
-    ) -> None:
-        """Receipts for an update a custom step committed (see ``TrainContext.report_update``)."""
-        unknown = [n for n in optimizers if n not in self.optimizers]
-        if unknown:
-            raise ConfigError(f"report_update names unknown optimizers {unknown}; known: {list(self.optimizers)}")
-        self.record_microbatch(ctx, loss=loss, examples=examples)
-        if math.isfinite(loss) and examples > 0:  # the epoch summary holds what the custom step reported
-            self.epoch.sums.num += loss * examples
-            self.epoch.sums.den += examples
-        lrs = {n: [float(g["lr"]) for g in self.optimizers[n].param_groups] for n in optimizers}
-        counts = {
-            "local_examples": examples, "global_examples": examples, "data_parallel_size": self.state.world.size,
-            "accumulation_steps": self.accumulation, "collective_bytes": 0,
-        }
-        self._commit(ctx, optimizers, loss=loss, counts=counts, microbatches=microbatches,
-                     grad_norm=grad_norm, clipped=clipped, lrs=lrs)
-
-    def _commit(
-        self,
-        ctx: TrainContext,
-        names: list[str],
-        *,
-        loss: float,
-        counts: dict[str, Any],
-        microbatches: int,
-        grad_norm: float | None,
-        clipped: bool,
-        lrs: dict[str, list[float]],
-    ) -> None:
-        """Emit the receipts of a committed update; ``counts``: :meth:`_receipt_counts`'s accounting."""
-        state = self.state
-        rec = state.recorder
-        state.outcome.committed_update = True
-        step = rec.live.step + 1  # ctx.step_count + 1
-        receipts = [
-            UpdateCommitted(
-                step=step, epoch=ctx.epoch, microbatches=microbatches, loss=loss, grad_norm=grad_norm,
-                clipped=clipped, lrs=lrs[n], optimizer=n, precision=self.precision, **counts,
-                loss_weights=self.objective.weights() if self.objective.scheduled else {},
-            )
-            for n in names
-        ]
-        for r in receipts:
-            rec.emit(r)
-        self.epoch.updates += 1
-        if self._on_update:
-            for r in receipts:
-                self.callbacks.optimizer_update(ctx, r)
-        if self.update_clock:
-            step_update_clock(self.update_clock, names, rec, epoch=ctx.epoch, step=step)
-
-    def record_microbatch(self, ctx: TrainContext, *, loss: float | None, examples: float) -> None:
-        """Emit ``microbatch_done`` for the current batch of a custom ``trainer_step_fn``, once
-        (the default step emits its own in :meth:`microbatch`)."""
-        outcome = self.state.outcome
-        if outcome.microbatch_recorded:
-            return
-        outcome.microbatch_recorded = True
-        outcome.unreported += 1
-        self.epoch.microbatches += 1
-        batch = ctx.batch
-        rows = len(batch[0]) if isinstance(batch, (tuple, list)) and hasattr(batch[0], "__len__") else 1
-        self.state.recorder.emit(MicrobatchDone(
-            epoch=ctx.epoch, batch=ctx.batch_index, rows=rows, examples=float(examples),
-            loss=float(loss) if loss is not None else math.nan,
-        ))
 
 
 def finalize_step(ctx: TrainContext) -> bool:
