@@ -236,7 +236,7 @@ class Objective:
                 ignored = rows - share.sum()
         else:
             kept = share is not None and isinstance(weights, Tensor) and tuple(weights.shape) == (rows,)
-            den = _weight_sum(weights * share.to(weights.dtype) if kept else weights, rows)  # type: ignore[union-attr]
+            den = _weight_sum(weights, rows, share if kept else None)
         if weights is not None and isinstance(outputs, Tensor) and outputs.requires_grad:
             # masked rows pass no gradient back to the outputs: a non-finite loss on them (a
             # missing target) would otherwise turn the whole gradient into NaN (0 * NaN)
@@ -332,10 +332,13 @@ def row_losses(objective: Objective, outputs: Tensor, targets: Tensor) -> Tensor
     return total
 
 
-def _weight_sum(weights: Any, rows: int) -> float:
-    """``sum(weights)`` as a float, after checking ``weights`` is ``(rows,)``, finite and >= 0.
+def _weight_sum(weights: Any, rows: int, share: Tensor | None = None) -> float:
+    """``sum(weights)`` (``sum(weights * share)`` with ``share``, float64 ``(B,)``: each row's kept share of
+    its targets, see :func:`_valid_share`) as a float, after checking ``weights`` is ``(rows,)``, finite
+    and >= 0 -- every weight, an ignored row's too.
 
-    The sum and the smallest weight come back in one host sync (the one the sum alone needs).
+    The sum is taken in floating point (integer weights are promoted, never the share truncated to
+    their dtype). The sum and the smallest weight come back in one host sync (the one the sum alone needs).
     """
     if not isinstance(weights, Tensor) or tuple(weights.shape) != (rows,):
         got = f"shape {tuple(weights.shape)}" if isinstance(weights, Tensor) else type(weights).__name__
@@ -345,7 +348,10 @@ def _weight_sum(weights: Any, rows: int) -> float:
     w = weights.detach()
     if not w.is_floating_point():
         w = w.to(torch.float32)
-    total, smallest = torch.stack([w.sum(), w.min()]).tolist()
+    if share is None:
+        total, smallest = torch.stack([w.sum(), w.min()]).tolist()
+    else:  # a NaN or inf weight on an ignored row stays non-finite (x 0): refused below
+        total, smallest = torch.stack([(w.to(share.dtype) * share).sum(), w.min().to(share.dtype)]).tolist()
     if not (smallest >= 0 and math.isfinite(total)):
         bad = ~(torch.isfinite(w) & (w >= 0))
         row = int(bad.nonzero()[0, 0])

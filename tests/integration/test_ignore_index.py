@@ -258,3 +258,12 @@ def test_a_keyed_term_in_a_several_model_run_means_over_its_targets_not_ignored(
     receipts = of_kind(tmp_path / "r", "update_committed")
     assert [r.loss for r in receipts] == pytest.approx(losses, rel=1e-6)
     assert [r.local_examples for r in receipts] == [(y[i:i + 16] != IGNORE).sum().item() for i in range(0, 64, 16)]
+
+
+def test_a_negative_weight_on_an_ignored_row_is_refused_as_on_any_row():
+    from nnx_es.errors import ConfigError
+
+    objective = Objective(nn.CrossEntropyLoss())
+    y = torch.tensor([0, IGNORE, 1])
+    with pytest.raises(ConfigError, match=r"weight -1.0 at row 1"):
+        objective(torch.zeros(3, 3), y, torch.tensor([1.0, -1.0, 1.0]))
