@@ -82,6 +82,14 @@ class Term:
         #: (outputs shape, targets shape) -> values per row of the unreduced loss (for ``sum_fn``)
         self._row_size: dict[tuple[Any, Any], int] = {}
 
+    #: which of the targets :meth:`ignore_targets` reads (None: all of them; a ``Keyed`` term: its key)
+    ignore_targets_key: str | None = None
+
+    def ignore_targets(self, targets: Any) -> Any:
+        """The targets this term's ``ignore_index`` is compared with: ``targets`` themselves (a ``Keyed``
+        term of a several-model run picks its own from the mapping)."""
+        return targets
+
     def recipe_kwargs(self) -> dict[str, Any]:
         """The constructor keywords (:mod:`nnx_es.recipes`): the loss and the weight or its schedule."""
         return {"fn": self.fn, "weight": self.schedule if self.schedule is not None else self.weight}
@@ -197,6 +205,22 @@ class Objective:
         #: the ``ignore_index`` values of the terms that have one (``CrossEntropyLoss``, ``NLLLoss``)
         self.ignore: tuple[int, ...] = tuple(sorted({t.ignore_index for t in self.terms.values()
                                                     if t.ignore_index is not None}))
+        ignoring = {n: t for n, t in self.terms.items() if t.ignore_index is not None}
+        if len(self.ignore) > 1:  # one shared denominator cannot be the mean over two sets of targets
+            named = ", ".join(f"{n!r}: ignore_index={t.ignore_index}" for n, t in ignoring.items())
+            raise ConfigError(
+                f"the objective's terms ignore different targets ({named}); its terms share one denominator, the "
+                "targets no term ignores, which would be neither term's torch mean: give every term the same "
+                "ignore_index, or train them as one callable returning per-row losses (B,)"
+            )
+        keys = sorted({str(t.ignore_targets_key) for t in ignoring.values()})
+        if len(keys) > 1:
+            raise ConfigError(
+                f"the objective's terms with an ignore_index read different targets ({', '.join(keys)}); its terms "
+                "share one denominator, counted from one set of targets: let them read the same targets"
+            )
+        #: the term whose targets say which rows are ignored (None: no term ignores any)
+        self._ignoring: Term | None = next(iter(ignoring.values()), None)
 
     def at(self, step: int, epoch: int) -> None:
         """Set each scheduled term's weight for a microbatch after ``step`` committed updates in 0-based ``epoch``."""
@@ -223,9 +247,9 @@ class Objective:
         if weights is None and self._single is not None:  # one unweighted term: one fused reduction
             name, term = self._single
             total = term.summed(outputs, targets)
-            ignored = _ignored_rows(targets, ignore) if ignore else None
+            ignored = _ignored_rows(term.ignore_targets(targets), ignore) if ignore else None
             return LossParts(total, float(batch_rows(outputs)), {name: total}, ignored)
-        share = _valid_share(targets, ignore) if ignore else None
+        share = _valid_share(self._ignoring.ignore_targets(targets), ignore) if self._ignoring is not None else None
         total: Tensor | None = None
         nums: dict[str, Tensor] = {}
         rows = batch_rows(outputs)
