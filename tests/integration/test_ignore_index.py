@@ -267,3 +267,20 @@ def test_a_negative_weight_on_an_ignored_row_is_refused_as_on_any_row():
     y = torch.tensor([0, IGNORE, 1])
     with pytest.raises(ConfigError, match=r"weight -1.0 at row 1"):
         objective(torch.zeros(3, 3), y, torch.tensor([1.0, -1.0, 1.0]))
+
+
+@pytest.mark.parametrize("head", [None, "multiclass"])
+def test_nnmodel_evaluate_means_over_the_targets_not_ignored(head):
+    """model.evaluate(loader) with its default loss (the head's, or the one inferred from the outputs when
+    no head is declared) is torch's CrossEntropyLoss mean, accuracy over the kept targets."""
+    from nnx_es import NNModel
+
+    x, y = _data()
+    torch.manual_seed(1)
+    net = nn.Linear(5, 3)
+    with torch.no_grad():
+        logits = net(x)
+    keep = y != IGNORE
+    got = NNModel(net, head=head).evaluate(DataLoader(TensorDataset(x, y), batch_size=10))
+    assert got["loss"] == pytest.approx(nn.CrossEntropyLoss()(logits, y).item(), rel=1e-6)
+    assert got["accuracy"] == pytest.approx((logits.argmax(1)[keep] == y[keep]).float().mean().item())
