@@ -45,7 +45,9 @@ class Term:
     Args:
         fn: ``fn(outputs, targets) -> losses`` with one loss per row, shape
             ``(B,)``, or ``(B, ...)``: the trailing dims are reduced by their mean
-            (torch's ``reduction="mean"``). A ``torch.nn`` loss module with a
+            (torch's ``reduction="mean"``). Targets equal to the ``ignore_index`` of a
+            ``CrossEntropyLoss`` / ``NLLLoss`` (or of a plain function declaring an int
+            ``fn.ignore_index``, its losses 0 there) count in no mean. A ``torch.nn`` loss module with a
             ``reduction`` attribute is copied with ``reduction="none"`` (and summed
             over rows with ``reduction="sum"`` when no row is weighted).
         weight: multiplies the term in the total: a float, or a
@@ -62,7 +64,7 @@ class Term:
         self.sum_fn: LossFn | None = None  # the same loss summed over every row, when one exists
         #: targets equal to this count in no mean (``CrossEntropyLoss`` / ``NLLLoss``'s ``ignore_index``), or None
         self.ignore_index: int | None = (int(fn.ignore_index) if isinstance(fn, (nn.CrossEntropyLoss, nn.NLLLoss))
-                                         else None)
+                                         or _declares_ignore_index(fn) else None)
         if isinstance(fn, nn.Module) and hasattr(fn, "reduction"):
             _refuse_own_normaliser(fn)
             summed = copy.copy(fn)
@@ -286,6 +288,14 @@ class Objective:
             total = part if total is None else total + part
         assert total is not None
         return LossParts(total, den, nums, ignored)
+
+
+def _declares_ignore_index(fn: Any) -> bool:
+    """A loss function (not a module: only torch's ``CrossEntropyLoss`` / ``NLLLoss`` are read for it) that
+    declares an ``ignore_index`` int attribute: per-row losses that are 0 at targets equal to it, which
+    count in no mean (e.g. :func:`nnx_es.model`'s inferred classifier loss, ``F.cross_entropy``)."""
+    value = getattr(fn, "ignore_index", None)
+    return not isinstance(fn, nn.Module) and isinstance(value, int) and not isinstance(value, bool)
 
 
 def ignored_mask(targets: Any, ignore: tuple[int, ...]) -> Tensor | None:
