@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import copy
 import math
+import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -208,18 +209,20 @@ class Objective:
         self.ignore: tuple[int, ...] = tuple(sorted({t.ignore_index for t in self.terms.values()
                                                     if t.ignore_index is not None}))
         ignoring = {n: t for n, t in self.terms.items() if t.ignore_index is not None}
-        if len(self.ignore) > 1:  # one shared denominator cannot be the mean over two sets of targets
+        keys = sorted({str(t.ignore_targets_key) for t in ignoring.values()})
+        if len(keys) > 1:  # Keyed terms of several tasks, each with its own targets: one denominator cannot hold both
+            warnings.warn(
+                f"the objective's terms with an ignore_index read different targets ({', '.join(keys)}); they share "
+                "one denominator, the rows, so targets equal to their ignore_index count in it (torch's mean would "
+                "leave them out): mask such rows with sample weights, or give the terms the same targets",
+                UserWarning, stacklevel=2)
+            self.ignore, ignoring = (), {}
+        elif len(self.ignore) > 1:  # the same targets: one shared denominator cannot be two terms' means
             named = ", ".join(f"{n!r}: ignore_index={t.ignore_index}" for n, t in ignoring.items())
             raise ConfigError(
                 f"the objective's terms ignore different targets ({named}); its terms share one denominator, the "
                 "targets no term ignores, which would be neither term's torch mean: give every term the same "
                 "ignore_index, or train them as one callable returning per-row losses (B,)"
-            )
-        keys = sorted({str(t.ignore_targets_key) for t in ignoring.values()})
-        if len(keys) > 1:
-            raise ConfigError(
-                f"the objective's terms with an ignore_index read different targets ({', '.join(keys)}); its terms "
-                "share one denominator, counted from one set of targets: let them read the same targets"
             )
         #: the term whose targets say which rows are ignored (None: no term ignores any)
         self._ignoring: Term | None = next(iter(ignoring.values()), None)

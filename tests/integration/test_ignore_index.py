@@ -284,3 +284,17 @@ def test_nnmodel_evaluate_means_over_the_targets_not_ignored(head):
     got = NNModel(net, head=head).evaluate(DataLoader(TensorDataset(x, y), batch_size=10))
     assert got["loss"] == pytest.approx(nn.CrossEntropyLoss()(logits, y).item(), rel=1e-6)
     assert got["accuracy"] == pytest.approx((logits.argmax(1)[keep] == y[keep]).float().mean().item())
+
+
+def test_keyed_terms_of_two_tasks_with_their_own_targets_are_not_refused():
+    """Two heads, each a CrossEntropyLoss on its own targets (a multi-task run): trained as before, with a
+    warning that their ignored targets count in the shared denominator."""
+    from nnx_es.models import Keyed
+
+    with pytest.warns(UserWarning, match=r"read different targets \(ya, yb\)"):
+        objective = Objective({"a": Keyed(nn.CrossEntropyLoss(), prediction="a", target="ya"),
+                               "b": Keyed(nn.CrossEntropyLoss(ignore_index=0), prediction="b", target="yb")})
+    assert objective.ignore == ()
+    parts = objective({"a": torch.zeros(4, 3), "b": torch.zeros(4, 3)},
+                      {"ya": torch.tensor([0, 1, IGNORE, 2]), "yb": torch.tensor([0, 1, 1, 2])})
+    assert parts.den == 4.0 and parts.ignored is None
