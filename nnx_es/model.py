@@ -88,6 +88,9 @@ def _classifier_loss(outputs: Tensor, targets: Tensor) -> Tensor:
     return nn.functional.cross_entropy(outputs, targets, reduction="none")
 
 
+_classifier_loss.ignore_index = -100  # type: ignore[attr-defined]  # as CrossEntropyLoss: those targets count in no mean
+
+
 def _default_loss(head: str) -> nn.Module:
     """The loss :meth:`NNModel.evaluate` scores a head with when none is given."""
     return {"multiclass": nn.CrossEntropyLoss, "binary": nn.BCEWithLogitsLoss, "regression": nn.MSELoss}[head]()

@@ -112,6 +112,12 @@ class Keyed(Term):
     def __init__(self, fn: Any, *, prediction: str, target: str, weight: Any = 1.0) -> None:
         super().__init__(fn, weight)
         self.prediction, self.target = prediction, target
+        self.ignore_targets_key = target
+
+    def ignore_targets(self, targets: Any) -> Any:
+        """``targets[target]``: what an ``ignore_index`` (``CrossEntropyLoss``, ``NLLLoss``) is compared with,
+        so its ignored targets count in no mean (None when the key is missing: the call names it)."""
+        return targets.get(self.target) if isinstance(targets, Mapping) else targets
 
     def recipe_kwargs(self) -> dict[str, Any]:
         return {**super().recipe_kwargs(), "prediction": self.prediction, "target": self.target}

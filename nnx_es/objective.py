@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import copy
 import math
+import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -45,7 +46,9 @@ class Term:
     Args:
         fn: ``fn(outputs, targets) -> losses`` with one loss per row, shape
             ``(B,)``, or ``(B, ...)``: the trailing dims are reduced by their mean
-            (torch's ``reduction="mean"``). A ``torch.nn`` loss module with a
+            (torch's ``reduction="mean"``). Targets equal to the ``ignore_index`` of a
+            ``CrossEntropyLoss`` / ``NLLLoss`` (or of a plain function declaring an int
+            ``fn.ignore_index``, its losses 0 there) count in no mean. A ``torch.nn`` loss module with a
             ``reduction`` attribute is copied with ``reduction="none"`` (and summed
             over rows with ``reduction="sum"`` when no row is weighted).
         weight: multiplies the term in the total: a float, or a
@@ -62,7 +65,7 @@ class Term:
         self.sum_fn: LossFn | None = None  # the same loss summed over every row, when one exists
         #: targets equal to this count in no mean (``CrossEntropyLoss`` / ``NLLLoss``'s ``ignore_index``), or None
         self.ignore_index: int | None = (int(fn.ignore_index) if isinstance(fn, (nn.CrossEntropyLoss, nn.NLLLoss))
-                                         else None)
+                                         or _declares_ignore_index(fn) else None)
         if isinstance(fn, nn.Module) and hasattr(fn, "reduction"):
             _refuse_own_normaliser(fn)
             summed = copy.copy(fn)
@@ -81,6 +84,14 @@ class Term:
         self.weight = value
         #: (outputs shape, targets shape) -> values per row of the unreduced loss (for ``sum_fn``)
         self._row_size: dict[tuple[Any, Any], int] = {}
+
+    #: which of the targets :meth:`ignore_targets` reads (None: all of them; a ``Keyed`` term: its key)
+    ignore_targets_key: str | None = None
+
+    def ignore_targets(self, targets: Any) -> Any:
+        """The targets this term's ``ignore_index`` is compared with: ``targets`` themselves (a ``Keyed``
+        term of a several-model run picks its own from the mapping)."""
+        return targets
 
     def recipe_kwargs(self) -> dict[str, Any]:
         """The constructor keywords (:mod:`nnx_es.recipes`): the loss and the weight or its schedule."""
@@ -197,6 +208,24 @@ class Objective:
         #: the ``ignore_index`` values of the terms that have one (``CrossEntropyLoss``, ``NLLLoss``)
         self.ignore: tuple[int, ...] = tuple(sorted({t.ignore_index for t in self.terms.values()
                                                     if t.ignore_index is not None}))
+        ignoring = {n: t for n, t in self.terms.items() if t.ignore_index is not None}
+        keys = sorted({str(t.ignore_targets_key) for t in ignoring.values()})
+        if len(keys) > 1:  # Keyed terms of several tasks, each with its own targets: one denominator cannot hold both
+            warnings.warn(
+                f"the objective's terms with an ignore_index read different targets ({', '.join(keys)}); they share "
+                "one denominator, the rows, so targets equal to their ignore_index count in it (torch's mean would "
+                "leave them out): mask such rows with sample weights, or give the terms the same targets",
+                UserWarning, stacklevel=2)
+            self.ignore, ignoring = (), {}
+        elif len(self.ignore) > 1:  # the same targets: one shared denominator cannot be two terms' means
+            named = ", ".join(f"{n!r}: ignore_index={t.ignore_index}" for n, t in ignoring.items())
+            raise ConfigError(
+                f"the objective's terms ignore different targets ({named}); its terms share one denominator, the "
+                "targets no term ignores, which would be neither term's torch mean: give every term the same "
+                "ignore_index, or train them as one callable returning per-row losses (B,)"
+            )
+        #: the term whose targets say which rows are ignored (None: no term ignores any)
+        self._ignoring: Term | None = next(iter(ignoring.values()), None)
 
     def at(self, step: int, epoch: int) -> None:
         """Set each scheduled term's weight for a microbatch after ``step`` committed updates in 0-based ``epoch``."""
@@ -223,9 +252,9 @@ class Objective:
         if weights is None and self._single is not None:  # one unweighted term: one fused reduction
             name, term = self._single
             total = term.summed(outputs, targets)
-            ignored = _ignored_rows(targets, ignore) if ignore else None
+            ignored = _ignored_rows(term.ignore_targets(targets), ignore) if ignore else None
             return LossParts(total, float(batch_rows(outputs)), {name: total}, ignored)
-        share = _valid_share(targets, ignore) if ignore else None
+        share = _valid_share(self._ignoring.ignore_targets(targets), ignore) if self._ignoring is not None else None
         total: Tensor | None = None
         nums: dict[str, Tensor] = {}
         rows = batch_rows(outputs)
@@ -236,7 +265,7 @@ class Objective:
                 ignored = rows - share.sum()
         else:
             kept = share is not None and isinstance(weights, Tensor) and tuple(weights.shape) == (rows,)
-            den = _weight_sum(weights * share.to(weights.dtype) if kept else weights, rows)  # type: ignore[union-attr]
+            den = _weight_sum(weights, rows, share if kept else None)
         if weights is not None and isinstance(outputs, Tensor) and outputs.requires_grad:
             # masked rows pass no gradient back to the outputs: a non-finite loss on them (a
             # missing target) would otherwise turn the whole gradient into NaN (0 * NaN)
@@ -262,6 +291,14 @@ class Objective:
             total = part if total is None else total + part
         assert total is not None
         return LossParts(total, den, nums, ignored)
+
+
+def _declares_ignore_index(fn: Any) -> bool:
+    """A loss function (not a module: only torch's ``CrossEntropyLoss`` / ``NLLLoss`` are read for it) that
+    declares an ``ignore_index`` int attribute: per-row losses that are 0 at targets equal to it, which
+    count in no mean (e.g. :func:`nnx_es.model`'s inferred classifier loss, ``F.cross_entropy``)."""
+    value = getattr(fn, "ignore_index", None)
+    return not isinstance(fn, nn.Module) and isinstance(value, int) and not isinstance(value, bool)
 
 
 def ignored_mask(targets: Any, ignore: tuple[int, ...]) -> Tensor | None:
@@ -334,10 +371,13 @@ def row_losses(objective: Objective, outputs: Tensor, targets: Tensor) -> Tensor
     return total
 
 
-def _weight_sum(weights: Any, rows: int) -> float:
-    """``sum(weights)`` as a float, after checking ``weights`` is ``(rows,)``, finite and >= 0.
+def _weight_sum(weights: Any, rows: int, share: Tensor | None = None) -> float:
+    """``sum(weights)`` (``sum(weights * share)`` with ``share``, float64 ``(B,)``: each row's kept share of
+    its targets, see :func:`_valid_share`) as a float, after checking ``weights`` is ``(rows,)``, finite
+    and >= 0 -- every weight, an ignored row's too.
 
-    The sum and the smallest weight come back in one host sync (the one the sum alone needs).
+    The sum is taken in floating point (integer weights are promoted, never the share truncated to
+    their dtype). The sum and the smallest weight come back in one host sync (the one the sum alone needs).
     """
     if not isinstance(weights, Tensor) or tuple(weights.shape) != (rows,):
         got = f"shape {tuple(weights.shape)}" if isinstance(weights, Tensor) else type(weights).__name__
@@ -347,7 +387,10 @@ def _weight_sum(weights: Any, rows: int) -> float:
     w = weights.detach()
     if not w.is_floating_point():
         w = w.to(torch.float32)
-    total, smallest = torch.stack([w.sum(), w.min()]).tolist()
+    if share is None:
+        total, smallest = torch.stack([w.sum(), w.min()]).tolist()
+    else:  # a NaN or inf weight on an ignored row stays non-finite (x 0): refused below
+        total, smallest = torch.stack([(w.to(share.dtype) * share).sum(), w.min().to(share.dtype)]).tolist()
     if not (smallest >= 0 and math.isfinite(total)):
         bad = ~(torch.isfinite(w) & (w >= 0))
         row = int(bad.nonzero()[0, 0])

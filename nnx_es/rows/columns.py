@@ -16,9 +16,11 @@ by binary search (the journal's chunks are indexed by their first and last row i
     the row's target (a class id as a float, or the regression target).
 ``confidence``
     the probability the model gave the row's true label (softmax of ``(B, C)`` outputs -- logits
-    or log-probabilities --, sigmoid of one logit); NaN for a regression.
+    or log-probabilities --, sigmoid of one logit); NaN for a regression, and for a row whose target
+    is the loss's ``ignore_index`` (no true label: its ``loss`` is torch's unreduced 0, it counts in no
+    mean, and cartography leaves it out).
 ``correct``
-    1.0 when ``prediction`` is the target, else 0.0; NaN for a regression.
+    1.0 when ``prediction`` is the target, else 0.0; NaN for a regression and an ignored target.
 
 Views (:class:`RowView`) are what ``ctx.idps`` and :func:`nnx_es.rows.read_rows` return.
 """

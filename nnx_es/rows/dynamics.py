@@ -82,10 +82,12 @@ def fold(state: Cartography, records: EpochRows) -> Cartography:
     if records.split != "train":
         raise ValueError(f"cartography folds training records, got the {records.split!r} split")
     conf = records.column("confidence").astype(np.float64)
-    if conf.size and np.isnan(conf).any():
+    scored = ~(np.isnan(conf) & np.isnan(records.column("correct")))  # unscored: a target the loss ignores
+    if conf.size and (np.isnan(conf[scored]).any() or not scored.any()):
         raise ValueError(f"epoch {records.epoch}'s records have no confidence (NaN): training dynamics need a "
                          "classifier's records (the probability of the true label)")
-    ids = records.row_id
+    conf = conf[scored]
+    ids = records.row_id[scored]
     if state.row_id.size and np.array_equal(state.row_id, ids):
         at, grown = np.arange(ids.size), state
     else:
@@ -101,7 +103,7 @@ def fold(state: Cartography, records: EpochRows) -> Cartography:
     delta = conf - mean[at]
     mean[at] += delta / epochs[at]
     m2[at] += delta * (conf - mean[at])
-    correct[at] += records.column("correct") > 0.5
+    correct[at] += records.column("correct")[scored] > 0.5
     return Cartography(grown.row_id, epochs, mean, m2, correct)
 
 

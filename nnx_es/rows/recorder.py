@@ -31,7 +31,7 @@ from torch import Tensor, nn
 from events.schema import JournalPublished, RowsRecorded
 from nnx_es.batches import row_ids_of
 from nnx_es.errors import ConfigError
-from nnx_es.objective import Objective, accuracy_kind, row_losses
+from nnx_es.objective import Objective, accuracy_kind, ignored_mask, row_losses
 from nnx_es.rows.columns import SPLITS, EpochRows, Part, RowView
 from nnx_es.rows.journal import HistoryJournal, manifest_parts
 
@@ -74,8 +74,14 @@ def row_values(objective: Objective, outputs: Tensor, targets: Tensor) -> Tensor
         kind = _kind(out, targets, objective)
         if kind == "multiclass":
             pred = out.argmax(dim=-1)
-            conf = torch.log_softmax(out.float(), dim=-1).gather(1, targets.reshape(-1, 1)).reshape(rows).exp()
+            # a target the loss ignores (its ignore_index) has no true label to score: NaN confidence and correct
+            skip = ignored_mask(targets, objective.ignore)
+            label = targets if skip is None else torch.where(skip, torch.zeros_like(targets), targets)
+            conf = torch.log_softmax(out.float(), dim=-1).gather(1, label.reshape(-1, 1)).reshape(rows).exp()
             correct = (pred == targets).float()
+            if skip is not None:
+                conf = conf.masked_fill(skip, math.nan)
+                correct = correct.masked_fill(skip, math.nan)
             pred, target = pred.float(), targets.float()
         elif kind in ("binary", "binary_probability"):
             logit = out.float().reshape(rows)

@@ -202,3 +202,25 @@ def test_per_row_records_add_no_host_read_inside_a_window(tmp_path, host_reads, 
         assert (reads, updates) == ((1, 1) if closes_window else (0, 0)), f"microbatch {i}"
     assert sum(r for r, _ in watch.per_batch) + sum(watch.trailing) <= run.counters.step + 2 * 2  # + the close's reads
     assert len(of_kind(trainer.run_dir, "rows_recorded")) == 2
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("accumulation", [1, 4])
+@pytest.mark.parametrize("norm", [{}, {"clip_grad_norm": 0.5}], ids=["fused", "clip"])
+def test_ignored_targets_add_no_host_read_inside_a_window(tmp_path, host_reads, device, accumulation, norm):
+    """Targets an ignore_index leaves out are counted on the device and read with the window's one read."""
+    train = batches([5] * 9 + [2])
+    for i, (_, y) in enumerate(train):
+        y[i % len(y)] = -100  # one ignored target in every microbatch
+    net = small_net(0)
+    watch = ReadsPerBatch(host_reads)
+    trainer = Trainer(net, torch.optim.SGD(net.parameters(), lr=0.1), nn.CrossEntropyLoss(), runs_root=tmp_path,
+                      run_id="r", progress=False, accumulation=accumulation, callbacks=[watch], device=device, **norm)
+    host_reads.counting = False
+    with host_reads:
+        run = trainer.fit(train, epochs=2)
+    for i, (reads, updates) in enumerate(watch.per_batch):
+        closes_window = (i % 10 + 1) % accumulation == 0
+        assert (reads, updates) == ((1, 1) if closes_window else (0, 0)), f"microbatch {i}"
+    assert watch.trailing == [0 if 10 % accumulation == 0 else 1] * 2
+    assert [m.examples for m in of_kind(run.run_dir, "microbatch_done")] == [4.0] * 9 + [1.0] + [4.0] * 9 + [1.0]

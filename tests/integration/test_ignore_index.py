@@ -210,3 +210,115 @@ def test_ctx_loss_read_inside_a_window_is_the_mean_over_the_kept_targets(tmp_pat
     torch.manual_seed(1)
     first = nn.Linear(5, 3)
     assert seen[0] == pytest.approx(nn.CrossEntropyLoss()(first(x[:16]), y[:16]).item(), rel=1e-6)
+
+
+def _tagger_data() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(16, 4, 6, generator=g)
+    y = torch.randint(0, 3, (16, 6), generator=g)
+    y[:, 4:] = IGNORE  # every row keeps 4 of its 6 positions
+    y[3, 1:] = IGNORE
+    return x, y
+
+
+class _Tagger(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(4, 3)
+
+    def forward(self, seq: torch.Tensor) -> torch.Tensor:  # (B, 4, T) -> (B, 3, T)
+        return self.proj(seq.transpose(1, 2)).transpose(1, 2)
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.float32])
+def test_integer_sample_weights_with_per_position_targets_keep_each_rows_share(tmp_path, dtype):
+    """A 0/1 mask given as integers weighs like the same mask as floats: a row's kept share of its
+    positions (here 4/6) is not truncated to 0 by the weights' dtype."""
+    x, y = _tagger_data()
+    w = torch.ones(16, dtype=dtype)
+    w[5] = 0
+    torch.manual_seed(1)
+    net = _Tagger()
+    Trainer(net, torch.optim.SGD(net.parameters(), lr=0.5), nn.CrossEntropyLoss(), runs_root=tmp_path, run_id="r",
+            progress=False, sample_weights=True).fit(DataLoader(TensorDataset(x, y, w), batch_size=8), epochs=1)
+    torch.manual_seed(1)
+    ref = _Tagger()
+    opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+    for i in range(0, 16, 8):
+        opt.zero_grad()
+        keep = w[i:i + 8] != 0
+        nn.CrossEntropyLoss()(ref(x[i:i + 8][keep]), y[i:i + 8][keep]).backward()
+        opt.step()
+    torch.testing.assert_close(net.proj.weight, ref.proj.weight, rtol=0, atol=1e-6)
+    kept = [float((y[i:i + 8][w[i:i + 8] != 0] != IGNORE).sum()) / 6 for i in range(0, 16, 8)]
+    assert [r.local_examples for r in of_kind(tmp_path / "r", "update_committed")] == pytest.approx(kept)
+
+
+def test_terms_ignoring_different_targets_are_refused():
+    """One denominator cannot be two means' (CE ignoring -100 beside CE ignoring 0): refused, naming both."""
+    from nnx_es.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"ignore_index.*-100.*0|ignore_index.*0.*-100"):
+        Objective({"a": nn.CrossEntropyLoss(), "b": nn.CrossEntropyLoss(ignore_index=0)})
+    Objective({"a": nn.CrossEntropyLoss(), "b": nn.NLLLoss()})  # the same ignore_index: one mean
+
+
+def test_a_keyed_term_in_a_several_model_run_means_over_its_targets_not_ignored(tmp_path):
+    """Keyed(nn.CrossEntropyLoss()) reads targets["y"] from a mapping: its ignored targets count in no mean."""
+    from nnx_es.models import Keyed
+
+    x, y = _data()
+    torch.manual_seed(1)
+    net = nn.Linear(5, 3)
+
+    def training_fn(models, batch):  # noqa: ANN001, ANN202
+        return {"s": models["s"](batch[0])}
+
+    objective = Objective({"ce": Keyed(nn.CrossEntropyLoss(), prediction="s", target="y")})
+    Trainer({"s": net}, {"s": torch.optim.SGD(net.parameters(), lr=0.5)}, objective, training_fn=training_fn,
+            runs_root=tmp_path, run_id="r", progress=False).fit(DataLoader(TensorDataset(x, y), batch_size=16), epochs=1)
+    ref, losses = _hand(x, y, batch=16)
+    torch.testing.assert_close(net.weight, ref.weight, rtol=0, atol=1e-6)
+    receipts = of_kind(tmp_path / "r", "update_committed")
+    assert [r.loss for r in receipts] == pytest.approx(losses, rel=1e-6)
+    assert [r.local_examples for r in receipts] == [(y[i:i + 16] != IGNORE).sum().item() for i in range(0, 64, 16)]
+
+
+def test_a_negative_weight_on_an_ignored_row_is_refused_as_on_any_row():
+    from nnx_es.errors import ConfigError
+
+    objective = Objective(nn.CrossEntropyLoss())
+    y = torch.tensor([0, IGNORE, 1])
+    with pytest.raises(ConfigError, match=r"weight -1.0 at row 1"):
+        objective(torch.zeros(3, 3), y, torch.tensor([1.0, -1.0, 1.0]))
+
+
+@pytest.mark.parametrize("head", [None, "multiclass"])
+def test_nnmodel_evaluate_means_over_the_targets_not_ignored(head):
+    """model.evaluate(loader) with its default loss (the head's, or the one inferred from the outputs when
+    no head is declared) is torch's CrossEntropyLoss mean, accuracy over the kept targets."""
+    from nnx_es import NNModel
+
+    x, y = _data()
+    torch.manual_seed(1)
+    net = nn.Linear(5, 3)
+    with torch.no_grad():
+        logits = net(x)
+    keep = y != IGNORE
+    got = NNModel(net, head=head).evaluate(DataLoader(TensorDataset(x, y), batch_size=10))
+    assert got["loss"] == pytest.approx(nn.CrossEntropyLoss()(logits, y).item(), rel=1e-6)
+    assert got["accuracy"] == pytest.approx((logits.argmax(1)[keep] == y[keep]).float().mean().item())
+
+
+def test_keyed_terms_of_two_tasks_with_their_own_targets_are_not_refused():
+    """Two heads, each a CrossEntropyLoss on its own targets (a multi-task run): trained as before, with a
+    warning that their ignored targets count in the shared denominator."""
+    from nnx_es.models import Keyed
+
+    with pytest.warns(UserWarning, match=r"read different targets \(ya, yb\)"):
+        objective = Objective({"a": Keyed(nn.CrossEntropyLoss(), prediction="a", target="ya"),
+                               "b": Keyed(nn.CrossEntropyLoss(ignore_index=0), prediction="b", target="yb")})
+    assert objective.ignore == ()
+    parts = objective({"a": torch.zeros(4, 3), "b": torch.zeros(4, 3)},
+                      {"ya": torch.tensor([0, 1, IGNORE, 2]), "yb": torch.tensor([0, 1, 1, 2])})
+    assert parts.den == 4.0 and parts.ignored is None

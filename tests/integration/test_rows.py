@@ -281,3 +281,29 @@ def test_inspect_lists_a_records_event_by_its_size_not_its_bytes(tmp_path, capsy
         ["rows_recorded", "epoch=0", "split=train", f"rows={N_TRAIN}", "columns=<6>"],
         ["rows_recorded", "epoch=0", "split=val", f"rows={N_VAL}", "columns=<6>"],
     ]
+
+
+def test_rows_whose_target_the_loss_ignores_are_recorded_unscored(tmp_path):
+    """A row whose target is the loss's ignore_index (-100) trains as torch's mean leaves it (out) and is
+    recorded with torch's unreduced loss (0), no confidence or correctness (NaN: there is no true label to
+    score); cartography folds the scored rows only."""
+    from nnx_es.rows.dynamics import cartography
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(32, 4, generator=g)
+    y = torch.randint(0, 3, (32,), generator=g)
+    y[::4] = -100
+    train = [{"x": x[i:i + 8], "y": y[i:i + 8], "idx": torch.arange(i, i + 8)} for i in range(0, 32, 8)]
+    net = small_net(0)
+    trainer = Trainer(net, torch.optim.SGD(net.parameters(), lr=0.1), nn.CrossEntropyLoss(), runs_root=tmp_path,
+                      run_id="r", progress=False)
+    trainer.fit(train, epochs=2)
+    c = read_rows(trainer.run_dir).columns("train")
+    ignored = c["target"] == -100
+    assert int(ignored.sum()) == 2 * 8
+    assert np.isnan(c["confidence"][ignored]).all() and np.isnan(c["correct"][ignored]).all()
+    assert (c["loss"][ignored] == 0).all()
+    assert np.isfinite(c["confidence"][~ignored]).all() and not np.isnan(c["correct"][~ignored]).any()
+    state = cartography(read_rows(trainer.run_dir))
+    kept = sorted(set(c["row_id"][~ignored].tolist()))
+    assert state.row_id[state.epochs > 0].tolist() == kept and (state.epochs[state.epochs > 0] == 2).all()
