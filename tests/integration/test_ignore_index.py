@@ -12,9 +12,18 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+import nnx_es.objective
 from nnx_es import Trainer
 from nnx_es.objective import Objective
 from tests.trainkit import of_kind
+
+
+@pytest.fixture(autouse=True, params=["host count", "device count"])
+def count_where(request, monkeypatch):
+    """Every test both ways: ignored CPU targets counted on the host, and on the device as on an
+    accelerator (two ops, read with the window's one transfer, W corrected after the read)."""
+    monkeypatch.setattr(nnx_es.objective, "HOST_COUNT_ON_CPU", request.param == "host count")
+    return request.param
 
 IGNORE = -100
 
