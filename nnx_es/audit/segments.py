@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -65,6 +65,18 @@ if {MicrobatchDone, UpdateCommitted} & FOLDED_BEYOND_COUNTERS:
 
 _IS_HOT = bytes(int(t is not None and t.KIND in HOT_KINDS) for t in
                 [None, *sorted(TYPE_CODES, key=TYPE_CODES.__getitem__)]).ljust(256, b"\0")
+
+def _stretches(codes: bytes) -> Iterator[tuple[int, int]]:
+    """A chunk's events (their type ``codes``) as stretches ``(i, j)``: events ``i .. j-1`` are hot (none when
+    ``i == j``), event ``j`` is the next one that is not (``j == len(codes)``: the chunk ends there)."""
+    hot = codes.translate(_IS_HOT)
+    n, i = len(codes), 0
+    while i < n:
+        j = hot.find(0, i)
+        j = n if j < 0 else j
+        yield i, j
+        i = j + 1
+
 
 #: a log at least this long is checked for its keys and full decoding in a second process
 PARALLEL_FROM = 1 << 18
@@ -151,17 +163,12 @@ class AuditProjector(Projector):
             self._at = -1
 
     def fold(self, seqs: Sequence[int], events: Sequence[Any], codes: bytes) -> None:
-        hot = codes.translate(_IS_HOT)
-        n, i = len(codes), 0
-        while i < n:
-            j = hot.find(0, i)
-            j = n if j < 0 else j
+        n = len(codes)
+        for i, j in _stretches(codes):
             if j > i:
                 self._fold_hot(seqs[i:j], events[i:j], codes[i:j])
-            if j == n:
-                return
-            self._fold_one(seqs[j:j + 1], events[j:j + 1], codes[j:j + 1])
-            i = j + 1
+            if j < n:
+                self._fold_one(seqs[j:j + 1], events[j:j + 1], codes[j:j + 1])
 
     def _where(self) -> tuple[bool, int]:
         """(whether the view holds nothing back now, the seq the log was read to) for the event being folded."""
@@ -233,12 +240,9 @@ class _Sequence:
         self.run_started: tuple[int, RunStarted] | None = None  # the first, and its seq
 
     def chunk(self, seqs: range, events: list[Any], codes: bytes) -> None:
-        hot = codes.translate(_IS_HOT)
-        n, i = len(codes), 0
+        n = len(codes)
         routes, lifecycle = self.routes, self.lifecycle
-        while i < n:
-            j = hot.find(0, i)
-            j = n if j < 0 else j
+        for i, j in _stretches(codes):
             if j > i:
                 lifecycle.feed_run(seqs[i:j], events[i:j], codes[i:j])
             if j == n:
@@ -248,7 +252,6 @@ class _Sequence:
                 self.run_started = (seq, event)
             for feed in routes[event.KIND]:
                 feed(seq, event)
-            i = j + 1
 
 
 def run_segments(run_dir: Path, log: LmdbLog, stop: int, sink: Sink, store: Any,

@@ -183,6 +183,22 @@ def test_losses_read_once_per_window_are_the_floats_a_read_per_microbatch_gives(
     assert {s.reason for s in of_kind(b.run_dir, "update_skipped")} >= {"nonfinite"}
 
 
+def _fit_watched(tmp_path, host_reads, train, *, accumulation, device, **kw):  # noqa: ANN001, ANN202
+    """Two epochs of 10 microbatches each, the host reads counted per batch; asserts the budget: one read
+    at each microbatch that closes a window (with its update), none at the others. Returns (trainer, run, watch)."""
+    net = small_net(0)
+    watch = ReadsPerBatch(host_reads)
+    trainer = Trainer(net, torch.optim.SGD(net.parameters(), lr=0.1), nn.CrossEntropyLoss(), runs_root=tmp_path,
+                      run_id="r", progress=False, accumulation=accumulation, callbacks=[watch], device=device, **kw)
+    host_reads.counting = False
+    with host_reads:
+        run = trainer.fit(train, epochs=2)
+    for i, (reads, updates) in enumerate(watch.per_batch):
+        closes_window = (i % 10 + 1) % accumulation == 0
+        assert (reads, updates) == ((1, 1) if closes_window else (0, 0)), f"microbatch {i}"
+    return trainer, run, watch
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("accumulation", [1, 4])
 def test_per_row_records_add_no_host_read_inside_a_window(tmp_path, host_reads, device, accumulation):
@@ -190,16 +206,7 @@ def test_per_row_records_add_no_host_read_inside_a_window(tmp_path, host_reads, 
     plain = batches([5] * 9 + [2])
     starts = [sum(len(b[0]) for b in plain[:i]) for i in range(len(plain))]
     train = [{"x": b[0], "y": b[1], "idx": torch.arange(s, s + len(b[0]))} for s, b in zip(starts, plain)]
-    net = small_net(0)
-    watch = ReadsPerBatch(host_reads)
-    trainer = Trainer(net, torch.optim.SGD(net.parameters(), lr=0.1), nn.CrossEntropyLoss(), runs_root=tmp_path,
-                      run_id="r", progress=False, accumulation=accumulation, callbacks=[watch], device=device)
-    host_reads.counting = False
-    with host_reads:
-        run = trainer.fit(train, epochs=2)
-    for i, (reads, updates) in enumerate(watch.per_batch):
-        closes_window = (i % 10 + 1) % accumulation == 0
-        assert (reads, updates) == ((1, 1) if closes_window else (0, 0)), f"microbatch {i}"
+    trainer, run, watch = _fit_watched(tmp_path, host_reads, train, accumulation=accumulation, device=device)
     assert sum(r for r, _ in watch.per_batch) + sum(watch.trailing) <= run.counters.step + 2 * 2  # + the close's reads
     assert len(of_kind(trainer.run_dir, "rows_recorded")) == 2
 
@@ -217,15 +224,6 @@ def test_ignored_targets_add_no_host_read_inside_a_window(tmp_path, host_reads, 
     train = batches([5] * 9 + [2])
     for i, (_, y) in enumerate(train):
         y[i % len(y)] = -100  # one ignored target in every microbatch
-    net = small_net(0)
-    watch = ReadsPerBatch(host_reads)
-    trainer = Trainer(net, torch.optim.SGD(net.parameters(), lr=0.1), nn.CrossEntropyLoss(), runs_root=tmp_path,
-                      run_id="r", progress=False, accumulation=accumulation, callbacks=[watch], device=device, **norm)
-    host_reads.counting = False
-    with host_reads:
-        run = trainer.fit(train, epochs=2)
-    for i, (reads, updates) in enumerate(watch.per_batch):
-        closes_window = (i % 10 + 1) % accumulation == 0
-        assert (reads, updates) == ((1, 1) if closes_window else (0, 0)), f"microbatch {i}"
+    _, run, watch = _fit_watched(tmp_path, host_reads, train, accumulation=accumulation, device=device, **norm)
     assert watch.trailing == [0 if 10 % accumulation == 0 else 1] * 2
     assert [m.examples for m in of_kind(run.run_dir, "microbatch_done")] == [4.0] * 9 + [1.0] + [4.0] * 9 + [1.0]

@@ -114,21 +114,13 @@ def test_per_position_targets_mean_over_the_positions_not_ignored(tmp_path):
     y[5, :] = IGNORE  # and a row that is all padding
     y[7, 1:] = IGNORE
 
-    class Tagger(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.proj = nn.Linear(4, 3)
-
-        def forward(self, seq: torch.Tensor) -> torch.Tensor:  # (B, 4, T) -> (B, 3, T)
-            return self.proj(seq.transpose(1, 2)).transpose(1, 2)
-
     torch.manual_seed(1)
-    net = Tagger()
+    net = _Tagger()
     trainer = Trainer(net, torch.optim.SGD(net.parameters(), lr=0.5), nn.CrossEntropyLoss(), runs_root=tmp_path,
                       run_id="r", progress=False)
     trainer.fit(DataLoader(TensorDataset(x, y), batch_size=8), epochs=1)
     torch.manual_seed(1)
-    ref = Tagger()
+    ref = _Tagger()
     opt = torch.optim.SGD(ref.parameters(), lr=0.5)
     losses = []
     for i in range(0, 32, 8):
