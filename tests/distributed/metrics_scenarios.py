@@ -11,6 +11,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import scenario_base  # noqa: E402
 import scenarios  # noqa: E402
 from nnx_es.run_state import World  # noqa: E402
 
@@ -20,9 +21,9 @@ def max_logit(outputs: Any, targets: Any) -> Any:
     return outputs.max(dim=1).values
 
 
-@scenarios.case
+@scenario_base.case
 def user_metrics(world: World, out: Path) -> dict[str, Any]:
-    _, _, result = scenarios._train(world, out, "umetrics", metrics={"max_logit": max_logit})
+    _, _, result = scenario_base.train(world, out, "umetrics", metrics={"max_logit": max_logit})
     return {"train": [dict(r.train) for r in result.history]}
 
 

@@ -1,0 +1,86 @@
+"""Scenario cases, part 1: the group, agreement primitives, partitions, the fused agreement hook."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from nnx_es.distributed import DDP, partition_indices, shard_indices  # noqa: E402
+from nnx_es.run_state import World  # noqa: E402
+from scenario_base import case, train  # noqa: E402
+
+
+# --- part 1: the group, agreement primitives, partitions ------------------------------------
+
+
+@case
+def agree(world: World, out: Path) -> dict[str, Any]:
+    t = torch.tensor([float(world.rank + 1), 2.0 ** -30 * (world.rank + 1), float(world.rank)], dtype=torch.float64)
+    world.agree(t, "sum")
+    mx = world.agree(torch.tensor([float(world.rank)]), "max")
+    return {"sum": t.tolist(), "max": mx.tolist(), "flag_any": world.agree_flag(world.rank == 1),
+            "flag_none": world.agree_flag(False), "gathered": world.gather({"rank": world.rank}),
+            "shared": world.share(f"from {world.rank}"), "size": world.size, "writer": world.is_writer,
+            # one rank's object larger than the gather's frame: every rank grows it alike and gathers again
+            "big": [len(x) for x in world.gather("x" * (100_000 if world.rank == 1 else 3))],
+            "after_big": world.gather((world.rank, "y" * 5))}
+
+
+@case
+def partitions(world: World, out: Path) -> dict[str, Any]:
+    from nnx_es.distributed import train_loader, validation_loader
+
+    data = torch.utils.data.TensorDataset(torch.arange(11.0))
+    tl = train_loader(data, 2, policy="pad", seed=3)
+    rows = {}
+    for epoch in (0, 1):
+        tl.sampler.set_epoch(epoch)
+        rows[epoch] = [int(x) for b in tl for x in b[0]]
+    vl = validation_loader(data, 4)
+    return {"train": rows, "val": [int(x) for b in vl for x in b[0]],
+            "expect0": partition_indices(11, rank=world.rank, world_size=world.size, epoch=0, seed=3),
+            "expect_val": shard_indices(11, rank=world.rank, world_size=world.size)}
+
+
+@case
+def fused_hook(world: World, out: Path) -> dict[str, Any]:
+    """FusedAgreement on a float32 and a float64 model: the gradients bitwise those of DDP's own hook,
+    the values summed exactly (float32 parts), a value the parts cannot carry summed in float64."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    from nnx_es.distributed.fused import FusedAgreement, float32_sum
+
+    got: dict[str, Any] = {}
+    for dtype in (torch.float32, torch.float64):
+        torch.manual_seed(0)
+        base = torch.nn.Linear(6, 3).to(dtype)
+        plain = DistributedDataParallel(base)
+        fused_net = torch.nn.Linear(6, 3).to(dtype)
+        fused_net.load_state_dict(base.state_dict())
+        fused_ddp = DistributedDataParallel(fused_net)
+        agreement = FusedAgreement(fused_ddp)
+        x = torch.randn(4, 6, generator=torch.Generator().manual_seed(world.rank + 1), dtype=dtype)
+        runs = []
+        for values in ([float(torch.tensor(0.1 * (world.rank + 1), dtype=torch.float32)) * 3, 4.0 + world.rank * 2.5],
+                       [2.0 ** -200 if world.rank == 0 else 1.0, 3.0],  # not a float32 sum: the float64 path
+                       [1e300 * (world.rank + 1), 1.0]):  # a float32 sum beyond 2**128: non-finite parts
+            for m in (plain, fused_ddp):
+                m.zero_grad()
+            plain(x).square().sum().backward()
+            agreement.stage(torch.tensor(values, dtype=torch.float64),
+                            float32_sums=all(float32_sum(v) for v in values))  # declared on the host
+            fused_ddp(x).square().sum().backward()
+            exact = torch.tensor(values, dtype=torch.float64)
+            dist.all_reduce(exact)
+            runs.append({"sum": agreement.result(), "float64": exact.tolist(), "fallbacks": agreement.fallbacks,
+                         "same_grads": all(torch.equal(a.grad, b.grad) for a, b in
+                                           zip(base.parameters(), fused_net.parameters()))})
+        got[str(dtype)] = runs
+    return got
