@@ -9,8 +9,8 @@
    took per event (the snapshots' cost on a writer's thread);
 2. runs each reader in a fresh interpreter (so each one's memory is its own): ``load_result``,
    ``inspect summary``, ``inspect --at`` at several seqs (among them the worst case, the
-   seq just before a snapshot), the first page of ``inspect`` (``--limit 20``) and
-   ``tools/replay --json``; for each, wall and CPU seconds and the peak anonymous memory
+   seq just before a snapshot), the first page of ``inspect`` (``--limit 20``), what a
+   stateful resume reads (``find_resume_point``) and ``tools/replay --json``; for each, wall and CPU seconds and the peak anonymous memory
    (``RssAnon`` of ``/proc/self/status``, sampled every 5 ms: the resident memory that is
    not the log's file-backed mapped pages) and the peak resident set (``VmHWM``, pages of
    the log included);
@@ -97,6 +97,7 @@ def _reader(name: str, run_dir: Path, arg: int | None) -> dict[str, Any]:
         "at": lambda: inspect_cli.main([str(run_dir), "--at", str(arg), "--json"]),
         "first page": lambda: inspect_cli.main([str(run_dir), "--limit", "20"]),
         "replay": lambda: replay_cli.main([str(run_dir), "--json"]),
+        "resume": lambda: _resume_point(run_dir),
     }
     import resource
 
@@ -114,6 +115,22 @@ def _reader(name: str, run_dir: Path, arg: int | None) -> dict[str, Any]:
         ok = json.loads(out.getvalue())["ok"] is not None  # the long log names its missing blobs: not ok, by design
     return {"wall_s": wall, "cpu_s": cpu, "children_cpu_s": kids, "anon_peak_mb": mem.peak_mb, "anon_before_mb": mem.before_mb,
             "hwm_mb": mem.hwm_mb, "ran": ok}
+
+
+def _resume_point(run_dir: Path) -> int:
+    """What a stateful resume reads before it restores: :func:`nnx_es.resume.find_resume_point`
+    (every key, value and checksum; the committed view folded from the newest snapshot). The
+    long log stores no blob, so it ends refusing LAST's missing manifest: 0 when it got there."""
+    from events.log import LmdbLog
+    from nnx_es.errors import ResumeError
+    from nnx_es.resume import find_resume_point
+
+    with LmdbLog(run_dir / "events.lmdb", readonly=True) as log:
+        try:
+            find_resume_point(run_dir, log)
+        except ResumeError as exc:
+            return 0 if "manifest" in str(exc) else 1
+    return 1
 
 
 def _train(events: int) -> dict[str, Any]:
@@ -278,6 +295,7 @@ def _readers(run_dir: Path, skip_replay: bool) -> None:
     for seq in (10, worst, n // 2, n - 1):
         rows.append((f"inspect --at {seq}", _child(["at", str(run_dir), str(seq)])))
     rows.append(("inspect --limit 20 (first page)", _child(["first_page", str(run_dir)])))
+    rows.append(("resume point (find_resume_point, up to the blob check)", _child(["resume", str(run_dir)])))
     if not skip_replay:
         rows.append(("tools/replay --json", _child(["replay", str(run_dir)])))
     print(f"\n| reader ({n} events) | wall s | CPU s | peak anon MB | peak RSS MB (mapped log included) |")

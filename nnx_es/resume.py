@@ -14,16 +14,21 @@ from __future__ import annotations
 from pathlib import Path
 
 import msgspec
+import structlog
 
+from events.codec import decode_many
 from events.errors import CorruptEventError, SequenceGapError
-from events.log import EventLog
-from events.schema import Event, LastCommitted, RunStarted
+from events.log import LmdbLog
+from events.schema import LastCommitted, RunStarted
 from nnx_es.checkpoint import Manifest, verify_checkpoint
 from nnx_es.errors import CorruptCheckpointError, ResumeError
 from nnx_es.lifecycle import compiled_table
 from nnx_es.storage import BlobStore
 from projections.commits import GroupTracker
+from projections.snapshots import newest_usable
 from projections.view import Projections, committed, fold
+
+_log = structlog.get_logger("nnx_es")
 
 __all__ = ["ResumePoint", "find_resume_point"]
 
@@ -47,27 +52,70 @@ class ResumePoint(msgspec.Struct, kw_only=True):
     started: RunStarted | None = None
 
 
-def _read_whole(run_dir: Path, log: EventLog) -> list[tuple[int, Event]]:
-    """Every event of ``log``; a log that breaks invariant 1 is refused, never continued.
+class _Scan:
+    """What :func:`_scan` learns of a log in its one pass (see there)."""
 
-    The keys are checked first, by themselves (``check_keys``: the chunked read derives
-    seqs from chunk boundaries, and the checksums cover values only, so a changed key
-    is seen by neither).
+    __slots__ = ("state", "started", "boundary", "session", "lasts")
+
+    def __init__(self) -> None:
+        #: the lifecycle state the log ends in
+        self.state = "new"
+        #: the log's first ``run_started``
+        self.started: RunStarted | None = None
+        #: the last seq the committed prefix reaches: a LAST, its group, or a ``run_resumed``
+        self.boundary = -1
+        #: the seq of the last ``run_resumed`` (-1: none)
+        self.session = -1
+        #: every ``(seq, LAST)``, in seq order (one per epoch: small)
+        self.lasts: list[tuple[int, LastCommitted]] = []
+
+
+def _scan(run_dir: Path, log: LmdbLog) -> _Scan:
+    """One streaming pass over ``log``: every key, every value decoded and checksummed (invariant
+    1), the lifecycle state it ends in, and where its committed prefix ends.
+
+    Memory is bounded by a chunk of the log and the LASTs, whatever the run's length (issue 14:
+    a resume never holds the log in memory). The keys are checked first, by themselves
+    (``check_keys``: the chunked read derives seqs from chunk boundaries, and the checksums cover
+    values only, so a changed key is seen by neither); a value that does not decode is named
+    before any checksum problem, as when the log was read whole.
+
+    Raises:
+        ResumeError: a key out of place, a value that does not decode, a checksum problem.
     """
     try:
         log.check_keys()
     except SequenceGapError as exc:
         raise ResumeError(f"cannot resume {run_dir}: its event log has a {exc}; nothing was restored or written") from exc
+    scan = _Scan()
+    table = compiled_table()
+    group = GroupTracker()
+
+    def each_chunk(first: int, values: list[bytes]) -> None:
+        state, boundary, see = scan.state, scan.boundary, group.see
+        for seq, event in zip(range(first, first + len(values)), decode_many(values, first)):
+            kind = event.KIND
+            state = table.get((state, kind), state)
+            if see(kind):  # a LAST or its group: the committed prefix reaches here
+                boundary = seq
+                if kind == "last_committed":  # never pending: every LAST is committed
+                    scan.lasts.append((seq, event))  # type: ignore[arg-type]
+            elif kind == "run_resumed":
+                boundary = scan.session = seq
+            elif kind == "run_started" and scan.started is None:
+                scan.started = event  # type: ignore[assignment]
+        scan.state, scan.boundary = state, boundary
+
     try:
-        events = list(log.read())
+        problems = list(log.verify_sums(each_chunk=each_chunk))
     except CorruptEventError as exc:
         raise ResumeError(f"cannot resume {run_dir}: {exc}; nothing was restored or written") from exc
-    for first, last, problem, _, _ in log.verify_sums(len(events)):
+    for first, last, problem, _, _ in problems:
         if problem != "uncovered":  # values of a log older than checksums are read unverified
             why = _SUM_PROBLEMS[problem]
             raise ResumeError(f"cannot resume {run_dir}: its event log's values seq {first}..{last} {why}; "
                               "nothing was restored or written")
-    return events
+    return scan
 
 
 _SUM_PROBLEMS = {
@@ -78,12 +126,19 @@ _SUM_PROBLEMS = {
 }
 
 
-def find_resume_point(run_dir: Path, log: EventLog, *, expect_run_id: str | None = None,
+def find_resume_point(run_dir: Path, log: LmdbLog, *, expect_run_id: str | None = None,
                       at: int | str | None = None) -> ResumePoint:
     """Locate and verify the LAST commit of the run whose log is ``log``.
 
     ``at``: another committed LAST than the latest -- its seq, or ``"best"`` (the latest LAST
     naming BEST's manifest): where a new run forks from (the projections stay the latest's).
+
+    The log is read as a stream, twice, never held whole (issue 14: the training process's memory
+    does not grow with the run's length): :func:`_scan` checks every key, value and checksum and
+    finds the committed prefix's end; then the committed view is folded from the newest usable
+    projection snapshot at or below that end (:mod:`projections.snapshots`: a damaged one is
+    skipped with a warning, never trusted), or from seq 0 without one -- the same projections
+    either way (tested).
 
     Raises:
         ResumeError: the log's keys are not 0, 1, 2, ... (a gap, a duplicate or a key out
@@ -91,39 +146,12 @@ def find_resume_point(run_dir: Path, log: EventLog, *, expect_run_id: str | None
             is missing, empty, torn, corrupt or mixed (the reason is named).
         EventLogError: LMDB cannot read the log.
     """
-    table = compiled_table()
-    state = "new"
-    run_id = expect_run_id
-    last: tuple[int, LastCommitted] | None = None
-    started: RunStarted | None = None
-    boundary = -1
-    group = GroupTracker()
-    proj = Projections()
-    events = _read_whole(run_dir, log)
-    for seq, event in events:
-        state = table.get((state, event.KIND), state)
-        if isinstance(event, RunStarted):
-            started = started or event
-            if run_id is None:
-                run_id = event.run_id
-        if group.see(event.KIND):  # a LAST or its group: the committed prefix reaches here
-            boundary = seq
-        if event.KIND == "run_resumed":
-            boundary = seq
-    kept: set[int] = set()
-    lasts: list[tuple[int, LastCommitted]] = []
-    for seq, event in committed(events):
-        if seq > boundary:
-            break
-        kept.add(seq)
-        proj = fold(proj, seq, event)
-        if isinstance(event, LastCommitted):
-            last = (seq, event)
-            lasts.append(last)
-    if last is None:
+    scan = _scan(run_dir, log)
+    run_id = expect_run_id or (scan.started.run_id if scan.started is not None else None)
+    if not scan.lasts:
         raise ResumeError(f"run at {run_dir} has no committed LAST checkpoint to resume from")
-    if at is not None:
-        last = _chosen_last(run_dir, lasts, at, proj)
+    proj, discard_from = _committed_prefix(log, scan.boundary, scan.session)
+    last = scan.lasts[-1] if at is None else _chosen_last(run_dir, scan.lasts, at, proj)
     seq, event = last
     pruned = proj.checkpoints.pruned.get(event.manifest)
     if pruned is not None:
@@ -140,10 +168,6 @@ def find_resume_point(run_dir: Path, log: EventLog, *, expect_run_id: str | None
             f"LAST (seq {seq}, manifest {event.manifest}) is refused: {exc}; "
             "the run's history is kept, nothing was restored"
         ) from exc
-    # the first event the committed view leaves out: after the boundary, or earlier when a
-    # deferred LAST left the events between its ``covers`` and itself pending
-    session = max((s for s, e in events if e.KIND == "run_resumed" and s <= boundary), default=-1)
-    discard_from = next((s for s, _ in events if session < s <= boundary and s not in kept), boundary + 1)
     return ResumePoint(
         run_id=run_id or Path(run_dir).name,
         manifest_hash=event.manifest,
@@ -151,10 +175,43 @@ def find_resume_point(run_dir: Path, log: EventLog, *, expect_run_id: str | None
         last_seq=seq,
         discard_from=discard_from,
         discard_to=log.next_seq,
-        state=state,
+        state=scan.state,
         projections=proj,
-        started=started,
+        started=scan.started,
     )
+
+
+def _committed_prefix(log: LmdbLog, boundary: int, session: int) -> tuple[Projections, int]:
+    """The projections of the log's committed view up to ``boundary``, and the first seq after the
+    last resume (``session``) that the view leaves out -- where the new session's discarded range
+    begins: after the boundary, or earlier when a deferred LAST left the events between its
+    ``covers`` and itself pending.
+
+    Starts from the newest usable snapshot at or below ``boundary``: there the view holds nothing
+    back, so every seq after ``session`` up to the snapshot is in it.
+    """
+    notes: list[str] = []
+    snapshot = newest_usable(log.read_snapshots(boundary + 1), notes)
+    for note in notes:
+        _log.warning(note, log=str(log.path))
+    if snapshot is None:
+        proj, start, in_group = Projections(), 0, False
+    else:
+        proj, start, in_group = snapshot.projections, snapshot.seq + 1, snapshot.in_group
+    expected = max(session, start - 1) + 1  # the first seq after the last resume not yet seen kept
+    ahead: set[int] = set()  # kept seqs past a gap (a finalized run's closing events come out of order)
+    for seq, event in committed(log.read(start), in_group=in_group):
+        if seq > boundary:
+            break
+        if seq == expected:
+            expected += 1
+            while expected in ahead:
+                ahead.remove(expected)
+                expected += 1
+        elif seq > expected:
+            ahead.add(seq)
+        proj = fold(proj, seq, event)
+    return proj, expected
 
 
 def _chosen_last(run_dir: Path, lasts: list[tuple[int, LastCommitted]], at: int | str,

@@ -86,9 +86,8 @@ def fold(state: Projections, seq: int, event: Event) -> Projections:
     )
 
 
-def _committed(pairs: Iterable[tuple[int, Event]], tail: list[int]) -> Iterator[tuple[int, Event]]:
+def _committed(pairs: Iterable[tuple[int, Event]], tail: list[int], in_group: bool = False) -> Iterator[tuple[int, Event]]:
     pending: list[tuple[int, Event]] = []
-    in_group = False
     for seq, event in pairs:
         t = type(event)
         if t is RunResumed:
@@ -128,9 +127,14 @@ def _committed(pairs: Iterable[tuple[int, Event]], tail: list[int]) -> Iterator[
         yield from closing
 
 
-def committed(pairs: Iterable[tuple[int, Event]]) -> Iterator[tuple[int, Event]]:
-    """Yield the committed ``(seq, event)`` pairs of a log (see the module docstring)."""
-    return _committed(pairs, [])
+def committed(pairs: Iterable[tuple[int, Event]], *, in_group: bool = False) -> Iterator[tuple[int, Event]]:
+    """Yield the committed ``(seq, event)`` pairs of a log (see the module docstring).
+
+    ``pairs`` may start after seq 0 where the view holds nothing back (a projection snapshot's
+    seq + 1); ``in_group``: whether the event before them is a LAST or in its commit group
+    (:attr:`projections.snapshots.Snapshot.in_group`).
+    """
+    return _committed(pairs, [], in_group)
 
 
 def tail_length(pairs: Iterable[tuple[int, Event]]) -> int:
