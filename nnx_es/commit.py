@@ -23,7 +23,10 @@ and the training thread appends LAST after exactly N committed updates of the
 next epoch (waiting for the thread only if it is not done by then), so the
 log's layout stays deterministic while the fsyncs leave the training thread.
 LAST then ``covers`` its epoch's history only; the next epoch's events before
-it stay uncommitted (:func:`projections.view.committed`).
+it stay uncommitted (:func:`projections.view.committed`). Every
+``nnx_es.recorder.SNAPSHOT_EVERY`` events or more, the epoch's commit completes inline
+all the same, so that the committed view holds nothing back where the projection snapshot
+is stored (single process; :meth:`Committer._snapshot_due`).
 """
 
 from __future__ import annotations
@@ -160,7 +163,7 @@ class Committer:
             return digest, manifest, data, states
 
         future: Future[Any] = Future()
-        inline = self.lag == 0 or final or (not group and not opening)
+        inline = self.lag == 0 or final or (not group and not opening) or (group and self._snapshot_due())
         if inline:
             try:
                 future.set_result(persist())
@@ -173,6 +176,13 @@ class Committer:
         self.pending = _Pending(epoch, covers, counters, decision, phase, final, future)
         if inline:
             self.complete()
+
+    def _snapshot_due(self) -> bool:
+        """Whether this epoch's commit completes inline for a projection snapshot: one is due, and a
+        deferred LAST would leave the next epoch's events pending where it is to be stored
+        (:meth:`nnx_es.recorder.Recorder.snapshot_due`). Single process only: under data
+        parallelism every rank must defer alike, and only the writer keeps snapshots."""
+        return not self.state.world.distributed and self.state.recorder.snapshot_due()
 
     def on_update(self) -> None:
         """Count a committed update; complete a pending commit after ``lag`` of them."""

@@ -17,10 +17,13 @@ commit (read back from the log, a chunk at a time, partially decoded) and, every
 back, stores a *projection snapshot* (:mod:`projections.snapshots`) in one unsynced
 transaction of its own (:meth:`events.log.LmdbLog.put_snapshot`). The fold is incremental:
 about one read and partial decode per event, paid at the commit that wrote it (measured in
-``bench/scale.py``). A run whose LASTs are deferred (``checkpoint_lag``) has such a point only
-at its final commit (each deferred LAST leaves the next epoch's first events pending): it
-gets one snapshot at its end, when one is due, and its readers fold from there or from 0. A snapshot is a cache: one that cannot be made is dropped with a
-warning, and the run goes on without snapshots; it never fails the run.
+``bench/scale.py``). A deferred LAST (``checkpoint_lag``) leaves the next epoch's events
+pending, so a lagged run has no such point of its own: when a snapshot is due
+(:meth:`Recorder.snapshot_due`), the committer completes that epoch's commit inline, and the
+snapshot is stored after it -- one commit on the training thread every
+:data:`SNAPSHOT_EVERY` events or more (single process; under data parallelism a lagged run
+gets its snapshot at its final commit only). A snapshot is a cache: one that cannot be made
+is dropped with a warning, and the run goes on without snapshots; it never fails the run.
 """
 
 from __future__ import annotations
@@ -186,16 +189,38 @@ class Recorder:
     def _snapshot(self) -> None:
         """Store a projection snapshot when one is due (see the module docstring); never raises."""
         try:
-            folder = self._snapshots
-            if folder is None:  # the first commit: continue from the newest snapshot the log holds
-                folder = self._snapshots = snapshot_folder(self.log, SNAPSHOT_EVERY)
-            assert isinstance(folder, SnapshotFolder)
-            store_snapshot(self.log, folder)
+            store_snapshot(self.log, self._folder())
         except Exception as exc:  # a cache: the run goes on without it
-            self._snapshots = False
-            log.warning("projection snapshots turned off for this run: one could not be made; readers fold "
-                        "the log from the last snapshot written", error=f"{type(exc).__name__}: {exc}",
-                        durable_seq=self.log.durable_seq)
+            self._snapshots_off(exc)
+
+    def snapshot_due(self) -> bool:
+        """Whether a projection snapshot is due at the next commit (:data:`SNAPSHOT_EVERY` events
+        appended since the last one); False when snapshots are off. Never raises.
+
+        The committer completes such a commit inline even with a ``checkpoint_lag``
+        (:meth:`nnx_es.commit.Committer.submit`): a deferred LAST leaves the next epoch's events
+        pending, and a snapshot can only be stored where the committed view holds nothing back.
+        """
+        if self._snapshots is False:
+            return False
+        try:
+            return self._folder().due(self.log.next_seq)
+        except Exception as exc:  # a cache: the run goes on without it
+            self._snapshots_off(exc)
+            return False
+
+    def _folder(self) -> SnapshotFolder:
+        folder = self._snapshots
+        if folder is None:  # the first use: continue from the newest snapshot the log holds
+            folder = self._snapshots = snapshot_folder(self.log, SNAPSHOT_EVERY)
+        assert isinstance(folder, SnapshotFolder)
+        return folder
+
+    def _snapshots_off(self, exc: Exception) -> None:
+        self._snapshots = False
+        log.warning("projection snapshots turned off for this run: one could not be made; readers fold "
+                    "the log from the last snapshot written", error=f"{type(exc).__name__}: {exc}",
+                    durable_seq=self.log.durable_seq)
 
     def final_projections(self) -> Projections | None:
         """The projections of the whole log from the snapshot fold, when it has folded every
