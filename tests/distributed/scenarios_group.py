@@ -84,3 +84,29 @@ def fused_hook(world: World, out: Path) -> dict[str, Any]:
                                            zip(base.parameters(), fused_net.parameters()))})
         got[str(dtype)] = runs
     return got
+
+
+@case
+def rank_streams(world: World, out: Path) -> dict[str, Any]:
+    """Dropout under DDP (spec 000 §3: each rank draws its own stream): the same fit run twice with
+    seed 0, once with seed 1; per run, a SHA-256 of every training mask of the dropout layer
+    (True = kept, over the rows of this rank's microbatches), the seed torch's stream started from,
+    and the parameters' digest."""
+    import hashlib
+
+    import ddpkit
+    from nnx_es.distributed import DDP, train_loader
+
+    runs: dict[str, Any] = {}
+    for run_id, seed in (("streams_a", 0), ("streams_b", 0), ("streams_c", 1)):
+        model = ddpkit.dropout_net()
+        masks: list[torch.Tensor] = []
+        model[2].register_forward_hook(
+            lambda m, i, o: masks.append(((o != 0) | (i[0] == 0)).flatten()) if m.training else None)
+        t = ddpkit.trainer(model, runs_root=out / "runs", run_id=run_id, distributed=DDP(timeout_seconds=30),
+                           seed=seed)
+        t.fit(train_loader(ddpkit.dataset(), ddpkit.BATCH, seed=ddpkit.SEED), epochs=2)
+        runs[run_id] = {"masks": hashlib.sha256(torch.cat(masks).numpy().tobytes()).hexdigest(),
+                        "kept": float(torch.cat(masks).float().mean()), "initial_seed": torch.initial_seed(),
+                        "digest": ddpkit.digest(model)}
+    return {"rank": world.rank, "runs": runs}

@@ -13,7 +13,7 @@ from launch import results, torchrun
 SCRIPT = Path(__file__).resolve().parent / "scenarios.py"
 CASES = ["equivalence", "ignored_targets", "masked_window", "nonfinite_window", "refusals", "decisions", "local_stop", "writer_only",
          "commit_fault", "resume_other_world", "resume_auto", "sha_refusal", "callback_roles",
-         "divergence", "resume_killed", "fused_hook"]
+         "divergence", "resume_killed", "fused_hook", "rank_streams"]
 
 
 @pytest.fixture(scope="module")
@@ -279,3 +279,23 @@ def test_the_fused_agreement_keeps_ddps_gradients_and_sums_the_values_exactly(dd
             assert all(run["sum"] == run["float64"] for run in runs)  # bitwise a float64 all-reduce
         assert [run["fallbacks"] for run in f32] == [0, 1, 2]  # only what float32 parts cannot carry
         assert [run["fallbacks"] for run in f64] == [0, 0, 0]  # a float64 bucket carries the values as they are
+
+
+def test_dropout_draws_each_ranks_own_stream_the_same_for_the_same_seed(ddp_run: Path) -> None:
+    """Spec 000 §3: under a group of several ranks rank r seeds its global streams with
+    rank_seed(seed, r) (child r of NumPy's SeedSequence(seed)), so its dropout masks are its own;
+    the parameters stay identical on every rank (DDP averages the gradients), and the same seed
+    gives every rank the same masks again."""
+    from nnx_es.rng import rank_seed
+
+    r0, r1 = (r["runs"] for r in _ok(ddp_run, "rank_streams"))
+    for run in ("streams_a", "streams_c"):
+        assert r0[run]["masks"] != r1[run]["masks"]  # each rank its own masks
+        assert r0[run]["digest"] == r1[run]["digest"]  # identical parameters on every rank all the same
+    for rank, runs in enumerate((r0, r1)):
+        assert runs["streams_a"]["masks"] == runs["streams_b"]["masks"]  # the same seed: the same masks
+        assert runs["streams_a"]["digest"] == runs["streams_b"]["digest"]
+        assert runs["streams_a"]["masks"] != runs["streams_c"]["masks"]  # another seed: other masks
+        assert 0.3 < runs["streams_a"]["kept"] < 0.7  # dropout p = 0.5 did drop
+        assert runs["streams_a"]["initial_seed"] == rank_seed(0, rank)  # the documented derivation
+        assert runs["streams_c"]["initial_seed"] == rank_seed(1, rank)
