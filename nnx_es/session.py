@@ -175,7 +175,8 @@ def open_session(
                 check_world_size(point.manifest.world_size, components.world.size)  # before the recipe's details
                 _check_same_recipe(components, declare(run_id, None), point.started, point.manifest)
                 check_epochs(epochs, point.manifest.epoch + 1)
-                seed_everything(seed, rank=world.rank, world_size=world.size)  # then the checkpoint's RNG streams are restored over it
+                # then the checkpoint's RNG streams (this rank's own) are restored over it
+                seed_everything(seed, rank=world.rank, world_size=world.size)
                 shared_state = load_state(store, point.manifest)
                 apply_state(components, shared_state)
                 recorder = Recorder(event_log, Lifecycle(point.state), counters=point.manifest.counters)
