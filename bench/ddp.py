@@ -37,6 +37,7 @@ import datetime
 import inspect
 import io
 import json
+import math
 import os
 import pstats
 import shutil
@@ -53,6 +54,7 @@ HAND, HAND_SAVE = "hand DDP loop", "hand DDP loop + torch.save each epoch"
 NNX_ROWS, NNX = "nnx_es DDP, batch_gather=False", "nnx_es DDP (every default)"
 HAND_SEPARATE = "hand DDP loop + save + a second all_reduce per step (nnx_es's agreement before the fusion)"
 HAND_FUSED = "hand DDP loop + save + the agreement in the last gradient bucket (comm hook, float32 parts)"
+HAND_HOST = "hand DDP loop + save + the same, its parts cut on the host (stage_host: nnx_es's way on the CPU)"
 HAND_FUSED64 = "hand DDP loop + save + the agreement in a float64 copy of the last bucket (the hook before)"
 HAND_PYHOOK = "hand DDP loop + save + a Python comm hook doing what DDP's C++ one does"
 BATCH = 32
@@ -110,7 +112,9 @@ def run_hand(dataset, epochs: int, root: Path, *, save: bool = False, agree: str
     host read of it; ``"fused"`` carries the same three values in the gradients' last bucket
     (:class:`nnx_es.distributed.fused.FusedAgreement`, a DDP comm hook: no second collective);
     ``"fused64"`` the same hook widening the bucket to float64 (``carry="float64"``, as before the
-    float32 parts); ``"pyhook"`` torch's Python ``allreduce_hook`` (the cost of a Python hook alone).
+    float32 parts); ``"host"`` the float32 parts cut on the host from the loss read as a float
+    (``FusedAgreement.stage_host``, what nnx_es does on the CPU); ``"pyhook"`` torch's Python
+    ``allreduce_hook`` (the cost of a Python hook alone).
     """
     import torch
     import torch.distributed as dist
@@ -120,7 +124,7 @@ def run_hand(dataset, epochs: int, root: Path, *, save: bool = False, agree: str
     net = _net()
     model = DistributedDataParallel(net)
     fused = None
-    if agree in ("fused", "fused64"):
+    if agree in ("fused", "fused64", "host"):
         from nnx_es.distributed.fused import FusedAgreement
 
         fused = FusedAgreement(model, carry="float64" if agree == "fused64" else "auto")
@@ -138,7 +142,11 @@ def run_hand(dataset, epochs: int, root: Path, *, save: bool = False, agree: str
         for x, y in loader:
             opt.zero_grad(set_to_none=True)
             loss = loss_fn(model(x), y)
-            if fused is not None:
+            if agree == "host":
+                value = loss.detach().item()  # the same three values, read as floats
+                fused.stage_host([value * len(y), float(len(y)), 0.0 if math.isfinite(value) else 1.0],
+                                 float32_sums=True)
+            elif fused is not None:
                 fused.stage(torch.stack([loss.detach().double() * len(y), torch.tensor(float(len(y)), dtype=torch.float64),
                                          (~torch.isfinite(loss.detach())).double()]), float32_sums=True)
             loss.backward()
@@ -227,6 +235,7 @@ def _contenders(with_nnx: bool) -> dict[str, Callable[[Any, int, Path], int]]:
         HAND_PYHOOK: lambda d, e, r: run_hand(d, e, r, save=True, agree="pyhook"),
         HAND_FUSED64: lambda d, e, r: run_hand(d, e, r, save=True, agree="fused64"),
         HAND_FUSED: lambda d, e, r: run_hand(d, e, r, save=True, agree="fused"),
+        HAND_HOST: lambda d, e, r: run_hand(d, e, r, save=True, agree="host"),
     }
     if with_nnx:
         out[NNX_ROWS] = run_nnx

@@ -20,8 +20,8 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-__all__ = ["LoaderGenerators", "capture_rng", "generators_mismatch", "loader_generators", "restore_rng",
-           "seed_everything"]
+__all__ = ["LoaderGenerators", "capture_rng", "generators_mismatch", "loader_generators", "rank_seed",
+           "restore_rng", "seed_everything"]
 
 #: each loader role -> (its name in messages, its DataLoader generator's key, its samplers' key)
 _ROLES = {"train": ("train loader", "loader", "samplers"), "val": ("validation loader", "val_loader", "val_samplers")}
@@ -82,11 +82,43 @@ def generators_mismatch(state: Mapping[str, Any], loaders: Mapping[str, LoaderGe
     return None
 
 
-def seed_everything(seed: int) -> None:
-    """Seed Python's, numpy's global and torch's RNGs with ``seed``."""
+def rank_seed(seed: int, rank: int) -> int:
+    """The seed of rank ``rank``'s global RNG streams in a group of more than one rank.
+
+    It is child ``rank`` of NumPy's ``SeedSequence(seed mod 2**64)`` -- what
+    ``np.random.SeedSequence(seed).spawn(world_size)[rank]`` gives, for any world size -- read
+    as one unsigned 64-bit word. The SeedSequence hash mixes ``seed`` and ``rank``, so (unlike
+    ``seed + rank``) rank 1 of seed ``s`` is not rank 0 of seed ``s + 1``, and no rank's seed is
+    a small integer a user would pick for a run of its own.
+
+    The peers differ: Ignite's examples seed ``seed + rank`` (which collides across runs seeded
+    0, 1, 2, ...); Lightning's ``seed_everything`` seeds every rank alike and mixes the rank into
+    its DataLoader workers' seeds only; torchtitan seeds data-parallel ranks alike and offsets
+    pipeline stages. Spec 000 §3 asks for each rank's own stream, hence a hash of both.
+
+    Returns:
+        an int in ``[0, 2**64)``.
+    """
+    child = np.random.SeedSequence(int(seed) % 2**64, spawn_key=(int(rank),))
+    return int(child.generate_state(1, dtype=np.uint64)[0])
+
+
+def seed_everything(seed: int, *, rank: int = 0, world_size: int = 1) -> int:
+    """Seed Python's, numpy's global and torch's RNGs; return the seed they were given.
+
+    One process (``world_size == 1``) seeds them with ``seed`` itself. In a group of more than
+    one rank each rank draws its own streams (spec 000 §3: dropout matches one process only in
+    distribution): rank ``r`` seeds them as one process would with :func:`rank_seed` ``(seed, r)``.
+    NumPy's legacy global stream takes the seed's low 32 bits (as it always has). The loaders' own
+    generators and the training partition (the train loader's seed + epoch, the same on every
+    rank) are not touched.
+    """
+    if world_size > 1:
+        seed = rank_seed(seed, rank)
     random.seed(seed)
     np.random.seed(seed % (2**32))
     torch.manual_seed(seed)
+    return seed
 
 
 def _gen_bytes(gen: torch.Generator) -> bytes:

@@ -175,7 +175,8 @@ def open_session(
                 check_world_size(point.manifest.world_size, components.world.size)  # before the recipe's details
                 _check_same_recipe(components, declare(run_id, None), point.started, point.manifest)
                 check_epochs(epochs, point.manifest.epoch + 1)
-                seed_everything(seed)  # then the checkpoint's RNG streams are restored over it
+                # then the checkpoint's RNG streams (this rank's own) are restored over it
+                seed_everything(seed, rank=world.rank, world_size=world.size)
                 shared_state = load_state(store, point.manifest)
                 apply_state(components, shared_state)
                 recorder = Recorder(event_log, Lifecycle(point.state), counters=point.manifest.counters)
@@ -196,7 +197,7 @@ def open_session(
                 )
                 start_epoch = point.manifest.epoch + 1
             else:
-                seed_everything(seed)
+                seed_everything(seed, rank=world.rank, world_size=world.size)
                 src = loaded = None
                 if resume_from is not None:
                     src, loaded = _load_from(components, resume_from, own=run_dir, at=resume_at,
@@ -376,7 +377,7 @@ def _follow(world: World, *, runs_root: Path, run_id: str | None, resume_from: s
         raise_described(verdict["error"])
     run_id = verdict["run_id"]
     runs_root = Path(verdict["runs_root"])
-    seed_everything(seed)
+    seed_everything(seed, rank=world.rank, world_size=world.size)
     log_ = FollowerLog(verdict["next_seq"])
     store = FollowerBlobStore(runs_root / run_id / "blobs")
     checkpoints = CheckpointsState()

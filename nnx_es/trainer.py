@@ -139,7 +139,9 @@ class Trainer:
             :mod:`nnx_es.commit`). A crash can then lose up to that much more work.
         runs_root: the directory holding ``<run_id>/`` and ``.leases/``.
         run_id: ``[A-Za-z0-9._-]{1,128}``; default: a timestamp and random suffix.
-        seed: seeds Python, numpy and torch before training.
+        seed: seeds Python, numpy and torch before training; under ``distributed=DDP()`` with more
+            than one rank, rank ``r`` seeds them with :func:`nnx_es.rng.rank_seed` ``(seed, r)``
+            (each rank's own dropout; ``train_loader``'s partition keeps its own seed + epoch).
         progress: show a progress display (default: when stderr is a terminal).
         batch_gather: fetch each batch of a ``DataLoader`` over an in-memory ``TensorDataset``
             with one index per tensor instead of row by row -- the same batches, order and RNG

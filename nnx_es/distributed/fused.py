@@ -39,6 +39,13 @@ follows:
   float64 copy of the bucket, whose sum is divided by the world size and rounded once to the
   bucket's dtype (the hook before the float32 parts: it doubles the last bucket's bytes).
 
+Values known on the host (a CPU run: reading a CPU tensor waits for no device) are staged with
+:meth:`FusedAgreement.stage_host`: the same parts, cut by :func:`float32_parts_host` in Python and
+written into a float32 buffer that holds the bucket and them (kept between windows), so a window
+adds no torch op but one division into that buffer and one copy back -- each small torch op costs
+~5-15 us of CPU inside a training loop, and the device path's dozen cost ~15 % of a digits step
+(``bench/ddp.py``). The sums, the fallback and the gradients are bitwise the device path's.
+
 Every other bucket, and a backward with nothing staged, is reduced as ``allreduce_hook`` does.
 The values must be known before the backward that synchronizes (they are: the window's losses
 and denominators are formed by its forwards); :meth:`FusedAgreement.result` reads the sums
@@ -49,6 +56,7 @@ A backward under ``no_sync`` runs no hook: the staged values wait for the next s
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -57,7 +65,7 @@ from torch import Tensor
 
 from nnx_es.errors import ConfigError
 
-__all__ = ["FusedAgreement", "float32_grid", "float32_parts", "float32_sum", "from_parts"]
+__all__ = ["FusedAgreement", "float32_grid", "float32_parts", "float32_parts_host", "float32_sum", "from_parts"]
 
 _LOW = -149  # float32's smallest subnormal is 2**-149: every float32/float16/bfloat16 sum is a multiple
 
@@ -84,6 +92,30 @@ def float32_parts(values: Tensor, grid: Tensor) -> Tensor:
     # quotient overflows, |value| >= 2**875); fmod(v, 2**-149) is 0 for a float32 sum, so the
     # differences are [the M parts, the rest from 2**b_M up] of each value, every one exact
     return torch.diff(torch.fmod(values.unsqueeze(1), grid), dim=1).to(torch.float32).view(-1)
+
+
+def float32_parts_host(values: Sequence[float], grid: Sequence[float], *, on_grid: bool = True) -> list[float]:
+    """:func:`float32_parts` of host floats in Python, bitwise the same (``math.fmod`` by a power of two
+    and the differences are exact, as on the device): ``len(grid)`` parts per value, value by value.
+
+    A value the parts cannot carry -- not finite, ``|v| >= 2**128`` -- and every value when
+    ``on_grid`` is False (not declared float32 sums) gets NaN parts: the sums are then not finite on
+    every rank and :meth:`FusedAgreement.result` sums the values in float64, as it does when the
+    device's parts of such values (NaN or infinite) come back. ``grid``: :func:`float32_grid`'s."""
+    m = len(grid)
+    out: list[float] = []
+    fmod = math.fmod
+    for v in values:
+        if not on_grid or not abs(v) < 2.0**128:  # NaN fails the comparison too
+            out.extend([math.nan] * m)
+            continue
+        prev = fmod(v, grid[0])
+        for g in grid[1:]:
+            r = fmod(v, g)
+            out.append(r - prev)
+            prev = r
+        out.append(v - prev)  # the rest, from the grid's last power up
+    return out
 
 
 def from_parts(sums: list[float], count: int) -> list[float] | None:
@@ -129,14 +161,18 @@ class FusedAgreement:
         self.group = group
         self.widen = carry == "float64"
         self.size = dist.get_world_size(group)
-        self._staged: Tensor | None = None
+        self._staged: Tensor | list[float] | None = None  # a list: staged from the host (stage_host)
         self._tail: Tensor | None = None  # the staged values' float32 parts (cut by stage)
         self._on_grid = False
-        #: after a carrying backward: (the summed tail, its kind, this rank's staged values)
-        self._result: tuple[Tensor, str, Tensor] | None = None
+        #: after a carrying backward: (the summed tail, its kind, this rank's staged values); for
+        #: kind "host" the tail's sums and the values are lists
+        self._result: tuple[Any, str, Any] | None = None
         grid = float32_grid(self.size)
         self._grid = grid
         self._powers: dict[Any, Tensor] = {}  # device -> the grid and inf, float64
+        #: stage_host's buffer (the last bucket, then the parts: float32, CPU), its bucket size and
+        #: part count, a view of its bucket and its NumPy view; made on the first host-staged hook
+        self._joined: tuple[Tensor, int, int, Tensor, Any] | None = None
         #: how many synchronizing backwards fell back to a float64 all-reduce of the values (a count, for tests)
         self.fallbacks = 0
         #: bytes the last result added to the gradients' all-reduce (its tail), plus a fallback's
@@ -162,6 +198,16 @@ class FusedAgreement:
         # the parts are cut here, before the backward, off its critical path (the hook only joins them)
         self._tail = None if self._grid is None or self.widen else self._parts(staged)
 
+    def stage_host(self, values: Sequence[float], *, float32_sums: bool = False) -> None:
+        """:meth:`stage` for values known on the host (Python floats: a CPU run reads them for free):
+        on a float32 CPU bucket their parts are cut in Python and written beside the bucket in a
+        buffer kept between windows (no torch op); on any other bucket they are staged as a tensor
+        then. The sums and gradients are bitwise :meth:`stage`'s; ``float32_sums`` as there."""
+        self._staged = [float(v) for v in values]
+        self._on_grid = bool(float32_sums)
+        self._result = None
+        self._tail = None
+
     def result(self) -> list[float] | None:
         """The staged values summed over the ranks (float64, as Python floats), once the backward
         carrying them returned; ``None`` if no synchronizing backward carried them yet. Each result
@@ -171,14 +217,20 @@ class FusedAgreement:
         if out is None:
             return None
         tail, kind, staged = out
-        self.last_bytes = tail.numel() * tail.element_size()
-        if kind == "float64":
-            return tail.tolist()  # type: ignore[no-any-return]
-        got = from_parts(tail.tolist(), staged.numel())
+        if kind == "host":  # the summed parts, read from the buffer when the all-reduce completed
+            sums = tail
+            self.last_bytes = 4 * len(sums)
+            count = len(staged)
+        else:
+            self.last_bytes = tail.numel() * tail.element_size()
+            if kind == "float64":
+                return tail.tolist()  # type: ignore[no-any-return]
+            sums, count = tail.tolist(), staged.numel()
+        got = from_parts(sums, count)
         if got is None:  # non-finite sums on every rank alike: every rank falls back alike
             self.fallbacks += 1
-            self.last_bytes += staged.numel() * staged.element_size()
-            exact = staged.clone()
+            self.last_bytes += 8 * count
+            exact = torch.tensor(staged, dtype=torch.float64) if kind == "host" else staged.clone()
             dist.all_reduce(exact, group=self.group)
             return exact.tolist()  # type: ignore[no-any-return]
         return got
@@ -206,6 +258,12 @@ class FusedAgreement:
             return work.get_future().then(lambda fut: fut.value()[0])
         state._staged = None
         n = buf.numel()
+        if type(staged) is list:  # staged from the host
+            if buf.dtype == torch.float32 and buf.device.type == "cpu" and state._grid is not None \
+                    and not state.widen:
+                return state._host_hook(buf, staged)
+            staged = torch.tensor(staged, dtype=torch.float64, device=buf.device)
+            state._tail = None
         staged = staged.to(buf.device)
         if buf.dtype == torch.float64 or (buf.dtype == torch.float32 and state._grid is not None
                                           and not state.widen):
@@ -231,4 +289,28 @@ class FusedAgreement:
                 return buf
 
         work = dist.all_reduce(joined, group=state.group, async_op=True)
+        return work.get_future().then(split)
+
+    def _host_hook(self, buf: Tensor, values: list[float]) -> torch.futures.Future:
+        """The last bucket ``buf`` (float32, CPU) and the host-staged ``values``' parts in one
+        all-reduce: the bucket divided by the world size into the kept buffer (``torch.div`` into
+        its view: the same division as ``buf.div_``), the parts written through its NumPy view,
+        the reduced bucket copied back; the summed parts are read as the all-reduce completes."""
+        n = buf.numel()
+        m = len(values) * len(self._grid)  # type: ignore[arg-type]
+        joined = self._joined
+        if joined is None or joined[1] != n or joined[2] != m:  # DDP rebuilds its buckets once, early
+            t = torch.empty(n + m, dtype=torch.float32)
+            joined = self._joined = (t, n, m, t[:n], t.numpy())
+        t, _, _, head, arr = joined
+        arr[n:] = float32_parts_host(values, self._grid, on_grid=self._on_grid)  # type: ignore[arg-type]
+        torch.div(buf, self.size, out=head)
+
+        def split(fut: torch.futures.Future) -> Tensor:
+            fut.value()
+            self._result = (arr[n:].tolist(), "host", values)  # type: ignore[assignment]
+            buf.copy_(head)
+            return buf
+
+        work = dist.all_reduce(t, group=self.group, async_op=True)
         return work.get_future().then(split)

@@ -45,6 +45,12 @@ def net(seed: int = 0) -> nn.Module:
     return nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3))
 
 
+def dropout_net(seed: int = 0) -> nn.Module:
+    """``net`` with dropout (p = 0.5) between its layers: a forward drawing from the global torch stream."""
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Dropout(0.5), nn.Linear(7, 3))
+
+
 def trainer(model: nn.Module, *, runs_root: Path, run_id: str, distributed: Any = None, **kw: Any):
     from nnx_es import Scheduler, Trainer
 

@@ -2,8 +2,8 @@
 
     python -m torch.distributed.run --max-restarts=1 ... elastic_script.py OUT_DIR [KILL [RUNS]]
 
-Trains the same small deterministic model once per name of ``RUNS`` (default
-``reference,elastic``), one after another in one process group, with
+Trains the same small model (with dropout: each rank draws its own masks) once per name of
+``RUNS`` (default ``reference,elastic``), one after another in one process group, with
 ``Trainer(run_id=<name>, runs_root=OUT_DIR/runs, distributed=DDP())`` and
 ``fit(..., resume="auto")``. A run whose results this rank already wrote is skipped (a
 restarted generation goes on where the killed one was). In run ``elastic``, ``KILL`` =
@@ -12,11 +12,13 @@ restarted generation goes on where the killed one was). In run ``elastic``, ``KI
 restarts the group and the new generation continues the run from LAST.
 
 Each rank writes ``OUT_DIR/<run>.rank<r>.json``: its final parameters (float64 lists, exact for
-float32), the run's status and counters, and the restart count torchrun gave it.
+float32), a SHA-256 of its torch RNG state after the fit, the run's status and counters, and the
+restart count torchrun gave it.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import signal
 import sys
@@ -46,7 +48,7 @@ def dataset() -> TensorDataset:
 
 def net() -> nn.Module:
     torch.manual_seed(1)
-    return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+    return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Dropout(0.25), nn.Linear(8, 3))
 
 
 class KillOnce(Callback):
@@ -73,6 +75,7 @@ def _train(out: Path, ddp: DDP, run_id: str, callbacks: list) -> dict:
     result = trainer.fit(train_loader(dataset(), BATCH, seed=SEED), epochs=EPOCHS, resume="auto")
     return {
         "params": {k: v.detach().double().flatten().tolist() for k, v in model.state_dict().items()},
+        "rng": hashlib.sha256(torch.get_rng_state().numpy().tobytes()).hexdigest(),
         "status": result.status, "step": result.counters.step, "epoch": result.counters.epoch,
         "restarts": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
     }

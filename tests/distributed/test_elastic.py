@@ -1,6 +1,7 @@
 """Elastic restart: under ``torchrun --max-restarts=1`` the writer rank SIGKILLed mid-epoch makes the agent
 restart the group, and ``fit(resume="auto")`` continues the run from LAST to the same parameters
-(bitwise) as an uninterrupted 2-rank run (issue 13, "Elastic restart")."""
+(bitwise) as an uninterrupted 2-rank run (issue 13, "Elastic restart"), its dropout included: each
+rank's own RNG stream is restored from the checkpoint."""
 
 from __future__ import annotations
 
@@ -36,7 +37,9 @@ def test_a_rank_killed_mid_epoch_restarts_and_resumes_to_the_uninterrupted_param
         assert got["status"] == ref["status"] == "completed"
         assert (got["epoch"], got["step"]) == (ref["epoch"], ref["step"])
         assert got["params"] == ref["params"]  # float32 values as float64: equal lists = bitwise equal
+        assert got["rng"] == ref["rng"]  # each rank's own stream (its dropout masks) restored, not re-seeded
     assert elastic[0]["params"] == elastic[1]["params"]
+    assert reference[0]["rng"] != reference[1]["rng"]  # every rank drew from a stream of its own
     # the restarted group resumed the run from epoch 0's LAST (it did not start over)
     run_dir = tmp_path / "runs" / "elastic"
     (resumed,) = of_kind(run_dir, "run_resumed")

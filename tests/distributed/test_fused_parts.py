@@ -10,7 +10,7 @@ import random
 import pytest
 import torch
 
-from nnx_es.distributed.fused import float32_grid, float32_parts, float32_sum, from_parts
+from nnx_es.distributed.fused import float32_grid, float32_parts, float32_parts_host, float32_sum, from_parts
 
 
 def _float32_sums(values_per_rank: list[list[float]], world: int, order: list[int]) -> list[float]:
@@ -91,3 +91,25 @@ def test_torch_fmod_by_the_grid_is_exact_where_the_parts_rely_on_it() -> None:
     vals += [2.0 ** -149, -(2.0 ** -149) * 3, 2.0 ** 127 * 1.5, -(2.0 ** 126), float(2 ** 53 + 1) * 2.0 ** -100]
     got = torch.fmod(torch.tensor(vals, dtype=torch.float64).unsqueeze(1), torch.tensor(grid, dtype=torch.float64))
     assert got.tolist() == [[math.fmod(v, g) for g in grid] for v in vals]
+
+
+@pytest.mark.parametrize("world", [2, 3, 16])
+def test_the_hosts_parts_are_the_devices_bitwise_and_those_it_cannot_carry_are_nan(world: int) -> None:
+    """stage_host cuts the parts in Python (a CPU run): the same float32 values as float32_parts for every
+    value the parts carry; NaN parts for one they cannot, or undeclared ones, where the device's are
+    NaN or infinite -- either way the sums come back non-finite and the caller falls back alike."""
+    rng = random.Random(world)
+    grid = float32_grid(world)
+    grid_t = torch.tensor([*grid, math.inf], dtype=torch.float64)
+    vals = [_float32_sum_values(rng, rng.randint(1, 6)) for _ in range(300)] + [float(rng.randint(0, 2 ** 40))]
+    vals += [0.0, -0.0, 2.0 ** -149, -(2.0 ** -149) * 3, 2.0 ** 127 * 1.5, 2.0 ** 128 - 2.0 ** 104, -(2.0 ** 126)]
+    host = torch.tensor(float32_parts_host(vals, grid), dtype=torch.float32)
+    device = float32_parts(torch.tensor(vals, dtype=torch.float64), grid_t)
+    assert host.numel() == device.numel() == len(vals) * len(grid)
+    assert torch.equal(host.view(torch.int32), device.view(torch.int32))  # bitwise, signs of zero included
+    for bad in (2.0 ** 128, -1e300, math.inf, math.nan):
+        cut = float32_parts_host([1.5, bad], grid)
+        assert all(math.isnan(x) for x in cut[len(grid):]) and cut[:len(grid)] == float32_parts_host([1.5], grid)
+        dev = float32_parts(torch.tensor([bad], dtype=torch.float64), grid_t)
+        assert not torch.isfinite(dev).all()  # the device's parts of it: non-finite too
+    assert all(math.isnan(x) for x in float32_parts_host([1.5, 2.0], grid, on_grid=False))

@@ -13,7 +13,8 @@ from launch import results, torchrun
 SCRIPT = Path(__file__).resolve().parent / "scenarios.py"
 CASES = ["equivalence", "ignored_targets", "masked_window", "nonfinite_window", "refusals", "decisions", "local_stop", "writer_only",
          "commit_fault", "resume_other_world", "resume_auto", "sha_refusal", "callback_roles",
-         "divergence", "resume_killed", "fused_hook"]
+         "divergence", "resume_killed", "fused_hook", "rank_streams",
+         "staging_ways"]
 
 
 @pytest.fixture(scope="module")
@@ -273,9 +274,45 @@ def test_the_fused_agreement_keeps_ddps_gradients_and_sums_the_values_exactly(dd
     """The window's [numerator, W] ride in the gradients' bucket without widening it: float32 parts on
     a float32 bucket (issue 13's missed target), appended as they are on a float64 one."""
     for r in _ok(ddp_run, "fused_hook"):
-        f32, f64 = r["torch.float32"], r["torch.float64"]
-        for runs in (f32, f64):
-            assert all(run["same_grads"] for run in runs)  # bitwise DDP's own hook (divide, then sum)
-            assert all(run["sum"] == run["float64"] for run in runs)  # bitwise a float64 all-reduce
-        assert [run["fallbacks"] for run in f32] == [0, 1, 2]  # only what float32 parts cannot carry
-        assert [run["fallbacks"] for run in f64] == [0, 0, 0]  # a float64 bucket carries the values as they are
+        for way in ("", " host"):  # staged on the device, or from the host (stage_host)
+            f32, f64 = r["torch.float32" + way], r["torch.float64" + way]
+            for runs in (f32, f64):
+                assert all(run["same_grads"] for run in runs)  # bitwise DDP's own hook (divide, then sum)
+                assert all(run["sum"] == run["float64"] for run in runs)  # bitwise a float64 all-reduce
+            assert [run["fallbacks"] for run in f32] == [0, 1, 2]  # only what float32 parts cannot carry
+            assert [run["fallbacks"] for run in f64] == [0, 0, 0]  # a float64 bucket carries the values as they are
+
+
+def test_the_agreement_staged_from_the_host_or_on_the_device_trains_the_same_run(ddp_run: Path) -> None:
+    """On the CPU the window's [numerator, W] are staged from the host (HOST_PARTS_ON_CPU); the device
+    way is what an accelerator runs: the same parameters and receipts bitwise, ignored targets counted
+    either way, and the weighted fit equal to the equivalence case's."""
+    r0, r1 = (r["runs"] for r in _ok(ddp_run, "staging_ways"))
+    for run in r0:
+        assert r0[run]["digest"] == r1[run]["digest"], run
+    ways = ("ways_11", "ways_10", "ways_01", "ways_00")
+    assert len({r0[w]["digest"] for w in ways}) == 1
+    assert all(r0[w]["receipts"] == r0["ways_11"]["receipts"] for w in ways)
+    assert [r["kind"] for r in r0["ways_11"]["receipts"]] == ["update_committed"] * 2  # windows of 2 batches
+    assert r0["equiv_1"] == r0["equiv_0"]
+    assert r0["equiv_1"]["digest"] == _ok(ddp_run, "equivalence")[0]["digest"]
+
+
+def test_dropout_draws_each_ranks_own_stream_the_same_for_the_same_seed(ddp_run: Path) -> None:
+    """Spec 000 §3: under a group of several ranks rank r seeds its global streams with
+    rank_seed(seed, r) (child r of NumPy's SeedSequence(seed)), so its dropout masks are its own;
+    the parameters stay identical on every rank (DDP averages the gradients), and the same seed
+    gives every rank the same masks again."""
+    from nnx_es.rng import rank_seed
+
+    r0, r1 = (r["runs"] for r in _ok(ddp_run, "rank_streams"))
+    for run in ("streams_a", "streams_c"):
+        assert r0[run]["masks"] != r1[run]["masks"]  # each rank its own masks
+        assert r0[run]["digest"] == r1[run]["digest"]  # identical parameters on every rank all the same
+    for rank, runs in enumerate((r0, r1)):
+        assert runs["streams_a"]["masks"] == runs["streams_b"]["masks"]  # the same seed: the same masks
+        assert runs["streams_a"]["digest"] == runs["streams_b"]["digest"]
+        assert runs["streams_a"]["masks"] != runs["streams_c"]["masks"]  # another seed: other masks
+        assert 0.3 < runs["streams_a"]["kept"] < 0.7  # dropout p = 0.5 did drop
+        assert runs["streams_a"]["initial_seed"] == rank_seed(0, rank)  # the documented derivation
+        assert runs["streams_c"]["initial_seed"] == rank_seed(1, rank)

@@ -55,6 +55,39 @@ def test_the_staged_values_come_back_summed_and_the_gradients_are_ddps(group):
             assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_values_staged_from_the_host_come_back_as_from_the_device(group, dtype):
+    """stage_host: the parts written beside a float32 CPU bucket in a buffer kept between windows
+    (a float64 bucket takes the values as a tensor): the same sums, fallbacks and gradients as stage."""
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3)).to(dtype)
+    twins = [nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3)).to(dtype) for _ in range(2)]
+    models, agreements = [], []
+    for twin in twins:
+        twin.load_state_dict(plain.state_dict())
+        models.append(DistributedDataParallel(twin, bucket_cap_mb=0.0001))
+        agreements.append(FusedAgreement(models[-1]))
+    x, y = torch.randn(5, 4, dtype=dtype), torch.randint(0, 3, (5,))
+    for values, declared in (([1.25, 5.0], True), ([2.0 ** -200, 3.0], False), ([7.5, 2.0 ** 130], True),
+                             ([0.5, 1.0, 8.0], True), ([3.0, 4.0], True)):  # another count, then back
+        for net in (plain, *twins):
+            net.zero_grad(set_to_none=True)
+        nn.functional.cross_entropy(plain(x), y).backward()
+        agreements[0].stage(torch.tensor(values, dtype=torch.float64), float32_sums=declared)
+        agreements[1].stage_host(values, float32_sums=declared)
+        got = []
+        for model, agreement in zip(models, agreements):
+            nn.functional.cross_entropy(model(x), y).backward()
+            got.append((agreement.result(), agreement.fallbacks, agreement.last_bytes))
+        assert got[0] == got[1]
+        assert got[1][0] == values  # one rank: the sums are the values
+        for twin in twins:
+            for a, b in zip(_grads(plain), _grads(twin)):
+                assert torch.equal(a, b)
+    # float32: the undeclared values and the one beyond 2**128 fall back; a float64 bucket carries them as they are
+    assert agreements[1].fallbacks == (2 if dtype == torch.float32 else 0)
+
+
 def test_a_backward_under_no_sync_carries_nothing_and_a_second_hook_is_refused(group):
     model = DistributedDataParallel(nn.Linear(3, 2))
     fused = FusedAgreement(model)
