@@ -76,6 +76,12 @@ __all__ = ["EpochTotals", "UpdateEngine", "default_forward", "default_train_step
 
 StepFn = Callable[[nn.Module, Any], tuple[Tensor, Tensor, Tensor | None]]
 
+#: a window's values on the CPU are read one by one (``Tensor.item``: no stack op, no copy -- on the
+#: CPU a read waits for nothing), up to :data:`_READ_EACH_MAX` of them; False: every device's way, one
+#: stacked transfer (``torch.stack(...).tolist()``). The floats are the same (tests run both ways).
+READ_EACH_ON_CPU = True
+_READ_EACH_MAX = 8  # past this many values one stack and one tolist cost less than the reads
+
 _PAIRS = (tuple, list)  # the batch types the default step splits without split_batch (an exact type test)
 #: loss dtypes whose float64 sums are multiples of 2**-149: the fused agreement carries them as float32 parts
 
@@ -381,7 +387,13 @@ class UpdateEngine(DataParallelWindow, Receipts):
             tensors.append(flag)
         if not tensors:
             return None
-        values = torch.stack(tensors).tolist()  # dtypes promote exactly (fp16/bf16 -> fp32 -> fp64)
+        if READ_EACH_ON_CPU and len(tensors) <= _READ_EACH_MAX and tensors[0].device.type == "cpu" \
+                and all(t.is_floating_point() for t in tensors):
+            # nothing to wait for on the CPU: each value read where it is (the floats the stacked read
+            # gives: every floating dtype converts to a Python float exactly), no stack op
+            values = [t.item() for t in tensors]
+        else:
+            values = torch.stack(tensors).tolist()  # dtypes promote exactly (fp16/bf16 -> fp32 -> fp64)
         final: dict[int, MicrobatchDone] = {}
         sums = self.epoch.sums
         nan = math.nan
