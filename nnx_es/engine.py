@@ -387,12 +387,16 @@ class UpdateEngine(DataParallelWindow, Receipts):
             tensors.append(flag)
         if not tensors:
             return None
-        if READ_EACH_ON_CPU and len(tensors) <= _READ_EACH_MAX and tensors[0].device.type == "cpu" \
-                and all(t.is_floating_point() for t in tensors):
-            # nothing to wait for on the CPU: each value read where it is (the floats the stacked read
-            # gives: every floating dtype converts to a Python float exactly), no stack op
-            values = [t.item() for t in tensors]
-        else:
+        values: list[float] = []
+        if READ_EACH_ON_CPU and len(tensors) <= _READ_EACH_MAX and tensors[0].device.type == "cpu":
+            # nothing to wait for on the CPU: each value read where it is, no stack op; the floats the
+            # stacked read gives (a floating dtype converts to a Python float exactly; anything else is stacked)
+            for t in tensors:
+                if not t.is_floating_point():
+                    values.clear()
+                    break
+                values.append(t.item())
+        if not values:
             values = torch.stack(tensors).tolist()  # dtypes promote exactly (fp16/bf16 -> fp32 -> fp64)
         final: dict[int, MicrobatchDone] = {}
         sums = self.epoch.sums
