@@ -10,8 +10,9 @@ Per microbatch (:meth:`UpdateEngine.microbatch`)::
 
 Host reads (each stalls an accelerator's queue): none inside a window; at its end one
 transfer reads every microbatch's loss (and terms) together with the gradients' finiteness
-flag, or their total norm (``torch.stack(...).tolist()``): the skip decision, the held
-``microbatch_done`` events' floats, the receipt's loss and the epoch's sums all come from
+flag, or their total norm (``torch.stack(...).tolist()``; on the CPU, where a read waits for
+nothing, a few values are read one by one instead: :data:`READ_EACH_ON_CPU`): the skip decision,
+the held ``microbatch_done`` events' floats, the receipt's loss and the epoch's sums all come from
 it, the same floats a read per microbatch gave. With a GradScaler, or a stage hook before
 the optimizer step (which may change the gradients), the losses are read first and the
 gradients' check after (two reads); a GradScaler's backward reads each microbatch's loss.
