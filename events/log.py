@@ -216,14 +216,18 @@ class LmdbLog(LogBase):
                         # the blobs this write adds (a key stored before keeps its value)
                         added = {key: value for key, value in self._staged.items()
                                  if txn.put(key, value, db=self._blobs, overwrite=False)}
-                        for seq, raw in self._buffer:
-                            if not txn.put(seq.to_bytes(8, "big"), raw, append=True):  # seq_key(seq), inlined
-                                # MDB_APPEND refuses a key at or below the last one: another
-                                # writer stored it. Abort the whole batch, never drop silently.
-                                raise EventLogError(
-                                    f"write to {self.path} refused: seq {seq} is already stored "
-                                    "(another writer appended to this log)"
-                                )
+                        # one C call for the batch (seq_key inlined); MDB_APPEND refuses a key at or
+                        # below the last one stored (another writer stored it) and goes on: a refusal
+                        # aborts the whole batch, never drops silently. The buffer's seqs ascend by
+                        # one, so the refused ones are its first: its first seq is named.
+                        buffer = self._buffer
+                        consumed, added_events = txn.cursor().putmulti(
+                            [(seq.to_bytes(8, "big"), raw) for seq, raw in buffer], append=True)
+                        if added_events != consumed:
+                            raise EventLogError(
+                                f"write to {self.path} refused: seq {buffer[0][0]} is already stored "
+                                "(another writer appended to this log)"
+                            )
                         if record is not None:
                             txn.put(*record, db=self._sums)
                     break

@@ -10,8 +10,9 @@ Per microbatch (:meth:`UpdateEngine.microbatch`)::
 
 Host reads (each stalls an accelerator's queue): none inside a window; at its end one
 transfer reads every microbatch's loss (and terms) together with the gradients' finiteness
-flag, or their total norm (``torch.stack(...).tolist()``): the skip decision, the held
-``microbatch_done`` events' floats, the receipt's loss and the epoch's sums all come from
+flag, or their total norm (``torch.stack(...).tolist()``; on the CPU, where a read waits for
+nothing, a few values are read one by one instead: :data:`READ_EACH_ON_CPU`): the skip decision,
+the held ``microbatch_done`` events' floats, the receipt's loss and the epoch's sums all come from
 it, the same floats a read per microbatch gave. With a GradScaler, or a stage hook before
 the optimizer step (which may change the gradients), the losses are read first and the
 gradients' check after (two reads); a GradScaler's backward reads each microbatch's loss.
@@ -75,6 +76,12 @@ if TYPE_CHECKING:
 __all__ = ["EpochTotals", "UpdateEngine", "default_forward", "default_train_step", "finalize_step", "split_batch"]
 
 StepFn = Callable[[nn.Module, Any], tuple[Tensor, Tensor, Tensor | None]]
+
+#: a window's values on the CPU are read one by one (``Tensor.item``: no stack op, no copy -- on the
+#: CPU a read waits for nothing), up to :data:`_READ_EACH_MAX` of them; False: every device's way, one
+#: stacked transfer (``torch.stack(...).tolist()``). The floats are the same (tests run both ways).
+READ_EACH_ON_CPU = True
+_READ_EACH_MAX = 8  # past this many values one stack and one tolist cost less than the reads
 
 _PAIRS = (tuple, list)  # the batch types the default step splits without split_batch (an exact type test)
 #: loss dtypes whose float64 sums are multiples of 2**-149: the fused agreement carries them as float32 parts
@@ -381,7 +388,17 @@ class UpdateEngine(DataParallelWindow, Receipts):
             tensors.append(flag)
         if not tensors:
             return None
-        values = torch.stack(tensors).tolist()  # dtypes promote exactly (fp16/bf16 -> fp32 -> fp64)
+        values: list[float] = []
+        if READ_EACH_ON_CPU and len(tensors) <= _READ_EACH_MAX and tensors[0].device.type == "cpu":
+            # nothing to wait for on the CPU: each value read where it is, no stack op; the floats the
+            # stacked read gives (a floating dtype converts to a Python float exactly; anything else is stacked)
+            for t in tensors:
+                if not t.is_floating_point():
+                    values.clear()
+                    break
+                values.append(t.item())
+        if not values:
+            values = torch.stack(tensors).tolist()  # dtypes promote exactly (fp16/bf16 -> fp32 -> fp64)
         final: dict[int, MicrobatchDone] = {}
         sums = self.epoch.sums
         nan = math.nan

@@ -42,6 +42,8 @@ if TYPE_CHECKING:
 
 __all__ = ["RowRecorder", "row_values"]
 
+_PAIRS = (tuple, list)  # exact types: a subclass (a named tuple) goes through row_ids_of
+
 
 def _kind(outputs: Tensor, targets: Any, objective: Objective) -> str:
     try:
@@ -172,7 +174,10 @@ class RowRecorder:
     # --- per batch (no host read) -------------------------------------------------------------
 
     def train_batch(self, batch: Any, outputs: Tensor, targets: Tensor) -> None:
-        """A training microbatch (called by the update engine after its loss)."""
+        """A training microbatch (called by the update engine after its loss, every microbatch)."""
+        if type(batch) in _PAIRS and len(batch) != 4:  # the usual batch, without ids (row_ids_of's first case)
+            self._plain["train"] += 1
+            return
         self._add("train", batch, outputs, targets)
 
     def val_batch(self, batch: Any, outputs: Tensor, targets: Tensor) -> None:

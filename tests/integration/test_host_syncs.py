@@ -58,6 +58,11 @@ class HostReads(TorchDispatchMode):
 
 @pytest.fixture
 def host_reads(monkeypatch):
+    import nnx_es.engine
+
+    # the device path on every device: the CPU's own reads value by value (nnx_es.engine.READ_EACH_ON_CPU,
+    # nothing to wait for there; the same floats: test_losses_read_once_...) are not what is budgeted
+    monkeypatch.setattr(nnx_es.engine, "READ_EACH_ON_CPU", False)
     mode = HostReads()
     real = torch.Tensor.tolist
 
@@ -227,3 +232,54 @@ def test_ignored_targets_add_no_host_read_inside_a_window(tmp_path, host_reads, 
     _, run, watch = _fit_watched(tmp_path, host_reads, train, accumulation=accumulation, device=device, **norm)
     assert watch.trailing == [0 if 10 % accumulation == 0 else 1] * 2
     assert [m.examples for m in of_kind(run.run_dir, "microbatch_done")] == [4.0] * 9 + [1.0] + [4.0] * 9 + [1.0]
+
+
+
+@pytest.mark.parametrize(("terms", "accumulation", "weighted", "extra"), [
+    (2, 1, True, {}), (2, 2, True, {"clip_grad_norm": 0.5}), (1, 4, True, {}), (1, 1, True, {"track_grad_norm": True}),
+    (2, 1, False, {}), (1, 2, False, {"clip_grad_norm": 0.5}), (2, 3, True, {"read_max": 0}), (1, 4, False, {}),
+], ids=["two-terms", "two-terms-acc2-clip", "one-term-acc4", "one-term-norm", "ignored-two-terms",
+        "ignored-acc2-clip", "two-terms-acc3-all-stacked", "ignored-acc4-stacked"])
+def test_the_cpu_reads_value_by_value_write_the_log_the_stacked_read_writes(tmp_path, monkeypatch, terms,
+                                                                          accumulation, weighted, extra):
+    """nnx_es.engine.READ_EACH_ON_CPU: a window's losses, terms, ignored rows (counted on the device) and
+    gradients' flag or norm read one by one on the CPU give the floats of the one stacked read: the same log
+    (a NaN microbatch, a masked one, ignored targets). A window of more than _READ_EACH_MAX values is stacked."""
+    import nnx_es.engine
+    import nnx_es.objective
+
+    monkeypatch.setattr(nnx_es.objective, "HOST_COUNT_ON_CPU", False)  # ignored rows: a float64 tensor read
+    extra = dict(extra)
+    read_max = extra.pop("read_max", nnx_es.engine._READ_EACH_MAX)
+    monkeypatch.setattr(nnx_es.engine, "_READ_EACH_MAX", read_max)  # 0: every window stacked
+    sizes = [4, 4, 3, 4, 4, 2, 4]
+    data = batches(sizes, seed=5, nan_at=(3,), masks={5: [0.0, 0.0]} if weighted else None)
+    for i, batch in enumerate(data):
+        if i % 2:
+            batch[1][-1] = -100  # an ignored target (not the NaN row)
+
+    def fit(run_id, read_each):
+        monkeypatch.setattr(nnx_es.engine, "READ_EACH_ON_CPU", read_each)
+        objective = {"ce": nn.CrossEntropyLoss(), "ls": (nn.CrossEntropyLoss(label_smoothing=0.2), 0.5)}
+        net = small_net(3)
+        trainer = Trainer(net, torch.optim.SGD(net.parameters(), lr=0.1),
+                          Objective(objective) if terms == 2 else nn.CrossEntropyLoss(), runs_root=tmp_path,
+                          run_id=run_id, progress=False, accumulation=accumulation, sample_weights=weighted, **extra)
+        mode = HostReads()
+        with mode:
+            run = trainer.fit(data, epochs=2)
+        return run, mode.scalar
+
+    each, each_reads = fit("each", True)
+    stacked, stacked_reads = fit("stacked", False)
+    assert _content(each.run_dir) == _content(stacked.run_dir)
+    # a window's values: each microbatch's loss, its terms (of several), its ignored rows (unweighted); the flag
+    values = accumulation * (1 + (terms if terms > 1 else 0) + (0 if weighted else 1)) + 1
+    # one term's ignored rows are an integer count (a sum of bools): not a float, so stacked (promoted) as before
+    if values <= read_max and not (terms == 1 and not weighted):
+        assert each_reads > stacked_reads  # the reads were value by value (Tensor.item)
+    elif read_max == 0:
+        assert each_reads == stacked_reads  # every window stacked
+    done = of_kind(each.run_dir, "microbatch_done")
+    assert math.isnan(done[3].loss) and done[1].examples == 3.0 and len(done) == 2 * len(sizes)
+    assert math.isnan(done[5].loss) if weighted else done[5].examples == 1.0
