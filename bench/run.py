@@ -210,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
         *[f"| {name} | {m:.3f} | {m / wide_med['hand-written torch loop']:.3f}x |" for name, m in wide_med.items()],
         "",
         f"1c. Where nnx_es's own time goes: the like-for-like run (`batch_gather=False`, {args.epochs} epochs) "
-        "under cProfile, each function's own time summed by the stage its file belongs to (a C function's time "
+        "under cProfile (training-thread CPU time), each function's own time summed by the stage its file belongs to (a C function's time "
         "by its caller's stage); cProfile inflates small calls, so read the shares and the calls per microbatch "
         "(`python -m bench.stages`)",
         "",
