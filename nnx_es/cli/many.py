@@ -104,7 +104,10 @@ def _first_field(a: Any, b: Any, path: str = "") -> tuple[str, Any, Any]:
 
 def first_difference(a: Path, b: Path) -> dict[str, Any] | None:
     """Where the logs of runs ``a`` and ``b`` first differ: ``{"seq", "kind_a", "kind_b", "field", "a", "b"}``
-    (``kind_x`` None where one log ends first); None when they hold the same events."""
+    (``kind_x`` None where one log ends first); None when they hold the same events (also when
+    both name one log: LMDB opens an environment once per process)."""
+    if (a / "events.lmdb").resolve() == (b / "events.lmdb").resolve():
+        return None
     with LmdbLog(a / "events.lmdb", readonly=True) as la, LmdbLog(b / "events.lmdb", readonly=True) as lb:
         ia, ib = la.read(), lb.read()
         while True:

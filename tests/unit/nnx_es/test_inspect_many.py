@@ -60,3 +60,15 @@ def test_diff_finds_two_identical_journal_runs_the_same(tmp_path, capsys):
             DataLoader(with_row_ids(data), batch_size=8, shuffle=True), epochs=3)
     assert main(["diff", str(tmp_path / "a"), str(tmp_path / "b"), "--json"]) == 0
     assert json.loads(capsys.readouterr().out) == {"same": True, "first_difference": None}
+
+
+def test_diff_of_a_run_with_itself_under_two_spellings_is_the_same(tmp_path, capsys):
+    # found in review: LMDB opens an environment once per process, so `diff runs/a runs/a` (or
+    # `./runs/a/`, or a symlink to it) failed with "already open in this process", exit 2
+    _run(tmp_path, "a")
+    (tmp_path / "link").symlink_to(tmp_path / "a")
+    for other in (tmp_path / "a", f"{tmp_path}/./a/", tmp_path / "link"):
+        assert main(["diff", str(tmp_path / "a"), str(other)]) == 0
+        assert "hold the same events" in capsys.readouterr().out
+    assert main(["diff", str(tmp_path / "a"), str(tmp_path / "link"), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out) == {"same": True, "first_difference": None}
