@@ -38,7 +38,7 @@ from events.log import EventLog
 from events.schema import Counters, Event
 from nnx_es.lifecycle import Lifecycle
 from projections.counters import CountersAccumulator
-from projections.snapshots import SnapshotFolder, encode_snapshot, newest_usable
+from projections.snapshots import Snapshot, SnapshotFolder, encode_snapshot, newest_usable
 from projections.view import Projections
 
 __all__ = ["SNAPSHOT_EVERY", "Recorder", "snapshot_folder", "store_snapshot"]
@@ -83,9 +83,10 @@ class Recorder:
     """
 
     __slots__ = ("log", "lifecycle", "live", "_frozen", "last_seq", "flush_interval_s", "_last_flush", "_written",
-                 "_held", "_hold", "settle", "_snapshots")
+                 "_held", "_hold", "settle", "_snapshots", "_snapshot_start")
 
-    def __init__(self, log: EventLog, lifecycle: Lifecycle | None = None, counters: Counters | None = None) -> None:
+    def __init__(self, log: EventLog, lifecycle: Lifecycle | None = None, counters: Counters | None = None, *,
+                 snapshot_start: Snapshot | None | bool = True) -> None:
         self.log = log
         self.lifecycle = lifecycle or Lifecycle()
         #: the counters fold applied in place (``live.step`` etc. are read on the hot path)
@@ -103,6 +104,9 @@ class Recorder:
         self.settle: Callable[[], None] | None = None
         #: the fold behind the projection snapshots: None until the first commit, False when off
         self._snapshots: SnapshotFolder | None | bool = None if SNAPSHOT_EVERY > 0 else False
+        #: where the snapshot fold starts: True, the log's newest usable snapshot; else this one (None:
+        #: seq 0) -- a resume's, checked against the log's LASTs (:func:`nnx_es.resume.find_resume_point`)
+        self._snapshot_start = snapshot_start
 
     @property
     def counters(self) -> Counters:
@@ -211,8 +215,10 @@ class Recorder:
 
     def _folder(self) -> SnapshotFolder:
         folder = self._snapshots
-        if folder is None:  # the first use: continue from the newest snapshot the log holds
-            folder = self._snapshots = snapshot_folder(self.log, SNAPSHOT_EVERY)
+        if folder is None:  # the first use: continue from the newest snapshot the log holds, or the resume's
+            start = self._snapshot_start
+            folder = self._snapshots = snapshot_folder(self.log, SNAPSHOT_EVERY) if start is True else \
+                SnapshotFolder(start or None, every=SNAPSHOT_EVERY)
         assert isinstance(folder, SnapshotFolder)
         return folder
 

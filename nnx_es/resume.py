@@ -24,8 +24,9 @@ from nnx_es.checkpoint import Manifest, verify_checkpoint
 from nnx_es.errors import CorruptCheckpointError, ResumeError
 from nnx_es.lifecycle import compiled_table
 from nnx_es.storage import BlobStore
+from projections.checkpoints import CheckpointsState
 from projections.commits import GroupTracker
-from projections.snapshots import newest_usable
+from projections.snapshots import Snapshot, newest_usable
 from projections.view import Projections, committed, fold
 
 _log = structlog.get_logger("nnx_es")
@@ -50,6 +51,9 @@ class ResumePoint(msgspec.Struct, kw_only=True):
     state: str
     projections: Projections
     started: RunStarted | None = None
+    #: the projection snapshot the committed view was folded from (None: from seq 0); the resumed
+    #: session's own snapshots continue from it (:class:`nnx_es.recorder.Recorder`)
+    snapshot: Snapshot | None = None
 
 
 class _Scan:
@@ -150,7 +154,7 @@ def find_resume_point(run_dir: Path, log: LmdbLog, *, expect_run_id: str | None 
     run_id = expect_run_id or (scan.started.run_id if scan.started is not None else None)
     if not scan.lasts:
         raise ResumeError(f"run at {run_dir} has no committed LAST checkpoint to resume from")
-    proj, discard_from = _committed_prefix(log, scan.boundary, scan.session)
+    proj, discard_from, snapshot = _committed_prefix(log, scan.boundary, scan.session, scan.lasts)
     last = scan.lasts[-1] if at is None else _chosen_last(run_dir, scan.lasts, at, proj)
     seq, event = last
     pruned = proj.checkpoints.pruned.get(event.manifest)
@@ -178,20 +182,34 @@ def find_resume_point(run_dir: Path, log: LmdbLog, *, expect_run_id: str | None 
         state=scan.state,
         projections=proj,
         started=scan.started,
+        snapshot=snapshot,
     )
 
 
-def _committed_prefix(log: LmdbLog, boundary: int, session: int) -> tuple[Projections, int]:
+def _committed_prefix(log: LmdbLog, boundary: int, session: int,
+                      lasts: list[tuple[int, LastCommitted]]) -> tuple[Projections, int, Snapshot | None]:
     """The projections of the log's committed view up to ``boundary``, and the first seq after the
     last resume (``session``) that the view leaves out -- where the new session's discarded range
     begins: after the boundary, or earlier when a deferred LAST left the events between its
-    ``covers`` and itself pending.
+    ``covers`` and itself pending; and the snapshot it started from (None: seq 0).
 
     Starts from the newest usable snapshot at or below ``boundary``: there the view holds nothing
-    back, so every seq after ``session`` up to the snapshot is in it.
+    back, so every seq after ``session`` up to the snapshot is in it. A snapshot whose checksum
+    verifies is still checked against the LASTs the scan read (``lasts``: every one is committed):
+    it must have folded exactly those at or below its seq, the newest as its LAST; one that does
+    not (an older point's state under its key) is skipped with a note like a damaged one, since
+    what a resume folds goes on into its own snapshots and views.
     """
     notes: list[str] = []
-    snapshot = newest_usable(log.read_snapshots(boundary + 1), notes)
+    snapshot = None
+    for seq, value in log.read_snapshots(boundary + 1):
+        found = newest_usable([(seq, value)], notes)
+        if found is not None:
+            why = _disagrees(found.projections.checkpoints, [e for s, e in lasts if s <= seq])
+            if why is None:
+                snapshot = found
+                break
+            notes.append(f"the projection snapshot at seq {seq} is unusable ({why}): ignored, folded without it")
     for note in notes:
         _log.warning(note, log=str(log.path))
     if snapshot is None:
@@ -211,7 +229,18 @@ def _committed_prefix(log: LmdbLog, boundary: int, session: int) -> tuple[Projec
         elif seq > expected:
             ahead.add(seq)
         proj = fold(proj, seq, event)
-    return proj, expected
+    return proj, expected, snapshot
+
+
+def _disagrees(pointers: CheckpointsState, lasts: list[LastCommitted]) -> str | None:
+    """Why a snapshot's checkpoint pointers disagree with the log's ``lasts`` up to its seq, or None."""
+    last = pointers.last
+    if pointers.commits != len(lasts):
+        return f"it folds {pointers.commits} LAST commits, the log holds {len(lasts)} at or before its seq"
+    if lasts and (last is None or (last.manifest, last.epoch, last.step) !=
+                  (lasts[-1].manifest, lasts[-1].epoch, lasts[-1].step)):
+        return "its LAST is not the log's LAST at its seq"
+    return None
 
 
 def _chosen_last(run_dir: Path, lasts: list[tuple[int, LastCommitted]], at: int | str,

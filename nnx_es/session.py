@@ -179,7 +179,8 @@ def open_session(
                 seed_everything(seed, rank=world.rank, world_size=world.size)
                 shared_state = load_state(store, point.manifest)
                 apply_state(components, shared_state)
-                recorder = Recorder(event_log, Lifecycle(point.state), counters=point.manifest.counters)
+                recorder = Recorder(event_log, Lifecycle(point.state), counters=point.manifest.counters,
+                                    snapshot_start=point.snapshot)
                 state = RunState(run_id=run_id, runs_root=runs_root, recorder=recorder, store=store, world=world)
                 verdict = {"stateful": True, "state": shared_state, "lifecycle": point.state,
                            "counters": point.manifest.counters, "stop": point.projections.status.stop_reason,

@@ -5,8 +5,9 @@ The export reads the log read-only beside its writer, polling it every ``poll_s`
 (:func:`projections.committed`) for the whole follow, so each committed event is written
 once, when the LAST that commits it is read, and an uncommitted tail never is. The scalars
 and their tags are the one-shot export's (:func:`nnx_es.sinks.scalars_of`, written by
-:class:`nnx_es.sinks.TensorBoardSink`). It stops when the log holds the run's
-``run_finalized`` (then the closing events are folded, as every reader does), when no
+:class:`nnx_es.sinks.TensorBoardSink`). It stops when the log read so far ends
+with a ``run_finalized`` (then the closing events are folded, as every reader does; an earlier
+session's, which a resume continued, does not end the follow), when no
 process on this machine holds the run's writer lease and nothing new was written (a killed
 writer: said on stderr), or on Ctrl-C (``KeyboardInterrupt`` propagates to the CLI: exit 130,
 what was written so far is closed and kept). Memory: what the committed view holds back
@@ -25,6 +26,7 @@ from events.log import LmdbLog
 from events.schema import Event, RunFinalized
 from nnx_es.cli._common import writer_alive
 from nnx_es.sinks import TensorBoardSink, scalars_of
+from projections.commits import AFTER_RUN_KINDS
 from projections.view import committed
 
 __all__ = ["MAX_POLL_S", "follow_tensorboard"]
@@ -37,6 +39,7 @@ def _live_events(log: LmdbLog, run_dir: Path, poll_s: float, said: list[str]) ->
     """The log's events in seq order, polled as the writer appends them, until the run's ``run_finalized``
     or a writer that is gone; why it ended is appended to ``said``."""
     next_seq = 0
+    finalized = False  # the events read so far end with a run_finalized (evaluations after it aside)
     while True:
         alive = writer_alive(run_dir)  # read before the log: a writer that flushed, then died, is seen
         end = log.refresh()
@@ -45,9 +48,13 @@ def _live_events(log: LmdbLog, run_dir: Path, poll_s: float, said: list[str]) ->
                 for pair in zip(range(first, first + len(values)), decode_many(values, first)):
                     yield pair
                     if type(pair[1]) is RunFinalized:
-                        said.append("finalized")
-                        return
+                        finalized = True
+                    elif pair[1].KIND not in AFTER_RUN_KINDS:  # a resumed session goes on after it
+                        finalized = False
                 next_seq = first + len(values)
+            if finalized:
+                said.append("finalized")
+                return
         elif not alive:
             said.append("writer gone")
             return

@@ -1,6 +1,7 @@
 """``inspect`` over several runs: the runs under a root, and where two runs first differ.
 
-``tools/inspect runs/`` (a directory holding runs rather than a run) lists each run: id, status,
+``tools/inspect runs/`` (a directory holding runs rather than a run) lists each run: id, status
+(a run not finalized that no process on this machine writes any more: "running (no writer)"),
 committed epochs, BEST's monitored value, when it started, and its size on disk.
 ``tools/inspect diff runs/a runs/b`` names the first event where two runs' logs differ -- a loss,
 a learning rate, a batch -- ignoring what differs between any two runs (wall clock times, run ids,
@@ -20,7 +21,7 @@ import msgspec
 
 from events.errors import EventLogError
 from events.log import LmdbLog
-from nnx_es.cli._common import EXIT_OK, fail
+from nnx_es.cli._common import EXIT_OK, fail, writer_alive
 from nnx_es.result import load_result
 
 __all__ = ["RunRow", "diff_command", "first_difference", "is_runs_root", "list_command", "list_runs"]
@@ -32,7 +33,9 @@ _INCIDENTAL = frozenset({"wall_time_s", "duration_s", "library_versions", "run_i
 
 
 class RunRow(msgspec.Struct, frozen=True, kw_only=True):
-    """One run of a runs root. best: BEST's monitored value (None: no BEST); started: ISO time, UTC."""
+    """One run of a runs root. best: BEST's monitored value (None: no BEST); started: ISO time, UTC;
+    writer_alive: for a run not finalized, whether a process on this machine still holds its writer
+    lease (False: killed or crashed? see :func:`nnx_es.cli._common.writer_alive`), None for a finalized one."""
 
     run_id: str
     status: str
@@ -40,6 +43,11 @@ class RunRow(msgspec.Struct, frozen=True, kw_only=True):
     best: float | None
     started: str | None
     bytes: int
+    writer_alive: bool | None = None
+
+
+#: statuses of a run not finalized (as :mod:`nnx_es.cli.projected` reads them)
+_UNFINISHED = frozenset({"new", "running", "failing"})
 
 
 def is_runs_root(path: Path) -> bool:
@@ -68,8 +76,9 @@ def list_runs(root: Path) -> list[RunRow]:
             t = getattr(first[1], "wall_time_s", None) if first is not None else None
             started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t)) if t else None
             best = r.best.value if r.best is not None else None
+            alive = writer_alive(run_dir) if r.status in _UNFINISHED else None
             rows.append(RunRow(run_id=run_dir.name, status=r.status, epochs=len(r.history), best=best,
-                               started=started, bytes=_size(run_dir)))
+                               started=started, bytes=_size(run_dir), writer_alive=alive))
         except Exception:  # noqa: BLE001 - one damaged run does not hide the others
             rows.append(RunRow(run_id=run_dir.name, status="unreadable", epochs=0, best=None, started=None,
                                bytes=_size(run_dir)))
@@ -104,7 +113,10 @@ def _first_field(a: Any, b: Any, path: str = "") -> tuple[str, Any, Any]:
 
 def first_difference(a: Path, b: Path) -> dict[str, Any] | None:
     """Where the logs of runs ``a`` and ``b`` first differ: ``{"seq", "kind_a", "kind_b", "field", "a", "b"}``
-    (``kind_x`` None where one log ends first); None when they hold the same events."""
+    (``kind_x`` None where one log ends first); None when they hold the same events (also when
+    both name one log: LMDB opens an environment once per process)."""
+    if (a / "events.lmdb").resolve() == (b / "events.lmdb").resolve():
+        return None
     with LmdbLog(a / "events.lmdb", readonly=True) as la, LmdbLog(b / "events.lmdb", readonly=True) as lb:
         ia, ib = la.read(), lb.read()
         while True:
@@ -132,7 +144,7 @@ def list_command(root: Path, as_json: bool) -> int:
             sys.stdout.write(msgspec.json.encode(row).decode() + "\n")
         return EXIT_OK
     header = ("run", "status", "epochs", "best", "started", "size")
-    table = [header] + [(r.run_id, r.status, str(r.epochs), "-" if r.best is None else f"{r.best:.6g}",
+    table = [header] + [(r.run_id, r.status + (" (no writer)" if r.writer_alive is False else ""), str(r.epochs), "-" if r.best is None else f"{r.best:.6g}",
                          r.started or "-", f"{r.bytes / 2**20:.1f} MiB") for r in rows]
     widths = [max(len(row[i]) for row in table) for i in range(len(header))]
     for row in table:

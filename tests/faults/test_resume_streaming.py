@@ -13,6 +13,7 @@ from __future__ import annotations
 import tracemalloc
 from pathlib import Path
 
+import msgspec
 import pytest
 import torch
 from torch import nn
@@ -22,7 +23,8 @@ from bench.logbench import long_run_log
 from events import keys
 from events.log import LmdbLog
 from events.schema import LastCommitted
-from nnx_es import EarlyStopping, Trainer, recorder, resume, session
+from nnx_es import EarlyStopping, Trainer, load_result, recorder, resume, session
+from nnx_es.audit import audit_run
 from nnx_es.errors import ResumeError
 from nnx_es.lifecycle import compiled_table
 from nnx_es.testing import Fit, crash_test
@@ -132,6 +134,33 @@ def test_a_damaged_snapshot_is_skipped_and_the_resume_point_is_the_same(tmp_path
         log.put_snapshot_raw(newest, value[:4] + bytes([value[4] ^ 0xFF]) + value[5:])
         point = resume.find_resume_point(tmp_path / "r", log)
         assert (point.state, point.last_seq, point.discard_from, point.projections) == whole_log_point(log)
+
+
+def test_a_snapshot_that_verifies_but_disagrees_with_the_log_lasts_is_not_trusted(tmp_path, monkeypatch):
+    # found in review: a snapshot whose checksum verifies but whose state is an older point's (a
+    # writer's bug, a copy under the wrong key) was trusted: the resume lost the epochs between,
+    # wrote them into its own snapshots and views, and only tools/replay saw it
+    from projections.snapshots import Snapshot, decode_snapshot, encode_snapshot
+
+    monkeypatch.setattr(recorder, "SNAPSHOT_EVERY", 5)
+    torch.manual_seed(0)
+    build(0, None)(tmp_path, "r").run(epochs=3)
+    with LmdbLog(tmp_path / "r" / "events.lmdb") as log:
+        (newest, _), (_, older) = list(log.read_snapshots())[:2]
+        stale = decode_snapshot(next(s for s, v in log.read_snapshots() if v == older), older)
+        assert isinstance(stale, Snapshot) and stale.projections.checkpoints.commits > 0
+        log.put_snapshot_raw(newest, encode_snapshot(msgspec.structs.replace(stale, seq=newest)))
+        point = resume.find_resume_point(tmp_path / "r", log)
+        assert (point.state, point.last_seq, point.discard_from, point.projections) == whole_log_point(log)
+    # the resumed session's own snapshots and views start where the resume did, not from the stale one
+    resumed = build(0, None)(tmp_path, "r").run(epochs=5, resume_from=tmp_path / "r")
+    torch.manual_seed(0)
+    build(0, None)(tmp_path, "whole").run(epochs=5)
+    strip = [msgspec.structs.replace(h, wall_time_s=0.0) for h in resumed.history]
+    assert strip == [msgspec.structs.replace(h, wall_time_s=0.0) for h in load_result(tmp_path / "whole").history]
+    assert [msgspec.structs.replace(h, wall_time_s=0.0) for h in load_result(tmp_path / "r").history] == strip
+    violations = audit_run(tmp_path / "r").violations
+    assert [v.seq for v in violations] == [newest]  # the forged snapshot itself, and nothing it led to
 
 
 def _peak_bytes(run_dir: Path) -> int:

@@ -122,3 +122,20 @@ def test_follow_ends_on_ctrl_c_with_what_it_wrote_kept(tmp_path, capsys):
 def test_follow_refuses_an_unbounded_poll_interval(tmp_path):
     with pytest.raises(ValueError, match="poll_s=60"):
         follow_tensorboard(tmp_path, tmp_path / "tb", poll_s=60)
+
+
+def test_follow_of_a_run_continued_after_it_finalized_exports_every_session(tmp_path, capsys):
+    # found in review: the follow stopped at the first run_finalized of the log, so a run that
+    # completed (or failed) and was then resumed exported its first session's epochs only, and
+    # following such a run while it trained again stopped at once
+    runs = tmp_path / "runs"
+    for epochs, resume in ((2, None), (4, runs / "live")):
+        net = small_net()
+        Trainer(net, torch.optim.SGD(net.parameters(), lr=0.1), nn.CrossEntropyLoss(), runs_root=runs,
+                run_id="live", progress=False).fit(*loaders(), epochs=epochs, resume_from=resume)
+    n = follow_tensorboard(runs / "live", tmp_path / "follow_tb", poll_s=0.1)
+    assert main([str(runs / "live"), "export", "--tensorboard", str(tmp_path / "once_tb")]) == 0
+    assert capsys.readouterr().out.startswith(f"wrote {n} scalars")
+    followed = _scalars(tmp_path / "follow_tb")
+    assert followed == _scalars(tmp_path / "once_tb")
+    assert [s for s, _ in followed["epoch/loss"]] == [0, 1, 2, 3]

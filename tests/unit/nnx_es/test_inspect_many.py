@@ -60,3 +60,45 @@ def test_diff_finds_two_identical_journal_runs_the_same(tmp_path, capsys):
             DataLoader(with_row_ids(data), batch_size=8, shuffle=True), epochs=3)
     assert main(["diff", str(tmp_path / "a"), str(tmp_path / "b"), "--json"]) == 0
     assert json.loads(capsys.readouterr().out) == {"same": True, "first_difference": None}
+
+
+def test_diff_of_a_run_with_itself_under_two_spellings_is_the_same(tmp_path, capsys):
+    # found in review: LMDB opens an environment once per process, so `diff runs/a runs/a` (or
+    # `./runs/a/`, or a symlink to it) failed with "already open in this process", exit 2
+    _run(tmp_path, "a")
+    (tmp_path / "link").symlink_to(tmp_path / "a")
+    for other in (tmp_path / "a", f"{tmp_path}/./a/", tmp_path / "link"):
+        assert main(["diff", str(tmp_path / "a"), str(other)]) == 0
+        assert "hold the same events" in capsys.readouterr().out
+    assert main(["diff", str(tmp_path / "a"), str(tmp_path / "link"), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out) == {"same": True, "first_difference": None}
+
+
+def test_a_runs_root_flags_a_run_no_process_writes_any_more(tmp_path, capsys):
+    # found in review: a killed run was listed "running", like a live one; summary flags it
+    import os
+    import subprocess
+    import sys
+
+    script = f"""
+import os, torch
+from torch import nn
+from nnx_es import LambdaCallback, Trainer
+from trainkit import loaders, small_net
+def die(ctx):
+    if ctx.epoch == 1:
+        os._exit(0)  # killed mid-run: the lease goes with the process
+net = small_net(0)
+Trainer(net, torch.optim.SGD(net.parameters(), lr=0.1), nn.CrossEntropyLoss(), runs_root={str(tmp_path)!r},
+        run_id="killed", progress=False, callbacks=[LambdaCallback(on_epoch_end=die)]).fit(*loaders(), epochs=3)
+"""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    subprocess.run([sys.executable, "-c", script], env=env, check=True, timeout=300)
+    _run(tmp_path, "done")
+    assert main([str(tmp_path), "--json"]) == 0
+    rows = {r["run_id"]: r for r in map(json.loads, capsys.readouterr().out.splitlines())}
+    assert (rows["killed"]["status"], rows["killed"]["writer_alive"]) == ("running", False)
+    assert (rows["done"]["status"], rows["done"]["writer_alive"]) == ("completed", None)
+    assert main([str(tmp_path)]) == 0
+    lines = {line.split()[0]: line for line in capsys.readouterr().out.splitlines()}
+    assert "running (no writer)" in lines["killed"] and "no writer" not in lines["done"]
