@@ -17,7 +17,8 @@ commands:
                     projection snapshot on (O(events since it)) and verifies what it folds:
                     the snapshot's own checksum, the keys and values after it
     --verify        verify the whole log instead (every key, every value's checksum); the
-                    full audit, every invariant, is tools/replay RUN_DIR
+                    full audit, every invariant, is tools/replay RUN_DIR. Exit 1 when values
+                    it verified do not verify (2: a key out of place, the log unreadable)
   plot --out FILE   loss, metric and learning-rate curves (matplotlib, headless); FILE's
                     extension names the format (png, pdf, svg, ...)
   plot cartography --out FILE
@@ -67,6 +68,7 @@ from nnx_es.cli._common import (
     EXIT_INTERRUPTED,
     EXIT_OK,
     EXIT_UNUSABLE,
+    EXIT_VIOLATIONS,
     Parser,
     UsageError,
     fail,
@@ -448,7 +450,9 @@ def _run(log: LmdbLog, args: argparse.Namespace, kinds: frozenset[str] | None) -
     if args.command != "events" and (args.command != "summary" or args.verify):
         log.check_keys()
     if args.command == "summary":
-        summary(log, args.run_dir, args.json, verify=args.verify)
+        if not summary(log, args.run_dir, args.json, verify=args.verify):
+            sys.stdout.flush()
+            return EXIT_VIOLATIONS  # values it verified do not: a script checking the run must not pass it
     elif args.command == "rows" or (args.command == "plot" and args.what == "cartography"):
         from nnx_es.cli.rows import plot_cartography, rows_command
 

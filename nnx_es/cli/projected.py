@@ -72,8 +72,9 @@ def at(log: LmdbLog, seq: int, as_json: bool) -> None:
 _UNFINISHED = frozenset({"new", "running", "failing"})
 
 
-def summary(log: LmdbLog, run_dir: Path, as_json: bool, *, verify: bool = False) -> None:
-    """The summary of a run, from its newest usable snapshot: O(events since it), not O(run).
+def summary(log: LmdbLog, run_dir: Path, as_json: bool, *, verify: bool = False) -> bool:
+    """The summary of a run, from its newest usable snapshot: O(events since it), not O(run); returns
+    whether every value it verified verifies (False: the exit status says damage, as ``tools/replay``'s).
 
     It verifies what it folds: the snapshot's own checksum (an unusable snapshot is skipped with
     a note on stderr), then the keys of the events after it and the checksums of the values
@@ -91,15 +92,16 @@ def summary(log: LmdbLog, run_dir: Path, as_json: bool, *, verify: bool = False)
     stop = log.next_seq
     p, tail, start = projected(log, stop, check_keys=not verify)
     start = 0 if verify else start
+    checksums, damaged = _checksums(log, stop, start)
     doc = {**summary_of(p), "events": stop, "tail": tail, "writer_alive": None,
-           "checksums": _checksums(log, stop, start), "verified": _verified(start, run_dir)}
+           "checksums": checksums, "verified": _verified(start, run_dir)}
     if stop and p.status.status in _UNFINISHED:  # asked again: a writer resuming it meanwhile counts as alive
         doc["writer_alive"] = alive or writer_alive(run_dir)
     if p.history.records:
         doc["lrs"] = {opt: list(lrs) for opt, lrs in p.history.records[-1].lrs.items()}
     if as_json:
         sys.stdout.write(msgspec.json.encode(doc).decode() + "\n")
-        return
+        return not damaged
     lines = _summary_lines(doc, run_dir)
     if sys.stdout.isatty():
         from rich.console import Console
@@ -114,6 +116,7 @@ def summary(log: LmdbLog, run_dir: Path, as_json: bool, *, verify: bool = False)
     else:
         width = max(len(k) for k, _ in lines)
         sys.stdout.write("".join(f"{k:<{width}}  {v}\n" for k, v in lines))
+    return not damaged
 
 
 def _verified(start: int, run_dir: Path) -> dict[str, Any]:
@@ -124,10 +127,11 @@ def _verified(start: int, run_dir: Path) -> dict[str, Any]:
             f"tools/replay {run_dir} (every invariant) or inspect {run_dir} summary --verify"}
 
 
-def _checksums(log: LmdbLog, stop: int, start: int = 0) -> str:
+def _checksums(log: LmdbLog, stop: int, start: int = 0) -> tuple[str, bool]:
     """Whether the stored values from ``start`` on verify against their CRC-32s (:mod:`events.sums`; from
     the write batch holding ``start``): the one check of the log's bytes ``summary`` makes (a streamed
-    pass, ~0.2 s a million events); ``tools/replay`` names what differs."""
+    pass, ~0.2 s a million events); ``tools/replay`` names what differs. Returns what to print and
+    whether a range does not verify."""
     bad, uncovered = 0, 0
     for first, last, problem, _, _ in log.verify_sums(stop, start=start):
         if problem == "uncovered":
@@ -135,10 +139,10 @@ def _checksums(log: LmdbLog, stop: int, start: int = 0) -> str:
         else:
             bad += 1
     if bad:
-        return f"{bad} range{'s' if bad != 1 else ''} of values do not verify: run tools/replay"
+        return f"{bad} range{'s' if bad != 1 else ''} of values do not verify: run tools/replay", True
     if uncovered and uncovered >= stop - start:
-        return "not verified: the log was written before checksums existed"
-    return "ok" + (f" ({uncovered} values written before checksums existed are not covered)" if uncovered else "")
+        return "not verified: the log was written before checksums existed", False
+    return "ok" + (f" ({uncovered} values written before checksums existed are not covered)" if uncovered else ""), False
 
 
 def _pointer(ptr: dict[str, Any] | None) -> str:

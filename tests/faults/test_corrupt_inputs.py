@@ -132,8 +132,9 @@ def _snapshotted_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[P
     return runs / RUN_ID, result, newest
 
 
-def _summary(run_dir: Path, capsys: pytest.CaptureFixture[str], *flags: str) -> dict[str, Any]:
-    assert inspect_cli.main([str(run_dir), "summary", "--json", *flags]) == 0
+def _summary(run_dir: Path, capsys: pytest.CaptureFixture[str], *flags: str, status: int = 0) -> dict[str, Any]:
+    """``inspect summary --json`` of the run; its exit status must be ``status`` (1: values it verified do not)."""
+    assert inspect_cli.main([str(run_dir), "summary", "--json", *flags]) == status
     return json.loads(capsys.readouterr().out)
 
 
@@ -153,7 +154,7 @@ def test_a_flipped_byte_before_a_projection_snapshot_is_reported_by_summary_veri
     doc = _summary(run_dir, capsys)
     assert doc["checksums"] == "ok" and doc["verified"]["from_seq"] == newest + 1 > seq
     assert doc["verified"]["snapshot_seq"] == newest and "summary --verify" in doc["verified"]["whole_log"]
-    doc = _summary(run_dir, capsys, "--verify")
+    doc = _summary(run_dir, capsys, "--verify", status=1)
     assert "do not verify: run tools/replay" in doc["checksums"] and doc["verified"]["from_seq"] == 0
     report = audit_run(run_dir)
     assert (seq, 1) in [(v.seq, v.invariant) for v in report.violations]
@@ -169,7 +170,7 @@ def test_a_flipped_byte_after_the_newest_snapshot_is_reported_by_summary(tmp_pat
     raw = dict(raw_values(run_dir))[seq]
     at = raw.index(b"completed")
     flip_in_file(run_dir, seq, at, ord("C"))  # "Completed": decodes, an unknown status
-    doc = _summary(run_dir, capsys)
+    doc = _summary(run_dir, capsys, status=1)
     assert doc["checksums"] == "1 range of values do not verify: run tools/replay"
     assert doc["verified"]["from_seq"] == newest + 1
     assert (seq, 1) in [(v.seq, v.invariant) for v in audit_run(run_dir).violations]
