@@ -42,8 +42,6 @@ if TYPE_CHECKING:
 
 __all__ = ["RowRecorder", "row_values"]
 
-_PAIRS = (tuple, list)  # exact types: a subclass (a named tuple) goes through row_ids_of
-
 
 def _kind(outputs: Tensor, targets: Any, objective: Objective) -> str:
     try:
@@ -174,10 +172,7 @@ class RowRecorder:
     # --- per batch (no host read) -------------------------------------------------------------
 
     def train_batch(self, batch: Any, outputs: Tensor, targets: Tensor) -> None:
-        """A training microbatch (called by the update engine after its loss, every microbatch)."""
-        if type(batch) in _PAIRS and len(batch) != 4:  # the usual batch, without ids (row_ids_of's first case)
-            self._plain["train"] += 1
-            return
+        """A training microbatch (called by the update engine after its loss)."""
         self._add("train", batch, outputs, targets)
 
     def val_batch(self, batch: Any, outputs: Tensor, targets: Tensor) -> None:
