@@ -6,7 +6,11 @@ import msgspec
 
 from events.schema import Event, RunFailed, RunFinalized, RunResumed, RunStarted, StopRequested
 
-__all__ = ["FOLDED","StatusState", "fold_status"]
+__all__ = ["FOLDED", "StatusState", "UNFINISHED", "fold_status"]
+
+#: the statuses of a run not finalized: its writer is at work, or was killed or crashed before
+#: ``run_finalized`` (readers flag the second by its writer lease)
+UNFINISHED: frozenset[str] = frozenset({"new", "running", "failing"})
 
 
 class StatusState(msgspec.Struct, frozen=True, kw_only=True):

@@ -23,6 +23,7 @@ from events.errors import EventLogError
 from events.log import LmdbLog
 from nnx_es.cli._common import EXIT_OK, fail, writer_alive
 from nnx_es.result import load_result
+from projections.status import UNFINISHED
 
 __all__ = ["RunRow", "diff_command", "first_difference", "is_runs_root", "list_command", "list_runs"]
 
@@ -44,10 +45,6 @@ class RunRow(msgspec.Struct, frozen=True, kw_only=True):
     started: str | None
     bytes: int
     writer_alive: bool | None = None
-
-
-#: statuses of a run not finalized (as :mod:`nnx_es.cli.projected` reads them)
-_UNFINISHED = frozenset({"new", "running", "failing"})
 
 
 def is_runs_root(path: Path) -> bool:
@@ -76,7 +73,7 @@ def list_runs(root: Path) -> list[RunRow]:
             t = getattr(first[1], "wall_time_s", None) if first is not None else None
             started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t)) if t else None
             best = r.best.value if r.best is not None else None
-            alive = writer_alive(run_dir) if r.status in _UNFINISHED else None
+            alive = writer_alive(run_dir) if r.status in UNFINISHED else None
             rows.append(RunRow(run_id=run_dir.name, status=r.status, epochs=len(r.history), best=best,
                                started=started, bytes=_size(run_dir), writer_alive=alive))
         except Exception:  # noqa: BLE001 - one damaged run does not hide the others

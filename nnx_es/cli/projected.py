@@ -20,6 +20,7 @@ from nnx_es.cli._common import writer_alive
 from nnx_es.cli._format import fmt
 from nnx_es.views import summary as summary_of
 from projections import Projections
+from projections.status import UNFINISHED
 
 __all__ = ["at", "projected", "summary"]
 
@@ -68,10 +69,6 @@ def at(log: LmdbLog, seq: int, as_json: bool) -> None:
         sys.stdout.write(f"{'history':<12} epoch {r.epoch}: {fmt(r.train)} {fmt(r.val)} improved={fmt(r.improved)}\n")
 
 
-#: Statuses of a run not finalized ("new": events, none committed yet, as the summary reads the committed view).
-_UNFINISHED = frozenset({"new", "running", "failing"})
-
-
 def summary(log: LmdbLog, run_dir: Path, as_json: bool, *, verify: bool = False) -> bool:
     """The summary of a run, from its newest usable snapshot: O(events since it), not O(run); returns
     whether every value it verified verifies (False: the exit status says damage, as ``tools/replay``'s).
@@ -95,7 +92,7 @@ def summary(log: LmdbLog, run_dir: Path, as_json: bool, *, verify: bool = False)
     checksums, damaged = _checksums(log, stop, start)
     doc = {**summary_of(p), "events": stop, "tail": tail, "writer_alive": None,
            "checksums": checksums, "verified": _verified(start, run_dir)}
-    if stop and p.status.status in _UNFINISHED:  # asked again: a writer resuming it meanwhile counts as alive
+    if stop and p.status.status in UNFINISHED:  # asked again: a writer resuming it meanwhile counts as alive
         doc["writer_alive"] = alive or writer_alive(run_dir)
     if p.history.records:
         doc["lrs"] = {opt: list(lrs) for opt, lrs in p.history.records[-1].lrs.items()}
