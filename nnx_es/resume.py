@@ -26,7 +26,7 @@ from nnx_es.lifecycle import compiled_table
 from nnx_es.storage import BlobStore
 from projections.checkpoints import CheckpointsState
 from projections.commits import GroupTracker
-from projections.snapshots import Snapshot, newest_usable
+from projections.snapshots import Snapshot, Unusable, decode_snapshot
 from projections.view import Projections, committed, fold
 
 _log = structlog.get_logger("nnx_es")
@@ -202,14 +202,15 @@ def _committed_prefix(log: LmdbLog, boundary: int, session: int,
     """
     notes: list[str] = []
     snapshot = None
-    for seq, value in log.read_snapshots(boundary + 1):
-        found = newest_usable([(seq, value)], notes)
-        if found is not None:
+    for seq, value in log.read_snapshots(boundary + 1):  # newest first
+        found = decode_snapshot(seq, value)
+        if isinstance(found, Snapshot):
             why = _disagrees(found.projections.checkpoints, [e for s, e in lasts if s <= seq])
             if why is None:
                 snapshot = found
                 break
-            notes.append(f"the projection snapshot at seq {seq} is unusable ({why}): ignored, folded without it")
+            found = Unusable(seq, why)
+        notes.append(found.note())
     for note in notes:
         _log.warning(note, log=str(log.path))
     if snapshot is None:
