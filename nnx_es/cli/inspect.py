@@ -16,7 +16,8 @@ commands:
                     resume it with fit(..., resume_from=RUN_DIR). It reads from the newest
                     projection snapshot on (O(events since it)) and verifies what it folds:
                     the snapshot's own checksum, the keys and values after it
-    --verify        verify the whole log instead (every key, every value's checksum); the
+    --verify        verify the whole log instead (every key, every event value's checksum; not
+                    the checkpoints, whose SHA-256s tools/replay and a resume verify); the
                     full audit, every invariant, is tools/replay RUN_DIR. Exit 1 when values
                     it verified do not verify (2: a key out of place, the log unreadable)
   plot --out FILE   loss, metric and learning-rate curves (matplotlib, headless); FILE's
