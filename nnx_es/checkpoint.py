@@ -104,7 +104,7 @@ def write_checkpoint(store: BlobStore, **fields: Any) -> tuple[str, Manifest]:
         CheckpointWriteError: a blob could not be written durably.
     """
     digest, manifest, data = encode_checkpoint(store, **fields)
-    store.put(data)
+    store.put_all([data], [digest])  # data's hash: not computed again
     return digest, manifest
 
 
@@ -127,18 +127,20 @@ def encode_checkpoint(
         CheckpointWriteError: a blob could not be written durably.
     """
     blobs: list[bytes] = []
+    digests: list[str] = []
     components = {}
     for name, (codec, data) in parts.items():
         inline = codec != "torch" and len(data) <= INLINE_MAX
+        digest = hashlib.sha256(data).hexdigest()
         if not inline:
             blobs.append(data)
-        components[name] = Component(blob=hashlib.sha256(data).hexdigest(), codec=codec, bytes=len(data),
-                                     data=data if inline else None)
+            digests.append(digest)
+        components[name] = Component(blob=digest, codec=codec, bytes=len(data), data=data if inline else None)
     manifest = Manifest(
         run_id=run_id, epoch=epoch, step=step, counters=counters, components=components, world_size=world_size
     )
     if blobs:  # one batch: one directory fsync for all of them
-        store.put_all(blobs)
+        store.put_all(blobs, digests)  # hashed above: not again
     data = msgspec.msgpack.encode(manifest)
     return hashlib.sha256(data).hexdigest(), manifest, data
 

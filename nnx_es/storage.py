@@ -221,13 +221,17 @@ class BlobStore:
         """Store ``data`` durably (no-op when present); return its SHA-256 hex."""
         return self.put_all([data])[0]
 
-    def put_all(self, datas: Sequence[bytes]) -> list[str]:
+    def put_all(self, datas: Sequence[bytes], digests: Sequence[str] | None = None) -> list[str]:
         """Store each of ``datas`` durably in one batch (see :func:`atomic_write_all`); return their SHA-256s.
+
+        ``digests``: their SHA-256 hex, when the caller has just computed them from these very
+        bytes (a checkpoint's parts, by :func:`~nnx_es.checkpoint.encode_checkpoint`): not hashed
+        again (a large model's parts are hashed once per commit, not twice).
 
         Raises:
             CheckpointWriteError: a blob could not be written durably.
         """
-        digests = [hashlib.sha256(d).hexdigest() for d in datas]
+        digests = list(digests) if digests is not None else [hashlib.sha256(d).hexdigest() for d in datas]
         new: dict[str, bytes] = {}
         for digest, data in zip(digests, datas):
             # files only: put_all may run on a commit's background thread, which must not read the

@@ -67,8 +67,8 @@ class FollowerBlobStore(BlobStore):
         self._blobs.setdefault(digest, data)
         return digest
 
-    def put_all(self, datas: Sequence[bytes]) -> list[str]:
-        digests = [hashlib.sha256(d).hexdigest() for d in datas]
+    def put_all(self, datas: Sequence[bytes], digests: Sequence[str] | None = None) -> list[str]:
+        digests = list(digests) if digests is not None else [hashlib.sha256(d).hexdigest() for d in datas]
         for digest, data in zip(digests, datas):
             self._blobs.setdefault(digest, data)
         return digests
