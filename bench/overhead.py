@@ -29,7 +29,7 @@ from sklearn.datasets import load_digits
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-__all__ = ["CONTENDERS", "Timing", "clock", "since", "WIDE", "WORKLOAD", "digits_loader", "make_net", "run_hand_gathered", "run_nnx", "run_nnx_as_given",
+__all__ = ["CONTENDERS", "EVENTS_ONLY", "FLOOR", "Timing", "clock", "since", "WIDE", "WORKLOAD", "digits_loader", "make_net", "run_floor", "run_hand_gathered", "run_nnx", "run_nnx_as_given",
            "run_nnx_lagged"]
 
 
@@ -155,6 +155,82 @@ def run_nnx(epochs: int, *, batch_gather: bool = True, checkpoint_lag: int | str
         shutil.rmtree(root, ignore_errors=True)
 
 
+def run_floor(epochs: int, *, whole: bool = True, keep: Path | None = None) -> Timing:
+    """The floor of the like-for-like target: the hand-written loop plus exactly the work the target
+    asks of any implementation, with no trainer around it.
+
+    Per microbatch: the gradients' fused finiteness check, the loss and the check read on the host
+    (two ``.item()``), and two events (``microbatch_done``, ``update_committed``) encoded and
+    appended to an LMDB event log. Per epoch: a checkpoint (model, optimizer, epoch) encoded with the
+    ``"tensors"`` codec and hashed (SHA-256, which the audit verifies), its manifest staged in the
+    log with ``checkpoint_stored`` and ``last_committed``, and one synced write. Nothing else: no
+    lifecycle, counters, callbacks, receipts' accounting, metric sums, RNG capture or views. Its
+    ratio bounds from below what nnx_es (or any trainer keeping these records) can reach here.
+
+    ``whole=False``: the two events a microbatch only (no check, no read, no checkpoint; the
+    update always steps): what recording alone costs inside a training loop. ``keep``: write the
+    log and blobs there and leave them (for tests); by default a temporary directory, removed.
+    """
+    import math
+
+    from events.log import LmdbLog
+    from events.schema import CheckpointStored, LastCommitted, MicrobatchDone, UpdateCommitted
+    from events.values import Counters
+    from nnx_es.checkpoint import encode_checkpoint
+    from nnx_es.state_codec import encode_state
+    from nnx_es.storage import BlobStore
+
+    net, loader = make_net(), digits_loader()
+    opt = torch.optim.Adam(net.parameters(), lr=1e-3)
+    loss_fn = nn.CrossEntropyLoss()
+    params = list(net.parameters())
+    found, one = torch.zeros(1), torch.ones(1)
+    root = keep if keep is not None else Path(tempfile.mkdtemp(prefix="floor_bench_"))
+    log = LmdbLog(root / "events.lmdb")
+    store = BlobStore(root / "blobs", log)
+    try:
+        t0 = clock()
+        step = batches = 0
+        for epoch in range(epochs):
+            for i, (x, y) in enumerate(loader):
+                opt.zero_grad(set_to_none=True)
+                loss = loss_fn(net(x), y)
+                loss.backward()
+                value, bad = 0.0, 0.0
+                if whole:
+                    torch._amp_foreach_non_finite_check_and_unscale_([p.grad for p in params], found, one)
+                    value, bad = loss.detach().item(), found.item()
+                rows = len(y)
+                batches += 1
+                log.append(MicrobatchDone(epoch=epoch, batch=i, rows=rows, examples=float(rows), loss=value))
+                if bad or not math.isfinite(value):
+                    found.zero_()
+                    continue
+                opt.step()
+                step += 1
+                log.append(UpdateCommitted(step=step, epoch=epoch, microbatches=1, local_examples=float(rows),
+                                           global_examples=float(rows), loss=value,
+                                           lrs=[g["lr"] for g in opt.param_groups]))
+            if not whole:
+                log.flush()
+                continue
+            counters = Counters(batch=batches, step=step, global_step=step, epoch=epoch + 1)
+            parts = {"model": ("tensors", encode_state(net.state_dict())),
+                     "optimizer": ("tensors", encode_state(opt.state_dict()))}
+            digest, manifest, data = encode_checkpoint(store, run_id="floor", epoch=epoch, step=step,
+                                                       counters=counters, parts=parts)  # type: ignore[arg-type]
+            store.stage(data, digest)
+            log.append(CheckpointStored(manifest=digest, epoch=epoch, step=step,
+                                        components={k: c.blob for k, c in manifest.components.items()}))
+            log.append(LastCommitted(manifest=digest, epoch=epoch, step=step, counters=counters))
+            log.flush(sync=True)
+        return since(t0)
+    finally:
+        log.close()
+        if keep is None:
+            shutil.rmtree(root, ignore_errors=True)
+
+
 def run_ignite(epochs: int) -> Timing:
     from ignite.engine import create_supervised_trainer
 
@@ -233,6 +309,11 @@ def run_lightning(epochs: int, durable: bool = False) -> Timing:
         shutil.rmtree(root, ignore_errors=True)
 
 
+def run_events_only(epochs: int) -> Timing:
+    """The hand-written loop appending two events a microbatch to an LMDB log (flushed each epoch): part of the floor."""
+    return run_floor(epochs, whole=False)
+
+
 def run_nnx_as_given(epochs: int) -> Timing:
     """nnx_es iterating the DataLoader row by row, as the other contenders do (its own overhead)."""
     return run_nnx(epochs, batch_gather=False)
@@ -243,6 +324,11 @@ def run_nnx_lagged(epochs: int) -> Timing:
     return run_nnx(epochs, checkpoint_lag="epoch")
 
 
+#: the floor of the like-for-like target (:func:`run_floor`) and the part of it that is recording alone
+FLOOR = ("the floor: hand-written loop + only the records the target asks for (two events a microbatch, the "
+         "loss and the gradients' finiteness read, a checkpoint committed in the log each epoch), no trainer")
+EVENTS_ONLY = "hand-written loop + two events a microbatch appended to the log (part of the floor)"
+
 CONTENDERS: dict[str, Callable[[int], Timing]] = {
     "hand-written torch loop": run_hand,
     "hand-written torch loop, batches gathered": run_hand_gathered,
@@ -250,6 +336,8 @@ CONTENDERS: dict[str, Callable[[int], Timing]] = {
     "nnx_es, batch_gather=False": run_nnx_as_given,
     "nnx_es, checkpoint_lag='epoch'": run_nnx_lagged,
     "hand-written torch loop + atomic torch.save each epoch": run_hand_durable,
+    EVENTS_ONLY: run_events_only,
+    FLOOR: run_floor,
     "pytorch-ignite": run_ignite,
     "pytorch-ignite + Checkpoint each epoch": run_ignite_durable,
     "pytorch-lightning": run_lightning,
@@ -260,5 +348,6 @@ CONTENDERS: dict[str, Callable[[int], Timing]] = {
 WIDE: dict[str, Callable[[int], Timing]] = {
     "hand-written torch loop": run_hand,
     "hand-written torch loop + atomic torch.save each epoch": run_hand_durable,
+    FLOOR: run_floor,
     "nnx_es, batch_gather=False": run_nnx_as_given,
 }
