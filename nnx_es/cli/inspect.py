@@ -36,7 +36,8 @@ commands:
   --schema          (no RUN_DIR) the JSON Schema of the event lines --json prints (not of --at or summary)
 
 inspect RUNS_ROOT [--json]       (a directory of runs) one row per run: id, status, epochs, BEST's
-                                 value, started (UTC), size on disk
+                                 value, started (UTC), size on disk; an unreadable run's reason under
+                                 the table (--json: "error")
 inspect diff RUN_A RUN_B [--json]
                                  the first event where two runs differ (seq, kind, field, both values),
                                  wall clock times, ids and checkpoint hashes aside; exit 0 the same, 1 differ
@@ -383,7 +384,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         sys.stdout.write(msgspec.json.format(msgspec.json.encode(json_schema())).decode() + "\n")
         return EXIT_OK
     if args.run_dir is not None and len(set(argv) - {"--json"}) == 1 and is_runs_root(args.run_dir):
-        return list_command(args.run_dir, as_json)
+        try:
+            return list_command(args.run_dir, as_json)
+        except BrokenPipeError:  # inspect runs/ --json | head
+            reader_left()
+            return EXIT_OK
     try:
         log = open_run_log(args.run_dir)
     except (NotARunError, EventLogError) as exc:

@@ -45,6 +45,8 @@ class RunRow(msgspec.Struct, frozen=True, kw_only=True):
     started: str | None
     bytes: int
     writer_alive: bool | None = None
+    #: why an ``unreadable`` run could not be read (the error's type and message); None otherwise
+    error: str | None = None
 
 
 def is_runs_root(path: Path) -> bool:
@@ -63,7 +65,8 @@ def _size(path: Path) -> int:
 
 
 def list_runs(root: Path) -> list[RunRow]:
-    """Every run under ``root``, by id. A run whose log cannot be read is listed with status ``unreadable``."""
+    """Every run under ``root``, by id. A run whose log cannot be read is listed with status ``unreadable``
+    and the reason in ``error``."""
     rows = []
     for run_dir in _run_dirs(root):
         try:
@@ -76,9 +79,9 @@ def list_runs(root: Path) -> list[RunRow]:
             alive = writer_alive(run_dir) if r.status in UNFINISHED else None
             rows.append(RunRow(run_id=run_dir.name, status=r.status, epochs=len(r.history), best=best,
                                started=started, bytes=_size(run_dir), writer_alive=alive))
-        except Exception:  # noqa: BLE001 - one damaged run does not hide the others
+        except Exception as exc:  # noqa: BLE001 - one damaged run does not hide the others
             rows.append(RunRow(run_id=run_dir.name, status="unreadable", epochs=0, best=None, started=None,
-                               bytes=_size(run_dir)))
+                               bytes=_size(run_dir), error=f"{type(exc).__name__}: {exc}"))
     return rows
 
 
@@ -146,6 +149,9 @@ def list_command(root: Path, as_json: bool) -> int:
     widths = [max(len(row[i]) for row in table) for i in range(len(header))]
     for row in table:
         sys.stdout.write("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() + "\n")
+    for r in rows:  # why, under the table: a reason does not fit a column
+        if r.error is not None:
+            sys.stdout.write(f"{r.run_id}: unreadable: {r.error}; run tools/replay {root / r.run_id} to audit it\n")
     return EXIT_OK
 
 

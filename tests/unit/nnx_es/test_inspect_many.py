@@ -102,3 +102,39 @@ Trainer(net, torch.optim.SGD(net.parameters(), lr=0.1), nn.CrossEntropyLoss(), r
     assert main([str(tmp_path)]) == 0
     lines = {line.split()[0]: line for line in capsys.readouterr().out.splitlines()}
     assert "running (no writer)" in lines["killed"] and "no writer" not in lines["done"]
+
+
+def test_a_runs_root_says_why_a_run_is_unreadable(tmp_path, capsys):
+    # left alone before: a damaged run was listed "unreadable" with no reason anywhere
+    _run(tmp_path, "good")
+    _run(tmp_path, "torn")
+    (tmp_path / "torn" / "events.lmdb" / "data.mdb").write_bytes(b"")  # a truncated copy
+    assert main([str(tmp_path), "--json"]) == 0
+    rows = {r["run_id"]: r for r in map(json.loads, capsys.readouterr().out.splitlines())}
+    assert rows["torn"]["status"] == "unreadable"
+    assert rows["torn"]["error"].startswith("TruncatedLogError: ") and "empty" in rows["torn"]["error"]
+    assert rows["good"]["error"] is None
+    assert main([str(tmp_path)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    reason = [line for line in out if line.startswith("torn: unreadable: TruncatedLogError")]
+    assert len(reason) == 1 and f"tools/replay {tmp_path / 'torn'}" in reason[0]
+
+
+def test_a_runs_root_listing_ends_quietly_when_its_reader_leaves(tmp_path, monkeypatch):
+    # left alone before: `inspect runs/ --json | head` ended in a BrokenPipeError traceback, exit 1
+    import io
+    import os
+    import sys
+
+    _run(tmp_path, "a")
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # the reader is gone before the first line
+    out = io.TextIOWrapper(io.FileIO(write_end, "w"), line_buffering=True)
+    monkeypatch.setattr(sys, "stdout", out)
+    try:
+        assert main([str(tmp_path), "--json"]) == 0
+        assert main([str(tmp_path)]) == 0
+        out.write("dropped\n")  # the stream now leads nowhere, quietly
+    finally:
+        monkeypatch.undo()
+        out.close()
