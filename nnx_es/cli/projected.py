@@ -47,12 +47,20 @@ def projected(log: LmdbLog, stop: int, *, check_keys: bool = False) -> tuple[Pro
 
 
 def at(log: LmdbLog, seq: int, as_json: bool) -> None:
-    """Every projection after folding the committed view of the log up to ``seq`` (time travel)."""
+    """Every projection after folding the committed view of the log up to ``seq`` (time travel).
+
+    A ``seq`` past the log's end answers for the whole log, says so on stderr and in the JSON
+    (``past_end``): the state then is the end's, not a state the run was in at ``seq``."""
     stop = min(seq + 1, log.next_seq)
+    past_end = seq >= log.next_seq
+    if past_end:
+        sys.stderr.write(f"inspect: seq {seq} is past the log's end (its last event is seq {log.next_seq - 1}): "
+                         "answering for the whole log\n")
     p, tail, _ = projected(log, stop, check_keys=True)
     last = p.checkpoints.last
     doc = {
         "at": seq,
+        "past_end": past_end,
         "events": stop,
         "tail": tail,
         "checkpoint": None if last is None else msgspec.to_builtins(last),

@@ -94,6 +94,13 @@ def test_inspect_at_and_summary_equal_the_full_fold(run, capsys):
         assert inspect_cli.main([str(run), "--at", str(seq), "--json"]) == 0
         doc = json.loads(capsys.readouterr().out)
         assert doc["projections"] == json.loads(msgspec.json.encode(_full(run, seq + 1)))
+        assert doc["past_end"] is False
+    assert inspect_cli.main([str(run), "--at", str(n + 40), "--json"]) == 0  # past the end: said, not silent
+    captured = capsys.readouterr()
+    doc = json.loads(captured.out)
+    assert doc["past_end"] is True and doc["events"] == n
+    assert f"seq {n + 40} is past the log's end (its last event is seq {n - 1})" in captured.err
+    assert doc["projections"] == json.loads(msgspec.json.encode(_full(run, n)))
     assert inspect_cli.main([str(run), "summary", "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["status"] == "completed" and doc["epochs"] == EPOCHS and doc["checksums"] == "ok"
