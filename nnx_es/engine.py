@@ -186,9 +186,10 @@ class UpdateEngine(DataParallelWindow, Receipts):
         self.callbacks = CallbackList([])
         self._on_update = False
         #: microbatches whose loss is still on the device: (seq, epoch, batch, rows, den, term names,
-        #: whether ignored rows follow, loss)
-        self._pending: list[tuple[int, int, int, int, float, tuple[str, ...], bool, Tensor]] = []
-        self._pending_t: list[Tensor] = []  # their 0-dim values, in reading order (loss, then terms)
+        #: whether ignored rows follow, the loss's value when it was read already (else None), loss)
+        self._pending: list[tuple[int, int, int, int, float, tuple[str, ...], bool, float | None, Tensor]] = []
+        #: their 0-dim values to read, in reading order (loss unless read already, then terms, ignored rows)
+        self._pending_t: list[Tensor] = []
         self._ctx: TrainContext | None = None
         #: data parallelism (:meth:`use_ddp`): the DDP wrapper the microbatches run through, or None
         self._ddp: Any = None
@@ -306,8 +307,9 @@ class UpdateEngine(DataParallelWindow, Receipts):
         ign = parts.ignored  # rows of ignored targets (an ignore_index): den - ign is exact, read with the window
         loss_t = total.detach()  # stays on the device: read with the window (see _settle)
         ctx.defer_loss(loss_t, den, ign)
+        known = None  # the loss's value, when the host read it already (the DDP agreement staged from the CPU)
         if self._fused is not None:  # DDP: the window's [numerator, W] go with the synchronizing backward
-            self._stage_agreement(loss_t, den, ign)
+            known = self._stage_agreement(loss_t, den, ign)
         if stages:
             stages(TrainingStage.AFTER_LOSS, ctx)
             stages(TrainingStage.BEFORE_BACKWARD, ctx)
@@ -346,13 +348,14 @@ class UpdateEngine(DataParallelWindow, Receipts):
         rec.hold()
         seq = rec.emit(MicrobatchDone(epoch=ctx.epoch, batch=ctx.batch_index, rows=rows, examples=den, loss=math.nan))
         terms = parts.terms
-        if len(terms) > 1:
-            self._pending.append((seq, ctx.epoch, ctx.batch_index, rows, den, tuple(terms), ign is not None, loss_t))
+        if known is None:
             self._pending_t.append(loss_t)
+        if len(terms) > 1:
+            self._pending.append((seq, ctx.epoch, ctx.batch_index, rows, den, tuple(terms), ign is not None, known,
+                                  loss_t))
             self._pending_t.extend(terms.values())
         else:
-            self._pending.append((seq, ctx.epoch, ctx.batch_index, rows, den, (), ign is not None, loss_t))
-            self._pending_t.append(loss_t)
+            self._pending.append((seq, ctx.epoch, ctx.batch_index, rows, den, (), ign is not None, known, loss_t))
         if ign is not None:
             self._pending_t.append(ign)
         self._ctx = ctx
@@ -386,27 +389,31 @@ class UpdateEngine(DataParallelWindow, Receipts):
             if tensors and flag.device != tensors[0].device:
                 flag = flag.to(tensors[0].device)
             tensors.append(flag)
-        if not tensors:
+        if not pending and not tensors:
             return None
-        values: list[float] = []
-        if READ_EACH_ON_CPU and len(tensors) <= _READ_EACH_MAX and tensors[0].device.type == "cpu":
-            # nothing to wait for on the CPU: each value read where it is, no stack op; the floats the
-            # stacked read gives (a floating dtype converts to a Python float exactly; anything else is stacked)
-            for t in tensors:
-                if not t.is_floating_point():
-                    values.clear()
-                    break
-                values.append(t.item())
-        if not values:
-            values = torch.stack(tensors).tolist()  # dtypes promote exactly (fp16/bf16 -> fp32 -> fp64)
+        values: list[float] = []  # none to read when the host read the losses already (a DDP window on the CPU)
+        if tensors:
+            if READ_EACH_ON_CPU and len(tensors) <= _READ_EACH_MAX and tensors[0].device.type == "cpu":
+                # nothing to wait for on the CPU: each value read where it is, no stack op; the floats the
+                # stacked read gives (a floating dtype converts to a Python float exactly; anything else is stacked)
+                for t in tensors:
+                    if not t.is_floating_point():
+                        values.clear()
+                        break
+                    values.append(t.item())
+            if not values:
+                values = torch.stack(tensors).tolist()  # dtypes promote exactly (fp16/bf16 -> fp32 -> fp64)
         final: dict[int, MicrobatchDone] = {}
         sums = self.epoch.sums
         nan = math.nan
         i = 0
         loss = nan
-        for seq, epoch, batch, rows, den, names, ignoring, _ in pending:
-            num = values[i]
-            i += 1
+        for seq, epoch, batch, rows, den, names, ignoring, known, _ in pending:
+            if known is None:
+                num = values[i]
+                i += 1
+            else:
+                num = known
             terms: dict[str, float] = {}
             nums = {}
             if names:
