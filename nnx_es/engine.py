@@ -435,9 +435,10 @@ class UpdateEngine(DataParallelWindow, Receipts):
             self.w_num += num
             loss = num / den if den > 0 else nan
             final[seq] = MicrobatchDone(epoch=epoch, batch=batch, rows=rows, examples=den, loss=loss, terms=terms)
-        if pending and self._ctx is not None:
-            self._ctx.settle_loss(pending[-1][-1], loss)
-        self.state.recorder.release(final)
+        if pending:  # else nothing is held (only a pending microbatch's event is): nothing to release
+            if self._ctx is not None:
+                self._ctx.settle_loss(pending[-1][-1], loss)
+            self.state.recorder.release(final)
         return values[-1] if flag is not None else None
 
     def _inverse(self, den: float, like: Tensor) -> Tensor:
