@@ -58,7 +58,7 @@ from events.schema import MicrobatchDone, UpdateSkipped
 from nnx_es.batches import split_batch
 from nnx_es.callbacks import CallbackList
 from nnx_es.errors import ConfigError
-from nnx_es.grads import WindowGradients
+from nnx_es.grads import WindowGradients, exact_reciprocal
 from nnx_es.metrics import MetricSums
 from nnx_es.objective import batch_rows
 from nnx_es.objective import LossParts, Objective
@@ -487,11 +487,20 @@ class UpdateEngine(DataParallelWindow, Receipts):
                         self.scaler.unscale_(opt)
                     unscaled = True
                 wg = self.grads
-                grads = wg.strided() if wg.sparse or wg.unseen else [p.grad for p in wg.params if p.grad is not None]
+                seen = not wg.unseen  # every gradient's layout known before this window (strided() learns new ones)
+                grads = wg.strided() if wg.sparse or not seen else [p.grad for p in wg.params if p.grad is not None]
+                divide_by = 1.0  # the division left to the fused finiteness check (bitwise the same), if any
                 if not self.w_divided:
                     if W != size:
                         # DDP's all-reduce averaged the ranks' gradients: x size / W is the union's mean
-                        torch._foreach_div_(grads, W / size if size > 1 else W)
+                        divisor = W / size if size > 1 else W
+                        if exact_reciprocal(divisor) and wg.fused_checks and seen and not self._read_early \
+                                and self.clip_grad_norm is None and not self.track_grad_norm:
+                            # nothing looks at the gradients before the fused check (no norm, no stage hook):
+                            # it divides them (WindowGradients.nonfinite_flag), one op less
+                            divide_by = divisor
+                        else:
+                            torch._foreach_div_(grads, divisor)
                     self.w_scale = W
                 elif self.w_scale != W:  # divided in backward by a denominator read since to hold ignored rows
                     torch._foreach_mul_(grads, self.w_scale / W)
@@ -504,7 +513,7 @@ class UpdateEngine(DataParallelWindow, Receipts):
                     norm_t = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads))) if grads else torch.zeros(())
                     flag = norm_t
                 else:
-                    flag, found = self.grads.nonfinite_flag(grads)
+                    flag, found = self.grads.nonfinite_flag(grads, divide_by)
                 before = self.w_den
                 value = self._settle(flag)
                 if found is not None and value:
