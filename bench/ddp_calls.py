@@ -158,7 +158,8 @@ def report(ranks: list[dict[str, Any]], top: int) -> str:
     row("hand (host agreement): calls", lambda r: r["calls"]["hand"])
     row("nnx_es adds: calls", lambda r: r["calls"]["nnx"] - r["calls"]["hand"])
     row("  of which Python", lambda r: r["calls"]["nnx_py"] - r["calls"]["hand_py"])
-    row("  of which C", lambda r: (r["calls"]["nnx"] - r["calls"]["nnx_py"]) - (r["calls"]["hand"] - r["calls"]["hand_py"]))
+    row("  of which C", lambda r: (r["calls"]["nnx"] - r["calls"]["nnx_py"])
+        - (r["calls"]["hand"] - r["calls"]["hand_py"]))
     row("hand (host agreement): aten ops", lambda r: r["ops"]["hand"])
     row("nnx_es adds: aten ops", lambda r: r["ops"]["nnx"] - r["ops"]["hand"])
     for rank, r in enumerate(ranks):

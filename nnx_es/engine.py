@@ -27,7 +27,9 @@ At the window's end (:meth:`UpdateEngine.finalize_step`), in this order
     unscale (GradScaler) ; coalesce sparse grads ; grad /= W
     a gradient not finite       -> update_skipped(nonfinite)  (the scaler lowers its scale)
                                    (checked from the total L2 norm when it is computed -- with
-                                   clipping or ``track_grad_norm`` -- else by one fused check)
+                                   clipping or ``track_grad_norm`` -- else by one fused check,
+                                   which also does the division when its divisor is a power of
+                                   two: bitwise the same, one op less; nnx_es.grads)
     an update hook vetoes       -> update_skipped(vetoed)
     clip (max_norm) -> optimizer.step() for every optimizer
     -> update_committed per optimizer (the step receipts: local / global examples, microbatches,
