@@ -27,7 +27,9 @@ At the window's end (:meth:`UpdateEngine.finalize_step`), in this order
     unscale (GradScaler) ; coalesce sparse grads ; grad /= W
     a gradient not finite       -> update_skipped(nonfinite)  (the scaler lowers its scale)
                                    (checked from the total L2 norm when it is computed -- with
-                                   clipping or ``track_grad_norm`` -- else by one fused check)
+                                   clipping or ``track_grad_norm`` -- else by one fused check,
+                                   which also does the division when its divisor is a power of
+                                   two: bitwise the same, one op less; nnx_es.grads)
     an update hook vetoes       -> update_skipped(vetoed)
     clip (max_norm) -> optimizer.step() for every optimizer
     -> update_committed per optimizer (the step receipts: local / global examples, microbatches,
@@ -58,7 +60,7 @@ from events.schema import MicrobatchDone, UpdateSkipped
 from nnx_es.batches import split_batch
 from nnx_es.callbacks import CallbackList
 from nnx_es.errors import ConfigError
-from nnx_es.grads import WindowGradients
+from nnx_es.grads import WindowGradients, exact_reciprocal
 from nnx_es.metrics import MetricSums
 from nnx_es.objective import batch_rows
 from nnx_es.objective import LossParts, Objective
@@ -186,9 +188,10 @@ class UpdateEngine(DataParallelWindow, Receipts):
         self.callbacks = CallbackList([])
         self._on_update = False
         #: microbatches whose loss is still on the device: (seq, epoch, batch, rows, den, term names,
-        #: whether ignored rows follow, loss)
-        self._pending: list[tuple[int, int, int, int, float, tuple[str, ...], bool, Tensor]] = []
-        self._pending_t: list[Tensor] = []  # their 0-dim values, in reading order (loss, then terms)
+        #: whether ignored rows follow, the loss's value when it was read already (else None), loss)
+        self._pending: list[tuple[int, int, int, int, float, tuple[str, ...], bool, float | None, Tensor]] = []
+        #: their 0-dim values to read, in reading order (loss unless read already, then terms, ignored rows)
+        self._pending_t: list[Tensor] = []
         self._ctx: TrainContext | None = None
         #: data parallelism (:meth:`use_ddp`): the DDP wrapper the microbatches run through, or None
         self._ddp: Any = None
@@ -306,8 +309,9 @@ class UpdateEngine(DataParallelWindow, Receipts):
         ign = parts.ignored  # rows of ignored targets (an ignore_index): den - ign is exact, read with the window
         loss_t = total.detach()  # stays on the device: read with the window (see _settle)
         ctx.defer_loss(loss_t, den, ign)
+        known = None  # the loss's value, when the host read it already (the DDP agreement staged from the CPU)
         if self._fused is not None:  # DDP: the window's [numerator, W] go with the synchronizing backward
-            self._stage_agreement(loss_t, den, ign)
+            known = self._stage_agreement(loss_t, den, ign)
         if stages:
             stages(TrainingStage.AFTER_LOSS, ctx)
             stages(TrainingStage.BEFORE_BACKWARD, ctx)
@@ -346,13 +350,14 @@ class UpdateEngine(DataParallelWindow, Receipts):
         rec.hold()
         seq = rec.emit(MicrobatchDone(epoch=ctx.epoch, batch=ctx.batch_index, rows=rows, examples=den, loss=math.nan))
         terms = parts.terms
-        if len(terms) > 1:
-            self._pending.append((seq, ctx.epoch, ctx.batch_index, rows, den, tuple(terms), ign is not None, loss_t))
+        if known is None:
             self._pending_t.append(loss_t)
+        if len(terms) > 1:
+            self._pending.append((seq, ctx.epoch, ctx.batch_index, rows, den, tuple(terms), ign is not None, known,
+                                  loss_t))
             self._pending_t.extend(terms.values())
         else:
-            self._pending.append((seq, ctx.epoch, ctx.batch_index, rows, den, (), ign is not None, loss_t))
-            self._pending_t.append(loss_t)
+            self._pending.append((seq, ctx.epoch, ctx.batch_index, rows, den, (), ign is not None, known, loss_t))
         if ign is not None:
             self._pending_t.append(ign)
         self._ctx = ctx
@@ -386,27 +391,31 @@ class UpdateEngine(DataParallelWindow, Receipts):
             if tensors and flag.device != tensors[0].device:
                 flag = flag.to(tensors[0].device)
             tensors.append(flag)
-        if not tensors:
+        if not pending and not tensors:
             return None
-        values: list[float] = []
-        if READ_EACH_ON_CPU and len(tensors) <= _READ_EACH_MAX and tensors[0].device.type == "cpu":
-            # nothing to wait for on the CPU: each value read where it is, no stack op; the floats the
-            # stacked read gives (a floating dtype converts to a Python float exactly; anything else is stacked)
-            for t in tensors:
-                if not t.is_floating_point():
-                    values.clear()
-                    break
-                values.append(t.item())
-        if not values:
-            values = torch.stack(tensors).tolist()  # dtypes promote exactly (fp16/bf16 -> fp32 -> fp64)
+        values: list[float] = []  # none to read when the host read the losses already (a DDP window on the CPU)
+        if tensors:
+            if READ_EACH_ON_CPU and len(tensors) <= _READ_EACH_MAX and tensors[0].device.type == "cpu":
+                # nothing to wait for on the CPU: each value read where it is, no stack op; the floats the
+                # stacked read gives (a floating dtype converts to a Python float exactly; anything else is stacked)
+                for t in tensors:
+                    if not t.is_floating_point():
+                        values.clear()
+                        break
+                    values.append(t.item())
+            if not values:
+                values = torch.stack(tensors).tolist()  # dtypes promote exactly (fp16/bf16 -> fp32 -> fp64)
         final: dict[int, MicrobatchDone] = {}
         sums = self.epoch.sums
         nan = math.nan
         i = 0
         loss = nan
-        for seq, epoch, batch, rows, den, names, ignoring, _ in pending:
-            num = values[i]
-            i += 1
+        for seq, epoch, batch, rows, den, names, ignoring, known, _ in pending:
+            if known is None:
+                num = values[i]
+                i += 1
+            else:
+                num = known
             terms: dict[str, float] = {}
             nums = {}
             if names:
@@ -428,9 +437,10 @@ class UpdateEngine(DataParallelWindow, Receipts):
             self.w_num += num
             loss = num / den if den > 0 else nan
             final[seq] = MicrobatchDone(epoch=epoch, batch=batch, rows=rows, examples=den, loss=loss, terms=terms)
-        if pending and self._ctx is not None:
-            self._ctx.settle_loss(pending[-1][-1], loss)
-        self.state.recorder.release(final)
+        if pending:  # else nothing is held (only a pending microbatch's event is): nothing to release
+            if self._ctx is not None:
+                self._ctx.settle_loss(pending[-1][-1], loss)
+            self.state.recorder.release(final)
         return values[-1] if flag is not None else None
 
     def _inverse(self, den: float, like: Tensor) -> Tensor:
@@ -479,11 +489,20 @@ class UpdateEngine(DataParallelWindow, Receipts):
                         self.scaler.unscale_(opt)
                     unscaled = True
                 wg = self.grads
-                grads = wg.strided() if wg.sparse or wg.unseen else [p.grad for p in wg.params if p.grad is not None]
+                seen = not wg.unseen  # every gradient's layout known before this window (strided() learns new ones)
+                grads = wg.strided() if wg.sparse or not seen else [p.grad for p in wg.params if p.grad is not None]
+                divide_by = 1.0  # the division left to the fused finiteness check (bitwise the same), if any
                 if not self.w_divided:
                     if W != size:
                         # DDP's all-reduce averaged the ranks' gradients: x size / W is the union's mean
-                        torch._foreach_div_(grads, W / size if size > 1 else W)
+                        divisor = W / size if size > 1 else W
+                        if exact_reciprocal(divisor) and wg.fused_checks and seen and not self._read_early \
+                                and self.clip_grad_norm is None and not self.track_grad_norm:
+                            # nothing looks at the gradients before the fused check (no norm, no stage hook):
+                            # it divides them (WindowGradients.nonfinite_flag), one op less
+                            divide_by = divisor
+                        else:
+                            torch._foreach_div_(grads, divisor)
                     self.w_scale = W
                 elif self.w_scale != W:  # divided in backward by a denominator read since to hold ignored rows
                     torch._foreach_mul_(grads, self.w_scale / W)
@@ -496,7 +515,7 @@ class UpdateEngine(DataParallelWindow, Receipts):
                     norm_t = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads))) if grads else torch.zeros(())
                     flag = norm_t
                 else:
-                    flag, found = self.grads.nonfinite_flag(grads)
+                    flag, found = self.grads.nonfinite_flag(grads, divide_by)
                 before = self.w_den
                 value = self._settle(flag)
                 if found is not None and value:

@@ -78,17 +78,21 @@ class DataParallelWindow:
             self._syncing = True
         self._microbatch(ctx, batch)
 
-    def _stage_agreement(self, loss_t: Tensor, den: float, ign: Tensor | None) -> None:
+    def _stage_agreement(self, loss_t: Tensor, den: float, ign: Tensor | None) -> float | None:
         """Add this microbatch to the window's ``[numerator, W]`` on the device; the window's last
         (synchronizing) microbatch stages them for DDP's last gradient bucket (:mod:`nnx_es.distributed.fused`).
         ``ign``: its rows of ignored targets (``W`` leaves them out), or None.
 
         On the CPU (:data:`HOST_PARTS_ON_CPU`) the numerator is a float formed by the same float64
-        additions, ``W`` is read once, and both are staged from the host: bitwise the same sums."""
+        additions, ``W`` is read once, and both are staged from the host: bitwise the same sums.
+        Returns the microbatch's loss read then (a float: the window's read takes it, not reading
+        ``loss_t`` again), or None when it stays on the device."""
         fused = self._fused
         host = HOST_PARTS_ON_CPU and loss_t.device.type == "cpu"
+        value = None
         if host:
-            num = loss_t.item() if self._w_num_t is None else self._w_num_t + loss_t.item()  # type: ignore[operator]
+            value = loss_t.item()
+            num = value if self._w_num_t is None else self._w_num_t + value  # type: ignore[operator]
             self._w_num_t = num  # type: ignore[assignment]
         else:
             num_t = loss_t.double() if self._w_num_t is None else self._w_num_t + loss_t.double()
@@ -112,6 +116,7 @@ class DataParallelWindow:
                 w_t = w_t - self._w_ign_t
             fused.stage(torch.stack((num_t, w_t)), float32_sums=self._w_float32_sums
                         and math.isfinite(w) and math.fmod(w, _TINY32) == 0.0)  # fused.float32_sum
+        return value
 
     def _agree_window(self) -> float:
         """The window's one agreement (data parallelism): read this rank's losses, then the window's

@@ -26,7 +26,14 @@ import math
 import torch
 from torch import Tensor, nn
 
-__all__ = ["WindowGradients"]
+__all__ = ["WindowGradients", "exact_reciprocal"]
+
+
+def exact_reciprocal(x: float) -> bool:
+    """Whether ``x`` is a power of two in ``[1, 2**126]``: ``1 / x`` is then exact in float32 and
+    multiplying a value by it is bitwise dividing it by ``x`` (:meth:`WindowGradients.nonfinite_flag`)."""
+    m, e = math.frexp(x)
+    return m == 0.5 and 1 <= e <= 127
 
 
 class WindowGradients:
@@ -42,14 +49,18 @@ class WindowGradients:
         nbytes: the gradients' size in bytes when dense (what a data-parallel all-reduce moves).
     """
 
-    __slots__ = ("params", "unseen", "sparse", "nbytes", "_found_inf")
+    __slots__ = ("params", "unseen", "sparse", "nbytes", "fused_checks", "_found_inf", "_inverses")
 
     def __init__(self, params: list[nn.Parameter]) -> None:
         self.params = params
         self.unseen = list(params)
         self.sparse = False
         self.nbytes = sum(p.numel() * p.element_size() for p in params)
+        #: the last finiteness check took every gradient in its one fused op (False before the first
+        #: check and after one fell back to the norm): the next may divide them in it (:meth:`nonfinite_flag`)
+        self.fused_checks = False
         self._found_inf: dict[torch.device, tuple[Tensor, Tensor, Tensor]] = {}
+        self._inverses: dict[tuple[torch.device, float], Tensor] = {}  # 1 / divide_by, float32, per device
 
     def strided(self) -> list[Tensor]:
         """The window's gradients as strided tensors: a dense gradient itself, a sparse COO one's values.
@@ -81,10 +92,17 @@ class WindowGradients:
             grads.append(g)
         return grads
 
-    def nonfinite_flag(self, grads: list[Tensor]) -> tuple[Tensor | None, Tensor | None]:
+    def nonfinite_flag(self, grads: list[Tensor], divide_by: float = 1.0) -> tuple[Tensor | None, Tensor | None]:
         """A 0-dim tensor telling whether every gradient is finite, in one fused op (no norm), unread.
 
         ``grads``: strided tensors (a sparse gradient's values, see :meth:`strided`).
+        ``divide_by``: a power of two in ``[1, 2**126]`` (:func:`exact_reciprocal`) the gradients are
+        divided by in the same op: it multiplies them by ``1 / divide_by``, exact in float32, so each
+        value is bitwise what ``torch._foreach_div_(grads, divide_by)`` gives (both correctly rounded;
+        a float16/bfloat16 division is that product too), and it is finite exactly when the value
+        before was (the check reads the values it scales: ``divide_by >= 1`` overflows nothing). Pass
+        it only when :attr:`fused_checks` is True for these same gradients (the fused op checks each
+        gradient as it goes: one it cannot take would leave the ones before it divided; raised then).
         Returns ``(flag, found)``: ``found`` is the fused check's buffer (``flag`` is a view of it:
         nonzero when a value is not finite; the caller zeroes it then), or ``None`` when the flag
         is a total norm (not finite when a value is not). No gradients: ``(None, None)``.
@@ -98,10 +116,21 @@ class WindowGradients:
             found = torch.zeros(1, device=device)
             bufs = self._found_inf[device] = (found, torch.ones(1, device=device), found.view(()))
         found, one, flag = bufs  # found stays 0 until a check finds a non-finite value; flag: its 0-dim view
+        inverse = one
+        if divide_by != 1.0:
+            inverse = self._inverses.get((device, divide_by))  # type: ignore[assignment]
+            if inverse is None:  # a loader's windows share a few sizes
+                if len(self._inverses) >= 16:
+                    self._inverses.clear()
+                inverse = self._inverses[(device, divide_by)] = torch.full((1,), 1.0 / divide_by, device=device)
         try:
-            torch._amp_foreach_non_finite_check_and_unscale_(grads, found, one)
+            torch._amp_foreach_non_finite_check_and_unscale_(grads, found, inverse)
         except RuntimeError:  # mixed devices or dtypes the fused check does not take
+            self.fused_checks = False
+            if divide_by != 1.0:
+                raise
             return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g).to(device) for g in grads])), None
+        self.fused_checks = True
         return flag, found
 
     def finite(self, grads: list[Tensor]) -> bool:

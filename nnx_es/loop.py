@@ -202,6 +202,8 @@ class TrainingLoop:
         batch_end = self.callbacks.batch_end if self.callbacks.has("on_batch_end") else None
         progress = self.progress if self.progress.enabled else None
         validate_on_step = val_loader is not None and self.cadence.every_steps is not None
+        # parameter digests every K updates (DDP(digest_every=K)); at the epoch's end only: none per update
+        digest_each = self.digest if self.digest is not None and self.digest.every is not None else None
         for i, batch in enumerate(iterate_batches(train_loader, gather=self.batch_gather, device=self.device)):
             ctx.batch_index, ctx.batch = i, batch
             outcome.microbatch_recorded = outcome.committed_update = False  # outcome.new_batch(), inlined
@@ -224,8 +226,8 @@ class TrainingLoop:
                 break
             if outcome.committed_update:
                 outcome.unreported = 0
-                if self.digest is not None:
-                    self.digest.after_update(rec, epoch=epoch, step=ctx.step_count)
+                if digest_each is not None:
+                    digest_each.after_update(rec, epoch=epoch, step=ctx.step_count)
                 if committer.pending is not None:
                     committer.on_update()
                 rec.maybe_flush()

@@ -105,3 +105,66 @@ def test_a_nonfinite_window_is_skipped_without_a_step_or_a_scheduler_step(tmp_pa
     for a, b in zip(net.parameters(), before):
         assert torch.equal(a, b)
     assert engine.epoch.skipped == 1 and engine.epoch.updates == 0
+
+
+def _windows_of_a_power_of_two_rows(tmp_path, monkeypatch, *, fold: bool, poison: int | None = None):
+    """Three windows of 2 x 4 rows (W = 8, a power of two) through an accumulating engine; ``fold``:
+    whether the window's division may ride in the fused finiteness check; ``poison``: a window whose
+    gradient is made infinite (a huge input) after its loss is formed (a finite loss: skipped by the check)."""
+    import nnx_es.engine as engine_module
+
+    if not fold:
+        monkeypatch.setattr(engine_module, "exact_reciprocal", lambda x: False)
+    divisions = []
+    div = torch._foreach_div_
+    monkeypatch.setattr(torch, "_foreach_div_", lambda ts, x: (divisions.append(x), div(ts, x))[1])
+    engine, ctx, state, log, receipts, net = _engine(tmp_path / str(fold), accumulation=2)
+    g = torch.Generator().manual_seed(3)
+    grads, reasons = [], []
+    for w in range(3):
+        for i in range(2):
+            x, y = torch.randn(4, 3, generator=g), torch.randint(0, 2, (4,), generator=g)
+            ctx.batch_index, ctx.batch = 2 * w + i, (x, y)
+            state.outcome.new_batch()
+            engine.microbatch(ctx, (x, y))
+        if w == poison:
+            net.weight.grad[0, 0] = math.inf
+        state.outcome.skipped = None
+        committed = engine.finalize_step(ctx)
+        reasons.append("committed" if committed else state.outcome.skipped)
+        grads.append([p.detach().clone() for p in net.parameters()])
+    return grads, reasons, [e for e in _events(state, log)], divisions
+
+
+def test_a_window_division_folded_into_the_finiteness_check_is_bitwise_the_division(tmp_path, monkeypatch):
+    for poison in (None, 1):
+        folded = _windows_of_a_power_of_two_rows(tmp_path / f"a{poison}", monkeypatch, fold=True, poison=poison)
+        monkeypatch.undo()
+        plain = _windows_of_a_power_of_two_rows(tmp_path / f"b{poison}", monkeypatch, fold=False, poison=poison)
+        monkeypatch.undo()
+        assert folded[1] == plain[1]
+        assert folded[1][1] == ("nonfinite" if poison == 1 else "committed")
+        for a, b in zip(folded[0], plain[0]):  # the parameters after each window, bit for bit
+            for x, y in zip(a, b):
+                assert torch.equal(x.view(torch.int32), y.view(torch.int32))
+        assert folded[2] == plain[2]  # the same events, every float
+        # the first window's division is an op of its own (no fused check seen yet), the others ride in the check
+        assert (folded[3], plain[3]) == ([8.0], [8.0, 8.0, 8.0])  # W = 8
+
+
+def test_the_fused_check_divides_by_a_power_of_two_as_the_division_does() -> None:
+    from nnx_es.grads import WindowGradients, exact_reciprocal
+
+    assert [exact_reciprocal(x) for x in (1.0, 2.0, 32.0, 2.0**126, 3.0, 0.5, 2.0**127, 48.0)] == \
+        [True, True, True, True, False, False, False, False]
+    net = nn.Linear(16, 8)
+    g = torch.Generator().manual_seed(0)
+    values = [torch.randn(8, 16, generator=g) * 1e30, torch.randn(8, generator=g) * 1e-38]  # huge and subnormal
+    wg = WindowGradients(list(net.parameters()))
+    divided = [v.clone() for v in values]
+    torch._foreach_div_(divided, 64.0)
+    checked = [v.clone() for v in values]
+    flag, found = wg.nonfinite_flag(checked, 64.0)
+    assert flag is not None and flag.item() == 0.0 and wg.fused_checks
+    for a, b in zip(checked, divided):
+        assert torch.equal(a.view(torch.int32), b.view(torch.int32))
