@@ -68,15 +68,23 @@ def _where(filename: str) -> str:
     return filename.split("site-packages/")[-1].replace(_ROOT, "")
 
 
-def count_calls(fn: Callable[[], None]) -> Counter[tuple[str, str]]:
-    """``{(file or "C", function): calls}`` made while ``fn`` runs (``sys.setprofile``)."""
+def count_calls(fn: Callable[[], None], *, callers: bool = False) -> Counter[tuple[str, str]]:
+    """``{(file or "C", function): calls}`` made while ``fn`` runs (``sys.setprofile``); with
+    ``callers`` each call is keyed by its caller too: ``"function <- caller's file:function"``."""
     calls: Counter[tuple[str, str]] = Counter()
 
     def profile(frame, event, arg):  # noqa: ANN001 - the sys.setprofile signature
         if event == "call":
-            calls[(frame.f_code.co_filename, frame.f_code.co_name)] += 1
+            name = frame.f_code.co_name
+            if callers:
+                back = frame.f_back
+                name += f" <- {_where(back.f_code.co_filename)}:{back.f_code.co_name}" if back is not None else " <- ?"
+            calls[(frame.f_code.co_filename, name)] += 1
         elif event == "c_call":
-            calls[("C", getattr(arg, "__qualname__", repr(arg)))] += 1
+            name = getattr(arg, "__qualname__", repr(arg))
+            if callers:
+                name += f" <- {_where(frame.f_code.co_filename)}:{frame.f_code.co_name}"
+            calls[("C", name)] += 1
 
     sys.setprofile(profile)
     try:

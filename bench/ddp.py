@@ -381,8 +381,13 @@ def worker(args: argparse.Namespace) -> int:
 # --- the driver --------------------------------------------------------------------------------------
 
 
-def launch(reps: int, epochs: int, profile: str | None = None, timeout_s: float = 900.0) -> dict[str, Any]:
-    """Start the 2-rank launch and return rank 0's results."""
+def run_on_two_ranks(module: str, args: list[str], timeout_s: float = 900.0) -> Any:
+    """``python -m module --worker --out FILE *args`` on 2 ranks under torchrun (gloo, loopback, a free
+    port, one thread each); return the JSON the worker wrote to ``FILE``.
+
+    Raises:
+        RuntimeError: the launch failed or wrote nothing (its output's tail in the message).
+    """
     import socket
 
     with tempfile.TemporaryDirectory(prefix="ddp_bench_") as tmp:
@@ -391,10 +396,8 @@ def launch(reps: int, epochs: int, profile: str | None = None, timeout_s: float 
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc-per-node=2",
-               "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "-m", "bench.ddp", "--worker",
-               "--reps", str(reps), "--epochs", str(epochs), "--out", str(out)]
-        if profile:
-            cmd += ["--profile", str(Path(profile).resolve())]
+               "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "-m", module, "--worker",
+               "--out", str(out), *args]
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
         env.update(OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo", TORCH_CPP_LOG_LEVEL="ERROR")
@@ -403,6 +406,14 @@ def launch(reps: int, epochs: int, profile: str | None = None, timeout_s: float 
             raise RuntimeError(f"the 2-rank launch failed (exit {proc.returncode}):\n{proc.stdout[-4000:]}"
                                f"\n{proc.stderr[-4000:]}")
         return json.loads(out.read_text())
+
+
+def launch(reps: int, epochs: int, profile: str | None = None, timeout_s: float = 900.0) -> dict[str, Any]:
+    """Start the 2-rank launch and return rank 0's results."""
+    args = ["--reps", str(reps), "--epochs", str(epochs)]
+    if profile:
+        args += ["--profile", str(Path(profile).resolve())]
+    return run_on_two_ranks("bench.ddp", args, timeout_s)  # type: ignore[no-any-return]
 
 
 def report(result: dict[str, Any], reps: int, epochs: int) -> str:

@@ -22,10 +22,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
 import shutil
-import socket
-import subprocess
 import sys
 import tempfile
 from collections import Counter
@@ -34,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.calls import _where, count_calls
-from bench.ddp import REPO, _dataset, _loader, run_hand, run_nnx
+from bench.ddp import _dataset, _loader, run_hand, run_nnx, run_on_two_ranks
 
 __all__ = ["count_callers", "count_ops", "main"]
 
@@ -42,25 +39,8 @@ SHORT, LONG = 2, 4
 
 
 def count_callers(fn: Callable[[], Any]) -> Counter[tuple[str, str]]:
-    """:func:`bench.calls.count_calls` with each call keyed by its caller too (``--callers``):
-    ``{(file or "C", "function <- caller's file:function"): calls}``."""
-    calls: Counter[tuple[str, str]] = Counter()
-
-    def profile(frame, event, arg):  # noqa: ANN001 - the sys.setprofile signature
-        if event == "call":
-            back = frame.f_back
-            up = f"{_where(back.f_code.co_filename)}:{back.f_code.co_name}" if back is not None else "?"
-            calls[(frame.f_code.co_filename, f"{frame.f_code.co_name} <- {up}")] += 1
-        elif event == "c_call":
-            here = f"{_where(frame.f_code.co_filename)}:{frame.f_code.co_name}"
-            calls[("C", f"{getattr(arg, '__qualname__', repr(arg))} <- {here}")] += 1
-
-    sys.setprofile(profile)
-    try:
-        fn()
-    finally:
-        sys.setprofile(None)
-    return calls
+    """:func:`bench.calls.count_calls` with each call keyed by its caller too (``--callers``)."""
+    return count_calls(fn, callers=True)
 
 
 def count_ops(fn: Callable[[], Any]) -> Counter[str]:
@@ -130,22 +110,8 @@ def worker(out: str, callers: bool = False) -> int:
 
 
 def launch(callers: bool = False, timeout_s: float = 900.0) -> list[dict[str, Any]]:
-    with tempfile.TemporaryDirectory(prefix="ddp_calls_") as tmp:
-        out = Path(tmp) / "result.json"
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc-per-node=2",
-               "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "-m", "bench.ddp_calls", "--worker",
-               "--out", str(out)] + (["--callers"] if callers else [])
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
-        env.update(OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo", TORCH_CPP_LOG_LEVEL="ERROR")
-        proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout_s)
-        if proc.returncode != 0 or not out.exists():
-            raise RuntimeError(f"the 2-rank launch failed (exit {proc.returncode}):\n{proc.stdout[-4000:]}"
-                               f"\n{proc.stderr[-4000:]}")
-        return json.loads(out.read_text())
+    """Start the 2-rank launch and return every rank's counts."""
+    return run_on_two_ranks("bench.ddp_calls", ["--callers"] if callers else [], timeout_s)  # type: ignore[no-any-return]
 
 
 def report(ranks: list[dict[str, Any]], top: int) -> str:
