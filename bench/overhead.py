@@ -348,6 +348,5 @@ CONTENDERS: dict[str, Callable[[int], Timing]] = {
 WIDE: dict[str, Callable[[int], Timing]] = {
     "hand-written torch loop": run_hand,
     "hand-written torch loop + atomic torch.save each epoch": run_hand_durable,
-    FLOOR: run_floor,
     "nnx_es, batch_gather=False": run_nnx_as_given,
 }

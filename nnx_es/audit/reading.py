@@ -30,6 +30,10 @@ def open_run_log(run_dir: Path) -> LmdbLog:
     if not run_dir.is_dir():
         raise NotARunError(f"run directory {str(run_dir)!r} does not exist or is not a directory")
     path = run_dir / "events.lmdb"
+    if path.is_dir() and not (path / "data.mdb").is_file():
+        raise NotARunError(f"{str(run_dir)!r} has an event log directory without its data file: {path / 'data.mdb'} "
+                           "is missing (deleted, or a partial copy): the run's events are gone; restore the "
+                           "directory from a copy")
     if not (path / "data.mdb").is_file():
         raise NotARunError(f"{str(run_dir)!r} is not a run: expected an event log at {path}")
     return LmdbLog(path, readonly=True)

@@ -36,8 +36,9 @@ commands:
   --schema          (no RUN_DIR) the JSON Schema of the event lines --json prints (not of --at or summary)
 
 inspect RUNS_ROOT [--json]       (a directory of runs) one row per run: id, status, epochs, BEST's
-                                 value, started (UTC), size on disk; an unreadable run's reason under
-                                 the table (--json: "error")
+                                 value, started (UTC), size on disk; an unreadable run's reason and what
+                                 to do under the table (--json: "error", "advice"); exit 1 when a run is
+                                 unreadable
 inspect diff RUN_A RUN_B [--json]
                                  the first event where two runs differ (seq, kind, field, both values),
                                  wall clock times, ids and checkpoint hashes aside; exit 0 the same, 1 differ
@@ -383,6 +384,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.schema:
         sys.stdout.write(msgspec.json.format(msgspec.json.encode(json_schema())).decode() + "\n")
         return EXIT_OK
+    if args.run_dir is not None and is_runs_root(args.run_dir) and len(set(argv) - {"--json"}) > 1:
+        return fail("inspect", f"{args.run_dir} is a directory of runs: it takes --json only (one row per run); "
+                    f"the other options read one run: inspect {args.run_dir / '<id>'} ...", error_type="UsageError",
+                    as_json=as_json)
     if args.run_dir is not None and len(set(argv) - {"--json"}) == 1 and is_runs_root(args.run_dir):
         try:
             return list_command(args.run_dir, as_json)

@@ -21,6 +21,7 @@ import msgspec
 
 from events.errors import EventLogError
 from events.log import LmdbLog
+from nnx_es.audit import open_run_log
 from nnx_es.cli._common import EXIT_OK, fail, writer_alive
 from nnx_es.result import load_result
 from projections.status import UNFINISHED
@@ -40,13 +41,15 @@ class RunRow(msgspec.Struct, frozen=True, kw_only=True):
 
     run_id: str
     status: str
-    epochs: int
+    epochs: int | None  # None: unreadable
     best: float | None
     started: str | None
     bytes: int
     writer_alive: bool | None = None
     #: why an ``unreadable`` run could not be read (the error's type and message); None otherwise
     error: str | None = None
+    #: for an ``unreadable`` run: what to do about it
+    advice: str | None = None
 
 
 def is_runs_root(path: Path) -> bool:
@@ -54,9 +57,14 @@ def is_runs_root(path: Path) -> bool:
     return path.is_dir() and not (path / "events.lmdb").is_dir() and any(_run_dirs(path))
 
 
+#: what a run directory holds besides its log: a directory with one of these but no readable log is
+#: a run whose log is gone (listed unreadable, not left out)
+_RUN_PARTS = ("events.lmdb", "blobs", "views")
+
+
 def _run_dirs(root: Path) -> Iterator[Path]:
     for p in sorted(root.iterdir()):
-        if not p.name.startswith(".") and (p / "events.lmdb" / "data.mdb").exists():
+        if not p.name.startswith(".") and any((p / part).is_dir() for part in _RUN_PARTS):
             yield p
 
 
@@ -65,10 +73,17 @@ def _size(path: Path) -> int:
 
 
 def list_runs(root: Path) -> list[RunRow]:
-    """Every run under ``root``, by id. A run whose log cannot be read is listed with status ``unreadable``
-    and the reason in ``error``."""
+    """Every run under ``root``, by id. A run whose log cannot be read is listed with status ``unreadable``,
+    the reason in ``error`` and what to do in ``advice`` (a directory holding a run's parts without its
+    log is listed so too, not left out)."""
     rows = []
     for run_dir in _run_dirs(root):
+        try:
+            open_run_log(run_dir).close()
+        except Exception as exc:  # noqa: BLE001 - one damaged run does not hide the others
+            rows.append(_unreadable(run_dir, exc, "its log cannot be opened: restore the run directory from a "
+                                                  "copy, or remove it"))
+            continue
         try:
             r = load_result(run_dir)
             with LmdbLog(run_dir / "events.lmdb", readonly=True) as log:
@@ -79,10 +94,14 @@ def list_runs(root: Path) -> list[RunRow]:
             alive = writer_alive(run_dir) if r.status in UNFINISHED else None
             rows.append(RunRow(run_id=run_dir.name, status=r.status, epochs=len(r.history), best=best,
                                started=started, bytes=_size(run_dir), writer_alive=alive))
-        except Exception as exc:  # noqa: BLE001 - one damaged run does not hide the others
-            rows.append(RunRow(run_id=run_dir.name, status="unreadable", epochs=0, best=None, started=None,
-                               bytes=_size(run_dir), error=f"{type(exc).__name__}: {exc}"))
+        except Exception as exc:  # noqa: BLE001
+            rows.append(_unreadable(run_dir, exc, f"tools/replay {run_dir} audits every event and names the damage"))
     return rows
+
+
+def _unreadable(run_dir: Path, exc: BaseException, advice: str) -> RunRow:
+    return RunRow(run_id=run_dir.name, status="unreadable", epochs=None, best=None, started=None,
+                  bytes=_size(run_dir), error=f"{type(exc).__name__}: {exc}", advice=advice)
 
 
 def _strip(value: Any) -> Any:
@@ -137,22 +156,24 @@ def first_difference(a: Path, b: Path) -> dict[str, Any] | None:
 
 
 def list_command(root: Path, as_json: bool) -> int:
-    """``inspect RUNS_ROOT [--json]``: one row (one JSON object) per run; exit 0."""
+    """``inspect RUNS_ROOT [--json]``: one row (one JSON object) per run; exit 0, or 1 when a run is unreadable."""
     rows = list_runs(root)
+    status = 1 if any(r.error is not None for r in rows) else EXIT_OK
     if as_json:
         for row in rows:
             sys.stdout.write(msgspec.json.encode(row).decode() + "\n")
-        return EXIT_OK
+        return status
     header = ("run", "status", "epochs", "best", "started", "size")
-    table = [header] + [(r.run_id, r.status + (" (no writer)" if r.writer_alive is False else ""), str(r.epochs), "-" if r.best is None else f"{r.best:.6g}",
+    table = [header] + [(r.run_id, r.status + (" (no writer)" if r.writer_alive is False else ""),
+                         "-" if r.epochs is None else str(r.epochs), "-" if r.best is None else f"{r.best:.6g}",
                          r.started or "-", f"{r.bytes / 2**20:.1f} MiB") for r in rows]
     widths = [max(len(row[i]) for row in table) for i in range(len(header))]
     for row in table:
         sys.stdout.write("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() + "\n")
     for r in rows:  # why, under the table: a reason does not fit a column
         if r.error is not None:
-            sys.stdout.write(f"{r.run_id}: unreadable: {r.error}; run tools/replay {root / r.run_id} to audit it\n")
-    return EXIT_OK
+            sys.stdout.write(f"{r.run_id}: unreadable: {r.error}; {r.advice}\n")
+    return status
 
 
 def diff_command(argv: list[str], as_json: bool) -> int:

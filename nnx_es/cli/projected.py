@@ -70,7 +70,8 @@ def at(log: LmdbLog, seq: int, as_json: bool) -> None:
         sys.stdout.write(msgspec.json.encode(doc).decode() + "\n")
         return
     where = "no committed checkpoint yet" if last is None else f"LAST epoch {last.epoch} step {last.step} manifest {last.manifest}"
-    sys.stdout.write(f"at seq {seq}: {stop} events read, {tail} uncommitted; corresponds to {where}\n")
+    past = f" (past the end: the log's last event is seq {stop - 1})" if past_end else ""
+    sys.stdout.write(f"at seq {seq}{past}: {stop} events read, {tail} uncommitted; corresponds to {where}\n")
     for name in ("status", "counters", "checkpoints", "schedulers"):
         sys.stdout.write(f"{name:<12} {fmt(getattr(p, name))}\n")
     for r in p.history.records:

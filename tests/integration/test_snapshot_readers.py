@@ -101,6 +101,8 @@ def test_inspect_at_and_summary_equal_the_full_fold(run, capsys):
     assert doc["past_end"] is True and doc["events"] == n
     assert f"seq {n + 40} is past the log's end (its last event is seq {n - 1})" in captured.err
     assert doc["projections"] == json.loads(msgspec.json.encode(_full(run, n)))
+    assert inspect_cli.main([str(run), "--at", str(n + 40)]) == 0
+    assert capsys.readouterr().out.startswith(f"at seq {n + 40} (past the end: the log's last event is seq {n - 1}): ")
     assert inspect_cli.main([str(run), "summary", "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["status"] == "completed" and doc["epochs"] == EPOCHS and doc["checksums"] == "ok"

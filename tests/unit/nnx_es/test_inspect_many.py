@@ -104,20 +104,49 @@ Trainer(net, torch.optim.SGD(net.parameters(), lr=0.1), nn.CrossEntropyLoss(), r
     assert "running (no writer)" in lines["killed"] and "no writer" not in lines["done"]
 
 
-def test_a_runs_root_says_why_a_run_is_unreadable(tmp_path, capsys):
-    # left alone before: a damaged run was listed "unreadable" with no reason anywhere
-    _run(tmp_path, "good")
-    _run(tmp_path, "torn")
+def test_a_runs_root_says_why_a_run_is_unreadable_and_what_to_do(tmp_path, capsys):
+    # left alone before: a damaged run was listed "unreadable" with no reason anywhere; a fresh user then
+    # found runs whose log was deleted left out of the listing without a word, and advice that led nowhere
+    import shutil
+
+    for run_id in ("good", "torn", "gone", "no-log"):
+        _run(tmp_path, run_id)
     (tmp_path / "torn" / "events.lmdb" / "data.mdb").write_bytes(b"")  # a truncated copy
-    assert main([str(tmp_path), "--json"]) == 0
+    (tmp_path / "gone" / "events.lmdb" / "data.mdb").unlink()  # its lock file stays
+    shutil.rmtree(tmp_path / "no-log" / "events.lmdb")  # blobs and views stay
+    assert main([str(tmp_path), "--json"]) == 1  # a script reading the listing learns of the damage
     rows = {r["run_id"]: r for r in map(json.loads, capsys.readouterr().out.splitlines())}
-    assert rows["torn"]["status"] == "unreadable"
+    assert sorted(rows) == ["gone", "good", "no-log", "torn"]
+    assert rows["good"]["error"] is None and rows["good"]["epochs"] == 2
     assert rows["torn"]["error"].startswith("TruncatedLogError: ") and "empty" in rows["torn"]["error"]
-    assert rows["good"]["error"] is None
-    assert main([str(tmp_path)]) == 0
+    assert "data.mdb" in rows["gone"]["error"] and "missing" in rows["gone"]["error"]
+    assert rows["no-log"]["error"].startswith("NotARunError: ")
+    for run_id in ("torn", "gone", "no-log"):
+        assert (rows[run_id]["status"], rows[run_id]["epochs"]) == ("unreadable", None)
+        assert "restore the run directory from a copy" in rows[run_id]["advice"]
+    assert main([str(tmp_path)]) == 1
     out = capsys.readouterr().out.splitlines()
-    reason = [line for line in out if line.startswith("torn: unreadable: TruncatedLogError")]
-    assert len(reason) == 1 and f"tools/replay {tmp_path / 'torn'}" in reason[0]
+    reasons = [line for line in out if ": unreadable: " in line]
+    assert [line.split(":")[0] for line in reasons] == ["gone", "no-log", "torn"]
+    assert "TruncatedLogError" in reasons[2] and "restore the run directory from a copy" in reasons[2]
+    table = {line.split()[0]: line.split() for line in out[1:5]}
+    assert table["torn"][1:3] == ["unreadable", "-"]
+
+
+def test_a_run_whose_log_is_gone_is_named_even_when_no_run_is_readable(tmp_path, capsys):
+    import shutil
+
+    _run(tmp_path, "only")
+    shutil.rmtree(tmp_path / "only" / "events.lmdb")
+    assert main([str(tmp_path)]) == 1
+    assert "only: unreadable: NotARunError" in capsys.readouterr().out
+
+
+def test_a_runs_root_refuses_the_options_of_one_run_naming_what_to_pass(tmp_path, capsys):
+    _run(tmp_path, "a")
+    assert main([str(tmp_path), "--at", "3"]) == 2
+    err = capsys.readouterr().err
+    assert "is a directory of runs" in err and str(tmp_path / "<id>") in err
 
 
 def test_a_runs_root_listing_ends_quietly_when_its_reader_leaves(tmp_path, monkeypatch):
