@@ -240,7 +240,9 @@ class TrainingLoop:
                                    data_parallel_size=state.world.size))
             outcome.unreported = 0
         outcome.skipped = None
-        if engine.finalize_step(ctx):
+        if engine.finalize_step(ctx):  # the epoch's trailing window: an update like those above
+            if digest_each is not None:
+                digest_each.after_update(rec, epoch=epoch, step=ctx.step_count)
             committer.on_update()
             self._maybe_validate_on_step(val_loader)
             if self._stop_at_update(epoch):

@@ -174,6 +174,18 @@ def divergence(world: World, out: Path) -> dict[str, Any]:
         return {"raised": error(exc)}
 
 
+@case
+def digest_every(world: World, out: Path) -> dict[str, Any]:
+    """``DDP(digest_every=3)``: the ranks compare digests every 3 committed updates, not at the epochs' ends."""
+    import ddpkit
+    from nnx_es.distributed import train_loader
+
+    t = ddpkit.trainer(ddpkit.net(), runs_root=out / "runs", run_id="digest_every",
+                       distributed=DDP(timeout_seconds=30, digest_every=3))
+    result = t.fit(train_loader(ddpkit.dataset(), ddpkit.BATCH, seed=ddpkit.SEED), epochs=5)  # 2 updates an epoch
+    return {"status": result.status}
+
+
 # --- a rank killed mid-epoch -----------------------------------------------------------------
 
 

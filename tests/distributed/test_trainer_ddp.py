@@ -13,7 +13,7 @@ from launch import results, torchrun
 SCRIPT = Path(__file__).resolve().parent / "scenarios.py"
 CASES = ["equivalence", "ignored_targets", "masked_window", "nonfinite_window", "refusals", "decisions", "local_stop", "writer_only",
          "commit_fault", "resume_other_world", "resume_auto", "sha_refusal", "callback_roles",
-         "divergence", "resume_killed", "fused_hook", "rank_streams",
+         "divergence", "digest_every", "resume_killed", "fused_hook", "rank_streams",
          "staging_ways"]
 
 
@@ -238,6 +238,22 @@ def test_the_parameter_digest_catches_a_planted_divergence_on_every_rank(ddp_run
     assert load_result(run_dir).status == "failed"
     report = audit_run(run_dir)
     assert not report.ok and {v.invariant for v in report.violations} == {11}
+
+
+def test_digests_every_k_committed_updates_are_compared_at_exactly_those_steps(ddp_run: Path) -> None:
+    # the per-update digest call is decided once an epoch (no call per update without digest_every):
+    # with digest_every=K it must still come at every K-th committed update, on both ranks alike
+    from nnx_es.audit import audit_run
+    from trainkit import of_kind
+
+    r0, r1 = _ok(ddp_run, "digest_every")
+    assert r0["status"] == r1["status"] == "completed"
+    run_dir = ddp_run / "runs" / "digest_every"
+    total = max(e.step for e in of_kind(run_dir, "update_committed"))
+    digests = of_kind(run_dir, "params_digested")
+    assert total >= 9 and [d.step for d in digests] == list(range(3, total + 1, 3))
+    assert all(not d.diverged and len(d.digests) == 2 and len(set(d.digests)) == 1 for d in digests)
+    assert audit_run(run_dir).ok
 
 
 def test_replay_audits_a_two_rank_run_clean(ddp_run: Path) -> None:
