@@ -166,3 +166,23 @@ def write_blob(run_dir: str | Path, digest: str, data: bytes | None) -> None:
     with LmdbLog(Path(run_dir) / "events.lmdb") as log:
         assert log.get_blob(digest.encode()) is not None, f"blob {digest} is stored nowhere"
         log.put_blob_raw(digest.encode(), data)
+
+
+def tiny_fit(runs_root: str | Path, run_id: str, schedulers: Any = None, **trainer_kw: Any) -> Any:
+    """A 24-row, 3-batch binary run with a val_loss monitor, seeded: the crash tests' small set-up
+    (an :class:`nnx_es.testing.Fit`). ``schedulers``: a function of the optimizer returning the run's
+    schedulers; ``trainer_kw``: the rest of ``Trainer``'s arguments (callbacks, checkpoint_lag, ...)."""
+    from nnx_es import Trainer
+    from nnx_es.testing import Fit
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(24, 4, generator=g)
+    y = (x[:, 0] > 0).long()
+    net = nn.Sequential(nn.Linear(4, 2))
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    if schedulers is not None:
+        trainer_kw["schedulers"] = schedulers(opt)
+    trainer = Trainer(net, opt, nn.CrossEntropyLoss(), monitor="val_loss", runs_root=runs_root, run_id=run_id,
+                      seed=0, progress=False, **trainer_kw)
+    return Fit(trainer, DataLoader(TensorDataset(x, y), batch_size=8),
+               DataLoader(TensorDataset(x[:8], y[:8]), batch_size=8))

@@ -16,18 +16,17 @@ from pathlib import Path
 import msgspec
 import pytest
 import torch
-from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
 
 from bench.logbench import long_run_log
 from events import keys
 from events.log import LmdbLog
 from events.schema import LastCommitted
-from nnx_es import EarlyStopping, Trainer, load_result, recorder, resume, session
+from nnx_es import EarlyStopping, load_result, recorder, resume, session
 from nnx_es.audit import audit_run
 from nnx_es.errors import ResumeError
 from nnx_es.lifecycle import compiled_table
 from nnx_es.testing import Fit, crash_test
+from trainkit import tiny_fit
 from projections.commits import GroupTracker
 from projections.view import Projections, committed, fold
 
@@ -76,16 +75,8 @@ def checking_resume(monkeypatch: pytest.MonkeyPatch, calls: Path, every: int) ->
 
 def build(lag: int | str, patience: int | None):
     def make(runs_root, run_id) -> Fit:
-        g = torch.Generator().manual_seed(0)
-        x = torch.randn(24, 4, generator=g)
-        y = (x[:, 0] > 0).long()
-        net = nn.Sequential(nn.Linear(4, 2))
-        opt = torch.optim.SGD(net.parameters(), lr=0.1)
         callbacks = [EarlyStopping(patience=patience)] if patience is not None else []
-        trainer = Trainer(net, opt, nn.CrossEntropyLoss(), monitor="val_loss", callbacks=callbacks,
-                          checkpoint_lag=lag, runs_root=runs_root, run_id=run_id, seed=0, progress=False)
-        return Fit(trainer, DataLoader(TensorDataset(x, y), batch_size=8),
-                   DataLoader(TensorDataset(x[:8], y[8:16]), batch_size=8))
+        return tiny_fit(runs_root, run_id, callbacks=callbacks, checkpoint_lag=lag)
     return make
 
 

@@ -12,27 +12,18 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
 
 from events.log import LmdbLog
-from nnx_es import Trainer, recorder
+from nnx_es import recorder
 from nnx_es.testing import Fit, crash_test
+from trainkit import tiny_fit
 
 torch.set_num_threads(1)
 
 
 def build(runs_root, run_id) -> Fit:
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(24, 4, generator=g)
-    y = (x[:, 0] > 0).long()
-    net = nn.Sequential(nn.Linear(4, 2))
-    opt = torch.optim.SGD(net.parameters(), lr=0.1)
-    trainer = Trainer(net, opt, nn.CrossEntropyLoss(), monitor="val_loss",
-                      schedulers=[torch.optim.lr_scheduler.ReduceLROnPlateau(opt, patience=0)],
-                      runs_root=runs_root, run_id=run_id, seed=0, progress=False)
-    return Fit(trainer, DataLoader(TensorDataset(x, y), batch_size=8),
-               DataLoader(TensorDataset(x[:8], y[:8]), batch_size=8))
+    return tiny_fit(runs_root, run_id,
+                    schedulers=lambda opt: [torch.optim.lr_scheduler.ReduceLROnPlateau(opt, patience=0)])
 
 
 def test_kills_around_every_snapshot_write_leave_a_resumable_run_and_a_clean_audit(tmp_path, monkeypatch):
