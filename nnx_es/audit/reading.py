@@ -34,6 +34,10 @@ def open_run_log(run_dir: Path) -> LmdbLog:
         raise NotARunError(f"{str(run_dir)!r} has an event log directory without its data file: {path / 'data.mdb'} "
                            "is missing (deleted, or a partial copy): the run's events are gone; restore the "
                            "directory from a copy")
+    if not path.exists() and any((run_dir / part).is_dir() for part in ("blobs", "views")):
+        raise NotARunError(f"{str(run_dir)!r} holds a run's blobs or views but no event log: {path} is missing "
+                           "(deleted, or a partial copy): the run's events are gone; restore the directory from "
+                           "a copy")
     if not (path / "data.mdb").is_file():
         raise NotARunError(f"{str(run_dir)!r} is not a run: expected an event log at {path}")
     return LmdbLog(path, readonly=True)

@@ -389,11 +389,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     f"the other options read one run: inspect {args.run_dir / '<id>'} ...", error_type="UsageError",
                     as_json=as_json)
     if args.run_dir is not None and len(set(argv) - {"--json"}) == 1 and is_runs_root(args.run_dir):
-        try:
-            return list_command(args.run_dir, as_json)
-        except BrokenPipeError:  # inspect runs/ --json | head
-            reader_left()
-            return EXIT_OK
+        return list_command(args.run_dir, as_json)
     try:
         log = open_run_log(args.run_dir)
     except (NotARunError, EventLogError) as exc:

@@ -21,8 +21,8 @@ import msgspec
 
 from events.errors import EventLogError
 from events.log import LmdbLog
-from nnx_es.audit import open_run_log
-from nnx_es.cli._common import EXIT_OK, fail, writer_alive
+from nnx_es.audit import NotARunError, open_run_log
+from nnx_es.cli._common import EXIT_OK, fail, reader_left, writer_alive
 from nnx_es.result import load_result
 from projections.status import UNFINISHED
 
@@ -48,7 +48,7 @@ class RunRow(msgspec.Struct, frozen=True, kw_only=True):
     writer_alive: bool | None = None
     #: why an ``unreadable`` run could not be read (the error's type and message); None otherwise
     error: str | None = None
-    #: for an ``unreadable`` run: what to do about it
+    #: for an ``unreadable`` run: what to do about it, when ``error`` does not say it already
     advice: str | None = None
 
 
@@ -80,6 +80,9 @@ def list_runs(root: Path) -> list[RunRow]:
     for run_dir in _run_dirs(root):
         try:
             open_run_log(run_dir).close()
+        except NotARunError as exc:  # its log is gone: the message says so and what to do
+            rows.append(_unreadable(run_dir, exc, None))
+            continue
         except Exception as exc:  # noqa: BLE001 - one damaged run does not hide the others
             rows.append(_unreadable(run_dir, exc, "its log cannot be opened: restore the run directory from a "
                                                   "copy, or remove it"))
@@ -99,7 +102,7 @@ def list_runs(root: Path) -> list[RunRow]:
     return rows
 
 
-def _unreadable(run_dir: Path, exc: BaseException, advice: str) -> RunRow:
+def _unreadable(run_dir: Path, exc: BaseException, advice: str | None) -> RunRow:
     return RunRow(run_id=run_dir.name, status="unreadable", epochs=None, best=None, started=None,
                   bytes=_size(run_dir), error=f"{type(exc).__name__}: {exc}", advice=advice)
 
@@ -159,10 +162,18 @@ def list_command(root: Path, as_json: bool) -> int:
     """``inspect RUNS_ROOT [--json]``: one row (one JSON object) per run; exit 0, or 1 when a run is unreadable."""
     rows = list_runs(root)
     status = 1 if any(r.error is not None for r in rows) else EXIT_OK
+    try:
+        _print_runs(rows, as_json)
+    except BrokenPipeError:  # inspect runs/ --json | head: the status stands, whatever was read
+        reader_left()
+    return status
+
+
+def _print_runs(rows: list[RunRow], as_json: bool) -> None:
     if as_json:
         for row in rows:
             sys.stdout.write(msgspec.json.encode(row).decode() + "\n")
-        return status
+        return
     header = ("run", "status", "epochs", "best", "started", "size")
     table = [header] + [(r.run_id, r.status + (" (no writer)" if r.writer_alive is False else ""),
                          "-" if r.epochs is None else str(r.epochs), "-" if r.best is None else f"{r.best:.6g}",
@@ -172,8 +183,7 @@ def list_command(root: Path, as_json: bool) -> int:
         sys.stdout.write("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() + "\n")
     for r in rows:  # why, under the table: a reason does not fit a column
         if r.error is not None:
-            sys.stdout.write(f"{r.run_id}: unreadable: {r.error}; {r.advice}\n")
-    return status
+            sys.stdout.write(f"{r.run_id}: unreadable: {r.error}" + (f"; {r.advice}" if r.advice else "") + "\n")
 
 
 def diff_command(argv: list[str], as_json: bool) -> int:

@@ -120,10 +120,12 @@ def test_a_runs_root_says_why_a_run_is_unreadable_and_what_to_do(tmp_path, capsy
     assert rows["good"]["error"] is None and rows["good"]["epochs"] == 2
     assert rows["torn"]["error"].startswith("TruncatedLogError: ") and "empty" in rows["torn"]["error"]
     assert "data.mdb" in rows["gone"]["error"] and "missing" in rows["gone"]["error"]
-    assert rows["no-log"]["error"].startswith("NotARunError: ")
+    assert rows["no-log"]["error"].startswith("NotARunError: ") and "no event log" in rows["no-log"]["error"]
     for run_id in ("torn", "gone", "no-log"):
         assert (rows[run_id]["status"], rows[run_id]["epochs"]) == ("unreadable", None)
-        assert "restore the run directory from a copy" in rows[run_id]["advice"]
+    assert "restore the run directory from a copy" in rows["torn"]["advice"]
+    for run_id in ("gone", "no-log"):  # the error says what to do itself: no second advice repeating it
+        assert rows[run_id]["advice"] is None and "restore the directory from a copy" in rows[run_id]["error"]
     assert main([str(tmp_path)]) == 1
     out = capsys.readouterr().out.splitlines()
     reasons = [line for line in out if ": unreadable: " in line]
@@ -140,6 +142,9 @@ def test_a_run_whose_log_is_gone_is_named_even_when_no_run_is_readable(tmp_path,
     shutil.rmtree(tmp_path / "only" / "events.lmdb")
     assert main([str(tmp_path)]) == 1
     assert "only: unreadable: NotARunError" in capsys.readouterr().out
+    assert main([str(tmp_path / "only")]) == 2  # the run itself: the same words, not "is not a run"
+    err = capsys.readouterr().err
+    assert "no event log" in err and "restore the directory from a copy" in err and "is not a run" not in err
 
 
 def test_a_runs_root_refuses_the_options_of_one_run_naming_what_to_pass(tmp_path, capsys):
@@ -164,6 +169,10 @@ def test_a_runs_root_listing_ends_quietly_when_its_reader_leaves(tmp_path, monke
         assert main([str(tmp_path), "--json"]) == 0
         assert main([str(tmp_path)]) == 0
         out.write("dropped\n")  # the stream now leads nowhere, quietly
+        _run(tmp_path, "torn")
+        (tmp_path / "torn" / "events.lmdb" / "data.mdb").write_bytes(b"")
+        assert main([str(tmp_path), "--json"]) == 1  # the damage's exit status stands when the reader left early
+        assert main([str(tmp_path)]) == 1
     finally:
         monkeypatch.undo()
         out.close()
