@@ -22,6 +22,7 @@ import msgspec
 
 from events.values import (  # re-exported: the value types the events carry
     Counters,
+    DigestCadence,
     HistoryRecord,
     Lineage,
     LoaderGeometry,
@@ -41,6 +42,7 @@ __all__ = [
     "CheckpointPruned",
     "CheckpointStored",
     "Counters",
+    "DigestCadence",
     "EpochBegan",
     "EpochSummarized",
     "EvaluationRecorded",
@@ -125,6 +127,9 @@ class RunStarted(Event, frozen=True, kw_only=True, tag="run_started"):
     #: the per-row history journal (``Trainer(history=...)``: ``"HistoryJournal(window=N, chunk_rows=M)"``,
     #: ``"none"`` without one; a stateful resume with another is refused); None: a run recorded before it was
     history: str | None = None
+    #: when the ranks compare parameter digests (a data-parallel run); None: one process, or a run
+    #: recorded before it was declared here
+    digests: DigestCadence | None = None
 
 
 class RunResumed(Event, frozen=True, kw_only=True, tag="run_resumed"):
@@ -147,6 +152,8 @@ class RunResumed(Event, frozen=True, kw_only=True, tag="run_resumed"):
     callbacks: list[str] = []
     cleaned_temporaries: int = 0
     wall_time_s: float = 0.0
+    #: the resumed session's digest cadence (``RunStarted.digests``; it may differ from the run's start)
+    digests: DigestCadence | None = None
 
 
 class CallbackBegan(Event, frozen=True, kw_only=True, tag="callback_began"):

@@ -13,6 +13,7 @@ import msgspec
 
 __all__ = [
     "Counters",
+    "DigestCadence",
     "HistoryRecord",
     "Lineage",
     "LoaderGeometry",
@@ -88,6 +89,15 @@ class LoaderGeometry(msgspec.Struct, frozen=True, kw_only=True):
     batches_per_epoch: int | None = None
     drop_last: bool | None = None
     dataset_length: int | None = None
+
+
+class DigestCadence(msgspec.Struct, frozen=True, kw_only=True):
+    """When the ranks of a data-parallel run compare their parameter digests (``DDP(digest_every=)``,
+    :mod:`nnx_es.distributed.digest`): after every ``every`` committed updates (at the steps that are its
+    multiples), or, with ``every=None``, once per epoch after its last update. ``tools/replay`` checks
+    that a ``params_digested`` was recorded at each of them."""
+
+    every: int | None = None
 
 
 class SourceRef(msgspec.Struct, frozen=True, kw_only=True):

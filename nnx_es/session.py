@@ -173,7 +173,8 @@ def open_session(
             if stateful:
                 point = find_resume_point(run_dir, event_log, expect_run_id=run_id)
                 check_world_size(point.manifest.world_size, components.world.size)  # before the recipe's details
-                _check_same_recipe(components, declare(run_id, None), point.started, point.manifest)
+                declared = declare(run_id, None)
+                _check_same_recipe(components, declared, point.started, point.manifest)
                 check_epochs(epochs, point.manifest.epoch + 1)
                 # then the checkpoint's RNG streams (this rank's own) are restored over it
                 seed_everything(seed, rank=world.rank, world_size=world.size)
@@ -194,7 +195,7 @@ def open_session(
                     last_seq=point.last_seq, manifest=point.manifest_hash, epoch=point.manifest.epoch,
                     discard_from=point.discard_from, discard_to=point.discard_to,
                     library_versions=library_versions(), callbacks=[cb.name for cb in components.callbacks],
-                    cleaned_temporaries=len(removed), wall_time_s=time.time(),
+                    cleaned_temporaries=len(removed), wall_time_s=time.time(), digests=declared.digests,
                 )
                 start_epoch = point.manifest.epoch + 1
             else:

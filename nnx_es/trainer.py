@@ -40,7 +40,7 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
-from events.schema import RunStarted, SourceRef, UpdateSpec
+from events.schema import DigestCadence, RunStarted, SourceRef, UpdateSpec
 from nnx_es.argchecks import check_batch_callback, check_cadences, check_run_args, monitor_of, optimizers_of
 from nnx_es.callbacks import Callback, CallbackList
 from nnx_es.batches import weighted_forward
@@ -408,6 +408,8 @@ class Trainer:
             models=self.net.declare() if isinstance(self.net, ModelSet) else None,
             world_size=self.components.world.size, writer_rank=self.components.world.writer_rank,
             history=repr(self.rows.journal) if self.rows.journal is not None else "none",
+            digests=DigestCadence(every=self.distributed.digest_every)
+            if self.distributed is not None and self.components.world.distributed else None,
         )
 
     # --- the run ------------------------------------------------------------------------

@@ -7,8 +7,9 @@
 * invariant 8: finalization in reverse ``callback_began`` order, every begun
   callback finalized, LAST refreshed (``final=True``) after the last finalization.
 * invariant 11 (data parallelism): every ``params_digested`` holds one digest per rank
-  of the run (``update_committed.data_parallel_size``), all equal, and says so; a step
-  never goes back.
+  of the run (``run_started.world_size``), all equal, and says so; a step never goes back;
+  and one was recorded at every point of the declared cadence (``run_started.digests``:
+  every K committed updates, or each epoch's end) the run reached.
 
 Each check is fed ``(seq, event)`` of every decodable event and keeps O(callbacks) state.
 """
@@ -23,7 +24,9 @@ from events.schema import (
     CallbackBegan,
     CallbackCheckpointed,
     CallbackFinalized,
+    DigestCadence,
     EpochBegan,
+    EpochSummarized,
     Event,
     HistoryAppended,
     LastCommitted,
@@ -409,20 +412,65 @@ class FinalizationCheck:
 
 
 class DigestCheck:
-    """Invariant 11: the ranks' recorded parameter digests agree (see the module docstring)."""
+    """Invariant 11: the ranks' recorded parameter digests agree, and none due was left out (see the
+    module docstring).
 
-    KINDS = frozenset({"run_started", "run_resumed", "params_digested"})
+    The cadence is what ``run_started`` / ``run_resumed`` declare (``digests``; a run recorded before
+    it was declared, or one process, is checked for agreement only): every K committed updates, a
+    ``params_digested`` at each multiple of K the run reached (known from ``history_appended`` and a
+    completed or stopped ``run_finalized``, not from the receipts: this check reads no hot kind); or,
+    each epoch, one for the epoch before its ``epoch_summarized``. A resume counts from its LAST's step.
+    """
+
+    KINDS = frozenset({"run_started", "run_resumed", "params_digested", "epoch_summarized", "history_appended",
+                       "last_committed", "run_finalized"})
 
     def __init__(self, sink: Sink) -> None:
         self.sink = sink
         self.size = 1
         self.step = -1
+        self.every: int | None = None  # the cadence in committed updates
+        self.per_epoch = False  # the cadence: each epoch's end
+        self.due: int | None = None  # the next step a digest is due at (every K)
+        self.digested_epoch: int | None = None  # the epoch of the latest digest (per epoch)
+        self.last_steps: dict[int, int] = {}  # LAST's seq -> its step (where a resume counts from)
+
+    def _cadence(self, digests: DigestCadence | None, step: int) -> None:
+        self.every = digests.every if digests is not None else None
+        self.per_epoch = digests is not None and digests.every is None
+        self.due = (step // self.every + 1) * self.every if self.every is not None else None
+        self.digested_epoch = None
+
+    def _reached(self, seq: int, step: int, where: str) -> None:
+        """The run committed ``step`` updates: every digest due up to it must be recorded by now."""
+        due, every = self.due, self.every
+        if due is not None and every is not None and step >= due:
+            self.sink.add(seq, 11, f"no params_digested at step {due} (DDP(digest_every={every})), though {where} "
+                          f"says the run reached step {step}", expected=f"params_digested(step={due})", found="none")
+            self.due = (step // every + 1) * every
 
     def feed(self, seq: int, event: Event) -> None:
         match event:
-            case RunStarted() | RunResumed():
+            case RunStarted(digests=digests, world_size=size):
                 self.step = -1
-            case ParamsDigested(step=step, digests=digests, diverged=diverged):
+                self.size = size
+                self.last_steps.clear()
+                self._cadence(digests, 0)
+            case RunResumed(digests=digests, last_seq=last_seq):
+                self.step = -1
+                step = self.last_steps.get(last_seq)
+                self._cadence(digests if step is not None else None, step or 0)  # LAST unseen: agreement only
+            case LastCommitted(counters=counters):
+                self.last_steps[seq] = counters.step
+            case HistoryAppended(record=record):
+                self._reached(seq, record.counters.step, f"history_appended(epoch={record.epoch})")
+            case RunFinalized(status=status, steps=steps) if status in ("completed", "stopped"):
+                self._reached(seq, steps, f"run_finalized(status={status!r})")
+            case EpochSummarized(epoch=epoch) if self.per_epoch and self.digested_epoch != epoch:
+                self.sink.add(seq, 11, f"no params_digested for epoch {epoch} before its epoch_summarized (the ranks "
+                              "compare digests at each epoch's end)", expected=f"params_digested(epoch={epoch})",
+                              found="none" if self.digested_epoch is None else f"epoch {self.digested_epoch}")
+            case ParamsDigested(epoch=epoch, step=step, digests=digests, diverged=diverged):
                 apart = sorted(r for r, d in enumerate(digests) if d != digests[0])
                 if apart or diverged:
                     self.sink.add(seq, 11, f"the ranks' parameters differ at step {step}: rank(s) {apart} "
@@ -431,9 +479,22 @@ class DigestCheck:
                 if len(digests) < 2:
                     self.sink.add(seq, 11, "params_digested with fewer than 2 ranks' digests",
                                   expected=">= 2 digests", found=len(digests))
+                elif self.size > 1 and len(digests) != self.size:
+                    self.sink.add(seq, 11, f"params_digested holds {len(digests)} digests in a run of {self.size} ranks",
+                                  expected=f"{self.size} digests", found=len(digests))
                 if step < self.step:
                     self.sink.add(seq, 11, "params_digested goes back in steps", expected=f">= {self.step}",
                                   found=step)
                 self.step = step
+                self.digested_epoch = epoch
+                if self.due is not None and self.every is not None:
+                    if step % self.every:
+                        self.sink.add(seq, 11, f"params_digested at step {step}, off the cadence (DDP(digest_every="
+                                      f"{self.every}): multiples of {self.every})", expected=f"step {self.due}",
+                                      found=step)
+                    else:
+                        self._reached(seq, step - 1, f"params_digested(step={step})")
+                        if step >= self.due:
+                            self.due = step + self.every
             case _:
                 pass

@@ -10,6 +10,8 @@ import torch
 import ddpkit
 from launch import results, torchrun
 
+from events.schema import DigestCadence
+
 SCRIPT = Path(__file__).resolve().parent / "scenarios.py"
 CASES = ["equivalence", "ignored_targets", "masked_window", "nonfinite_window", "refusals", "decisions", "local_stop", "writer_only",
          "commit_fault", "resume_other_world", "resume_auto", "sha_refusal", "callback_roles",
@@ -253,7 +255,8 @@ def test_digests_every_k_committed_updates_are_compared_at_exactly_those_steps(d
     digests = of_kind(run_dir, "params_digested")
     assert total >= 9 and [d.step for d in digests] == list(range(3, total + 1, 3))
     assert all(not d.diverged and len(d.digests) == 2 and len(set(d.digests)) == 1 for d in digests)
-    assert audit_run(run_dir).ok
+    assert of_kind(run_dir, "run_started")[0].digests == DigestCadence(every=3)  # the cadence replay checks
+    assert audit_run(run_dir).ok  # (with a digest left out it names the step: tests/unit test_audit_digests)
 
 
 def test_replay_audits_a_two_rank_run_clean(ddp_run: Path) -> None:
@@ -271,6 +274,7 @@ def test_replay_audits_a_two_rank_run_clean(ddp_run: Path) -> None:
 
     digests = of_kind(run_dir, "params_digested")
     assert [d.step for d in digests] == [2, 4] and all(not d.diverged and len(d.digests) == 2 for d in digests)
+    assert of_kind(run_dir, "run_started")[0].digests == DigestCadence(every=None)  # each epoch's end
 
 
 def test_a_rank_killed_mid_epoch_makes_the_other_fail_within_the_bound_and_the_run_resumes(
@@ -284,6 +288,12 @@ def test_a_rank_killed_mid_epoch_makes_the_other_fail_within_the_bound_and_the_r
     whole = _ok(ddp_run, "equivalence")[0]
     assert resumed[0]["digest"] == resumed[1]["digest"] == whole["digest"]  # as if never interrupted
     assert resumed[0]["status"] == "completed" and resumed[0]["history"] == 2
+    from nnx_es.audit import audit_run
+    from trainkit import of_kind
+
+    run_dir = killed_run / "runs" / "killed"
+    assert [e.digests for e in of_kind(run_dir, "run_resumed")] == [DigestCadence(every=None)]
+    assert audit_run(run_dir).ok  # the resumed session's digests: one an epoch from its LAST on
 
 
 def test_the_fused_agreement_keeps_ddps_gradients_and_sums_the_values_exactly(ddp_run: Path) -> None:
