@@ -16,7 +16,7 @@ import msgspec
 
 from events.log import LmdbLog
 from nnx_es.audit import committed_tail, project_log
-from nnx_es.cli._common import writer_alive
+from nnx_es.cli._common import reader_left, writer_alive
 from nnx_es.cli._format import fmt
 from nnx_es.views import summary as summary_of
 from projections import Projections
@@ -105,9 +105,17 @@ def summary(log: LmdbLog, run_dir: Path, as_json: bool, *, verify: bool = False)
         doc["writer_alive"] = alive or writer_alive(run_dir)
     if p.history.records:
         doc["lrs"] = {opt: list(lrs) for opt, lrs in p.history.records[-1].lrs.items()}
+    try:
+        _print_summary(doc, run_dir, as_json)
+    except BrokenPipeError:  # the reader left early (`| head`): the verdict is returned all the same
+        reader_left()
+    return not damaged
+
+
+def _print_summary(doc: dict[str, Any], run_dir: Path, as_json: bool) -> None:
     if as_json:
         sys.stdout.write(msgspec.json.encode(doc).decode() + "\n")
-        return not damaged
+        return
     lines = _summary_lines(doc, run_dir)
     if sys.stdout.isatty():
         from rich.console import Console
@@ -122,7 +130,6 @@ def summary(log: LmdbLog, run_dir: Path, as_json: bool, *, verify: bool = False)
     else:
         width = max(len(k) for k, _ in lines)
         sys.stdout.write("".join(f"{k:<{width}}  {v}\n" for k, v in lines))
-    return not damaged
 
 
 def _verified(start: int, run_dir: Path) -> dict[str, Any]:

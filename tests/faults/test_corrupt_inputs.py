@@ -161,6 +161,31 @@ def test_a_flipped_byte_before_a_projection_snapshot_is_reported_by_summary_veri
     _assert_refused_untouched(run_dir, ResumeError, rf"cannot resume .*event at seq {seq} does not decode")
 
 
+def test_summary_verify_keeps_its_exit_status_when_the_reader_leaves_early(tmp_path, monkeypatch):
+    """``inspect run summary --verify | head -1`` on a damaged log: exit 1 still (it exited 0 when the
+    closed pipe cut the output short, and a script would have passed the run)."""
+    import io
+    import os
+    import sys
+
+    def to_a_gone_reader(*argv: str) -> int:
+        read_end, write_end = os.pipe()
+        os.close(read_end)  # the reader is gone before the first line
+        out = io.TextIOWrapper(io.FileIO(write_end, "w"))
+        monkeypatch.setattr(sys, "stdout", out)
+        try:
+            return inspect_cli.main([str(run_dir), *argv])
+        finally:
+            monkeypatch.undo()
+            out.close()
+
+    run_dir, _, _ = _snapshotted_run(tmp_path, monkeypatch)
+    assert to_a_gone_reader("summary", "--verify") == 0  # intact: 0, quietly
+    _flip_in_file(run_dir, _seq_of(run_dir, "history_appended", 0), "msgpack header")
+    assert to_a_gone_reader("summary", "--verify") == 1
+    assert to_a_gone_reader("summary", "--verify", "--json") == 1
+
+
 def test_a_flipped_byte_after_the_newest_snapshot_is_reported_by_summary(tmp_path, monkeypatch, capsys):
     """What the summary folds it verifies: a value after the newest snapshot (here one that still
     decodes, so only its checksum tells) is reported, without ``--verify``."""
