@@ -36,6 +36,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import torch
 from torch import nn
 from torch.optim import Optimizer
@@ -48,6 +49,7 @@ from nnx_es.commit import Committer
 from nnx_es.commit import checkpoint_lag as lag_in_updates
 from nnx_es.context import TrainContext
 from nnx_es.device import place_model, resolve_device
+from nnx_es.distributed.alike import check_alike, data_fingerprint
 from nnx_es.distributed.digest import ParamDigest
 from nnx_es.distributed.roles import check_declared, for_rank
 from nnx_es.distributed.wrap import check_distributed, data_parallel, is_writer_rank
@@ -412,6 +414,41 @@ class Trainer:
             if self.distributed is not None and self.components.world.distributed else None,
         )
 
+    def _alike(self, train_loader: Any, val_loader: Any, **fit_args: Any) -> dict[str, Any]:
+        """What every rank of a data-parallel run must declare alike (:func:`~nnx_es.distributed.alike.check_alike`):
+        the run's ``run_started`` but for what differs by design (the writer's own callbacks, the validation
+        shard's length, library versions, the clock), the optimizers' hyperparameters, the parameters' names
+        and shapes, the trainer's settings that decide when the ranks meet, ``fit``'s arguments and a
+        fingerprint of tensor data sets."""
+        started = msgspec.structs.asdict(self._declare("", None))
+        for field in ("run_id", "wall_time_s", "library_versions", "callbacks", "loaders", "source"):
+            started.pop(field)
+        geometry = loader_geometries({"train": train_loader, "val": val_loader})
+        train, val = geometry.get("train"), geometry.get("val")
+        fit_args["resume_from"] = fit_args["resume_from"] is not None  # a path may differ between hosts
+        own = self.distributed is not None and self.distributed.own_partition
+        return {
+            **started, "run_id": self.run_id, **fit_args,
+            "callbacks": [cb.name for cb in self.callbacks if getattr(cb, "distributed", None) == "all"],
+            # a rank's own partition may hold a number of rows of its own (the batches are agreed apart)
+            "train loader": train if not own or train is None else {"batch_size": train.batch_size},
+            # a validation shard's length is its own (rows rank::world, unpadded)
+            "validation loader": None if val is None else {"batch_size": val.batch_size,
+                                                           "dataset_length": None if own else val.dataset_length},
+            "optimizer hyperparameters": {name: [{k: v for k, v in g.items() if k != "params"} | {
+                "parameters": len(g["params"])} for g in opt.param_groups] for name, opt in self.optimizers.items()},
+            "parameters": [(name, tuple(p.shape), str(p.dtype), p.requires_grad)
+                           for name, p in self.net.named_parameters()],
+            # a loader of the user's own partition (DDP(own_partition=True)) may hold each rank's own rows
+            "train data": None if own else data_fingerprint(getattr(train_loader, "dataset", None)),
+            "validation data": None if own else data_fingerprint(getattr(val_loader, "dataset", None)),
+            "settings": {"validate_every": self.cadence.every, "validate_every_steps": self.cadence.every_steps,
+                         "final_validation": self.final_validation, "nonfinite": self.nonfinite,
+                         "checkpoint_lag": self.lag, "phase_every": self.phase_every, "keep_phases": self.keep_phases,
+                         "keep_last": self.keep_last, "keep_best": self.keep_best, "metrics": self.metrics,
+                         "batch_gather": self.batch_gather, "custom_step": self.custom_step},
+        }
+
     # --- the run ------------------------------------------------------------------------
 
     def fit(
@@ -495,6 +532,10 @@ class Trainer:
                            val_loader) as world:
             if world.distributed and self.run_id is None:  # one id for every rank: the writer's
                 self.run_id = world.share(new_run_id())
+            if world.distributed:  # every rank runs the same recipe (nnx_es.distributed.alike)
+                check_alike(world, self._alike(train_loader, val_loader, epochs=epochs, resume=resume,
+                                               resume_mode=resume_mode, resume_from=resume_from, resume_at=resume_at),
+                            versions=library_versions())
             return self._fit(train_loader, val_loader, epochs=epochs, resume_from=resume_from,
                              resume_mode=resume_mode, resume=resume, resume_at=resume_at, world=world)
 

@@ -131,13 +131,21 @@ def _partition_of(loader: Any) -> tuple[int | None, int | None, Any]:
     return None, None, None
 
 
-def _validation_problem(world: World, loader: Any) -> str | None:
+def _validation_problem(world: World, loader: Any, *, own_partition: bool = False) -> str | None:
     """Why ``loader`` would not score every validation row exactly once over the ranks, else None:
     a training partition (shuffled, padded or cut), a ``DistributedSampler`` that pads or drops,
-    or a shard built for another rank or world size."""
+    a shard built for another rank or world size, or no shard at all (a plain ``DataLoader``, a
+    list of batches: every rank would score every row) unless ``own_partition`` says the loader
+    deals this rank's rows by means of its own."""
     from nnx_es.distributed.partitions import PartitionSampler, ShardSampler
 
+    if loader is None:
+        return None
     sampler = getattr(loader, "sampler", None)
+    rank, size = getattr(sampler, "rank", None), getattr(sampler, "world_size", getattr(sampler, "num_replicas", None))
+    if not own_partition and not (isinstance(rank, int) and isinstance(size, int)):
+        return (f"rank {world.rank}'s validation loader ({_loader_name(loader)}) deals no shard of the rows: every "
+                "rank would score every row")
     if isinstance(sampler, PartitionSampler):
         return (f"rank {world.rank}'s validation loader deals a training partition (policy={sampler.policy!r}: "
                 "rows repeated or left out)")
@@ -192,14 +200,15 @@ def _check_one_partition(world: World, train_loader: Any, val_loader: Any = None
             rows (use :func:`~nnx_es.distributed.validation_loader`).
     """
     mine = _partition_of(train_loader)
-    ranks = world.gather([world.rank, *mine, _validation_problem(world, val_loader), _loader_name(train_loader)])
+    ranks = world.gather([world.rank, *mine, _validation_problem(world, val_loader, own_partition=own_partition),
+                          _loader_name(train_loader)])
     bad_val = [r[4] for r in ranks if r[4] is not None]
     if bad_val:
         raise ConfigError(
             f"the validation loaders would not score every row exactly once ({'; '.join(bad_val)}): the agreed "
             "metrics would count some rows twice or miss them; build every rank's with "
-            "nnx_es.distributed.validation_loader(dataset, batch_size) (rows rank::world, unpadded); nothing was "
-            "trained")
+            "nnx_es.distributed.validation_loader(dataset, batch_size) (rows rank::world, unpadded), or, if each "
+            "rank's loader already holds its own rows, say so with DDP(own_partition=True); nothing was trained")
     if all(r[3] is None for r in ranks):
         if own_partition:
             return  # DDP(own_partition=True): a loader of the user's own that shards (its lengths were checked)

@@ -107,6 +107,49 @@ def refusals(world: World, out: Path) -> dict[str, Any]:
 
 
 @case
+def not_alike(world: World, out: Path) -> dict[str, Any]:
+    """Found by a fresh user (issue 13): a setting that differs on one rank trained something else there and the
+    run completed (a loss argument, the learning rate, the window, epochs, the data, a callback); each is
+    refused on both ranks before training. A writer-only callback and a partition of the user's own
+    (each rank its own rows) are not differences."""
+    import ddpkit
+    from nnx_es import LambdaCallback
+    from nnx_es.distributed import DDP, train_loader, writer_only
+
+    one = world.rank == 1
+    got: dict[str, Any] = {}
+
+    def fit(name: str, *, loss: Any = None, lr: float = 0.2, data: Any = None, epochs: int = 1,
+            loader: Any = None, ddp: Any = None, **kw: Any) -> None:
+        model = ddpkit.net()
+        opt = torch.optim.SGD(model.parameters(), lr=lr)
+        from nnx_es import Trainer
+
+        t = Trainer(model, opt, loss or torch.nn.CrossEntropyLoss(), runs_root=out / "na", run_id=name,
+                    distributed=ddp or DDP(timeout_seconds=30), progress=False, sample_weights=True, **kw)
+        try:
+            t.fit(loader or train_loader(data or ddpkit.dataset(), ddpkit.BATCH, seed=ddpkit.SEED), epochs=epochs)
+            got[name] = "completed"
+        except Exception as exc:  # noqa: BLE001
+            got[name] = error(exc)
+
+    fit("loss", loss=torch.nn.CrossEntropyLoss(label_smoothing=0.5 if one else 0.0))
+    fit("lr", lr=0.4 if one else 0.2)
+    fit("accumulation", accumulation=2 if one else 1)
+    fit("epochs", epochs=2 if one else 1)
+    other = ddpkit.dataset()
+    if one:
+        other.tensors[0][0] += 1.0  # the same length and shapes: another data set all the same
+    fit("data", data=other)
+    fit("callback", callbacks=[LambdaCallback(name="extra", distributed="all")] if one else [])
+    fit("writer_callback", callbacks=[writer_only(lambda: LambdaCallback(name="w", distributed="writer"))])
+    own = torch.utils.data.DataLoader(torch.utils.data.Subset(ddpkit.dataset(), range(world.rank, 24, 2)), batch_size=5)
+    fit("own_partition", loader=own, ddp=DDP(timeout_seconds=30, own_partition=True))
+    got["wrote"] = sorted(p.name for p in (out / "na").iterdir()) if (out / "na").exists() else []
+    return got
+
+
+@case
 def partition_mismatch(world: World, out: Path) -> dict[str, Any]:
     """Train partitions the ranks do not share: each rank seeded by its rank (rows overlap and go
     missing, yet every rank takes the same number of steps), and a loader built for another rank."""
@@ -142,10 +185,16 @@ def validation_mismatch(world: World, out: Path) -> dict[str, Any]:
     loaders = {"train_loader_as_val": train_loader(val, 4, seed=0),
                "distributed_sampler": DataLoader(val, batch_size=4, sampler=DistributedSampler(val, shuffle=False)),
                "shard_for_rank_zero": validation_loader(val, 4, rank=0, world_size=world.size),
+               # found by a fresh user: a plain DataLoader scored every row on every rank, and one rank's
+               # plain loader beside the other's shard completed with another val_loss than the union's
+               "plain": DataLoader(val, batch_size=4),
+               "mixed": DataLoader(val, batch_size=4) if world.rank == 1 else validation_loader(val, 4),
+               "own_partition": DataLoader(torch.utils.data.Subset(val, range(world.rank, 7, 2)), batch_size=4),
                "fine": validation_loader(val, 4)}
     got: dict[str, Any] = {}
     for name, loader in loaders.items():
-        t = ddpkit.trainer(ddpkit.net(), runs_root=out / "vm", run_id=name, distributed=DDP(timeout_seconds=30))
+        ddp = DDP(timeout_seconds=30, own_partition=name == "own_partition")  # its own shard: said so
+        t = ddpkit.trainer(ddpkit.net(), runs_root=out / "vm", run_id=name, distributed=ddp)
         try:
             got[name] = t.fit(train_loader(ddpkit.dataset(), ddpkit.BATCH, seed=ddpkit.SEED), loader,
                               epochs=1).status

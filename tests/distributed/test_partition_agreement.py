@@ -19,7 +19,7 @@ SCRIPT = Path(__file__).resolve().parent / "scenarios.py"
 @pytest.fixture(scope="module")
 def mismatch_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("mismatch")
-    proc = torchrun(SCRIPT, str(out), "partition_mismatch,validation_mismatch,evaluate_record,plain_loader,evaluate_whole", timeout_s=120)
+    proc = torchrun(SCRIPT, str(out), "partition_mismatch,validation_mismatch,evaluate_record,plain_loader,evaluate_whole,not_alike", timeout_s=120)
     assert proc.returncode == 0, proc.stdout[-4000:]
     return out
 
@@ -45,8 +45,12 @@ def test_validation_loaders_that_would_score_a_row_twice_or_never_are_refused_on
     r0, r1 = results(mismatch_run, "validation_mismatch")
     assert r0["ok"] and r1["ok"], (r0, r1)
     assert r0["fine"] == r1["fine"] == "completed"
+    assert r0["own_partition"] == r1["own_partition"] == "completed"  # DDP(own_partition=True): its own shards
     for name, named in (("train_loader_as_val", "training partition"), ("distributed_sampler", "scores 1 twice"),
-                        ("shard_for_rank_zero", "built for rank 0")):
+                        ("shard_for_rank_zero", "built for rank 0"),
+                        ("plain", "rank 0's validation loader (a DataLoader with a SequentialSampler over 7 rows) "
+                                  "deals no shard of the rows: every rank would score every row"),
+                        ("mixed", "rank 1's validation loader (a DataLoader with a SequentialSampler over 7 rows)")):
         assert r0[name] == r1[name], name  # the same refusal on every rank
         assert r0[name][0] == "ConfigError" and "validation_loader(dataset, batch_size)" in r0[name][1], r0[name]
         assert named in r0[name][1], r0[name][1]
@@ -94,3 +98,22 @@ def test_evaluate_under_ddp_returns_the_whole_sets_metrics_on_every_rank(mismatc
     for name, named in (("padded", "scores 1 twice"), ("training_partition", "training partition")):
         assert r0[name] == r1[name], name  # the same refusal on every rank
         assert r0[name][0] == "ConfigError" and named in r0[name][1] and "validation_loader" in r0[name][1], r0[name]
+
+
+def test_a_run_declared_otherwise_on_one_rank_is_refused_on_every_rank_naming_what_differs(mismatch_run: Path) -> None:
+    # found by a fresh user: each of these completed, rank 1 training something else than rank 0
+    r0, r1 = results(mismatch_run, "not_alike")
+    assert r0["ok"] and r1["ok"], (r0, r1)
+    for name, field, shown in (("loss", "objective", "label_smoothing=0.5"), ("lr", "optimizer hyperparameters", "0.4"),
+                               ("accumulation", "accumulation", "rank 1: 2"), ("epochs", "epochs", "rank 1: 2"),
+                               ("data", "train data", "rank 1: "), ("callback", "callbacks", '["extra"]')):
+        for r in (r0, r1):
+            assert r[name] != "completed", f"{name} trained"
+            assert r[name][0] == "ConfigError", r[name]
+            message = r[name][1]
+            assert f"the ranks do not declare the same run: {field} (" in message and shown in message, message
+            assert "nothing was trained or written" in message
+        assert r0[name][1] == r1[name][1]  # the same refusal on every rank
+    assert r0["writer_callback"] == r1["writer_callback"] == "completed"  # the writer's own: no difference
+    assert r0["own_partition"] == r1["own_partition"] == "completed"  # each rank's own rows: no difference
+    assert [n for n in r0["wrote"] if not n.startswith(".")] == ["own_partition", "writer_callback"]  # refused: nothing
