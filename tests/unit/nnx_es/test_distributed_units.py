@@ -33,6 +33,13 @@ def test_ddp_arguments_are_checked(kwargs: dict, word: str) -> None:
         DDP(**kwargs)
 
 
+@pytest.mark.parametrize("value,named", [("0", "got str '0'"), (1.0, "got float 1.0"), (True, "got bool True")])
+def test_ddp_writer_rank_of_another_type_names_the_type_received(value: object, named: str) -> None:
+    with pytest.raises(ConfigError, match="must be an int") as err:
+        DDP(writer_rank=value)  # type: ignore[arg-type]
+    assert named in str(err.value) and "DDP(writer_rank=0)" in str(err.value)
+
+
 def _trainer(net: nn.Module, **kw) -> Trainer:
     return Trainer(net, torch.optim.SGD(net.parameters(), lr=0.1), nn.CrossEntropyLoss(), distributed=DDP(), **kw)
 
