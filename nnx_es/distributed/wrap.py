@@ -28,14 +28,22 @@ _BATCHNORM = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.LazyBatchNorm1d
               nn.LazyBatchNorm3d)
 
 
+#: what to do about batch statistics under DDP (SyncBatchNorm runs on CUDA only)
+_NORM_ADVICE = ("on GPUs (nccl) convert them with torch.nn.SyncBatchNorm.convert_sync_batchnorm(net); on CPU (gloo) "
+                "SyncBatchNorm does not run: remove them, or replace them with a normalisation that uses no batch "
+                "statistics (torch.nn.GroupNorm, torch.nn.LayerNorm)")
+
+
 def check_distributed(distributed: Any, net: nn.Module, *, trainer_step_fn: Any = None,
                       precision: str = "fp32") -> DDP | None:
     """Validate ``Trainer(distributed=...)`` against the net and the trainer's settings.
 
     Raises:
         ConfigError: not a :class:`DDP`; a net already wrapped (DDP, FSDP); a BatchNorm layer (its
-            statistics would differ per rank: convert to ``SyncBatchNorm`` or remove it); a
-            ``trainer_step_fn`` or ``precision="fp16"`` (not executed under DDP yet).
+            statistics would differ per rank: on GPUs convert it to ``SyncBatchNorm``; on CPU remove
+            it or replace it, e.g. with ``GroupNorm`` / ``LayerNorm``); a ``SyncBatchNorm`` layer on a
+            machine without CUDA (torch runs it on GPUs only); a ``trainer_step_fn`` or
+            ``precision="fp16"`` (not executed under DDP yet).
     """
     if distributed is None:
         return None
@@ -47,12 +55,19 @@ def check_distributed(distributed: Any, net: nn.Module, *, trainer_step_fn: Any 
         what = "FSDP is not supported (only data parallelism with replicated parameters)" if "Fully" in kind \
             or "fsdp" in type(net).__module__ else "the trainer wraps the net in DistributedDataParallel itself"
         raise ConfigError(f"distributed=DDP() takes the plain module, got a {kind}: {what}; pass the module itself")
+    import torch
+
     for name, module in net.named_modules():
         if isinstance(module, _BATCHNORM):
             raise ConfigError(
                 f"distributed=DDP() refuses BatchNorm layers ({name or 'the net'}: {type(module).__name__}): each rank "
-                "would normalise with its own batch statistics and keep its own running stats, so the replicas "
-                "drift apart; convert them with torch.nn.SyncBatchNorm.convert_sync_batchnorm(net) or remove them")
+                f"would normalise with its own batch statistics and keep its own running stats, so the replicas "
+                f"drift apart; {_NORM_ADVICE}")
+        if isinstance(module, nn.SyncBatchNorm) and not torch.cuda.is_available():
+            raise ConfigError(
+                f"distributed=DDP() on CPU refuses SyncBatchNorm layers ({name or 'the net'}): they only run on CUDA "
+                f"devices (torch raises 'SyncBatchNorm layers only work with GPU modules' at the first batch) and "
+                f"this machine has none; {_NORM_ADVICE}")
     if trainer_step_fn is not None:
         raise ConfigError("distributed=DDP() does not take a trainer_step_fn (its forward would bypass the "
                           "DistributedDataParallel wrapper and the agreed window): use train_step_fn instead")

@@ -56,6 +56,25 @@ def test_batchnorm_and_fp16_and_a_custom_step_are_refused_at_construction() -> N
                 distributed="ddp")
 
 
+def test_the_batchnorm_refusal_says_syncbatchnorm_is_for_gpus_and_what_to_do_on_cpu() -> None:
+    """A fresh user on CPU followed the advice to convert to SyncBatchNorm and got torch's
+    'SyncBatchNorm layers only work with GPU modules' at the first batch."""
+    with pytest.raises(ConfigError) as err:
+        _trainer(nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4)))
+    msg = str(err.value)
+    for what in ("on GPUs (nccl) convert them with torch.nn.SyncBatchNorm.convert_sync_batchnorm(net)",
+                 "on CPU (gloo) SyncBatchNorm does not run: remove them", "GroupNorm", "LayerNorm"):
+        assert what in msg, (what, msg)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="SyncBatchNorm runs on CUDA")
+def test_syncbatchnorm_without_cuda_is_refused_at_construction_not_at_the_first_batch() -> None:
+    net = nn.SyncBatchNorm.convert_sync_batchnorm(nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4)))
+    with pytest.raises(ConfigError, match=r"refuses SyncBatchNorm layers \(1\): they only run on CUDA") as err:
+        _trainer(net)
+    assert "remove them, or replace them" in str(err.value)
+
+
 def test_an_undeclared_callback_is_refused_and_roles_pick_the_ranks() -> None:
     class Plain(Callback):
         pass
