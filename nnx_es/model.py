@@ -304,7 +304,8 @@ class NNModel:
                 that would score a row twice over the ranks; outside one, a loader that is one rank's
                 share of several (its metrics would be the share's); ``record=True``
                 without a source, with weights changed since they were loaded or trained, or in a
-                process that is one of several ranks (each would record its own shard's result).
+                process that is one of several ranks (every rank would append the record, and only
+                the writer rank writes the run: record from one process, without torchrun).
             ResumeError / LeaseHeldError: the source run is not finalized / is being written.
         """
         if record:
@@ -312,10 +313,13 @@ class NNModel:
 
             if env_world_size() > 1:
                 raise ConfigError(
-                    f"evaluate(record=True) inside a group of {env_world_size()} ranks: each rank would score only "
-                    "the rows its loader gives it and record its own result into the run; record it from one "
-                    "process (a script run without torchrun: NNModel(net).load(run_dir), then evaluate(a loader over "
-                    "the whole data set, record=True)); nothing was recorded")
+                    f"evaluate(record=True) inside a group of {env_world_size()} ranks: the metrics are the whole "
+                    "set's on every rank (the ranks' sums are agreed), but recording is not done inside a group: "
+                    "every rank would append its own evaluation_recorded to the run, and only the writer rank may "
+                    "write it (the others need not even see its directory); call evaluate(loader) without "
+                    "record=True here for the metrics, and record from one process after the group ends (a script "
+                    "run without torchrun: NNModel(net).load(run_dir, 'best'), then evaluate(a loader over the whole "
+                    "data set, record=True)); nothing was scored or recorded")
         if record and self.source is None:
             raise ConfigError("evaluate(record=True) records into the run the weights came from: train() or "
                               "load() a run first (these weights name no checkpoint)")

@@ -52,14 +52,21 @@ def test_validation_loaders_that_would_score_a_row_twice_or_never_are_refused_on
         assert named in r0[name][1], r0[name][1]
 
 
-def test_a_recorded_evaluation_on_every_rank_of_a_group_is_refused_not_recorded_per_shard(mismatch_run: Path) -> None:
+def test_a_recorded_evaluation_in_a_group_is_refused_saying_why_and_what_to_do(mismatch_run: Path) -> None:
     """Found in review: after a DDP train, evaluate(record=True) on every rank recorded one
-    evaluation_recorded per rank, each with the metrics of that rank's shard only."""
+    evaluation_recorded per rank. A fresh user then read the refusal ("each rank would score only the
+    rows its loader gives it") against the README ("returns the whole set's metrics"): the metrics are
+    agreed; the refusal is about who writes the run."""
     r0, r1 = results(mismatch_run, "evaluate_record")
     assert r0["ok"] and r1["ok"], (r0, r1)
     for r in (r0, r1):
         assert r["plain"] == ["accuracy", "loss"]  # an unrecorded evaluation still runs
         assert r["recorded"][0] == "ConfigError" and "inside a group of 2 ranks" in r["recorded"][1], r["recorded"]
+        # why, in the README's terms (the metrics ARE the whole set's in a group), and what to do
+        for what in ("the metrics are the whole set's on every rank", "only the writer rank may write it",
+                     "without record=True here", "record from one process", "nothing was scored or recorded"):
+            assert what in r["recorded"][1], (what, r["recorded"][1])
+        assert "each rank would score only" not in r["recorded"][1]
     assert r0["evaluations"] == r1["evaluations"] == 0
 
 
