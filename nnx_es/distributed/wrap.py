@@ -17,8 +17,9 @@ from typing import Any
 
 from torch import nn
 
+from nnx_es.distributed.digest import params_digest
 from nnx_es.distributed.group import DDP, refuse_group
-from nnx_es.errors import ConfigError
+from nnx_es.errors import ConfigError, DivergenceError
 from nnx_es.loaders import length_of
 from nnx_es.run_state import World
 
@@ -238,7 +239,8 @@ def _check_one_partition(world: World, train_loader: Any, val_loader: Any = None
             f"({world.size} ranks); nothing was trained")
 
 
-def evaluation_world(loader: Any, entry: str = "NNModel.evaluate") -> World | None:
+def evaluation_world(loader: Any, net: nn.Module | None = None, entry: str = "NNModel.evaluate", *,
+                     writer_rank: int = 0) -> World | None:
     """The world a standalone evaluation of ``loader`` agrees its sums over, or ``None`` (one process).
 
     Inside an initialized process group of more than one rank the evaluation is a collective:
@@ -246,7 +248,12 @@ def evaluation_world(loader: Any, entry: str = "NNModel.evaluate") -> World | No
     rank returns the whole set's metrics (each rank's shard alone was a silent wrong answer).
     Every rank must call it. A loader that would score some row twice over the ranks (a padded
     ``DistributedSampler``, a training partition, a shard built for another rank) is refused on
-    every rank alike (one gather of each rank's problem, as :func:`data_parallel` does).
+    every rank alike. The agreed sums are only one model's if every rank holds the same weights:
+    with ``net``, each rank's :func:`~nnx_es.distributed.digest.params_digest` rides in the same
+    gather, and weights that differ from ``writer_rank``'s (a writer that loaded BEST while the
+    others kept their last weights) are refused on every rank alike -- the metrics would mix
+    models silently. One gather of each rank's ``(problem, digest)``; the message is built from
+    all of them, so it is the same on every rank.
 
     Without a group, a loader built as one rank's share of several (``validation_loader`` /
     ``train_loader`` under ``WORLD_SIZE`` > 1, a ``DistributedSampler``) is refused: its metrics
@@ -254,17 +261,30 @@ def evaluation_world(loader: Any, entry: str = "NNModel.evaluate") -> World | No
 
     Raises:
         ConfigError: as above; the message names the loader and what to use.
+        DivergenceError: in a group, ranks whose ``net`` differs from ``writer_rank``'s (named,
+            with what to do); nothing was scored.
     """
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        world = DDP().world()
-        problems = [p for p in world.gather(_validation_problem(world, loader)) if p is not None]
+        world = DDP(writer_rank=writer_rank).world()
+        digest = params_digest(net) if net is not None else None
+        ranks = world.gather((_validation_problem(world, loader), digest))
+        problems = [p for p, _ in ranks if p is not None]
         if problems:
             raise ConfigError(
                 f"{entry} inside a group of {world.size} ranks agrees the ranks' sums, but the loaders would not "
                 f"score every row exactly once ({'; '.join(problems)}); build every rank's with "
                 "nnx_es.distributed.validation_loader(dataset, batch_size) (rows rank::world, unpadded)")
+        ref = ranks[world.writer_rank][1]
+        apart = [r for r, (_, d) in enumerate(ranks) if d != ref]
+        if apart:
+            raise DivergenceError(
+                f"{entry} inside a group of {world.size} ranks: rank(s) {apart} hold weights that differ from the "
+                f"writer rank {world.writer_rank}'s, so the agreed metrics would mix different models; load the same "
+                "weights on every rank before evaluating (e.g. model.load(run_dir, 'best') on every rank -- the run "
+                "directory on storage every rank reads -- not on the writer alone), or evaluate from one process "
+                "without torchrun; nothing was scored")
         return world
     sampler = getattr(loader, "sampler", None)
     from torch.utils.data.distributed import DistributedSampler

@@ -19,7 +19,8 @@ SCRIPT = Path(__file__).resolve().parent / "scenarios.py"
 @pytest.fixture(scope="module")
 def mismatch_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("mismatch")
-    proc = torchrun(SCRIPT, str(out), "partition_mismatch,validation_mismatch,evaluate_record,plain_loader,evaluate_whole", timeout_s=120)
+    proc = torchrun(SCRIPT, str(out), "partition_mismatch,validation_mismatch,evaluate_record,plain_loader,evaluate_whole,"
+                   "evaluate_mixed_weights", timeout_s=120)
     assert proc.returncode == 0, proc.stdout[-4000:]
     return out
 
@@ -101,3 +102,20 @@ def test_evaluate_under_ddp_returns_the_whole_sets_metrics_on_every_rank(mismatc
     for name, named in (("padded", "scores 1 twice"), ("training_partition", "training partition")):
         assert r0[name] == r1[name], name  # the same refusal on every rank
         assert r0[name][0] == "ConfigError" and named in r0[name][1] and "validation_loader" in r0[name][1], r0[name]
+
+
+def test_evaluate_in_a_group_refuses_weights_that_differ_between_ranks_on_every_rank(mismatch_run: Path) -> None:
+    """A fresh user's eval_mixed.py: the writer loaded BEST, rank 1 did not, and NNModel.evaluate
+    silently returned the metrics of two models mixed, on every rank. The ranks now agree a digest
+    of their weights first; equal weights still return the same metrics on every rank."""
+    r0, r1 = results(mismatch_run, "evaluate_mixed_weights")
+    assert r0["ok"] and r1["ok"], (r0, r1)
+    assert r0["equal"] == r1["equal"] and r0["equal"].keys() == {"loss", "accuracy"}
+    assert r0["mixed"] == r1["mixed"]  # the same refusal on every rank
+    name, msg = r0["mixed"][0], r0["mixed"][1]
+    assert name == "DivergenceError" and "RuntimeError" in r0["mixed"], r0["mixed"]
+    for what in ("rank(s) [1] hold weights that differ from the writer rank 0's", "mix different models",
+                 "load the same weights on every rank", "model.load(run_dir, 'best') on every rank",
+                 "nothing was scored"):
+        assert what in msg, (what, msg)
+    assert r0["reloaded"] == r1["reloaded"] == r0["equal"]  # the same weights again: the same metrics
