@@ -122,6 +122,8 @@ class NNModel:
         self.run: RunResult | None = None
         #: the checkpoint the net's weights came from (set by :meth:`train` and :meth:`load`)
         self.source: WeightsSource | None = None
+        #: the rank whose weights a group's :meth:`evaluate` compares the others' with (the last DDP train's writer)
+        self._writer_rank = 0
 
     def parameters(self) -> Iterable[nn.Parameter]:
         return self.net.parameters()
@@ -176,6 +178,7 @@ class NNModel:
         elif not isinstance(optimizer, Optimizer):
             optimizer = optimizer(self.net.parameters())
         trainer = Trainer(self.net, optimizer, loss if loss is not None else nn.CrossEntropyLoss(), **trainer_kwargs)
+        self._writer_rank = getattr(trainer_kwargs.get("distributed"), "writer_rank", 0)
         self.run = trainer.fit(train_loader, val_loader, epochs=epochs, resume_from=resume_from,
                                resume_mode=resume_mode, resume=resume)
         last = self.run.last
@@ -284,7 +287,9 @@ class NNModel:
         computed in eval mode without gradients, on the model's device. Inside a process group
         of several ranks (torchrun) it is a collective: call it on every rank, each with its
         shard (``nnx_es.distributed.validation_loader``); the ranks' sums are all-reduced once and
-        every rank returns the whole set's metrics (:func:`nnx_es.distributed.wrap.evaluation_world`).
+        every rank returns the whole set's metrics (:func:`nnx_es.distributed.wrap.evaluation_world`),
+        once a digest of every rank's weights has been agreed equal to the writer rank's (the last
+        ``train(distributed=DDP(writer_rank=))``'s, else rank 0).
         A rank calling it alone waits for the others until the group's timeout, then raises. Batches follow the batch
         contract (:mod:`nnx_es.batches`; ``sample_weights=True`` reads a third element as row weights).
 
@@ -304,7 +309,10 @@ class NNModel:
                 that would score a row twice over the ranks; outside one, a loader that is one rank's
                 share of several (its metrics would be the share's); ``record=True``
                 without a source, with weights changed since they were loaded or trained, or in a
-                process that is one of several ranks (each would record its own shard's result).
+                process that is one of several ranks (every rank would append the record, and only
+                the writer rank writes the run: record from one process, without torchrun).
+            DivergenceError: in a group, ranks whose weights differ from the writer rank's (e.g. the
+                writer loaded BEST and the others did not), named on every rank; nothing was scored.
             ResumeError / LeaseHeldError: the source run is not finalized / is being written.
         """
         if record:
@@ -312,10 +320,13 @@ class NNModel:
 
             if env_world_size() > 1:
                 raise ConfigError(
-                    f"evaluate(record=True) inside a group of {env_world_size()} ranks: each rank would score only "
-                    "the rows its loader gives it and record its own result into the run; record it from one "
-                    "process (a script run without torchrun: NNModel(net).load(run_dir), then evaluate(a loader over "
-                    "the whole data set, record=True)); nothing was recorded")
+                    f"evaluate(record=True) inside a group of {env_world_size()} ranks: the metrics are the whole "
+                    "set's on every rank (the ranks' sums are agreed), but recording is not done inside a group: "
+                    "every rank would append its own evaluation_recorded to the run, and only the writer rank may "
+                    "write it (the others need not even see its directory); call evaluate(loader) without "
+                    "record=True here for the metrics, and record from one process after the group ends (a script "
+                    "run without torchrun: NNModel(net).load(run_dir, 'best'), then evaluate(a loader over the whole "
+                    "data set, record=True)); nothing was scored or recorded")
         if record and self.source is None:
             raise ConfigError("evaluate(record=True) records into the run the weights came from: train() or "
                               "load() a run first (these weights name no checkpoint)")
@@ -336,7 +347,8 @@ class NNModel:
         bind_activation(declared, (t.fn for t in objective.terms.values()))
         from nnx_es.distributed.wrap import evaluation_world
 
-        world = evaluation_world(loader)  # a group of several ranks: the whole set's sums, on every rank
+        # a group of several ranks: the whole set's sums on every rank, once the ranks' weights are agreed equal
+        world = evaluation_world(loader, self.net, writer_rank=self._writer_rank)
         values, rows = evaluate_pass(self.net, loader, objective, forward, declared, device=model_device(self.net),
                                      world=world)
         result = {k.removeprefix("val_"): v for k, v in values.items()}

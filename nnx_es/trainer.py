@@ -177,9 +177,10 @@ class Trainer:
             group ``torchrun`` started (spec 000 §3): the net is wrapped in
             ``DistributedDataParallel`` for each ``fit`` (never assigned to it; checkpoints hold its
             own keys), each window's denominator and finiteness are agreed in one all-reduce, and
-            only ``DDP(writer_rank=)`` writes the run. Refused with it: BatchNorm layers (convert
-            them with ``torch.nn.SyncBatchNorm.convert_sync_batchnorm`` or remove them), a
-            ``trainer_step_fn``, ``precision="fp16"``. Without it, a process that is one of several
+            only ``DDP(writer_rank=)`` writes the run. Refused with it: BatchNorm layers (on GPUs
+            convert them with ``torch.nn.SyncBatchNorm.convert_sync_batchnorm``; on CPU, where
+            ``SyncBatchNorm`` does not run and is refused too, remove them or replace them, e.g. with
+            ``GroupNorm`` / ``LayerNorm``), a ``trainer_step_fn``, ``precision="fp16"``. Without it, a process that is one of several
             ranks is refused (every rank would write the same run alone).
         val_batch_callback: called after each validation batch with the keyword-only signature
             ``(*, batch, predictions, loss, batch_count, step_count, epoch)``: the batch (moved to

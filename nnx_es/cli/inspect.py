@@ -38,7 +38,8 @@ commands:
 inspect RUNS_ROOT [--json]       (a directory of runs) one row per run: id, status, epochs, BEST's
                                  value, started (UTC), size on disk; an unreadable run's reason and what
                                  to do under the table (--json: "error", "advice"); exit 1 when a run is
-                                 unreadable
+                                 unreadable; a directory with nothing in it yet (hidden entries aside):
+                                 "no runs under RUNS_ROOT yet", exit 0
 inspect diff RUN_A RUN_B [--json]
                                  the first event where two runs differ (seq, kind, field, both values),
                                  wall clock times, ids and checkpoint hashes aside; exit 0 the same, 1 differ
@@ -81,7 +82,7 @@ from nnx_es.cli._common import (
 )
 from nnx_es.cli._format import fields, fmt
 from nnx_es.cli._schema import json_schema, plot_format_error, tensorboard_error
-from nnx_es.cli.many import diff_command, is_runs_root, list_command
+from nnx_es.cli.many import diff_command, is_empty_runs_root, is_runs_root, list_command
 from nnx_es.cli.projected import at, summary
 from nnx_es.errors import CorruptCheckpointError
 
@@ -116,7 +117,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--epoch", type=_epochs, default=None, metavar="A[:B]",
                         help="events: only events of epochs A..B (0-based, inclusive)")
     parser.add_argument("--rank", type=_seq, default=None, metavar="R",
-                        help="events: only events of data-parallel rank R")
+                        help="events: only events of data-parallel rank R (the log holds the writer rank's "
+                             "events only: another rank matches none, and stderr says so)")
     parser.add_argument("--json", action="store_true",
                         help="events and --at: JSON lines; summary: one JSON object")
     parser.add_argument("--verify", action="store_true",
@@ -271,6 +273,7 @@ def _events(log: LmdbLog, args: argparse.Namespace, kinds: frozenset[str] | None
         table.header()
     state = {"shown": 0, "writer_rank": 0, "finalized": False, "expected": args.start, "broken": False}
     next_seq = _checked_rows(log, args, kinds, args.start, stop, table, state)
+    _no_rank_rows(args, state)
     while args.follow and not state["finalized"] and (args.end is None or next_seq <= args.end):
         if args.limit is not None and state["shown"] >= args.limit:
             break
@@ -283,6 +286,15 @@ def _events(log: LmdbLog, args: argparse.Namespace, kinds: frozenset[str] | None
             print(f"inspect: no process writes {args.run_dir} any more; stopped following", file=sys.stderr)
             break
         out.flush()
+
+
+def _no_rank_rows(args: argparse.Namespace, state: dict[str, Any]) -> None:
+    """Say on stderr why ``--rank R`` matched nothing when R is not the writer rank: only the
+    writer rank appends to the log (the others fold the same events in memory)."""
+    if args.rank is not None and state["shown"] == 0 and args.rank != state["writer_rank"]:
+        print(f"inspect: no event of rank {args.rank}: the log holds the writer rank's events (rank "
+              f"{state['writer_rank']}); rank {args.rank}'s are not recorded (only the writer rank writes the run)",
+              file=sys.stderr)
 
 
 def _checked_rows(log: LmdbLog, args: argparse.Namespace, kinds: frozenset[str] | None, start: int, stop: int,
@@ -388,7 +400,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return fail("inspect", f"{args.run_dir} is a directory of runs: it takes --json only (one row per run); "
                     f"the other options read one run: inspect {args.run_dir / '<id>'} ...", error_type="UsageError",
                     as_json=as_json)
-    if args.run_dir is not None and len(set(argv) - {"--json"}) == 1 and is_runs_root(args.run_dir):
+    if args.run_dir is not None and len(set(argv) - {"--json"}) == 1 and (
+            is_runs_root(args.run_dir) or is_empty_runs_root(args.run_dir)):
         return list_command(args.run_dir, as_json)
     try:
         log = open_run_log(args.run_dir)

@@ -26,7 +26,8 @@ from nnx_es.cli._common import EXIT_OK, fail, reader_left, writer_alive
 from nnx_es.result import load_result
 from projections.status import UNFINISHED
 
-__all__ = ["RunRow", "diff_command", "first_difference", "is_runs_root", "list_command", "list_runs"]
+__all__ = ["RunRow", "diff_command", "first_difference", "is_empty_runs_root", "is_runs_root", "list_command",
+           "list_runs"]
 
 #: fields that differ between any two runs, whatever they computed (``previous``: the journal
 #: manifest before, a hash of a blob naming its run, like ``manifest``)
@@ -55,6 +56,15 @@ class RunRow(msgspec.Struct, frozen=True, kw_only=True):
 def is_runs_root(path: Path) -> bool:
     """Whether ``path`` holds runs (``<id>/events.lmdb``) rather than being one."""
     return path.is_dir() and not (path / "events.lmdb").is_dir() and any(_run_dirs(path))
+
+
+def is_empty_runs_root(path: Path) -> bool:
+    """Whether ``path`` is a runs root before its first run: a directory holding nothing but hidden
+    entries (what a runs root keeps beside its runs, e.g. ``.leases``). Listed as zero runs; a
+    directory holding anything else (files, other directories) is neither a run nor a runs root,
+    and is refused as not a run rather than listed as an empty one."""
+    return path.is_dir() and not (path / "events.lmdb").exists() and all(p.name.startswith(".")
+                                                                          for p in path.iterdir())
 
 
 #: what a run directory holds besides its log: a directory with one of these but no readable log is
@@ -159,9 +169,16 @@ def first_difference(a: Path, b: Path) -> dict[str, Any] | None:
 
 
 def list_command(root: Path, as_json: bool) -> int:
-    """``inspect RUNS_ROOT [--json]``: one row (one JSON object) per run; exit 0, or 1 when a run is unreadable."""
+    """``inspect RUNS_ROOT [--json]``: one row (one JSON object) per run; exit 0, or 1 when a run is unreadable.
+
+    A runs root with no run yet (:func:`is_empty_runs_root`) lists none: a line saying so (on stderr
+    under ``--json``, whose stdout then holds no row), exit 0."""
     rows = list_runs(root)
     status = 1 if any(r.error is not None for r in rows) else EXIT_OK
+    if not rows:
+        print(f"no runs under {root} yet (a run's directory appears here when it starts)",
+              file=sys.stderr if as_json else sys.stdout)
+        return status
     try:
         _print_runs(rows, as_json)
     except BrokenPipeError:  # inspect runs/ --json | head: the status stands, whatever was read

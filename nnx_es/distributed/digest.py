@@ -1,8 +1,9 @@
 """Silent rank divergence, caught: the ranks compare a digest of their parameters.
 
 Data parallelism keeps the replicas identical only if every rank applies the same update;
-a rank-local change (a hook touching the weights on one rank, a non-deterministic kernel, a
-bit flip) makes them drift apart silently, and the writer's checkpoint then stands for one
+a setting that differs between ranks (a learning rate, scheduler or gradient clipping computed
+per rank) or a rank-local change (a hook touching the weights on one rank, a non-deterministic
+kernel, a bit flip) makes them drift apart silently, and the writer's checkpoint then stands for one
 rank only. No peer trainer checks this. Every ``DDP(digest_every=K)`` committed updates
 (default ``None``: at each epoch's last update) every rank hashes its parameters and buffers
 -- BLAKE2b-128 over their exact bytes, in ``state_dict`` order -- and one all-gather gives
@@ -92,7 +93,8 @@ class ParamDigest:
         """Gather every rank's digest, record them, and stop on a difference.
 
         Raises:
-            DivergenceError: on every rank alike, naming the differing ranks and the step range.
+            DivergenceError: on every rank alike, naming the differing ranks, the step range and
+                the likely causes (a setting that differs between ranks first).
         """
         digests = [bytes(t.tolist()).hex() for t in self.world.gather_tensor(self._mine())]  # one all-gather of 16 bytes
         self._decide(recorder, digests, epoch=epoch, step=step)
@@ -109,6 +111,9 @@ class ParamDigest:
         raise DivergenceError(
             f"the ranks' parameters diverged: rank(s) {apart} hold parameters that differ from the writer rank "
             f"{self.world.writer_rank}'s after {step} committed updates (epoch {epoch}); they first differed after "
-            f"step {self.since} (the last digest on which every rank agreed) and at or before step {step}: something "
-            "changed the weights on one rank only (a hook or callback touching them, a rank-local RNG, a "
-            "non-deterministic kernel); the checkpoints written before it are every rank's")
+            f"step {self.since} (the last digest on which every rank agreed) and at or before step {step}: the ranks "
+            "applied different updates. Most often a setting differs between ranks (a learning rate, a scheduler, "
+            "gradient clipping, the optimizer's arguments, computed per rank, e.g. from RANK): build every rank's "
+            "trainer with the same settings; otherwise something changed the weights on one rank only (a hook or "
+            "callback touching them, a rank-local RNG, a non-deterministic kernel); the checkpoints written before "
+            "it are every rank's")

@@ -85,8 +85,9 @@ class DDP:
             of ``world_size`` copies). With it, the lengths are still agreed; the rows are yours.
 
     Raises:
-        ConfigError: a bad argument, or an environment without a process group and without
-            ``RANK`` / ``WORLD_SIZE`` (from :meth:`world`).
+        ConfigError: a bad argument (the message names it, its type when that is wrong, and the
+            value), or an environment without a process group and without ``RANK`` /
+            ``WORLD_SIZE`` (from :meth:`world`).
     """
 
     writer_rank: int = 0
@@ -97,7 +98,11 @@ class DDP:
     def __post_init__(self) -> None:
         if not isinstance(self.own_partition, bool):
             raise ConfigError(f"DDP(own_partition=) must be True or False, got {self.own_partition!r}")
-        if isinstance(self.writer_rank, bool) or not isinstance(self.writer_rank, int) or self.writer_rank < 0:
+        if isinstance(self.writer_rank, bool) or not isinstance(self.writer_rank, int):
+            raise ConfigError(f"DDP(writer_rank=) must be an int (a global rank >= 0), got "
+                              f"{type(self.writer_rank).__name__} {self.writer_rank!r}: pass e.g. "
+                              f"DDP(writer_rank=0)")
+        if self.writer_rank < 0:
             raise ConfigError(f"DDP(writer_rank=) must be a rank >= 0, got {self.writer_rank!r}")
         if isinstance(self.timeout_seconds, bool) or not isinstance(self.timeout_seconds, (int, float)) \
                 or not self.timeout_seconds > 0:

@@ -17,8 +17,9 @@ from typing import Any
 
 from torch import nn
 
+from nnx_es.distributed.digest import params_digest
 from nnx_es.distributed.group import DDP, refuse_group
-from nnx_es.errors import ConfigError
+from nnx_es.errors import ConfigError, DivergenceError
 from nnx_es.loaders import length_of
 from nnx_es.run_state import World
 
@@ -28,14 +29,22 @@ _BATCHNORM = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.LazyBatchNorm1d
               nn.LazyBatchNorm3d)
 
 
+#: what to do about batch statistics under DDP (SyncBatchNorm runs on CUDA only)
+_NORM_ADVICE = ("on GPUs (nccl) convert them with torch.nn.SyncBatchNorm.convert_sync_batchnorm(net); on CPU (gloo) "
+                "SyncBatchNorm does not run: remove them, or replace them with a normalisation that uses no batch "
+                "statistics (torch.nn.GroupNorm, torch.nn.LayerNorm)")
+
+
 def check_distributed(distributed: Any, net: nn.Module, *, trainer_step_fn: Any = None,
                       precision: str = "fp32") -> DDP | None:
     """Validate ``Trainer(distributed=...)`` against the net and the trainer's settings.
 
     Raises:
         ConfigError: not a :class:`DDP`; a net already wrapped (DDP, FSDP); a BatchNorm layer (its
-            statistics would differ per rank: convert to ``SyncBatchNorm`` or remove it); a
-            ``trainer_step_fn`` or ``precision="fp16"`` (not executed under DDP yet).
+            statistics would differ per rank: on GPUs convert it to ``SyncBatchNorm``; on CPU remove
+            it or replace it, e.g. with ``GroupNorm`` / ``LayerNorm``); a ``SyncBatchNorm`` layer on a
+            machine without CUDA (torch runs it on GPUs only); a ``trainer_step_fn`` or
+            ``precision="fp16"`` (not executed under DDP yet).
     """
     if distributed is None:
         return None
@@ -47,12 +56,19 @@ def check_distributed(distributed: Any, net: nn.Module, *, trainer_step_fn: Any 
         what = "FSDP is not supported (only data parallelism with replicated parameters)" if "Fully" in kind \
             or "fsdp" in type(net).__module__ else "the trainer wraps the net in DistributedDataParallel itself"
         raise ConfigError(f"distributed=DDP() takes the plain module, got a {kind}: {what}; pass the module itself")
+    import torch
+
     for name, module in net.named_modules():
         if isinstance(module, _BATCHNORM):
             raise ConfigError(
                 f"distributed=DDP() refuses BatchNorm layers ({name or 'the net'}: {type(module).__name__}): each rank "
-                "would normalise with its own batch statistics and keep its own running stats, so the replicas "
-                "drift apart; convert them with torch.nn.SyncBatchNorm.convert_sync_batchnorm(net) or remove them")
+                f"would normalise with its own batch statistics and keep its own running stats, so the replicas "
+                f"drift apart; {_NORM_ADVICE}")
+        if isinstance(module, nn.SyncBatchNorm) and not torch.cuda.is_available():
+            raise ConfigError(
+                f"distributed=DDP() on CPU refuses SyncBatchNorm layers ({name or 'the net'}): they only run on CUDA "
+                f"devices (torch raises 'SyncBatchNorm layers only work with GPU modules' at the first batch) and "
+                f"this machine has none; {_NORM_ADVICE}")
     if trainer_step_fn is not None:
         raise ConfigError("distributed=DDP() does not take a trainer_step_fn (its forward would bypass the "
                           "DistributedDataParallel wrapper and the agreed window): use train_step_fn instead")
@@ -232,7 +248,8 @@ def _check_one_partition(world: World, train_loader: Any, val_loader: Any = None
             f"({world.size} ranks); nothing was trained")
 
 
-def evaluation_world(loader: Any, entry: str = "NNModel.evaluate") -> World | None:
+def evaluation_world(loader: Any, net: nn.Module | None = None, entry: str = "NNModel.evaluate", *,
+                     writer_rank: int = 0) -> World | None:
     """The world a standalone evaluation of ``loader`` agrees its sums over, or ``None`` (one process).
 
     Inside an initialized process group of more than one rank the evaluation is a collective:
@@ -240,7 +257,12 @@ def evaluation_world(loader: Any, entry: str = "NNModel.evaluate") -> World | No
     rank returns the whole set's metrics (each rank's shard alone was a silent wrong answer).
     Every rank must call it. A loader that would score some row twice over the ranks (a padded
     ``DistributedSampler``, a training partition, a shard built for another rank) is refused on
-    every rank alike (one gather of each rank's problem, as :func:`data_parallel` does).
+    every rank alike. The agreed sums are only one model's if every rank holds the same weights:
+    with ``net``, each rank's :func:`~nnx_es.distributed.digest.params_digest` rides in the same
+    gather, and weights that differ from ``writer_rank``'s (a writer that loaded BEST while the
+    others kept their last weights) are refused on every rank alike -- the metrics would mix
+    models silently. One gather of each rank's ``(problem, digest)``; the message is built from
+    all of them, so it is the same on every rank.
 
     Without a group, a loader built as one rank's share of several (``validation_loader`` /
     ``train_loader`` under ``WORLD_SIZE`` > 1, a ``DistributedSampler``) is refused: its metrics
@@ -248,17 +270,30 @@ def evaluation_world(loader: Any, entry: str = "NNModel.evaluate") -> World | No
 
     Raises:
         ConfigError: as above; the message names the loader and what to use.
+        DivergenceError: in a group, ranks whose ``net`` differs from ``writer_rank``'s (named,
+            with what to do); nothing was scored.
     """
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        world = DDP().world()
-        problems = [p for p in world.gather(_validation_problem(world, loader)) if p is not None]
+        world = DDP(writer_rank=writer_rank).world()
+        digest = params_digest(net) if net is not None else None
+        ranks = world.gather((_validation_problem(world, loader), digest))
+        problems = [p for p, _ in ranks if p is not None]
         if problems:
             raise ConfigError(
                 f"{entry} inside a group of {world.size} ranks agrees the ranks' sums, but the loaders would not "
                 f"score every row exactly once ({'; '.join(problems)}); build every rank's with "
                 "nnx_es.distributed.validation_loader(dataset, batch_size) (rows rank::world, unpadded)")
+        ref = ranks[world.writer_rank][1]
+        apart = [r for r, (_, d) in enumerate(ranks) if d != ref]
+        if apart:
+            raise DivergenceError(
+                f"{entry} inside a group of {world.size} ranks: rank(s) {apart} hold weights that differ from the "
+                f"writer rank {world.writer_rank}'s, so the agreed metrics would mix different models; load the same "
+                "weights on every rank before evaluating (e.g. model.load(run_dir, 'best') on every rank -- the run "
+                "directory on storage every rank reads -- not on the writer alone), or evaluate from one process "
+                "without torchrun; nothing was scored")
         return world
     sampler = getattr(loader, "sampler", None)
     from torch.utils.data.distributed import DistributedSampler

@@ -232,6 +232,32 @@ def evaluate_record(world: World, out: Path) -> dict[str, Any]:
 
 
 @case
+def evaluate_mixed_weights(world: World, out: Path) -> dict[str, Any]:
+    """A fresh user's eval_mixed.py: the writer loaded BEST, the other rank kept other weights, and
+    NNModel.evaluate returned the metrics of a mix of two models on every rank."""
+    import ddpkit
+
+    from nnx_es import NNModel
+    from nnx_es.distributed import validation_loader
+
+    val = validation_loader(ddpkit.dataset(), 4)
+    loss = torch.nn.CrossEntropyLoss()
+    model = NNModel(ddpkit.net())  # seeded: the same weights on every rank
+    got: dict[str, Any] = {"equal": model.evaluate(val, loss=loss, sample_weights=True)}
+    if world.rank == 1:
+        with torch.no_grad():
+            model.net[0].bias.add_(1e-3)  # rank 1 did not load what the writer loaded
+    try:
+        got["mixed"] = model.evaluate(val, loss=loss, sample_weights=True)
+    except Exception as exc:  # noqa: BLE001
+        got["mixed"] = error(exc)
+    if world.rank == 1:
+        model.net.load_state_dict(ddpkit.net().state_dict())  # loaded on every rank: agreed again
+    got["reloaded"] = model.evaluate(val, loss=loss, sample_weights=True)
+    return got
+
+
+@case
 def plain_loader(world: World, out: Path) -> dict[str, Any]:
     """Found in review (issue 13): a plain DataLoader under DDP trained every rank on the same rows."""
     import ddpkit

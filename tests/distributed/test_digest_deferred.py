@@ -69,3 +69,18 @@ def test_without_defer_the_digests_are_gathered_at_once() -> None:
     world, rec = _World(bytes.fromhex(params_digest(net))), _Recorder()
     assert ParamDigest(net, world, None).at_epoch_end(rec, epoch=0, step=2) is None
     assert world.gathers == 1 and len(rec.events) == 1
+
+
+def test_a_divergence_names_a_setting_that_differs_between_ranks_as_a_cause() -> None:
+    """A fresh user's per-rank learning rate (and gradient clipping) diverged the ranks; the message
+    listed hooks, RNGs and kernels only."""
+    net = torch.nn.Linear(3, 2)
+    other = bytearray.fromhex(params_digest(net))
+    other[3] ^= 1
+    with pytest.raises(DivergenceError) as err:
+        ParamDigest(net, _World(bytes(other)), None).check(_Recorder(), epoch=0, step=2)
+    msg = str(err.value)
+    assert "rank(s) [1]" in msg and "a setting differs between ranks" in msg
+    for what in ("learning rate", "scheduler", "gradient clipping", "build every rank's trainer with the same settings",
+                 "a hook or callback touching them"):
+        assert what in msg, (what, msg)

@@ -19,7 +19,8 @@ SCRIPT = Path(__file__).resolve().parent / "scenarios.py"
 @pytest.fixture(scope="module")
 def mismatch_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("mismatch")
-    proc = torchrun(SCRIPT, str(out), "partition_mismatch,validation_mismatch,evaluate_record,plain_loader,evaluate_whole,not_alike", timeout_s=120)
+    proc = torchrun(SCRIPT, str(out), "partition_mismatch,validation_mismatch,evaluate_record,plain_loader,evaluate_whole,"
+                   "evaluate_mixed_weights,not_alike", timeout_s=120)
     assert proc.returncode == 0, proc.stdout[-4000:]
     return out
 
@@ -56,14 +57,21 @@ def test_validation_loaders_that_would_score_a_row_twice_or_never_are_refused_on
         assert named in r0[name][1], r0[name][1]
 
 
-def test_a_recorded_evaluation_on_every_rank_of_a_group_is_refused_not_recorded_per_shard(mismatch_run: Path) -> None:
+def test_a_recorded_evaluation_in_a_group_is_refused_saying_why_and_what_to_do(mismatch_run: Path) -> None:
     """Found in review: after a DDP train, evaluate(record=True) on every rank recorded one
-    evaluation_recorded per rank, each with the metrics of that rank's shard only."""
+    evaluation_recorded per rank. A fresh user then read the refusal ("each rank would score only the
+    rows its loader gives it") against the README ("returns the whole set's metrics"): the metrics are
+    agreed; the refusal is about who writes the run."""
     r0, r1 = results(mismatch_run, "evaluate_record")
     assert r0["ok"] and r1["ok"], (r0, r1)
     for r in (r0, r1):
         assert r["plain"] == ["accuracy", "loss"]  # an unrecorded evaluation still runs
         assert r["recorded"][0] == "ConfigError" and "inside a group of 2 ranks" in r["recorded"][1], r["recorded"]
+        # why, in the README's terms (the metrics ARE the whole set's in a group), and what to do
+        for what in ("the metrics are the whole set's on every rank", "only the writer rank may write it",
+                     "without record=True here", "record from one process", "nothing was scored or recorded"):
+            assert what in r["recorded"][1], (what, r["recorded"][1])
+        assert "each rank would score only" not in r["recorded"][1]
     assert r0["evaluations"] == r1["evaluations"] == 0
 
 
@@ -117,3 +125,20 @@ def test_a_run_declared_otherwise_on_one_rank_is_refused_on_every_rank_naming_wh
     assert r0["writer_callback"] == r1["writer_callback"] == "completed"  # the writer's own: no difference
     assert r0["own_partition"] == r1["own_partition"] == "completed"  # each rank's own rows: no difference
     assert [n for n in r0["wrote"] if not n.startswith(".")] == ["own_partition", "writer_callback"]  # refused: nothing
+
+
+def test_evaluate_in_a_group_refuses_weights_that_differ_between_ranks_on_every_rank(mismatch_run: Path) -> None:
+    """A fresh user's eval_mixed.py: the writer loaded BEST, rank 1 did not, and NNModel.evaluate
+    silently returned the metrics of two models mixed, on every rank. The ranks now agree a digest
+    of their weights first; equal weights still return the same metrics on every rank."""
+    r0, r1 = results(mismatch_run, "evaluate_mixed_weights")
+    assert r0["ok"] and r1["ok"], (r0, r1)
+    assert r0["equal"] == r1["equal"] and r0["equal"].keys() == {"loss", "accuracy"}
+    assert r0["mixed"] == r1["mixed"]  # the same refusal on every rank
+    name, msg = r0["mixed"][0], r0["mixed"][1]
+    assert name == "DivergenceError" and "RuntimeError" in r0["mixed"], r0["mixed"]
+    for what in ("rank(s) [1] hold weights that differ from the writer rank 0's", "mix different models",
+                 "load the same weights on every rank", "model.load(run_dir, 'best') on every rank",
+                 "nothing was scored"):
+        assert what in msg, (what, msg)
+    assert r0["reloaded"] == r1["reloaded"] == r0["equal"]  # the same weights again: the same metrics

@@ -33,6 +33,13 @@ def test_ddp_arguments_are_checked(kwargs: dict, word: str) -> None:
         DDP(**kwargs)
 
 
+@pytest.mark.parametrize("value,named", [("0", "got str '0'"), (1.0, "got float 1.0"), (True, "got bool True")])
+def test_ddp_writer_rank_of_another_type_names_the_type_received(value: object, named: str) -> None:
+    with pytest.raises(ConfigError, match="must be an int") as err:
+        DDP(writer_rank=value)  # type: ignore[arg-type]
+    assert named in str(err.value) and "DDP(writer_rank=0)" in str(err.value)
+
+
 def _trainer(net: nn.Module, **kw) -> Trainer:
     return Trainer(net, torch.optim.SGD(net.parameters(), lr=0.1), nn.CrossEntropyLoss(), distributed=DDP(), **kw)
 
@@ -47,6 +54,25 @@ def test_batchnorm_and_fp16_and_a_custom_step_are_refused_at_construction() -> N
     with pytest.raises(ConfigError, match="DDP"):
         Trainer(nn.Linear(3, 2), torch.optim.SGD(nn.Linear(3, 2).parameters(), lr=0.1), nn.CrossEntropyLoss(),
                 distributed="ddp")
+
+
+def test_the_batchnorm_refusal_says_syncbatchnorm_is_for_gpus_and_what_to_do_on_cpu() -> None:
+    """A fresh user on CPU followed the advice to convert to SyncBatchNorm and got torch's
+    'SyncBatchNorm layers only work with GPU modules' at the first batch."""
+    with pytest.raises(ConfigError) as err:
+        _trainer(nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4)))
+    msg = str(err.value)
+    for what in ("on GPUs (nccl) convert them with torch.nn.SyncBatchNorm.convert_sync_batchnorm(net)",
+                 "on CPU (gloo) SyncBatchNorm does not run: remove them", "GroupNorm", "LayerNorm"):
+        assert what in msg, (what, msg)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="SyncBatchNorm runs on CUDA")
+def test_syncbatchnorm_without_cuda_is_refused_at_construction_not_at_the_first_batch() -> None:
+    net = nn.SyncBatchNorm.convert_sync_batchnorm(nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4)))
+    with pytest.raises(ConfigError, match=r"refuses SyncBatchNorm layers \(1\): they only run on CUDA") as err:
+        _trainer(net)
+    assert "remove them, or replace them" in str(err.value)
 
 
 def test_an_undeclared_callback_is_refused_and_roles_pick_the_ranks() -> None:

@@ -30,6 +30,25 @@ def test_a_runs_root_lists_each_run_with_status_epochs_best_and_size(tmp_path, c
     assert out[0].split() == ["run", "status", "epochs", "best", "started", "size"] and out[2].startswith("b ")
 
 
+def test_an_empty_runs_root_lists_no_runs_and_says_so(tmp_path, capsys):
+    """A fresh user's runs root with no run yet read "'X' is not a run: expected an event log"."""
+    root = tmp_path / "runs"
+    root.mkdir()
+    assert main([str(root)]) == 0
+    assert capsys.readouterr().out == f"no runs under {root} yet (a run's directory appears here when it starts)\n"
+    (root / ".leases").mkdir()  # what a runs root keeps beside its runs
+    assert main([str(root), "--json"]) == 0
+    got = capsys.readouterr()
+    assert got.out == "" and f"no runs under {root} yet" in got.err  # --json: zero rows, the note on stderr
+
+
+def test_a_directory_holding_other_things_is_not_taken_for_an_empty_runs_root(tmp_path, capsys):
+    (tmp_path / "data.csv").write_text("x\n")
+    (tmp_path / "notes").mkdir()
+    assert main([str(tmp_path)]) == 2
+    assert "is not a run" in capsys.readouterr().err
+
+
 def test_diff_names_the_first_event_where_two_runs_differ(tmp_path, capsys):
     _run(tmp_path, "a")
     _run(tmp_path, "same")

@@ -54,6 +54,16 @@ def test_rank_filter_attributes_the_log_to_the_writer_rank(run_dir, capsys):
     assert _json_lines(capsys) == []
 
 
+def test_a_rank_filter_that_matches_nothing_says_only_the_writer_ranks_events_are_logged(run_dir, capsys):
+    """A fresh user's `inspect runs/<id> --rank 1` printed a header alone, as if rank 1 had done nothing."""
+    assert main([str(run_dir), "--rank", "1"]) == 0
+    got = capsys.readouterr()
+    assert got.out.strip().count("\n") == 0  # the header alone
+    assert "the log holds the writer rank's events (rank 0); rank 1's are not recorded" in got.err, got.err
+    assert main([str(run_dir), "--rank", "0", "--limit", "1"]) == 0
+    assert capsys.readouterr().err == ""  # the writer rank's events: nothing to explain
+
+
 @pytest.mark.parametrize("at_kind", ["microbatch_done", "last_committed", "history_appended"])
 def test_at_seq_prints_every_projection_as_of_that_point(run_dir, capsys, at_kind):
     events = read_events(run_dir)
