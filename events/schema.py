@@ -512,6 +512,9 @@ class ParamsDigested(Event, frozen=True, kw_only=True, tag="params_digested"):
     digests: each rank's digest (hex; index = rank), taken by every rank and gathered to all.
     diverged: the digests are not all equal. since_step: the step of the previous agreeing digest (0: none
     before): when ``diverged`` the ranks first differed after it, at or before ``step``.
+    final: the comparison at the end of training (after the run's last commit), made when the cadence's
+    last one did not fall on the final step (``digest_every`` beyond the run's updates, a stop at an
+    update boundary): every completed or stopped run ends with its replicas compared.
     A disagreement stops the run (``run_failed`` follows); ``tools/replay`` checks every one.
     """
 
@@ -521,6 +524,7 @@ class ParamsDigested(Event, frozen=True, kw_only=True, tag="params_digested"):
     digests: list[str] = []
     diverged: bool = False
     since_step: int = 0
+    final: bool = False
 
 
 # --- after the run ---------------------------------------------------------------------

@@ -20,10 +20,12 @@ agree on every (state, kind) pair. Order of one run (spec 000 "Lifecycle order")
           validation_done?  epoch_summarized  monitor_decided?  scheduler_stepped*
           stop_requested?  (rows_recorded* | journal_published)?  history_appended  checkpoint_stored?  last_committed
           best_committed?  phase_committed?  (checkpoint_stored? callback_checkpointed)*  checkpoint_pruned* )*
-      validation_done(final)?  callback_finalized* (reverse order)  checkpoint_stored?  last_committed(final)
+      params_digested(final)?  validation_done(final)?  callback_finalized* (reverse order)  checkpoint_stored?
+      last_committed(final)
       checkpoint_pruned*  run_finalized
     failure anywhere:  run_failed  callback_finalized*  run_finalized
-    stop at an update boundary:  ... update_committed  stop_requested  callback_finalized*  run_finalized
+    stop at an update boundary:  ... update_committed  stop_requested  params_digested(final)?  callback_finalized*
+      run_finalized
     resume:  run_resumed  callback_began*  train_began  ...
     after the run:  run_finalized  evaluation_recorded*
 """
@@ -94,6 +96,8 @@ _BASE: tuple[dict[str, Any], ...] = (
     _t("scheduler_stepped", "updated", "updated"),
     # data parallelism: the ranks' parameter digests, after an update or at the epoch's last one
     _t("params_digested", [*_IN_EPOCH_QUIET, "validated"], "="),
+    # ... and once more at the end of training, at the final step, when the cadence's last was not of it
+    _t("params_digested", ["committed", "stopping"], "="),
     _t("validation_done", [*_IN_EPOCH_QUIET, "validated"], "validated"),
     # the final validation once training ended (after the last epoch's commit, or a stop at an update)
     _t("validation_done", ["committed", "stopping"], "="),

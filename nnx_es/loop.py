@@ -154,13 +154,20 @@ class TrainingLoop:
             if resumed_stopped:  # resumed after the run had decided to stop: finish it
                 state.record_stop(epoch=start_epoch - 1, step=ctx.step_count)
             self.stages(TrainingStage.BEFORE_TRAINING, ctx)
+            last_epoch = start_epoch - 1
             for epoch in range(start_epoch, start_epoch if resumed_stopped else epochs):
+                last_epoch = epoch
                 outcome = self._epoch(epoch, train_loader, val_loader, last=epoch == epochs - 1)
                 if outcome == "update_boundary":
                     stopped_at_update = True
                     break
                 if outcome == "stop":
                     break
+            if self.digest is not None and ctx.step_count != self.digest.since:
+                # the replicas compared at the final step when the cadence's last comparison was not of it
+                # (digest_every beyond the run, a stop at an update boundary): after the run's last commit
+                self.committer.complete()
+                self.digest.at_end(rec, epoch=max(last_epoch, 0), step=ctx.step_count)
             self.stages(TrainingStage.AFTER_TRAINING, ctx)
             if val_loader is not None and self._final_validation_due():
                 self.committer.complete()  # a deferred LAST lands first: the pass follows the run's last commit

@@ -9,9 +9,11 @@
 * invariant 11 (data parallelism): every ``params_digested`` holds one digest per rank
   of the run (``run_started.world_size``), all equal, and says so; a step never goes back;
   and one was recorded at every point of the declared cadence (``run_started.digests``:
-  every K committed updates, or each epoch's end) the run reached.
+  every K committed updates, or each epoch's end) the run reached, and one of the final
+  step of a completed or stopped run.
 
-Each check is fed ``(seq, event)`` of every decodable event and keeps O(callbacks) state.
+Each check is fed ``(seq, event)`` of every decodable event and keeps O(callbacks) state
+(the digest check: also each LAST's step, where a resume counts from).
 """
 
 from __future__ import annotations
@@ -420,6 +422,8 @@ class DigestCheck:
     ``params_digested`` at each multiple of K the run reached (known from ``history_appended`` and a
     completed or stopped ``run_finalized``, not from the receipts: this check reads no hot kind); or,
     each epoch, one for the epoch before its ``epoch_summarized``. A resume counts from its LAST's step.
+    A completed or stopped run's last digest is of its final step (one ``final`` after the last commit
+    when the cadence's last was not).
     """
 
     KINDS = frozenset({"run_started", "run_resumed", "params_digested", "epoch_summarized", "history_appended",
@@ -433,13 +437,14 @@ class DigestCheck:
         self.per_epoch = False  # the cadence: each epoch's end
         self.due: int | None = None  # the next step a digest is due at (every K)
         self.digested_epoch: int | None = None  # the epoch of the latest digest (per epoch)
+        self.missing_epoch: int | None = None  # an epoch reported without its digest, none since
         self.last_steps: dict[int, int] = {}  # LAST's seq -> its step (where a resume counts from)
 
     def _cadence(self, digests: DigestCadence | None, step: int) -> None:
         self.every = digests.every if digests is not None else None
         self.per_epoch = digests is not None and digests.every is None
         self.due = (step // self.every + 1) * self.every if self.every is not None else None
-        self.digested_epoch = None
+        self.digested_epoch = self.missing_epoch = None
 
     def _reached(self, seq: int, step: int, where: str) -> None:
         """The run committed ``step`` updates: every digest due up to it must be recorded by now."""
@@ -466,11 +471,18 @@ class DigestCheck:
                 self._reached(seq, record.counters.step, f"history_appended(epoch={record.epoch})")
             case RunFinalized(status=status, steps=steps) if status in ("completed", "stopped"):
                 self._reached(seq, steps, f"run_finalized(status={status!r})")
+                covered = (self.every is not None and steps % self.every == 0) or self.missing_epoch is not None
+                if (self.every is not None or self.per_epoch) and steps > 0 and self.step != steps and not covered:
+                    self.sink.add(seq, 11, f"a {status} run's last params_digested is not of its final step {steps}: "
+                                  "the replicas were not compared at the end of training",
+                                  expected=f"params_digested(step={steps})",
+                                  found="none" if self.step < 0 else f"step {self.step}")
             case EpochSummarized(epoch=epoch) if self.per_epoch and self.digested_epoch != epoch:
+                self.missing_epoch = epoch  # reported here: not again at the run's end
                 self.sink.add(seq, 11, f"no params_digested for epoch {epoch} before its epoch_summarized (the ranks "
                               "compare digests at each epoch's end)", expected=f"params_digested(epoch={epoch})",
                               found="none" if self.digested_epoch is None else f"epoch {self.digested_epoch}")
-            case ParamsDigested(epoch=epoch, step=step, digests=digests, diverged=diverged):
+            case ParamsDigested(epoch=epoch, step=step, digests=digests, diverged=diverged, final=final):
                 apart = sorted(r for r, d in enumerate(digests) if d != digests[0])
                 if apart or diverged:
                     self.sink.add(seq, 11, f"the ranks' parameters differ at step {step}: rank(s) {apart} "
@@ -487,14 +499,15 @@ class DigestCheck:
                                   found=step)
                 self.step = step
                 self.digested_epoch = epoch
+                self.missing_epoch = None
                 if self.due is not None and self.every is not None:
-                    if step % self.every:
+                    if step % self.every and not final:  # the end of training's may fall anywhere
                         self.sink.add(seq, 11, f"params_digested at step {step}, off the cadence (DDP(digest_every="
                                       f"{self.every}): multiples of {self.every})", expected=f"step {self.due}",
                                       found=step)
                     else:
                         self._reached(seq, step - 1, f"params_digested(step={step})")
                         if step >= self.due:
-                            self.due = step + self.every
+                            self.due = (step // self.every + 1) * self.every
             case _:
                 pass

@@ -86,10 +86,24 @@ class ParamDigest:
             self._decide(recorder, [bytes(t.tolist()).hex() for t in self.world.gather_tensor(mine)], epoch=epoch,
                          step=step)
 
+    def at_end(self, recorder: Any, *, epoch: int, step: int) -> bool:
+        """At the end of training (no failure): compare once more when the last agreeing digest is not of
+        the final step -- ``every`` beyond the run's updates, the updates after its last multiple, a stop at
+        an update boundary -- so every completed or stopped run ends with its replicas compared
+        (``params_digested(final=True)``). Returns whether it compared.
+
+        Raises:
+            DivergenceError: as :meth:`check`.
+        """
+        if step == self.since:
+            return False
+        self.check(recorder, epoch=epoch, step=step, final=True)
+        return True
+
     def _mine(self) -> torch.Tensor:
         return torch.frombuffer(bytearray.fromhex(params_digest(self.net)), dtype=torch.uint8)
 
-    def check(self, recorder: Any, *, epoch: int, step: int) -> None:
+    def check(self, recorder: Any, *, epoch: int, step: int, final: bool = False) -> None:
         """Gather every rank's digest, record them, and stop on a difference.
 
         Raises:
@@ -97,12 +111,12 @@ class ParamDigest:
                 the likely causes (a setting that differs between ranks first).
         """
         digests = [bytes(t.tolist()).hex() for t in self.world.gather_tensor(self._mine())]  # one all-gather of 16 bytes
-        self._decide(recorder, digests, epoch=epoch, step=step)
+        self._decide(recorder, digests, epoch=epoch, step=step, final=final)
 
-    def _decide(self, recorder: Any, digests: list[str], *, epoch: int, step: int) -> None:
+    def _decide(self, recorder: Any, digests: list[str], *, epoch: int, step: int, final: bool = False) -> None:
         agreed = len(set(digests)) == 1
         recorder.emit(ParamsDigested(epoch=epoch, step=step, digests=digests, diverged=not agreed,
-                                    since_step=self.since))
+                                    since_step=self.since, final=final))
         if agreed:
             self.since = step
             return

@@ -76,7 +76,8 @@ class DDP:
         timeout_seconds: the process group's timeout when nnx_es initializes it (also the bound
             of its collectives under gloo): a dead peer is an error after this long, never a hang.
         digest_every: compare a digest of every rank's parameters every N committed updates
-            (``None``: at each epoch's end); a mismatch stops the run naming the ranks.
+            (``None``: at each epoch's end), and once more at the end of training when the last
+            comparison was not of the final step; a mismatch stops the run naming the ranks.
         own_partition: the train loaders deal each rank its own rows by means nnx_es cannot
             see (a sampler of your own, an ``IterableDataset`` that shards by rank). Without it,
             a train loader that is neither :func:`~nnx_es.distributed.train_loader` nor a

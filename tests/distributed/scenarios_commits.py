@@ -186,6 +186,31 @@ def digest_every(world: World, out: Path) -> dict[str, Any]:
     return {"status": result.status}
 
 
+@case
+def digest_beyond_run(world: World, out: Path) -> dict[str, Any]:
+    """Found by a fresh user: ``DDP(digest_every=K)`` with K beyond the run's updates compared nothing, so a
+    rank whose weights drifted completed. The end of training compares once more (final=True)."""
+    import ddpkit
+    from nnx_es import LambdaCallback
+    from nnx_es.distributed import train_loader
+
+    def nudge(ctx: Any) -> None:
+        if ctx.epoch == 1 and ctx.state.world.rank == 1:
+            with torch.no_grad():
+                next(ctx.net.parameters()).view(-1)[0] += 1e-6
+
+    got: dict[str, Any] = {}
+    for name, callbacks in (("clean", []), ("nudged", [LambdaCallback(name="nudge", distributed="all",
+                                                                      on_epoch_begin=nudge)])):
+        t = ddpkit.trainer(ddpkit.net(), runs_root=out / "runs", run_id=f"beyond_{name}",
+                           distributed=DDP(timeout_seconds=30, digest_every=1000), callbacks=callbacks)
+        try:
+            got[name] = t.fit(train_loader(ddpkit.dataset(), ddpkit.BATCH, seed=ddpkit.SEED), epochs=3).status
+        except Exception as exc:  # noqa: BLE001
+            got[name] = error(exc)
+    return got
+
+
 # --- a rank killed mid-epoch -----------------------------------------------------------------
 
 

@@ -15,7 +15,7 @@ from events.schema import DigestCadence
 SCRIPT = Path(__file__).resolve().parent / "scenarios.py"
 CASES = ["equivalence", "ignored_targets", "masked_window", "nonfinite_window", "refusals", "decisions", "local_stop", "writer_only",
          "commit_fault", "resume_other_world", "resume_auto", "sha_refusal", "callback_roles",
-         "divergence", "digest_every", "resume_killed", "fused_hook", "rank_streams",
+         "divergence", "digest_every", "digest_beyond_run", "resume_killed", "fused_hook", "rank_streams",
          "staging_ways"]
 
 
@@ -253,10 +253,26 @@ def test_digests_every_k_committed_updates_are_compared_at_exactly_those_steps(d
     run_dir = ddp_run / "runs" / "digest_every"
     total = max(e.step for e in of_kind(run_dir, "update_committed"))
     digests = of_kind(run_dir, "params_digested")
-    assert total >= 9 and [d.step for d in digests] == list(range(3, total + 1, 3))
+    assert total == 10 and [(d.step, d.final) for d in digests] == [(3, False), (6, False), (9, False), (10, True)]
     assert all(not d.diverged and len(d.digests) == 2 and len(set(d.digests)) == 1 for d in digests)
     assert of_kind(run_dir, "run_started")[0].digests == DigestCadence(every=3)  # the cadence replay checks
     assert audit_run(run_dir).ok  # (with a digest left out it names the step: tests/unit test_audit_digests)
+
+
+def test_a_digest_cadence_beyond_the_run_still_compares_the_replicas_at_its_end(ddp_run: Path) -> None:
+    from nnx_es.audit import audit_run
+    from trainkit import of_kind
+
+    r0, r1 = _ok(ddp_run, "digest_beyond_run")
+    assert r0["clean"] == r1["clean"] == "completed"
+    clean = of_kind(ddp_run / "runs" / "beyond_clean", "params_digested")
+    total = max(e.step for e in of_kind(ddp_run / "runs" / "beyond_clean", "update_committed"))
+    assert [(d.step, d.final, d.diverged) for d in clean] == [(total, True, False)]  # one: at the end
+    assert audit_run(ddp_run / "runs" / "beyond_clean").ok
+    for r in (r0, r1):  # rank 1's drift, never compared before: caught at the end on both ranks
+        assert r["nudged"][0] == "DivergenceError" and "rank(s) [1]" in r["nudged"][1], r["nudged"]
+    nudged = of_kind(ddp_run / "runs" / "beyond_nudged", "params_digested")
+    assert [(d.final, d.diverged) for d in nudged] == [(True, True)]
 
 
 def test_replay_audits_a_two_rank_run_clean(ddp_run: Path) -> None:

@@ -48,8 +48,9 @@ def epoch_end(epoch: int, step: int) -> list[Event]:
             LastCommitted(manifest=f"m{epoch}", epoch=epoch, step=step, counters=counters)]
 
 
-def every_three(steps_per_epoch: int, epochs: int, *, drop: int | None = None) -> list[Event]:
-    """A run with DDP(digest_every=3): each epoch's updates, a digest at every multiple of 3 (but ``drop``)."""
+def every_three(steps_per_epoch: int, epochs: int, *, drop: int | None = None, final: bool = True) -> list[Event]:
+    """A run with DDP(digest_every=3): each epoch's updates, a digest at every multiple of 3 (but ``drop``),
+    and (``final``) the end of training's at the final step when that is not a multiple."""
     out: list[Event] = [started(3)]
     step = 0
     for epoch in range(epochs):
@@ -58,6 +59,8 @@ def every_three(steps_per_epoch: int, epochs: int, *, drop: int | None = None) -
             if step % 3 == 0 and step != drop:
                 out.append(digest(epoch, step))
         out += epoch_end(epoch, step)
+    if step % 3 and final:
+        out.append(ParamsDigested(epoch=epochs - 1, step=step, digests=SAME, final=True))
     out.append(RunFinalized(status="completed", epochs=epochs, steps=step))
     return out
 
@@ -123,3 +126,19 @@ def test_a_failed_run_and_a_run_without_a_declared_cadence_are_checked_for_agree
     assert "rank(s) [1] disagree" in check(apart)[0][1]
     three = [started(3), ParamsDigested(epoch=0, step=3, digests=SAME + SAME[:1])]
     assert [m for _, m in check(three)] == ["params_digested holds 3 digests in a run of 2 ranks"]
+
+
+def test_a_completed_run_ends_with_a_digest_of_its_final_step() -> None:
+    # found by a fresh user: DDP(digest_every=1000) on a 152-update run compared nothing, ever
+    assert check(every_three(5, 2)) == []  # steps 3, 6, 9, then the final one at 10 (off the cadence: final)
+    found = check(every_three(5, 2, final=False))
+    assert [m for _, m in found] == ["a completed run's last params_digested is not of its final step 10: the "
+                                     "replicas were not compared at the end of training"]
+    beyond = [started(1000), *epoch_end(0, 152), RunFinalized(status="completed", epochs=1, steps=152)]
+    assert "not of its final step 152" in check(beyond)[0][1]
+    stopped = [started(None), digest(0, 2), *epoch_end(0, 2), digest(1, 3),  # epoch 1 stopped at an update
+               RunFinalized(status="stopped", epochs=1, steps=4)]
+    assert [m for _, m in check(stopped)] == ["a stopped run's last params_digested is not of its final step 4: "
+                                              "the replicas were not compared at the end of training"]
+    off = [started(3), digest(0, 3), ParamsDigested(epoch=0, step=4, digests=SAME)]  # not final: off the cadence
+    assert "off the cadence" in check(off)[0][1]
