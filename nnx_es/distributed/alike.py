@@ -45,6 +45,12 @@ def _plain(value: Any) -> Any:
         return [_plain(v) for v in value]
     if value is None or isinstance(value, (bool, int, float, str)):
         return _ADDRESS.sub("", value) if isinstance(value, str) else value
+    import torch
+
+    if isinstance(value, torch.Tensor):  # its values, not its repr: a device (cuda:0, cuda:1) differs by rank
+        return value.detach().cpu().tolist() if value.numel() <= 64 else [str(value.dtype), list(value.shape)]
+    if hasattr(value, "item") and getattr(value, "shape", None) == ():  # a NumPy scalar
+        return value.item()
     return _ADDRESS.sub("", repr(value))
 
 

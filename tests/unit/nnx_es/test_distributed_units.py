@@ -114,3 +114,28 @@ def test_the_follower_keeps_blobs_in_memory_and_no_event() -> None:
     log.flush(sync=True)
     assert log.durable_seq == 8 and list(log.read()) == [] and log.syncs == 1
 
+
+
+def test_the_declarations_the_ranks_compare_leave_out_what_differs_by_process_not_by_recipe() -> None:
+    """nnx_es.distributed.alike: a repr's memory address and a tensor's device differ between ranks running
+    the same recipe; a tensor data set is fingerprinted whole (a rank's Subset shard is its own)."""
+    import numpy as np
+    from torch.utils.data import Subset, TensorDataset
+
+    from nnx_es.distributed.alike import _plain, data_fingerprint
+
+    class Loss:
+        pass
+
+    a, b = _plain({"fn": Loss(), "lr": torch.tensor(0.1), "eps": np.float32(2.0)}), _plain(
+        {"fn": Loss(), "lr": torch.tensor(0.1), "eps": np.float32(2.0)})
+    assert a == b and " at 0x" not in a["fn"] and a["eps"] == 2.0 and a["lr"] == pytest.approx(0.1)
+    assert _plain(torch.tensor(0.2)) != _plain(torch.tensor(0.1))
+    data = TensorDataset(torch.arange(40.0).reshape(20, 2), torch.arange(20))
+    assert data_fingerprint(Subset(data, range(0, 20, 2))) == data_fingerprint(Subset(data, range(1, 20, 2))) \
+        == data_fingerprint(data)
+    other = TensorDataset(torch.arange(40.0).reshape(20, 2), torch.arange(20))
+    other.tensors[0][19, 1] += 1  # the last row: sampled
+    assert data_fingerprint(other) != data_fingerprint(data)
+    assert data_fingerprint(TensorDataset(torch.arange(40.0).reshape(20, 2), torch.arange(20) % 3)) != data_fingerprint(data)
+    assert data_fingerprint([(1, 2)]) is None  # another data set: its __getitem__ is never called
