@@ -31,6 +31,7 @@ import structlog
 
 from events.schema import CallbackFinalized, RunFailed, RunFinalized
 from nnx_es.callbacks import Callback, CallbackList
+from nnx_es.distributed.peers import peer_failures, post_failure
 from nnx_es.errors import NoUpdateError
 from nnx_es.stages import StageDispatcher, TrainingStage
 
@@ -88,13 +89,19 @@ class Finalization:
         self.ctx = ctx
         #: the projections the views were written from, and the log's length then
         self.projection: tuple[Projections, int] | None = None
+        #: this session of the run, alike on every rank (its opening's seq): where failures are posted
+        self.session = f"{state.run_id}@{state.recorder.log.next_seq}"
 
     def _run_failed(self, exc: BaseException, with_traceback: bool) -> None:
         rec, ctx = self.state.recorder, self.ctx
         if rec.accepts("run_failed"):
+            message = str(exc) or ("interrupted" if isinstance(exc, KeyboardInterrupt) else repr(exc))
+            others = peer_failures(self.state.world, self.session)
+            if others:  # under DDP this rank's error is often the symptom (a closed connection) of theirs
+                message += f" [failed on another rank first: {'; '.join(others)}]"
+                exc.add_note(f"nnx_es: failed on another rank: {'; '.join(others)}")
             rec.emit(RunFailed(
-                error_type=type(exc).__name__, message=str(exc) or ("interrupted" if isinstance(exc, KeyboardInterrupt)
-                                                                    else repr(exc)),
+                error_type=type(exc).__name__, message=message,
                 epoch=ctx.epoch, step=ctx.step_count,
                 traceback="".join(traceback.format_exception(exc))[-4000:] if with_traceback else "",
             ))
@@ -108,6 +115,8 @@ class Finalization:
         """
         state, committer = self.state, self.committer
         rec = state.recorder
+        if failure is not None:  # first: the writer's record names it (nnx_es.distributed.peers)
+            post_failure(state.world, self.session, failure)
         # a commit still in flight lands first: its blobs may be durable already
         _attempt(committer.complete)
         _attempt(committer.close)

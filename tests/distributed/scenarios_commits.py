@@ -243,6 +243,29 @@ def killed(world: World, out: Path) -> dict[str, Any]:
 
 
 @case
+def peer_error(world: World, out: Path) -> dict[str, Any]:
+    """Rank 1's callback raises in epoch 1; rank 1 leaves (exit 0); rank 0 fails on the broken group. Found by a
+    fresh user: the writer's run_failed recorded only gloo's "Connection closed by peer"."""
+    import ddpkit
+    from nnx_es import LambdaCallback
+    from nnx_es.distributed import DDP, train_loader
+
+    def boom(ctx: Any) -> None:
+        if ctx.epoch == 1 and ctx.batch_index == 1 and ctx.state.world.rank == 1:
+            raise ValueError("boom on rank 1")
+
+    t = ddpkit.trainer(ddpkit.net(), runs_root=out / "runs", run_id="peer_error", distributed=DDP(timeout_seconds=20),
+                       callbacks=[LambdaCallback(name="boom", distributed="all", on_batch_end=boom)])
+    try:
+        t.fit(train_loader(ddpkit.dataset(), ddpkit.BATCH, seed=ddpkit.SEED), epochs=3)
+        res: dict[str, Any] = {"ok": True, "raised": None}
+    except Exception as exc:  # noqa: BLE001
+        res = {"ok": True, "raised": error(exc), "notes": getattr(exc, "__notes__", [])}
+    launch.write_result(out, "peer_error", world.rank, res)
+    os._exit(0)
+
+
+@case
 def resume_killed(world: World, out: Path) -> dict[str, Any]:
     """The killed run, resumed by a new group with resume='auto': the uninterrupted run's parameters."""
     import ddpkit

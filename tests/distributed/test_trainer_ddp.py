@@ -32,6 +32,14 @@ def killed_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
+def peer_error_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A launch in which rank 1's callback raises mid-epoch 1 and rank 1 leaves; rank 0 fails on the group."""
+    out = tmp_path_factory.mktemp("peer_error")
+    torchrun(SCRIPT, str(out), "peer_error", timeout_s=90)
+    return out
+
+
+@pytest.fixture(scope="module")
 def ddp_run(tmp_path_factory: pytest.TempPathFactory, reference, killed_run: Path) -> Path:
     out = tmp_path_factory.mktemp("ddp")
     proc = torchrun(SCRIPT, str(out), ",".join(CASES), timeout_s=180,
@@ -358,3 +366,17 @@ def test_dropout_draws_each_ranks_own_stream_the_same_for_the_same_seed(ddp_run:
         assert 0.3 < runs["streams_a"]["kept"] < 0.7  # dropout p = 0.5 did drop
         assert runs["streams_a"]["initial_seed"] == rank_seed(0, rank)  # the documented derivation
         assert runs["streams_c"]["initial_seed"] == rank_seed(1, rank)
+
+
+def test_the_writers_record_of_a_failure_names_the_rank_that_failed_first(peer_error_run: Path) -> None:
+    from nnx_es.result import load_result
+    from trainkit import of_kind
+
+    r0, r1 = results(peer_error_run, "peer_error")
+    assert r1["raised"][:2] == ["ValueError", "boom on rank 1"]
+    assert r0["raised"] is not None and r0["raised"][0] != "ValueError", r0  # rank 0's own: the broken group
+    assert "nnx_es: failed on another rank: rank 1: ValueError: boom on rank 1" in r0["notes"]
+    run_dir = peer_error_run / "runs" / "peer_error"
+    (failed,) = of_kind(run_dir, "run_failed")
+    assert failed.message.endswith("[failed on another rank first: rank 1: ValueError: boom on rank 1]"), failed
+    assert load_result(run_dir).status == "failed"
