@@ -49,7 +49,7 @@ from nnx_es.commit import Committer
 from nnx_es.commit import checkpoint_lag as lag_in_updates
 from nnx_es.context import TrainContext
 from nnx_es.device import place_model, resolve_device
-from nnx_es.distributed.alike import check_alike, data_fingerprint
+from nnx_es.distributed.alike import check_alike, data_fingerprint, describe_callable, settings
 from nnx_es.distributed.digest import ParamDigest
 from nnx_es.distributed.roles import check_declared, for_rank
 from nnx_es.distributed.wrap import check_distributed, data_parallel, is_writer_rank
@@ -422,15 +422,26 @@ class Trainer:
         and shapes, the trainer's settings that decide when the ranks meet, ``fit``'s arguments and a
         fingerprint of tensor data sets."""
         started = msgspec.structs.asdict(self._declare("", None))
-        for field in ("run_id", "wall_time_s", "library_versions", "callbacks", "loaders", "source"):
-            started.pop(field)
+        for field in ("run_id", "wall_time_s", "library_versions", "callbacks", "loaders", "source", "recipe"):
+            started.pop(field)  # (the recipe's metadata, a per-host data path perhaps: logged when it differs)
         geometry = loader_geometries({"train": train_loader, "val": val_loader})
         train, val = geometry.get("train"), geometry.get("val")
         fit_args["resume_from"] = fit_args["resume_from"] is not None  # a path may differ between hosts
         own = self.distributed is not None and self.distributed.own_partition
         return {
             **started, "run_id": self.run_id, **fit_args,
-            "callbacks": [cb.name for cb in self.callbacks if getattr(cb, "distributed", None) == "all"],
+            # a callback of nnx_es's by its settings (early stopping's patience), one of the user's by its name
+            "callbacks": [settings(cb) | {"name": cb.name} if type(cb).__module__.startswith("nnx_es.") else cb.name
+                          for cb in self.callbacks if getattr(cb, "distributed", None) == "all"],
+            "loss functions": {name: describe_callable(term.fn) for name, term in self.objective.terms.items()},
+            "step functions": {"train_step_fn": describe_callable(self.engine.train_step_fn),
+                               "eval_step_fn": describe_callable(self.eval_step_fn),
+                               "trainer_step_fn": describe_callable(self.trainer_step_fn),
+                               "val_batch_callback": describe_callable(self.val_batch_callback)},
+            "update hooks": [settings(h) for h in self.update_hooks],
+            "scheduler settings": {s.name: settings(s.scheduler) for s in self.schedulers},
+            # every module's settings (a Dropout's p; the parameters are compared below)
+            "modules": [(name, settings(m)) for name, m in self.net.named_modules()],
             # a rank's own partition may hold a number of rows of its own (the batches are agreed apart)
             "train loader": train if not own or train is None else {"batch_size": train.batch_size},
             # a validation shard's length is its own (rows rank::world, unpadded)
@@ -536,7 +547,7 @@ class Trainer:
             if world.distributed:  # every rank runs the same recipe (nnx_es.distributed.alike)
                 check_alike(world, self._alike(train_loader, val_loader, epochs=epochs, resume=resume,
                                                resume_mode=resume_mode, resume_from=resume_from, resume_at=resume_at),
-                            versions=library_versions())
+                            logged={"library versions": library_versions(), "recipe": self.recipe})
             return self._fit(train_loader, val_loader, epochs=epochs, resume_from=resume_from,
                              resume_mode=resume_mode, resume=resume, resume_at=resume_at, world=world)
 

@@ -12,8 +12,14 @@ sees it only in the weights, and only for what moves them.
 :func:`check_alike` gathers each rank's declaration once (one all-gather) and refuses, on every
 rank alike, a field that differs, naming it and each rank's value. Only what differs between
 ranks by design is left out: the callbacks that run on the writer alone, a rank's own shard
-of the validation rows (its length), the library versions (they are compared and a difference
-is logged: hosts may differ in a patch release).
+of the validation rows (its length), the library versions and the ``recipe`` metadata (they
+are compared and a difference is logged: hosts may differ in a patch release or a data path).
+
+What is compared of an object is its settings (:func:`settings`: public numbers, strings, flags,
+small tensors), of a function its name, defaults and captured settings
+(:func:`describe_callable`); a user callback by its name alone (its attributes may hold a
+clock or a path of its own); a data set by a fingerprint of 8 rows (:func:`data_fingerprint`):
+a difference in rows it does not sample goes unseen.
 """
 
 from __future__ import annotations
@@ -27,7 +33,7 @@ import structlog
 
 from nnx_es.errors import ConfigError
 
-__all__ = ["check_alike", "data_fingerprint"]
+__all__ = ["check_alike", "data_fingerprint", "describe_callable", "settings"]
 
 log = structlog.get_logger("nnx_es.distributed")
 
@@ -54,6 +60,58 @@ def _plain(value: Any) -> Any:
     return _ADDRESS.sub("", repr(value))
 
 
+def _setting(value: Any) -> bool:
+    """Whether ``value`` is a setting to compare (a number, string, flag, small tensor, or a short list or
+    mapping of them) rather than an object, a function or state that grows."""
+    import torch
+
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return True
+    if isinstance(value, torch.Tensor):
+        return value.numel() <= 64
+    if isinstance(value, (list, tuple)):
+        return len(value) <= 64 and all(_setting(v) for v in value)
+    if isinstance(value, dict):
+        return len(value) <= 64 and all(isinstance(k, str) and _setting(v) for k, v in value.items())
+    return hasattr(value, "item") and getattr(value, "shape", None) == ()  # a NumPy scalar
+
+
+def settings(obj: Any) -> dict[str, Any]:
+    """``obj``'s class and public attributes that are settings (:func:`_setting`): a module's ``p``, a loss's
+    ``label_smoothing``, a scheduler's ``gamma``, early stopping's ``patience``."""
+    attrs = getattr(obj, "__dict__", {})
+    return {"class": f"{type(obj).__module__}.{type(obj).__qualname__}",
+            **{k: _plain(v) for k, v in sorted(attrs.items()) if not k.startswith("_") and _setting(v)}}
+
+
+def describe_callable(fn: Any) -> Any:
+    """A loss or step function as two ranks can compare it: a ``functools.partial``'s function, arguments and
+    keywords; a function's name, defaults and the settings its closure captured (a lambda reading a
+    per-rank value); a module's or a callable object's :func:`settings`; ``None`` for ``None``."""
+    import functools
+    import types
+
+    if fn is None:
+        return None
+    if isinstance(fn, functools.partial):
+        return {"partial": describe_callable(fn.func), "args": _plain(list(fn.args)),
+                "keywords": _plain(dict(fn.keywords))}
+    if isinstance(fn, types.FunctionType):
+        cells = [c.cell_contents for c in fn.__closure__ or () if _cell_setting(c)]
+        return {"function": f"{fn.__module__}.{fn.__qualname__}", "defaults": _plain(list(fn.__defaults__ or ())),
+                "keywords": _plain(dict(fn.__kwdefaults__ or {})), "captured": _plain(cells)}
+    if isinstance(fn, (types.MethodType, types.BuiltinFunctionType)):
+        return f"{getattr(fn, '__module__', '')}.{getattr(fn, '__qualname__', repr(fn))}"
+    return settings(fn)
+
+
+def _cell_setting(cell: Any) -> bool:
+    try:
+        return _setting(cell.cell_contents)
+    except ValueError:  # an empty cell
+        return False
+
+
 def data_fingerprint(dataset: Any) -> str | None:
     """A short hash of a tensor data set (``TensorDataset``; a ``Subset``'s is its whole data set's, since a
     rank's own shard differs by design): its length, its tensors' dtypes and shapes, and :data:`_SAMPLES`
@@ -77,14 +135,15 @@ def data_fingerprint(dataset: Any) -> str | None:
     return h.hexdigest()
 
 
-def check_alike(world: Any, declared: dict[str, Any], *, versions: dict[str, str] | None = None) -> None:
+def check_alike(world: Any, declared: dict[str, Any], *, logged: dict[str, Any] | None = None) -> None:
     """Refuse, on every rank alike, a run whose ranks declare it differently (see the module docstring).
 
     Args:
         world: the run's world (:class:`~nnx_es.run_state.World`); one process: nothing is checked.
         declared: this rank's declaration, by field (any values: compared as builtins, memory
             addresses in a repr left out).
-        versions: this rank's library versions: a difference is logged, not refused.
+        logged: what may differ between hosts and is only logged when it does (library versions,
+            the user's ``recipe`` metadata: a per-host data path).
 
     Raises:
         ConfigError: naming every field that differs and each rank's value (shortened), before
@@ -95,24 +154,44 @@ def check_alike(world: Any, declared: dict[str, Any], *, versions: dict[str, str
     mine = {k: _plain(v) for k, v in declared.items()}
     digests = {k: hashlib.sha256(msgspec.json.encode(v, order="deterministic")).hexdigest()[:16]
                for k, v in mine.items()}
-    everyone = world.gather({"digests": digests, "versions": versions or {}})
+    everyone = world.gather({"digests": digests, "logged": _plain(logged or {})})
     differ = sorted(k for k in digests if len({r["digests"].get(k) for r in everyone}) > 1)
-    ranks_versions = [r["versions"] for r in everyone]
-    if any(v != ranks_versions[0] for v in ranks_versions):
-        log.warning("the ranks' library versions differ", versions=ranks_versions, rank=world.rank)
+    for key in (logged or {}):
+        values = [r["logged"].get(key) for r in everyone]
+        if any(v != values[0] for v in values):
+            log.warning(f"the ranks' {key} differ", values=values, rank=world.rank)
     if not differ:
         return
     # the values, for the message: gathered only now (a refusal), the same message on every rank
     values = world.gather({k: mine[k] for k in differ})
     parts = []
     for k in differ:
-        shown = "; ".join(f"rank {r}: {_short(v[k])}" for r, v in enumerate(values))
-        parts.append(f"{k} ({shown})")
+        where, theirs = _focus([v[k] for v in values])
+        shown = "; ".join(f"rank {r}: {_short(v)}" for r, v in enumerate(theirs))
+        parts.append(f"{k}{where} ({shown})")
     raise ConfigError(
         f"the ranks do not declare the same run: {', '.join(parts)}; every rank must build the same trainer "
         "and call fit with the same arguments on the same data (a setting that depends on the rank, the host or "
         "the environment trains something else on one rank, and the averaged gradients mix them); nothing was "
         "trained or written")
+
+
+def _focus(values: list[Any]) -> tuple[str, list[Any]]:
+    """Where the ranks' ``values`` first differ, as a path (``[3]``, ``["loss"]``) and each rank's value
+    there: descending while they are lists of one length or mappings of the same keys."""
+    path = ""
+    while True:
+        first = values[0]
+        if isinstance(first, list) and all(isinstance(v, list) and len(v) == len(first) for v in values):
+            i = next((i for i in range(len(first)) if any(v[i] != first[i] for v in values)), None)
+        elif isinstance(first, dict) and all(isinstance(v, dict) and v.keys() == first.keys() for v in values):
+            i = next((k for k in first if any(v[k] != first[k] for v in values)), None)
+        else:
+            return path, values
+        if i is None:
+            return path, values
+        path += f"[{i!r}]"
+        values = [v[i] for v in values]
 
 
 def _short(value: Any, limit: int = 160) -> str:

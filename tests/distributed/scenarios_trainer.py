@@ -120,11 +120,13 @@ def not_alike(world: World, out: Path) -> dict[str, Any]:
     got: dict[str, Any] = {}
 
     def fit(name: str, *, loss: Any = None, lr: float = 0.2, data: Any = None, epochs: int = 1,
-            loader: Any = None, ddp: Any = None, **kw: Any) -> None:
-        model = ddpkit.net()
+            loader: Any = None, ddp: Any = None, model: Any = None, gamma: float | None = None, **kw: Any) -> None:
+        model = model or ddpkit.net()
         opt = torch.optim.SGD(model.parameters(), lr=lr)
-        from nnx_es import Trainer
+        from nnx_es import Scheduler, Trainer
 
+        if gamma is not None:
+            kw["schedulers"] = [Scheduler(torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=gamma))]
         t = Trainer(model, opt, loss or torch.nn.CrossEntropyLoss(), runs_root=out / "na", run_id=name,
                     distributed=ddp or DDP(timeout_seconds=30), progress=False, sample_weights=True, **kw)
         try:
@@ -142,6 +144,20 @@ def not_alike(world: World, out: Path) -> dict[str, Any]:
         other.tensors[0][0] += 1.0  # the same length and shapes: another data set all the same
     fit("data", data=other)
     fit("callback", callbacks=[LambdaCallback(name="extra", distributed="all")] if one else [])
+    # a second fresh user's: what the first comparison missed
+    import functools
+
+    from nnx_es import EMA, EarlyStopping
+
+    fit("partial_loss", loss=functools.partial(torch.nn.functional.cross_entropy, reduction="none",
+                                               label_smoothing=0.3 if one else 0.0))
+    scale = 2.0 if one else 1.0
+    fit("train_step_fn", train_step_fn=lambda net, batch: (net(batch[0] * scale), batch[1], batch[2]))
+    fit("dropout", model=torch.nn.Sequential(ddpkit.net(), torch.nn.Dropout(0.5 if one else 0.0)))
+    fit("ema", hooks=[EMA(0.5 if one else 0.99)])
+    fit("patience", callbacks=[EarlyStopping(patience=1 if one else 50)], monitor="loss")
+    fit("gamma", gamma=0.5 if one else 0.9)
+    fit("recipe", recipe={"data_dir": f"/host{world.rank}/data"})  # metadata: logged, not refused
     fit("writer_callback", callbacks=[writer_only(lambda: LambdaCallback(name="w", distributed="writer"))])
     own = torch.utils.data.DataLoader(torch.utils.data.Subset(ddpkit.dataset(), range(world.rank, 24, 2)), batch_size=5)
     fit("own_partition", loader=own, ddp=DDP(timeout_seconds=30, own_partition=True))

@@ -112,19 +112,28 @@ def test_a_run_declared_otherwise_on_one_rank_is_refused_on_every_rank_naming_wh
     # found by a fresh user: each of these completed, rank 1 training something else than rank 0
     r0, r1 = results(mismatch_run, "not_alike")
     assert r0["ok"] and r1["ok"], (r0, r1)
-    for name, field, shown in (("loss", "objective", "label_smoothing=0.5"), ("lr", "optimizer hyperparameters", "0.4"),
+    for name, field, shown in (("loss", "objective['loss']", "label_smoothing=0.5"),
+                               ("lr", "optimizer hyperparameters['sgd'][0]['lr']", "rank 1: 0.4"),
                                ("accumulation", "accumulation", "rank 1: 2"), ("epochs", "epochs", "rank 1: 2"),
-                               ("data", "train data", "rank 1: "), ("callback", "callbacks", '["extra"]')):
+                               ("data", "train data", "rank 1: "), ("callback", "callbacks", '"name":"extra"'),
+                               # a second fresh user's: each completed (or diverged an epoch later) before
+                               ("partial_loss", "loss functions['loss']['keywords']['label_smoothing']", "rank 1: 0.3"),
+                               ("train_step_fn", "step functions['train_step_fn']['captured'][0]", "rank 1: 2.0"),
+                               ("dropout", "modules[", "['p'] (rank 0: 0.0; rank 1: 0.5)"),
+                               ("ema", "update hooks[0]['decay']", "rank 1: 0.5"),
+                               ("patience", "callbacks[0]['patience']", "rank 1: 1"),
+                               ("gamma", "scheduler settings['steplr']['gamma']", "rank 1: 0.5")):
         for r in (r0, r1):
             assert r[name] != "completed", f"{name} trained"
             assert r[name][0] == "ConfigError", r[name]
             message = r[name][1]
-            assert f"the ranks do not declare the same run: {field} (" in message and shown in message, message
-            assert "nothing was trained or written" in message
+            assert message.startswith("the ranks do not declare the same run: ") and f" {field}" in message, message
+            assert shown in message and "nothing was trained or written" in message, message
         assert r0[name][1] == r1[name][1]  # the same refusal on every rank
     assert r0["writer_callback"] == r1["writer_callback"] == "completed"  # the writer's own: no difference
     assert r0["own_partition"] == r1["own_partition"] == "completed"  # each rank's own rows: no difference
-    assert [n for n in r0["wrote"] if not n.startswith(".")] == ["own_partition", "writer_callback"]  # refused: nothing
+    assert r0["recipe"] == r1["recipe"] == "completed"  # metadata (a per-host path): logged, not refused
+    assert [n for n in r0["wrote"] if not n.startswith(".")] == ["own_partition", "recipe", "writer_callback"]
 
 
 def test_evaluate_in_a_group_refuses_weights_that_differ_between_ranks_on_every_rank(mismatch_run: Path) -> None:

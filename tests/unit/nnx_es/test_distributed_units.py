@@ -139,3 +139,23 @@ def test_the_declarations_the_ranks_compare_leave_out_what_differs_by_process_no
     assert data_fingerprint(other) != data_fingerprint(data)
     assert data_fingerprint(TensorDataset(torch.arange(40.0).reshape(20, 2), torch.arange(20) % 3)) != data_fingerprint(data)
     assert data_fingerprint([(1, 2)]) is None  # another data set: its __getitem__ is never called
+
+
+def test_a_functions_settings_and_where_the_ranks_differ_are_named() -> None:
+    import functools
+
+    from nnx_es.distributed.alike import _focus, describe_callable
+
+    scale = 2.0
+
+    def step(net, batch):  # noqa: ANN001, ANN202
+        return net(batch[0] * scale), batch[1], None
+
+    d = describe_callable(step)
+    assert d["captured"] == [2.0] and d["function"].endswith("step")
+    p = describe_callable(functools.partial(torch.nn.functional.cross_entropy, label_smoothing=0.3))
+    assert p["keywords"] == {"label_smoothing": 0.3} and p["partial"]["function"] == "torch.nn.functional.cross_entropy"
+    assert describe_callable(nn.Dropout(0.25))["p"] == 0.25 and describe_callable(None) is None
+    where, values = _focus([{"a": [1, {"p": 0.0}]}, {"a": [1, {"p": 0.5}]}])
+    assert where == "['a'][1]['p']" and values == [0.0, 0.5]
+    assert _focus([[1, 2], [1, 2, 3]]) == ("", [[1, 2], [1, 2, 3]])  # of another length: shown whole
