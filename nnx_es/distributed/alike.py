@@ -38,6 +38,9 @@ __all__ = ["check_alike", "data_fingerprint", "describe_callable", "settings"]
 log = structlog.get_logger("nnx_es.distributed")
 
 _ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")  # a repr's memory address differs per process, not per recipe
+_DEVICE = re.compile(r"\b(cuda|xpu|npu|hpu|mps):\d+\b")  # so does a device's index: each rank has its own
+#: attributes that differ by design: the mode the loop sets itself
+_NOT_SETTINGS = frozenset({"training"})
 _SAMPLES = 8  # rows of a tensor data set hashed at evenly spaced positions
 
 
@@ -50,14 +53,14 @@ def _plain(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return [_plain(v) for v in value]
     if value is None or isinstance(value, (bool, int, float, str)):
-        return _ADDRESS.sub("", value) if isinstance(value, str) else value
+        return _DEVICE.sub(r"\1", _ADDRESS.sub("", value)) if isinstance(value, str) else value
     import torch
 
     if isinstance(value, torch.Tensor):  # its values, not its repr: a device (cuda:0, cuda:1) differs by rank
         return value.detach().cpu().tolist() if value.numel() <= 64 else [str(value.dtype), list(value.shape)]
     if hasattr(value, "item") and getattr(value, "shape", None) == ():  # a NumPy scalar
         return value.item()
-    return _ADDRESS.sub("", repr(value))
+    return _DEVICE.sub(r"\1", _ADDRESS.sub("", repr(value)))
 
 
 def _setting(value: Any) -> bool:
@@ -81,7 +84,8 @@ def settings(obj: Any) -> dict[str, Any]:
     ``label_smoothing``, a scheduler's ``gamma``, early stopping's ``patience``."""
     attrs = getattr(obj, "__dict__", {})
     return {"class": f"{type(obj).__module__}.{type(obj).__qualname__}",
-            **{k: _plain(v) for k, v in sorted(attrs.items()) if not k.startswith("_") and _setting(v)}}
+            **{k: _plain(v) for k, v in sorted(attrs.items())
+               if not k.startswith("_") and k not in _NOT_SETTINGS and _setting(v)}}
 
 
 def describe_callable(fn: Any) -> Any:

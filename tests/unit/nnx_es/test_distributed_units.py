@@ -131,6 +131,8 @@ def test_the_declarations_the_ranks_compare_leave_out_what_differs_by_process_no
         {"fn": Loss(), "lr": torch.tensor(0.1), "eps": np.float32(2.0)})
     assert a == b and " at 0x" not in a["fn"] and a["eps"] == 2.0 and a["lr"] == pytest.approx(0.1)
     assert _plain(torch.tensor(0.2)) != _plain(torch.tensor(0.1))
+    assert _plain({"device": "cuda:1", "r": "Net(device='cuda:1')"}) == _plain({"device": "cuda:0", "r": "Net(device='cuda:0')"})
+    assert _plain("cuda:0") != _plain("cpu")  # the kind of device is a setting; its index is the rank's
     data = TensorDataset(torch.arange(40.0).reshape(20, 2), torch.arange(20))
     assert data_fingerprint(Subset(data, range(0, 20, 2))) == data_fingerprint(Subset(data, range(1, 20, 2))) \
         == data_fingerprint(data)
@@ -156,6 +158,7 @@ def test_a_functions_settings_and_where_the_ranks_differ_are_named() -> None:
     p = describe_callable(functools.partial(torch.nn.functional.cross_entropy, label_smoothing=0.3))
     assert p["keywords"] == {"label_smoothing": 0.3} and p["partial"]["function"] == "torch.nn.functional.cross_entropy"
     assert describe_callable(nn.Dropout(0.25))["p"] == 0.25 and describe_callable(None) is None
+    assert "training" not in describe_callable(nn.Dropout(0.25))  # the loop sets the mode itself
     where, values = _focus([{"a": [1, {"p": 0.0}]}, {"a": [1, {"p": 0.5}]}])
     assert where == "['a'][1]['p']" and values == [0.0, 0.5]
     assert _focus([[1, 2], [1, 2, 3]]) == ("", [[1, 2], [1, 2, 3]])  # of another length: shown whole
