@@ -430,9 +430,9 @@ class Trainer:
         own = self.distributed is not None and self.distributed.own_partition
         return {
             **started, "run_id": self.run_id, **fit_args,
-            # a callback of nnx_es's by its settings (early stopping's patience), one of the user's by its name
-            "callbacks": [settings(cb) | {"name": cb.name} if type(cb).__module__.startswith("nnx_es.") else cb.name
-                          for cb in self.callbacks if getattr(cb, "distributed", None) == "all"],
+            # a callback of nnx_es's by its settings (early stopping's patience), one of the user's by its class
+            "callbacks": [settings(cb) | {"name": cb.name} for cb in self.callbacks
+                          if getattr(cb, "distributed", None) == "all"],
             "loss functions": {name: describe_callable(term.fn) for name, term in self.objective.terms.items()},
             "step functions": {"train_step_fn": describe_callable(self.engine.train_step_fn),
                                "eval_step_fn": describe_callable(self.eval_step_fn),

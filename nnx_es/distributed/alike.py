@@ -15,11 +15,14 @@ ranks by design is left out: the callbacks that run on the writer alone, a rank'
 of the validation rows (its length), the library versions and the ``recipe`` metadata (they
 are compared and a difference is logged: hosts may differ in a patch release or a data path).
 
-What is compared of an object is its settings (:func:`settings`: public numbers, strings, flags,
-small tensors), of a function its name, defaults and captured settings
-(:func:`describe_callable`); a user callback by its name alone (its attributes may hold a
-clock or a path of its own); a data set by a fingerprint of 8 rows (:func:`data_fingerprint`):
-a difference in rows it does not sample goes unseen.
+What is compared of an object of torch's or nnx_es's is its settings (:func:`settings`: public
+numbers, strings, flags, small tensors: a ``Dropout``'s ``p``, a scheduler's ``gamma``); of a
+function its name, defaults and a ``functools.partial``'s arguments (:func:`describe_callable`);
+of a data set a fingerprint of 8 rows (:func:`data_fingerprint`). Not compared, since they
+legitimately differ per process (a start time, a process id, a scratch directory, a count of
+its own validation batches): the attributes of your own classes (modules, losses, callbacks,
+hooks: compared by class name) and the values a function's closure captured -- a per-rank
+setting kept there goes unseen, as do rows the fingerprint does not sample.
 """
 
 from __future__ import annotations
@@ -79,19 +82,28 @@ def _setting(value: Any) -> bool:
     return hasattr(value, "item") and getattr(value, "shape", None) == ()  # a NumPy scalar
 
 
+#: the packages whose classes' public attributes are settings (torch's modules, losses and schedulers,
+#: nnx_es's callbacks and hooks); a class of the user's may keep a clock, a process id, a path or a
+#: count of its own there, so it is compared by its name alone
+_KNOWN = ("torch.", "nnx_es.")
+
+
 def settings(obj: Any) -> dict[str, Any]:
-    """``obj``'s class and public attributes that are settings (:func:`_setting`): a module's ``p``, a loss's
-    ``label_smoothing``, a scheduler's ``gamma``, early stopping's ``patience``."""
+    """``obj``'s class and, for a class of torch's or nnx_es's, its public attributes that are settings
+    (:func:`_setting`): a module's ``p``, a loss's ``label_smoothing``, a scheduler's ``gamma``, early
+    stopping's ``patience``. A class of the user's: its name alone (see :data:`_KNOWN`)."""
+    cls = f"{type(obj).__module__}.{type(obj).__qualname__}"
+    if not cls.startswith(_KNOWN):
+        return {"class": cls}
     attrs = getattr(obj, "__dict__", {})
-    return {"class": f"{type(obj).__module__}.{type(obj).__qualname__}",
-            **{k: _plain(v) for k, v in sorted(attrs.items())
-               if not k.startswith("_") and k not in _NOT_SETTINGS and _setting(v)}}
+    return {"class": cls, **{k: _plain(v) for k, v in sorted(attrs.items())
+                             if not k.startswith("_") and k not in _NOT_SETTINGS and _setting(v)}}
 
 
 def describe_callable(fn: Any) -> Any:
     """A loss or step function as two ranks can compare it: a ``functools.partial``'s function, arguments and
-    keywords; a function's name, defaults and the settings its closure captured (a lambda reading a
-    per-rank value); a module's or a callable object's :func:`settings`; ``None`` for ``None``."""
+    keywords; a function's name and defaults (not what its closure captured: a start time, a scratch
+    directory of its own); a module's or a callable object's :func:`settings`; ``None`` for ``None``."""
     import functools
     import types
 
@@ -101,19 +113,11 @@ def describe_callable(fn: Any) -> Any:
         return {"partial": describe_callable(fn.func), "args": _plain(list(fn.args)),
                 "keywords": _plain(dict(fn.keywords))}
     if isinstance(fn, types.FunctionType):
-        cells = [c.cell_contents for c in fn.__closure__ or () if _cell_setting(c)]
         return {"function": f"{fn.__module__}.{fn.__qualname__}", "defaults": _plain(list(fn.__defaults__ or ())),
-                "keywords": _plain(dict(fn.__kwdefaults__ or {})), "captured": _plain(cells)}
+                "keywords": _plain(dict(fn.__kwdefaults__ or {}))}
     if isinstance(fn, (types.MethodType, types.BuiltinFunctionType)):
         return f"{getattr(fn, '__module__', '')}.{getattr(fn, '__qualname__', repr(fn))}"
     return settings(fn)
-
-
-def _cell_setting(cell: Any) -> bool:
-    try:
-        return _setting(cell.cell_contents)
-    except ValueError:  # an empty cell
-        return False
 
 
 def data_fingerprint(dataset: Any) -> str | None:

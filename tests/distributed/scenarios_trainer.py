@@ -151,8 +151,23 @@ def not_alike(world: World, out: Path) -> dict[str, Any]:
 
     fit("partial_loss", loss=functools.partial(torch.nn.functional.cross_entropy, reduction="none",
                                                label_smoothing=0.3 if one else 0.0))
-    scale = 2.0 if one else 1.0
-    fit("train_step_fn", train_step_fn=lambda net, batch: (net(batch[0] * scale), batch[1], batch[2]))
+    fit("train_step_fn", train_step_fn=lambda net, batch, s=2.0 if one else 1.0: (net(batch[0] * s), batch[1], batch[2]))
+    # a third fresh user's: what a process keeps of its own is no difference of the recipe
+    import os
+    import time
+
+    class Stamped(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net, self.started_at, self.pid = ddpkit.net(), time.time(), os.getpid()
+
+        def forward(self, x: Any) -> Any:
+            return self.net(x)
+
+    started = time.time()
+    ce = torch.nn.functional.cross_entropy
+    fit("process_specific", model=Stamped(),
+        loss=lambda out, y: ce(out, y, reduction="none") + 0.0 * (time.time() - started))
     fit("dropout", model=torch.nn.Sequential(ddpkit.net(), torch.nn.Dropout(0.5 if one else 0.0)))
     fit("ema", hooks=[EMA(0.5 if one else 0.99)])
     fit("patience", callbacks=[EarlyStopping(patience=1 if one else 50)], monitor="loss")

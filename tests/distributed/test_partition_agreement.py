@@ -118,7 +118,7 @@ def test_a_run_declared_otherwise_on_one_rank_is_refused_on_every_rank_naming_wh
                                ("data", "train data", "rank 1: "), ("callback", "callbacks", '"name":"extra"'),
                                # a second fresh user's: each completed (or diverged an epoch later) before
                                ("partial_loss", "loss functions['loss']['keywords']['label_smoothing']", "rank 1: 0.3"),
-                               ("train_step_fn", "step functions['train_step_fn']['captured'][0]", "rank 1: 2.0"),
+                               ("train_step_fn", "step functions['train_step_fn']['defaults'][0]", "rank 1: 2.0"),
                                ("dropout", "modules[", "['p'] (rank 0: 0.0; rank 1: 0.5)"),
                                ("ema", "update hooks[0]['decay']", "rank 1: 0.5"),
                                ("patience", "callbacks[0]['patience']", "rank 1: 1"),
@@ -133,7 +133,10 @@ def test_a_run_declared_otherwise_on_one_rank_is_refused_on_every_rank_naming_wh
     assert r0["writer_callback"] == r1["writer_callback"] == "completed"  # the writer's own: no difference
     assert r0["own_partition"] == r1["own_partition"] == "completed"  # each rank's own rows: no difference
     assert r0["recipe"] == r1["recipe"] == "completed"  # metadata (a per-host path): logged, not refused
-    assert [n for n in r0["wrote"] if not n.startswith(".")] == ["own_partition", "recipe", "writer_callback"]
+    # a module's start time and process id, a loss's captured clock: the process's own, not the recipe's
+    assert r0["process_specific"] == r1["process_specific"] == "completed"
+    assert [n for n in r0["wrote"] if not n.startswith(".")] == ["own_partition", "process_specific", "recipe",
+                                                                 "writer_callback"]
 
 
 def test_evaluate_in_a_group_refuses_weights_that_differ_between_ranks_on_every_rank(mismatch_run: Path) -> None:

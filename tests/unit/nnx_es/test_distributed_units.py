@@ -154,7 +154,18 @@ def test_a_functions_settings_and_where_the_ranks_differ_are_named() -> None:
         return net(batch[0] * scale), batch[1], None
 
     d = describe_callable(step)
-    assert d["captured"] == [2.0] and d["function"].endswith("step")
+    assert "captured" not in d and d["function"].endswith("step")  # a closure may hold a clock of its own
+    assert describe_callable(lambda x, s=2.0: x * s)["defaults"] == [2.0]  # a default is a setting
+
+    class Mine(nn.Module):  # a class of the user's: its attributes may be a process's own
+        def __init__(self) -> None:
+            super().__init__()
+            import os
+            import time
+
+            self.started_at, self.pid, self.p = time.time(), os.getpid(), 0.5
+
+    assert describe_callable(Mine()) == {"class": f"{Mine.__module__}.{Mine.__qualname__}"}
     p = describe_callable(functools.partial(torch.nn.functional.cross_entropy, label_smoothing=0.3))
     assert p["keywords"] == {"label_smoothing": 0.3} and p["partial"]["function"] == "torch.nn.functional.cross_entropy"
     assert describe_callable(nn.Dropout(0.25))["p"] == 0.25 and describe_callable(None) is None
