@@ -18,7 +18,8 @@ from nnx_es.errors import ConfigError
 from nnx_es.monitor import Monitor
 from nnx_es.progress import Progress
 
-__all__ = ["BATCH_CALLBACK_KEYWORDS", "as_number", "check_batch_callback", "check_cadences", "check_recipe", "check_run_args",
+__all__ = ["BATCH_CALLBACK_KEYWORDS", "as_number", "check_batch_callback", "check_cadences", "check_fit_args", "check_recipe",
+           "check_run_args",
            "monitor_of", "optimizers_of"]
 
 
@@ -165,3 +166,43 @@ def monitor_of(monitor: Monitor | str | None, higher_is_better: Mapping[str, boo
     if monitor is not None and not isinstance(monitor, Monitor):
         raise ConfigError(f"monitor must be a Monitor or a metric name, got {monitor!r}")
     return monitor
+
+
+def check_fit_args(train_loader: Any, val_loader: Any, *, epochs: Any, monitor: Monitor | None, resume_mode: str,
+                   resume: str | None, resume_from: Any, run_id: str | None, distributed: Any, journal: Any) -> None:
+    """``Trainer.fit``'s arguments against the trainer's (its ``monitor``, ``run_id``, ``distributed``,
+    history ``journal``), before anything is written.
+
+    Raises:
+        ConfigError: bad ``epochs``/``resume_mode``/``resume`` (a ``resume_mode`` other than ``"stateful"``
+            without ``resume_from`` included; ``resume="auto"`` without a ``run_id`` or with ``resume_from``),
+            a ``val_`` monitor without a validation loader, an empty train or validation loader (under DDP
+            a rank's validation shard may be empty), a history journal under DDP.
+    """
+    from nnx_es.loaders import length_of
+    from nnx_es.session import RESUME_MODES
+
+    if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 0:
+        raise ConfigError(f"epochs must be an int >= 0, got {epochs!r}")
+    if val_loader is None and monitor is not None and monitor.name.startswith("val_"):
+        raise ConfigError(f"monitor {monitor.name!r} needs a validation loader: fit(train, val, ...)")
+    if resume_mode not in RESUME_MODES:
+        raise ConfigError(f"resume_mode must be one of {RESUME_MODES}, got {resume_mode!r}")
+    if resume not in (None, "auto"):
+        raise ConfigError(f"resume must be None or 'auto', got {resume!r}")
+    if resume_mode != "stateful" and resume_from is None:
+        raise ConfigError(f"resume_mode={resume_mode!r} starts a new run from another run's checkpoint: give "
+                          "resume_from=runs/<id> (and this trainer a run_id of its own); resume='auto' always "
+                          "continues this trainer's own run statefully; nothing was trained or written")
+    if resume == "auto" and (run_id is None or resume_from is not None):
+        raise ConfigError("resume='auto' continues this trainer's own run: give Trainer(run_id=...) and no "
+                          f"resume_from (got run_id={run_id!r}, resume_from={resume_from!r})")
+    for role, loader in (("train_loader", train_loader), ("val_loader", val_loader)):
+        if loader is not None and length_of(loader) == 0 and not (role == "val_loader" and distributed):
+            # (under DDP a rank's validation shard may be empty: validation_loader does not pad)
+            raise ConfigError(f"{role} has no batch (len 0): an empty data set, or drop_last=True with fewer "
+                              "rows than batch_size; nothing was trained or written")
+    if distributed and journal is not None:
+        raise ConfigError(f"history={journal!r} with distributed=: a history journal under data "
+                          "parallelism is not supported (each rank would journal only its own shard); nothing "
+                          "was trained or written")

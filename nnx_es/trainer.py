@@ -36,20 +36,20 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-import msgspec
 import torch
 from torch import nn
 from torch.optim import Optimizer
 
 from events.schema import DigestCadence, RunStarted, SourceRef, UpdateSpec
-from nnx_es.argchecks import check_batch_callback, check_cadences, check_run_args, monitor_of, optimizers_of
+from nnx_es.argchecks import (check_batch_callback, check_cadences, check_fit_args, check_run_args, monitor_of,
+                              optimizers_of)
 from nnx_es.callbacks import Callback, CallbackList
 from nnx_es.batches import weighted_forward
 from nnx_es.commit import Committer
 from nnx_es.commit import checkpoint_lag as lag_in_updates
 from nnx_es.context import TrainContext
 from nnx_es.device import place_model, resolve_device
-from nnx_es.distributed.alike import check_alike, data_fingerprint, describe_callable, settings
+from nnx_es.distributed.alike import check_alike, declaration
 from nnx_es.distributed.digest import ParamDigest
 from nnx_es.distributed.roles import check_declared, for_rank
 from nnx_es.distributed.wrap import check_distributed, data_parallel, is_writer_rank
@@ -57,7 +57,7 @@ from nnx_es.engine import UpdateEngine, default_forward, default_train_step
 from nnx_es.errors import ConfigError
 from nnx_es.finalize import Finalization
 from nnx_es.finetune import group_names, initial_weights
-from nnx_es.loaders import length_of, loader_geometries
+from nnx_es.loaders import loader_geometries
 from nnx_es.logs import ensure_logging
 from nnx_es.loop import NONFINITE, Cadence, TrainingLoop
 from nnx_es.metrics import check_accuracy, check_metric_names, check_monitor, evaluate, validate_metrics
@@ -74,7 +74,7 @@ from nnx_es.rng import LoaderGenerators
 from nnx_es.rows.journal import HistoryJournal
 from nnx_es.rows.recorder import RowRecorder
 from nnx_es.run_state import RunState, World
-from nnx_es.session import RESUME_MODES, library_versions, new_run_id, open_session
+from nnx_es.session import library_versions, new_run_id, open_session
 from nnx_es.sinks import LiveSinks
 from nnx_es.snapshot import RunComponents
 from nnx_es.schedulers import wrap_schedulers
@@ -415,52 +415,6 @@ class Trainer:
             if self.distributed is not None and self.components.world.distributed else None,
         )
 
-    def _alike(self, train_loader: Any, val_loader: Any, **fit_args: Any) -> dict[str, Any]:
-        """What every rank of a data-parallel run must declare alike (:func:`~nnx_es.distributed.alike.check_alike`):
-        the run's ``run_started`` but for what differs by design (the writer's own callbacks, the validation
-        shard's length, library versions, the clock), the optimizers' hyperparameters, the parameters' names
-        and shapes, the trainer's settings that decide when the ranks meet, ``fit``'s arguments and a
-        fingerprint of tensor data sets."""
-        started = msgspec.structs.asdict(self._declare("", None))
-        for field in ("run_id", "wall_time_s", "library_versions", "callbacks", "loaders", "source", "recipe"):
-            started.pop(field)  # (the recipe's metadata, a per-host data path perhaps: logged when it differs)
-        geometry = loader_geometries({"train": train_loader, "val": val_loader})
-        train, val = geometry.get("train"), geometry.get("val")
-        fit_args["resume_from"] = fit_args["resume_from"] is not None  # a path may differ between hosts
-        own = self.distributed is not None and self.distributed.own_partition
-        return {
-            **started, "run_id": self.run_id, **fit_args,
-            # a callback of nnx_es's by its settings (early stopping's patience), one of the user's by its class
-            "callbacks": [settings(cb) | {"name": cb.name} for cb in self.callbacks
-                          if getattr(cb, "distributed", None) == "all"],
-            "loss functions": {name: describe_callable(term.fn) for name, term in self.objective.terms.items()},
-            "step functions": {"train_step_fn": describe_callable(self.engine.train_step_fn),
-                               "eval_step_fn": describe_callable(self.eval_step_fn),
-                               "trainer_step_fn": describe_callable(self.trainer_step_fn),
-                               "val_batch_callback": describe_callable(self.val_batch_callback)},
-            "update hooks": [settings(h) for h in self.update_hooks],
-            "scheduler settings": {s.name: settings(s.scheduler) for s in self.schedulers},
-            # every module's settings (a Dropout's p; the parameters are compared below)
-            "modules": [(name, settings(m)) for name, m in self.net.named_modules()],
-            # a rank's own partition may hold a number of rows of its own (the batches are agreed apart)
-            "train loader": train if not own or train is None else {"batch_size": train.batch_size},
-            # a validation shard's length is its own (rows rank::world, unpadded)
-            "validation loader": None if val is None else {"batch_size": val.batch_size,
-                                                           "dataset_length": None if own else val.dataset_length},
-            "optimizer hyperparameters": {name: [{k: v for k, v in g.items() if k != "params"} | {
-                "parameters": len(g["params"])} for g in opt.param_groups] for name, opt in self.optimizers.items()},
-            "parameters": [(name, tuple(p.shape), str(p.dtype), p.requires_grad)
-                           for name, p in self.net.named_parameters()],
-            # a loader of the user's own partition (DDP(own_partition=True)) may hold each rank's own rows
-            "train data": None if own else data_fingerprint(getattr(train_loader, "dataset", None)),
-            "validation data": None if own else data_fingerprint(getattr(val_loader, "dataset", None)),
-            "settings": {"validate_every": self.cadence.every, "validate_every_steps": self.cadence.every_steps,
-                         "final_validation": self.final_validation, "nonfinite": self.nonfinite,
-                         "checkpoint_lag": self.lag, "phase_every": self.phase_every, "keep_phases": self.keep_phases,
-                         "keep_last": self.keep_last, "keep_best": self.keep_best, "metrics": self.metrics,
-                         "batch_gather": self.batch_gather, "custom_step": self.custom_step},
-        }
-
     # --- the run ------------------------------------------------------------------------
 
     def fit(
@@ -515,39 +469,31 @@ class Trainer:
             LeaseHeldError: another process writes this run.
             Exception: whatever training raised, after finalization.
         """
-        if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 0:
-            raise ConfigError(f"epochs must be an int >= 0, got {epochs!r}")
-        if val_loader is None and self.monitor is not None and self.monitor.name.startswith("val_"):
-            raise ConfigError(f"monitor {self.monitor.name!r} needs a validation loader: fit(train, val, ...)")
-        if resume_mode not in RESUME_MODES:
-            raise ConfigError(f"resume_mode must be one of {RESUME_MODES}, got {resume_mode!r}")
-        if resume not in (None, "auto"):
-            raise ConfigError(f"resume must be None or 'auto', got {resume!r}")
-        if resume_mode != "stateful" and resume_from is None:
-            raise ConfigError(f"resume_mode={resume_mode!r} starts a new run from another run's checkpoint: give "
-                              "resume_from=runs/<id> (and this trainer a run_id of its own); resume='auto' always "
-                              "continues this trainer's own run statefully; nothing was trained or written")
-        if resume == "auto" and (self.run_id is None or resume_from is not None):
-            raise ConfigError("resume='auto' continues this trainer's own run: give Trainer(run_id=...) and no "
-                              f"resume_from (got run_id={self.run_id!r}, resume_from={resume_from!r})")
-        for role, loader in (("train_loader", train_loader), ("val_loader", val_loader)):
-            if loader is not None and length_of(loader) == 0 and not (role == "val_loader" and self.distributed):
-                # (under DDP a rank's validation shard may be empty: validation_loader does not pad)
-                raise ConfigError(f"{role} has no batch (len 0): an empty data set, or drop_last=True with fewer "
-                                  "rows than batch_size; nothing was trained or written")
-        if self.distributed and self.rows.journal is not None:
-            raise ConfigError(f"history={self.rows.journal!r} with distributed=: a history journal under data "
-                              "parallelism is not supported (each rank would journal only its own shard); nothing "
-                              "was trained or written")
+        check_fit_args(train_loader, val_loader, epochs=epochs, monitor=self.monitor, resume_mode=resume_mode,
+                       resume=resume, resume_from=resume_from, run_id=self.run_id, distributed=self.distributed,
+                       journal=self.rows.journal)
         ensure_logging()
         with data_parallel(self.distributed, self.net, self.engine, train_loader, "Trainer.fit",
                            val_loader) as world:
             if world.distributed and self.run_id is None:  # one id for every rank: the writer's
                 self.run_id = world.share(new_run_id())
             if world.distributed:  # every rank runs the same recipe (nnx_es.distributed.alike)
-                check_alike(world, self._alike(train_loader, val_loader, epochs=epochs, resume=resume,
-                                               resume_mode=resume_mode, resume_from=resume_from, resume_at=resume_at),
-                            logged={"library versions": library_versions(), "recipe": self.recipe})
+                declared = declaration(
+                    self._declare("", None), train_loader, val_loader, net=self.net, optimizers=self.optimizers,
+                    objective=self.objective, schedulers=self.schedulers, callbacks=self.callbacks,
+                    update_hooks=self.update_hooks,
+                    steps={"train_step_fn": self.engine.train_step_fn, "eval_step_fn": self.eval_step_fn,
+                           "trainer_step_fn": self.trainer_step_fn, "val_batch_callback": self.val_batch_callback},
+                    trainer_settings={
+                        "validate_every": self.cadence.every, "validate_every_steps": self.cadence.every_steps,
+                        "final_validation": self.final_validation, "nonfinite": self.nonfinite,
+                        "checkpoint_lag": self.lag, "phase_every": self.phase_every, "keep_phases": self.keep_phases,
+                        "keep_last": self.keep_last, "keep_best": self.keep_best, "metrics": self.metrics,
+                        "batch_gather": self.batch_gather, "custom_step": self.custom_step},
+                    own_partition=self.distributed is not None and self.distributed.own_partition,
+                    fit_args={"run_id": self.run_id, "epochs": epochs, "resume": resume, "resume_mode": resume_mode,
+                              "resume_from": resume_from, "resume_at": resume_at})
+                check_alike(world, declared, logged={"library versions": library_versions(), "recipe": self.recipe})
             return self._fit(train_loader, val_loader, epochs=epochs, resume_from=resume_from,
                              resume_mode=resume_mode, resume=resume, resume_at=resume_at, world=world)
 

@@ -29,14 +29,19 @@ from __future__ import annotations
 
 import hashlib
 import re
-from typing import Any
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 import structlog
 
 from nnx_es.errors import ConfigError
+from nnx_es.loaders import loader_geometries
 
-__all__ = ["check_alike", "data_fingerprint", "describe_callable", "settings"]
+if TYPE_CHECKING:
+    from events.schema import RunStarted
+
+__all__ = ["check_alike", "data_fingerprint", "declaration", "describe_callable", "settings"]
 
 log = structlog.get_logger("nnx_es.distributed")
 
@@ -141,6 +146,49 @@ def data_fingerprint(dataset: Any) -> str | None:
         for r in rows:
             h.update(t[r].detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
+
+
+def declaration(started: RunStarted, train_loader: Any, val_loader: Any, *, net: Any, optimizers: Mapping[str, Any],
+                objective: Any, schedulers: Sequence[Any], callbacks: Sequence[Any], update_hooks: Sequence[Any],
+                steps: Mapping[str, Any], trainer_settings: Mapping[str, Any], own_partition: bool,
+                fit_args: Mapping[str, Any]) -> dict[str, Any]:
+    """What every rank of a data-parallel run must declare alike (:func:`check_alike`): the run's ``started``
+    declaration but for what differs by design (the writer's own callbacks, the validation shard's length,
+    library versions, the ``recipe`` metadata, the clock), the callbacks that run on every rank, the loss and
+    ``steps`` functions (:func:`describe_callable`), update hooks, schedulers and every module by their
+    :func:`settings`, the optimizers' hyperparameters, the parameters' names and shapes, the loaders'
+    geometry, a fingerprint of tensor data sets (not of a partition of the user's own: ``own_partition``),
+    the ``trainer_settings`` that decide when the ranks meet, and ``fit_args`` (``resume_from`` as given
+    or not: a path may differ between hosts)."""
+    declared = msgspec.structs.asdict(started)
+    for field in ("run_id", "wall_time_s", "library_versions", "callbacks", "loaders", "source", "recipe"):
+        declared.pop(field)  # (the recipe's metadata, a per-host data path perhaps: logged when it differs)
+    geometry = loader_geometries({"train": train_loader, "val": val_loader})
+    train, val = geometry.get("train"), geometry.get("val")
+    own = own_partition
+    return {
+        **declared, **fit_args, "resume_from": fit_args.get("resume_from") is not None,
+        # a callback of nnx_es's by its settings (early stopping's patience), one of the user's by its class
+        "callbacks": [settings(cb) | {"name": cb.name} for cb in callbacks if getattr(cb, "distributed", None) == "all"],
+        "loss functions": {name: describe_callable(term.fn) for name, term in objective.terms.items()},
+        "step functions": {name: describe_callable(fn) for name, fn in steps.items()},
+        "update hooks": [settings(h) for h in update_hooks],
+        "scheduler settings": {s.name: settings(s.scheduler) for s in schedulers},
+        # every module's settings (a Dropout's p; the parameters are compared below)
+        "modules": [(name, settings(m)) for name, m in net.named_modules()],
+        # a rank's own partition may hold a number of rows of its own (the batches are agreed apart)
+        "train loader": train if not own or train is None else {"batch_size": train.batch_size},
+        # a validation shard's length is its own (rows rank::world, unpadded)
+        "validation loader": None if val is None else {"batch_size": val.batch_size,
+                                                       "dataset_length": None if own else val.dataset_length},
+        "optimizer hyperparameters": {name: [{k: v for k, v in g.items() if k != "params"} | {
+            "parameters": len(g["params"])} for g in opt.param_groups] for name, opt in optimizers.items()},
+        "parameters": [(name, tuple(p.shape), str(p.dtype), p.requires_grad) for name, p in net.named_parameters()],
+        # a loader of the user's own partition (DDP(own_partition=True)) may hold each rank's own rows
+        "train data": None if own else data_fingerprint(getattr(train_loader, "dataset", None)),
+        "validation data": None if own else data_fingerprint(getattr(val_loader, "dataset", None)),
+        "settings": dict(trainer_settings),
+    }
 
 
 def check_alike(world: Any, declared: dict[str, Any], *, logged: dict[str, Any] | None = None) -> None:
