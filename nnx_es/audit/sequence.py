@@ -12,8 +12,7 @@
   every K committed updates, or each epoch's end) the run reached, and one of the final
   step of a completed or stopped run.
 
-Each check is fed ``(seq, event)`` of every decodable event and keeps O(callbacks) state
-(the digest check: also each LAST's step, where a resume counts from).
+Each check is fed ``(seq, event)`` of every decodable event and keeps O(callbacks) state.
 """
 
 from __future__ import annotations
@@ -438,7 +437,7 @@ class DigestCheck:
         self.due: int | None = None  # the next step a digest is due at (every K)
         self.digested_epoch: int | None = None  # the epoch of the latest digest (per epoch)
         self.missing_epoch: int | None = None  # an epoch reported without its digest, none since
-        self.last_steps: dict[int, int] = {}  # LAST's seq -> its step (where a resume counts from)
+        self.last: tuple[int, int] | None = None  # the latest LAST's (seq, step): where a resume counts from
 
     def _cadence(self, digests: DigestCadence | None, step: int) -> None:
         self.every = digests.every if digests is not None else None
@@ -459,14 +458,15 @@ class DigestCheck:
             case RunStarted(digests=digests, world_size=size):
                 self.step = -1
                 self.size = size
-                self.last_steps.clear()
+                self.last = None
                 self._cadence(digests, 0)
             case RunResumed(digests=digests, last_seq=last_seq):
                 self.step = -1
-                step = self.last_steps.get(last_seq)
-                self._cadence(digests if step is not None else None, step or 0)  # LAST unseen: agreement only
+                # a resume continues from the latest LAST (a deferred one included); another: agreement only
+                step = self.last[1] if self.last is not None and self.last[0] == last_seq else None
+                self._cadence(digests if step is not None else None, step or 0)
             case LastCommitted(counters=counters):
-                self.last_steps[seq] = counters.step
+                self.last = (seq, counters.step)
             case HistoryAppended(record=record):
                 self._reached(seq, record.counters.step, f"history_appended(epoch={record.epoch})")
             case RunFinalized(status=status, steps=steps) if status in ("completed", "stopped"):
