@@ -163,11 +163,11 @@ class TrainingLoop:
                     break
                 if outcome == "stop":
                     break
-            if self.digest is not None and ctx.step_count != self.digest.since:
+            if self.digest is not None and self.digest.due_at_end(ctx.step_count):
                 # the replicas compared at the final step when the cadence's last comparison was not of it
                 # (digest_every beyond the run, a stop at an update boundary): after the run's last commit
                 self.committer.complete()
-                self.digest.at_end(rec, epoch=max(last_epoch, 0), step=ctx.step_count)
+                self.digest.check(rec, epoch=max(last_epoch, 0), step=ctx.step_count, final=True)
             self.stages(TrainingStage.AFTER_TRAINING, ctx)
             if val_loader is not None and self._final_validation_due():
                 self.committer.complete()  # a deferred LAST lands first: the pass follows the run's last commit

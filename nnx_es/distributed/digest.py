@@ -16,6 +16,7 @@ digest differs from the writer's and the steps between which they first differed
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -24,7 +25,7 @@ from torch import nn
 from events.schema import ParamsDigested
 from nnx_es.errors import DivergenceError
 
-__all__ = ["ParamDigest", "params_digest"]
+__all__ = ["ParamDigest", "params_digest", "ranks_apart"]
 
 
 def params_digest(net: nn.Module) -> str:
@@ -35,6 +36,11 @@ def params_digest(net: nn.Module) -> str:
         h.update(f"{name}:{t.dtype}:{tuple(t.shape)};".encode())
         h.update(t.cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
+
+
+def ranks_apart(digests: Sequence[Any], writer_rank: int) -> list[int]:
+    """The ranks whose digest (index = rank) differs from ``writer_rank``'s, in rank order."""
+    return [r for r, d in enumerate(digests) if d != digests[writer_rank]]
 
 
 class ParamDigest:
@@ -86,19 +92,12 @@ class ParamDigest:
             self._decide(recorder, [bytes(t.tolist()).hex() for t in self.world.gather_tensor(mine)], epoch=epoch,
                          step=step)
 
-    def at_end(self, recorder: Any, *, epoch: int, step: int) -> bool:
-        """At the end of training (no failure): compare once more when the last agreeing digest is not of
-        the final step -- ``every`` beyond the run's updates, the updates after its last multiple, a stop at
-        an update boundary -- so every completed or stopped run ends with its replicas compared
-        (``params_digested(final=True)``). Returns whether it compared.
-
-        Raises:
-            DivergenceError: as :meth:`check`.
-        """
-        if step == self.since:
-            return False
-        self.check(recorder, epoch=epoch, step=step, final=True)
-        return True
+    def due_at_end(self, step: int) -> bool:
+        """Whether the end of training (no failure) after ``step`` committed updates compares once more: the
+        last agreeing digest is not of that step (``every`` beyond the run's updates, the updates after its
+        last multiple, a stop at an update boundary). Then :meth:`check` with ``final=True``, so every
+        completed or stopped run ends with its replicas compared."""
+        return step != self.since
 
     def _mine(self) -> torch.Tensor:
         return torch.frombuffer(bytearray.fromhex(params_digest(self.net)), dtype=torch.uint8)
@@ -120,8 +119,7 @@ class ParamDigest:
         if agreed:
             self.since = step
             return
-        ref = digests[self.world.writer_rank]
-        apart = [r for r, d in enumerate(digests) if d != ref]
+        apart = ranks_apart(digests, self.world.writer_rank)
         raise DivergenceError(
             f"the ranks' parameters diverged: rank(s) {apart} hold parameters that differ from the writer rank "
             f"{self.world.writer_rank}'s after {step} committed updates (epoch {epoch}); they first differed after "

@@ -17,7 +17,7 @@ from typing import Any
 
 from torch import nn
 
-from nnx_es.distributed.digest import params_digest
+from nnx_es.distributed.digest import params_digest, ranks_apart
 from nnx_es.distributed.group import DDP, refuse_group
 from nnx_es.errors import ConfigError, DivergenceError
 from nnx_es.loaders import length_of
@@ -285,8 +285,7 @@ def evaluation_world(loader: Any, net: nn.Module | None = None, entry: str = "NN
                 f"{entry} inside a group of {world.size} ranks agrees the ranks' sums, but the loaders would not "
                 f"score every row exactly once ({'; '.join(problems)}); build every rank's with "
                 "nnx_es.distributed.validation_loader(dataset, batch_size) (rows rank::world, unpadded)")
-        ref = ranks[world.writer_rank][1]
-        apart = [r for r, (_, d) in enumerate(ranks) if d != ref]
+        apart = ranks_apart([d for _, d in ranks], world.writer_rank)
         if apart:
             raise DivergenceError(
                 f"{entry} inside a group of {world.size} ranks: rank(s) {apart} hold weights that differ from the "
