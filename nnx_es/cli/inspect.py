@@ -470,12 +470,7 @@ def _run(log: LmdbLog, args: argparse.Namespace, kinds: frozenset[str] | None) -
     if args.command != "events" and (args.command != "summary" or args.verify):
         log.check_keys()
     if args.command == "summary":
-        ok = summary(log, args.run_dir, args.json, verify=args.verify)
-        try:
-            sys.stdout.flush()
-        except BrokenPipeError:  # `summary --verify | head -1`: the verdict stands, however much was read
-            reader_left()
-        if not ok:
+        if not summary(log, args.run_dir, args.json, verify=args.verify):  # (it met a closed pipe itself)
             return EXIT_VIOLATIONS  # values it verified do not: a script checking the run must not pass it
     elif args.command == "rows" or (args.command == "plot" and args.what == "cartography"):
         from nnx_es.cli.rows import plot_cartography, rows_command

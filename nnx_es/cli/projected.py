@@ -107,6 +107,7 @@ def summary(log: LmdbLog, run_dir: Path, as_json: bool, *, verify: bool = False)
         doc["lrs"] = {opt: list(lrs) for opt, lrs in p.history.records[-1].lrs.items()}
     try:
         _print_summary(doc, run_dir, as_json)
+        sys.stdout.flush()  # here: a closed pipe is met now, not above the verdict
     except BrokenPipeError:  # the reader left early (`| head`): the verdict is returned all the same
         reader_left()
     return not damaged
