@@ -175,7 +175,7 @@ def declaration(started: RunStarted, train_loader: Any, val_loader: Any, *, net:
         "update hooks": [settings(h) for h in update_hooks],
         "scheduler settings": {s.name: settings(s.scheduler) for s in schedulers},
         # every module's settings (a Dropout's p; the parameters are compared below)
-        "modules": [(name, settings(m)) for name, m in net.named_modules()],
+        "modules": {name or "(net)": settings(m) for name, m in net.named_modules()},  # by path: modules['body.2']
         # a rank's own partition may hold a number of rows of its own (the batches are agreed apart)
         "train loader": train if not own or train is None else {"batch_size": train.batch_size},
         # a validation shard's length is its own (rows rank::world, unpadded)

@@ -119,7 +119,7 @@ def test_a_run_declared_otherwise_on_one_rank_is_refused_on_every_rank_naming_wh
                                # a second fresh user's: each completed (or diverged an epoch later) before
                                ("partial_loss", "loss functions['loss']['keywords']['label_smoothing']", "rank 1: 0.3"),
                                ("train_step_fn", "step functions['train_step_fn']['defaults'][0]", "rank 1: 2.0"),
-                               ("dropout", "modules[", "['p'] (rank 0: 0.0; rank 1: 0.5)"),
+                               ("dropout", "modules['1']['p']", "(rank 0: 0.0; rank 1: 0.5)"),
                                ("ema", "update hooks[0]['decay']", "rank 1: 0.5"),
                                ("patience", "callbacks[0]['patience']", "rank 1: 1"),
                                ("gamma", "scheduler settings['steplr']['gamma']", "rank 1: 0.5")):
