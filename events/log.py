@@ -4,8 +4,9 @@ Both keep one contract (``tests/contract/test_event_log.py``):
 
 * sequence numbers are contiguous from 0; ``append`` returns the event's seq;
 * ``append`` only buffers; ``flush()`` writes the buffer in one transaction
-  (no fsync); ``commit(event)`` appends, flushes and syncs, so a commit marker
-  is durable before the call returns;
+  (the LMDB log syncs its pages but not its meta page: a power cut may undo the
+  newest flush, never damage what an earlier sync made durable); ``commit(event)``
+  appends, flushes and syncs, so a commit marker is durable before the call returns;
 * ``read``/``read_raw``/``read_chunks`` see flushed events only, by sequence
   range; ``read(kinds=...)`` filters by kind;
 * a value that does not decode raises :class:`CorruptEventError` naming its seq;
@@ -55,6 +56,14 @@ _SNAPSHOTS_DB = b"snapshots"
 _BLOBS_DB = b"blobs"
 _DEFAULT_MAP_SIZE = 32 << 20  # bytes; doubled on demand
 _READER_MAP_SIZE = 1 << 40  # bytes of address space a read-only handle maps (not memory: pages are read on use)
+#: LMDB's sync flags for every handle (docs/INVARIANTS.md "Power loss"). Each write transaction
+#: syncs its data pages before its meta page points at them: with MDB_NOSYNC (``sync=False``, what
+#: this log used before) a power cut could keep a meta page whose pages never reached the disk, or
+#: the synced snapshot's pages reused by later unsynced transactions -- committed events lost. The
+#: meta page itself is written unsynced (MDB_NOMETASYNC: a cut may undo the newest transaction, never
+#: corrupt the file); ``flush(sync=True)`` syncs it, so a commit marker is durable when ``commit``
+#: returns. Benchmarks and the power-loss tests swap in the old flags to measure and to plant the bug.
+_DURABILITY: dict[str, bool] = {"sync": True, "metasync": False}
 _WRITERS: dict[str, LmdbLog] = {}  # resolved path -> the writable log this process has open there
 
 
@@ -106,8 +115,7 @@ class LmdbLog(LogBase):
                 subdir=True,
                 readonly=readonly,
                 max_dbs=8,
-                sync=False,  # commit() syncs explicitly; plain flushes never fsync
-                metasync=True,
+                **_DURABILITY,
                 lock=True,
                 readahead=False,
             )
