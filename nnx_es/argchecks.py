@@ -169,15 +169,15 @@ def monitor_of(monitor: Monitor | str | None, higher_is_better: Mapping[str, boo
 
 
 def check_fit_args(train_loader: Any, val_loader: Any, *, epochs: Any, monitor: Monitor | None, resume_mode: str,
-                   resume: str | None, resume_from: Any, run_id: str | None, distributed: Any, journal: Any) -> None:
-    """``Trainer.fit``'s arguments against the trainer's (its ``monitor``, ``run_id``, ``distributed``,
-    history ``journal``), before anything is written.
+                   resume: str | None, resume_from: Any, run_id: str | None, distributed: Any) -> None:
+    """``Trainer.fit``'s arguments against the trainer's (its ``monitor``, ``run_id``, ``distributed``),
+    before anything is written.
 
     Raises:
         ConfigError: bad ``epochs``/``resume_mode``/``resume`` (a ``resume_mode`` other than ``"stateful"``
             without ``resume_from`` included; ``resume="auto"`` without a ``run_id`` or with ``resume_from``),
             a ``val_`` monitor without a validation loader, an empty train or validation loader (under DDP
-            a rank's validation shard may be empty), a history journal under DDP.
+            a rank's validation shard may be empty).
     """
     from nnx_es.loaders import length_of
     from nnx_es.session import RESUME_MODES
@@ -202,7 +202,3 @@ def check_fit_args(train_loader: Any, val_loader: Any, *, epochs: Any, monitor: 
             # (under DDP a rank's validation shard may be empty: validation_loader does not pad)
             raise ConfigError(f"{role} has no batch (len 0): an empty data set, or drop_last=True with fewer "
                               "rows than batch_size; nothing was trained or written")
-    if distributed and journal is not None:
-        raise ConfigError(f"history={journal!r} with distributed=: a history journal under data "
-                          "parallelism is not supported (each rank would journal only its own shard); nothing "
-                          "was trained or written")

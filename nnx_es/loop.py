@@ -318,8 +318,11 @@ class TrainingLoop:
         (:meth:`nnx_es.distributed.digest.ParamDigest.at_epoch_end`), settled right after it."""
         state, ctx, rec = self.state, self.ctx, self.state.recorder
         totals = self.engine.epoch
-        # the union's sums on every rank (and the digests' comparison, when deferred: the same all-reduce)
-        digest_sums = totals.sums.agree(state.world, self.engine.objective.terms, digest_values or ())
+        # the union's sums on every rank (and the digests' comparison, when deferred, and whether any rank
+        # recorded per-row records: the same all-reduce)
+        rows_flag = [float(self.rows.pending)] if self.rows is not None and state.world.distributed else []
+        agreed = totals.sums.agree(state.world, self.engine.objective.terms, [*(digest_values or ()), *rows_flag])
+        digest_sums = agreed[:len(agreed) - len(rows_flag)]
         if digest_values is not None:
             assert self.digest is not None
             self.digest.settle(rec, digest_sums)  # records params_digested; a difference stops every rank
@@ -331,7 +334,8 @@ class TrainingLoop:
             log.warning("epoch committed no optimizer update: every window was skipped", run_id=state.run_id,
                         epoch=epoch, skipped=totals.skipped)
         if self.rows is not None:
-            self.rows.close_epoch(epoch)  # ctx.idps holds the epoch from here on
+            # ctx.idps holds the epoch from here on (under DDP every rank's records, gathered)
+            self.rows.close_epoch(epoch, gather=bool(rows_flag) and agreed[-1] > 0)
         summary = EpochSummarized(
             epoch=epoch, metrics=train, examples=totals.sums.den, microbatches=totals.microbatches,
             updates=totals.updates, skipped=totals.skipped, duration_s=time.time() - t_epoch,

@@ -167,6 +167,8 @@ class Trainer:
             ids, e.g. ``with_row_ids(dataset)``): ``None`` (default) as ``rows_recorded`` events in the
             log, every epoch's kept in memory (small runs), or a
             :class:`~nnx_es.rows.HistoryJournal` (chunk blobs; memory holds its ``window`` epochs).
+            Under ``distributed=DDP()`` the records are global: each epoch's are gathered from every
+            rank, every rank sees the union, the writer writes them (:mod:`nnx_es.rows.recorder`).
         device: where to train: ``"cpu"``, ``"cuda"``, ``"cuda:N"``, ``"mps"`` or a ``torch.device``;
             default: the model's own device. The model (and any optimizer state) is moved there
             now, and every batch's tensors (nested tuples, lists, mappings, dataclasses) before the
@@ -288,7 +290,7 @@ class Trainer:
         self.schedulers = wrap_schedulers(schedulers, self.optimizers, self.monitor)
         callbacks = CallbackList(callbacks).callbacks  # checked now; listed again per fit
         if self.distributed is not None:
-            check_declared(callbacks)  # on every rank, before training
+            check_declared(callbacks, history)  # on every rank, before training
         self.callbacks: list[Callback] = for_rank(callbacks, is_writer=self.distributed is None or is_writer_rank(
             self.distributed))
         check_cadences(validate_every=validate_every, validate_every_steps=validate_every_steps,
@@ -470,8 +472,7 @@ class Trainer:
             Exception: whatever training raised, after finalization.
         """
         check_fit_args(train_loader, val_loader, epochs=epochs, monitor=self.monitor, resume_mode=resume_mode,
-                       resume=resume, resume_from=resume_from, run_id=self.run_id, distributed=self.distributed,
-                       journal=self.rows.journal)
+                       resume=resume, resume_from=resume_from, run_id=self.run_id, distributed=self.distributed)
         ensure_logging()
         with data_parallel(self.distributed, self.net, self.engine, train_loader, "Trainer.fit",
                            val_loader) as world:
@@ -512,7 +513,7 @@ class Trainer:
             state = self.state = self.ctx.state = session.state
             self.run_id, self.runs_root, self.run_dir = state.run_id, state.runs_root, state.run_dir
             self.engine.begin_run(state, callbacks)
-            self.rows.begin_run(state.recorder.log, state.store, state.run_id, world_size=state.world.size)
+            self.rows.begin_run(state.recorder.log, state.store, state.run_id, world=state.world)
             committer = Committer(state, self.components, callbacks, self.ctx, lag=self.lag,
                                   phase_every=self.phase_every, keep_phases=self.keep_phases, keep_last=self.keep_last,
                                   keep_best=self.keep_best, pointers=session.checkpoints)

@@ -6,6 +6,7 @@ other rank folds the same lifecycle events through its own :class:`~nnx_es.recor
 :class:`~events.logbase.MemoryLog`, and keeps the checkpoint blobs its committer forms in a
 :class:`FollowerBlobStore` in memory: it never creates, reads or writes a file of the run.
 
+A history journal's chunks are not kept here at all (:class:`NamingBlobStore`): a follower only names them.
 Memory stays bounded by the run's retention (``keep_last``/``keep_best``): a pruned checkpoint's
 blobs are deleted here as the writer deletes its files.
 """
@@ -22,7 +23,7 @@ from events.logbase import LogBase, MemoryLog
 from nnx_es.errors import CorruptCheckpointError
 from nnx_es.storage import BlobStore
 
-__all__ = ["FollowerBlobStore", "FollowerLog"]
+__all__ = ["FollowerBlobStore", "FollowerLog", "NamingBlobStore"]
 
 
 class FollowerLog(MemoryLog):
@@ -86,3 +87,19 @@ class FollowerBlobStore(BlobStore):
             raise CorruptCheckpointError(f"blob {digest} is not held by this rank (only the writer rank stores "
                                          f"checkpoints, under {self.root})")
         return data
+
+
+class NamingBlobStore(FollowerBlobStore):
+    """A follower's store for blobs only the writer keeps (a history journal's chunks and manifests):
+    it names each blob (SHA-256), as the writer's store does, and keeps none -- the follower's
+    journal events carry the same names with no memory of the chunks.
+
+    Raises:
+        CorruptCheckpointError: from :meth:`get` (nothing is held here).
+    """
+
+    def stage(self, data: bytes, digest: str | None = None) -> str:
+        return digest if digest is not None else hashlib.sha256(data).hexdigest()
+
+    def put_all(self, datas: Sequence[bytes], digests: Sequence[str] | None = None) -> list[str]:
+        return list(digests) if digests is not None else [hashlib.sha256(d).hexdigest() for d in datas]

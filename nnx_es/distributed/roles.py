@@ -63,8 +63,13 @@ def writer_only(factory: Callable[[], Callback]) -> WriterOnly:
     return WriterOnly(factory)
 
 
-def check_declared(callbacks: Sequence[Any]) -> None:
-    """Refuse, under data parallelism, a callback that does not declare where it runs.
+def check_declared(callbacks: Sequence[Any], journal: Any = None) -> None:
+    """Refuse, under data parallelism, a callback that does not declare where it runs, or one that
+    reads a history journal's full history (``history_access = "full"``) on every rank: the journal's
+    chunks are on the writer rank alone (the other ranks name them and keep none,
+    :class:`~nnx_es.distributed.follower.NamingBlobStore`).
+
+    ``journal``: the trainer's ``history=`` (``None``: records in memory on every rank, which any rank may read).
 
     Raises:
         ConfigError: naming the first undeclared (or wrongly declared) callback and what to declare.
@@ -79,6 +84,13 @@ def check_declared(callbacks: Sequence[Any]) -> None:
                 "'all' (every rank; it must decide from agreed values such as ctx.decision) or 'writer' (the "
                 "writer rank alone: it writes files or logs), or wrap its factory in "
                 "nnx_es.distributed.writer_only(...); nothing was trained")
+        if journal is not None and role == "all" and getattr(cb, "history_access", "window") == "full":
+            raise ConfigError(
+                f"callback {getattr(cb, 'name', type(cb).__name__)!r} reads the full history (history_access='full') "
+                f"on every rank, but under distributed=DDP() the chunks of history={journal!r} are on the writer "
+                "rank alone: declare distributed = 'writer' (it runs on the writer, which reads them), read "
+                "history_access='window' (every rank holds the window), or train without history=; nothing was "
+                "trained")
 
 
 def for_rank(callbacks: Sequence[Callback], *, is_writer: bool) -> list[Callback]:

@@ -13,6 +13,17 @@ epoch's LAST completed, before ``history_appended``, so the epoch's LAST commits
 to the run: ``rows_recorded`` events in the log (one per split; fine for small runs), or, with
 a :class:`~nnx_es.rows.journal.HistoryJournal`, chunks and a manifest (``journal_published``).
 
+Under data parallelism (spec 000 §3 "Records and decisions": records are global, the same on
+every rank) each rank records the rows of its own batches; at the epoch's close the ranks'
+records are gathered (one all-gather of every rank's host arrays, :meth:`World.gather
+<nnx_es.run_state.World.gather>`, only when the epoch's agreement said some rank recorded any),
+so every rank checks, sorts and shows the union alike; every rank emits the same events, and the
+writer alone writes them (and, with a journal, its chunks: the other ranks only name them, by
+their SHA-256, and keep none). A resume's window comes from the writer (one broadcast per fit).
+A row id on two ranks in one epoch is the repeat check above: a partition that pads
+(``train_loader(policy="pad")`` when the world size does not divide the rows,
+``DistributedSampler``) trains those rows twice.
+
 Memory: without a journal every epoch's records stay in memory (they are the window); with
 one, the newest ``window`` epochs, the one being closed included (and, during an epoch, its
 records on the device).
@@ -32,13 +43,18 @@ from events.schema import JournalPublished, RowsRecorded
 from nnx_es.batches import row_ids_of
 from nnx_es.errors import ConfigError
 from nnx_es.objective import Objective, accuracy_kind, ignored_mask, row_losses
-from nnx_es.rows.columns import SPLITS, EpochRows, Part, RowView
+from nnx_es.rows.columns import SPLITS, VALUES, EpochRows, Part, RowView
 from nnx_es.rows.journal import HistoryJournal, manifest_parts
+from nnx_es.run_state import World
 
 if TYPE_CHECKING:
     from events.log import EventLog
     from nnx_es.recorder import Recorder
     from nnx_es.storage import BlobStore
+
+#: one split of one rank's epoch, as read to the host: (row ids int64 (N,), values float32 (len(VALUES), N),
+#: batches with ids, batches without)
+_Local = tuple[np.ndarray, np.ndarray, int, int]
 
 __all__ = ["RowRecorder", "row_values"]
 
@@ -123,46 +139,50 @@ class RowRecorder:
         self.validating = False  # the epoch's own validation pass is running
         self.current: list[EpochRows] = []  # the epoch being closed (until its history step)
         self._window: deque[list[EpochRows]] = deque(maxlen=journal.window if journal else None)
-        self.world_size = 1
+        self.world = World()
 
     # --- per run ----------------------------------------------------------------------------
 
-    def begin_run(self, log: EventLog, store: BlobStore, run_id: str, *, world_size: int = 1) -> None:
+    def begin_run(self, log: EventLog, store: BlobStore, run_id: str, *, world: World | None = None) -> None:
         """Start a run: the window and journal from the run's committed records (a resume's; none for a new run).
 
-        Raises:
-            ConfigError: a history journal with more than one data-parallel rank (refused before training).
+        ``world``: the process group (default: one process). The writer reads the records from ``log``
+        and ``store``; under data parallelism it hands every other rank what it read (one broadcast,
+        on every rank), and the others' journal names its chunks without keeping them
+        (:class:`~nnx_es.distributed.follower.NamingBlobStore`): only the writer's are read back.
         """
         from projections import committed
 
-        if world_size > 1 and self.journal is not None:
-            raise ConfigError(f"history={self.journal!r} under data parallelism ({world_size} ranks) is not supported: "
-                              "each rank would journal only its own shard; train without history= under DDP")
-        self.world_size = world_size
+        world = world or World()
+        self.world = world
         self._reset_epoch()
         self.current = []
         self._window.clear()
-        if world_size > 1:  # batches with row ids are refused (see _add): nothing to load
-            return
-
-        self._reset_epoch()
-        self.current = []
-        self._window.clear()
-        recorded: dict[int, list[EpochRows]] = {}
         published: list[tuple[int, str]] = []
-        if log.next_seq > 0:
-            for _, event in committed(log.read()):
-                if type(event) is RowsRecorded:
-                    recorded.setdefault(event.epoch, []).append(
-                        EpochRows.decode(event.epoch, event.split, event.rows, event.columns))
-                elif type(event) is JournalPublished:
-                    published.append((event.epoch, event.manifest))
+        window: list[list[EpochRows]] = []
+        if world.is_writer:
+            recorded: dict[int, list[EpochRows]] = {}
+            if log.next_seq > 0:
+                for _, event in committed(log.read()):
+                    if type(event) is RowsRecorded:
+                        recorded.setdefault(event.epoch, []).append(
+                            EpochRows.decode(event.epoch, event.split, event.rows, event.columns))
+                    elif type(event) is JournalPublished:
+                        published.append((event.epoch, event.manifest))
+            if self.journal is not None:
+                window = [[p.load() for p in manifest_parts(store, digest)]
+                          for _, digest in published[-self.journal.window:]]
+            else:
+                window = [recorded[e] for e in sorted(recorded)]
+        if world.distributed:
+            published, window = world.share((published, window) if world.is_writer else None)
         if self.journal is not None:
+            if not world.is_writer:
+                from nnx_es.distributed.follower import NamingBlobStore
+
+                store = NamingBlobStore(store.root)
             self.journal.bind(store, run_id, published)
-            for _, digest in published[-self.journal.window:]:
-                self._window.append([p.load() for p in manifest_parts(store, digest)])
-        else:
-            self._window.extend(recorded[e] for e in sorted(recorded))
+        self._window.extend(window)
 
     def _reset_epoch(self) -> None:
         for s in SPLITS:
@@ -185,10 +205,6 @@ class RowRecorder:
         if ids is None:
             self._plain[split] += 1
             return
-        if self.world_size > 1:
-            raise ConfigError(f"batches carry row ids ('idx') under data parallelism ({self.world_size} ranks): per-row "
-                              "records are not supported there yet (each rank would record only its shard); yield "
-                              "batches without 'idx' under DDP")
         rows = outputs.shape[0]
         if not isinstance(ids, Tensor) or ids.dim() != 1 or ids.shape[0] != rows or ids.is_floating_point() \
                 or ids.dtype == torch.bool:
@@ -198,34 +214,66 @@ class RowRecorder:
 
     # --- per epoch ----------------------------------------------------------------------------
 
-    def close_epoch(self, epoch: int) -> None:
-        """Read the epoch's records (one transfer per split), sort and check them; ``ctx.idps`` shows them.
+    @property
+    def pending(self) -> int:
+        """Batches with row ids recorded this epoch on this rank (the epoch's agreement sums them over the
+        ranks: none anywhere, and :meth:`close_epoch` gathers nothing)."""
+        return sum(len(b) for b in self._batches.values())
 
-        Raises:
-            ConfigError: a row id twice in one split, or batches with and without ids in one split.
-        """
-        current = []
+    def _local(self) -> dict[str, _Local]:
+        """This rank's epoch per split, read to the host: one transfer per split that recorded rows."""
+        out = {}
         for split in SPLITS:
             batches, plain = self._batches[split], self._plain[split]
+            if batches:
+                ids = torch.cat([b[0] for b in batches]).cpu().numpy().astype(np.int64, copy=False)
+                values = torch.cat([b[1] for b in batches], dim=1).cpu().numpy()
+            else:
+                ids, values = np.empty(0, np.int64), np.empty((len(VALUES), 0), np.float32)
+            out[split] = (ids, values, len(batches), plain)
+        return out
+
+    def close_epoch(self, epoch: int, *, gather: bool = False) -> None:
+        """Read the epoch's records (one transfer per split), sort and check them; ``ctx.idps`` shows them.
+
+        ``gather``: under data parallelism, some rank recorded rows this epoch (the epoch's agreement
+        says so, alike on every rank): every rank's records are gathered (one all-gather, called on
+        every rank), so every rank closes the union alike. Without it, this rank's records alone.
+
+        Raises:
+            ConfigError: a row id twice in one split (over every rank's), or batches with and without
+                ids in one split (on any rank).
+        """
+        local = self._local()
+        if gather and self.world.distributed:
+            ranks: list[dict[str, _Local]] = self.world.gather(local)
+            local = {split: (np.concatenate([r[split][0] for r in ranks]),
+                             np.concatenate([r[split][1] for r in ranks], axis=1),
+                             sum(r[split][2] for r in ranks), sum(r[split][3] for r in ranks)) for split in SPLITS}
+        current = []
+        where = f" (over the {self.world.size} ranks' batches)" if self.world.distributed else ""
+        for split in SPLITS:
+            ids, values, batches, plain = local[split]
             if not batches:
                 continue
             if plain:
                 raise ConfigError(
-                    f"epoch {epoch}: {plain} {split} batches carried no row ids while {len(batches)} did; per-row "
+                    f"epoch {epoch}: {plain} {split} batches{where} carried no row ids while {batches} did; per-row "
                     "records need every batch of a loader to carry its rows' ids ('idx')")
-            ids = torch.cat([b[0] for b in batches]).cpu().numpy().astype(np.int64, copy=False)
-            values = torch.cat([b[1] for b in batches], dim=1).cpu().numpy()
             order = np.argsort(ids, kind="stable")
             ids, values = ids[order], values[:, order]
             if ids.shape[0] > 1:
                 same = np.flatnonzero(ids[1:] == ids[:-1])
                 if same.size:
                     row = int(ids[same[0]])
+                    pad = (" -- under data parallelism a partition that pads trains some rows on two ranks: "
+                           "nnx_es.distributed.train_loader(..., policy='drop'), or a row count the world size "
+                           "divides" if self.world.distributed else "")
                     raise ConfigError(
                         f"epoch {epoch}: row id {row} was {'scored' if split == 'val' else 'trained'} more than once "
-                        f"in the {split} split ({same.size} repeated ids); a per-row record is keyed by (row id, "
-                        "epoch): give every row a unique id and a loader that takes each row once per epoch (no "
-                        "sampling with replacement, no padding)")
+                        f"in the {split} split{where} ({same.size} repeated ids); a per-row record is keyed by (row "
+                        "id, epoch): give every row a unique id and a loader that takes each row once per epoch (no "
+                        f"sampling with replacement, no padding{pad})")
             current.append(EpochRows(epoch, split, ids, np.ascontiguousarray(values)))
         self._reset_epoch()
         self.current = current

@@ -211,22 +211,21 @@ def test_a_deferred_last_commits_the_journal_it_covers(tmp_path, lag):
     assert audit_run(trainer.run_dir).ok
 
 
-def test_records_and_the_journal_are_refused_under_data_parallelism(tmp_path):
-    from events.log import LmdbLog
-    from nnx_es.objective import Objective
-    from nnx_es.rows import RowRecorder
-    from nnx_es.storage import BlobStore
+def test_a_full_history_callback_on_every_rank_with_a_journal_is_refused_under_ddp_before_training():
+    # under DDP only the writer holds the journal's chunks (per-row records themselves are accepted there:
+    # tests/distributed/test_rows_ddp.py)
+    from nnx_es import Callback
+    from nnx_es.distributed.roles import check_declared
 
-    with LmdbLog(tmp_path / "events.lmdb") as log:
-        store = BlobStore(tmp_path / "blobs", log)
-        with pytest.raises(ConfigError, match=r"history=HistoryJournal\(window=1, chunk_rows=8\) under data "
-                                              r"parallelism \(2 ranks\) is not supported"):
-            RowRecorder(Objective(nn.CrossEntropyLoss()), HistoryJournal(1, 8)).begin_run(log, store, "r", world_size=2)
-        rows = RowRecorder(Objective(nn.CrossEntropyLoss()))
-        rows.begin_run(log, store, "r", world_size=2)
-        batch = {"x": torch.zeros(2, 4), "y": torch.zeros(2, dtype=torch.long), "idx": torch.arange(2)}
-        with pytest.raises(ConfigError, match=r"row ids \('idx'\) under data parallelism \(2 ranks\)"):
-            rows.train_batch(batch, torch.zeros(2, 3), batch["y"])
+    class Reads(Callback):
+        distributed = "all"
+        history_access = "full"
+
+    with pytest.raises(ConfigError, match=r"history_access='full'\) on every rank.*distributed = 'writer'"):
+        check_declared([Reads()], HistoryJournal(1, 8))
+    check_declared([Reads()], None)  # the records in memory: every rank holds them
+    Reads.distributed = "writer"
+    check_declared([Reads()], HistoryJournal(1, 8))
 
 
 def test_inspect_rows_and_the_data_map_of_a_damaged_chunk_say_so_without_a_traceback(tmp_path, capsys):
