@@ -246,6 +246,32 @@ def _check_one_partition(world: World, train_loader: Any, val_loader: Any = None
             f"go unread; build every rank's with nnx_es.distributed.train_loader(dataset, batch_size, seed=S) -- the "
             f"same data set, policy and seed on every rank, rank and world_size left to the group "
             f"({world.size} ranks); nothing was trained")
+    _check_records_unpadded(world, train_loader, mine[2])
+
+
+def _check_records_unpadded(world: World, train_loader: Any, shared: Any) -> None:
+    """Refuse per-row records (a :class:`~nnx_es.rows.RowIdDataset`) over a partition that pads: its
+    repeated rows would be trained twice in an epoch, which a record keyed by ``(row id, epoch)``
+    refuses at the epoch's close (:mod:`nnx_es.rows.recorder`) -- refused here, before anything is
+    written, alike on every rank (``shared``: the partition the ranks agreed on).
+
+    Raises:
+        ConfigError: naming the rows, the world size and what to use instead.
+    """
+    from nnx_es.rows.dataset import RowIdDataset
+
+    if not isinstance(shared, dict) or not isinstance(getattr(train_loader, "dataset", None), RowIdDataset):
+        return
+    rows = shared.get("rows")
+    pads = shared.get("policy") == "pad" or (shared.get("kind") == "DistributedSampler" and not shared["drop_last"])
+    if pads and isinstance(rows, int) and rows % world.size:
+        twice = world.size - rows % world.size
+        raise ConfigError(
+            f"the train partition pads {rows} rows to a multiple of {world.size} ranks, so {twice} "
+            f"row{'s' if twice != 1 else ''} would be trained twice each epoch, but the batches carry row ids (with_row_ids) and a per-row "
+            "record is one row's once an epoch: use nnx_es.distributed.train_loader(dataset, batch_size, "
+            "policy='drop') (or DistributedSampler(drop_last=True)), or a row count the world size divides; "
+            "nothing was trained")
 
 
 def evaluation_world(loader: Any, net: nn.Module | None = None, entry: str = "NNModel.evaluate", *,

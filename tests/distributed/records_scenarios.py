@@ -89,6 +89,24 @@ def rows_ddp(world: World, out: Path) -> dict[str, Any]:
 
 
 @scenario_base.case
+def rows_padded(world: World, out: Path) -> dict[str, Any]:
+    """Records over a partition that pads (25 rows, 2 ranks, policy 'pad'): refused before training."""
+    import ddpkit
+    from nnx_es.distributed import DDP, train_loader
+    from nnx_es.rows import with_row_ids
+
+    x, y, w = ddpkit.dataset(25).tensors
+    t = ddpkit.trainer(ddpkit.net(), runs_root=out / "padded", run_id="padded", distributed=DDP(timeout_seconds=30))
+    try:
+        t.fit(train_loader(with_row_ids(TensorDataset(x, y, w)), ddpkit.BATCH, seed=ddpkit.SEED), epochs=1)
+        got: dict[str, Any] = {"raised": None}
+    except Exception as exc:  # noqa: BLE001
+        got = {"raised": scenario_base.error(exc)}
+    got["wrote"] = (out / "padded").exists()
+    return got
+
+
+@scenario_base.case
 def torchmetrics_ddp(world: World, out: Path) -> dict[str, Any]:
     """F1 and AUROC (torchmetrics) in training and validation on 2 ranks."""
     import ddpkit

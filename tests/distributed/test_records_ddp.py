@@ -14,7 +14,7 @@ import ddpkit
 from launch import results, torchrun
 
 SCRIPT = Path(__file__).resolve().parent / "records_scenarios.py"
-CASES = ["rows_ddp", "torchmetrics_ddp", "union_params"]
+CASES = ["rows_ddp", "rows_padded", "torchmetrics_ddp", "union_params"]
 
 #: the README's bound ("Data parallelism"): a 2-rank run's parameters differ from one process's on
 #: the union of the batches by at most this much (float32 summation order); measured 3e-8 here
@@ -81,6 +81,14 @@ def test_per_row_records_under_ddp_are_the_unions_on_every_rank_written_once_and
     # a journal run resumed after its first epoch records what the uninterrupted run in the log did, bitwise
     assert r0["journal_records"] == got
     assert r0["resumed"]["digest"] == r0["digest"]
+
+
+def test_per_row_records_over_a_padding_partition_are_refused_on_every_rank_before_anything_is_written(
+        launch: Path) -> None:
+    for r in _ok(launch, "rows_padded"):
+        assert r["raised"][0] == "ConfigError" and "policy='drop'" in r["raised"][1], r
+        assert "25 rows" in r["raised"][1] and "1 row would be trained twice" in r["raised"][1]
+        assert r["wrote"] is False
 
 
 def test_torchmetrics_under_ddp_equal_one_process_on_the_union(launch: Path, tmp_path: Path) -> None:
