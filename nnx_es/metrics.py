@@ -43,16 +43,21 @@ def validate_metrics(metrics: Any) -> tuple[Any, ...]:
     """Return ``metrics`` as a tuple of built-in names and :class:`~nnx_es.user_metrics.UserMetric`.
 
     ``metrics``: a sequence of names (:data:`METRICS`), callables and torchmetrics metrics, or a
-    mapping ``{name: callable or metric}`` (see :mod:`nnx_es.user_metrics`).
+    mapping ``{name: callable, metric or built-in name}`` (see :mod:`nnx_es.user_metrics`); a
+    built-in sits under its own name (``{"accuracy": "accuracy"}``, as ``["accuracy"]``).
 
     Raises:
-        ConfigError: an unknown name, an object that is no metric, or two metrics of one name.
+        ConfigError: an unknown name, an object that is no metric, two metrics of one name, or a
+            built-in under another key (it is reported under its own name).
     """
     if isinstance(metrics, str):
         raise ConfigError(f"metrics must be a list of names, got the string {metrics!r} (write [{metrics!r}])")
     out: list[Any] = []
     for name, m in split_declared(metrics):
-        if isinstance(m, (str, UserMetric)) and name is None:
+        if isinstance(m, str) and name not in (None, m) and m in METRICS:
+            raise ConfigError(f"metrics={{{name!r}: {m!r}}}: the built-in {m!r} is reported under its own name ({m!r} "
+                              f"and 'val_{m}'), not renamed: write metrics={{{m!r}: {m!r}}} or [{m!r}]")
+        if isinstance(m, str) or (isinstance(m, UserMetric) and name is None):  # a built-in, under its own name
             out.append(m)
         else:
             out.append(user_metric(name, m))
@@ -89,17 +94,26 @@ def check_metric_names(objective: Objective, metrics: tuple[Any, ...]) -> None:
                           "the metric (metrics={new_name: m}) or the loss term")
 
 
-def check_accuracy(objective: Objective, metrics: tuple[Any, ...]) -> None:
-    """Refuse the built-in ``accuracy`` under a ``BCELoss`` (outputs that are probabilities).
+def check_accuracy(objective: Objective, metrics: tuple[Any, ...], *, models: Sequence[str] = ()) -> None:
+    """Refuse the built-in ``accuracy`` under a ``BCELoss`` (outputs that are probabilities), or in a
+    run of several models, before anything runs.
 
     ``accuracy`` reads one output per row as a logit (1 when it is > 0); a ``BCELoss`` scores
     probabilities, every one of which is > 0, so the accuracy would be that of always predicting 1.
+    A several-model run (``models``: their names, :mod:`nnx_es.models`) steps with predictions and
+    targets by key, which ``accuracy`` (one output against one target) cannot score: it was refused
+    at the first batch, after the run had begun.
 
     Raises:
-        ConfigError: naming the loss and what to use instead.
+        ConfigError: naming the loss, or the models, and what to use instead.
     """
     if "accuracy" not in [m for m in metrics if isinstance(m, str)]:  # the built-in, not a metric named so
         return
+    if models:
+        raise ConfigError(
+            f"metric 'accuracy' scores one output tensor against one target, but this run trains several models "
+            f"{list(models)}, whose step gives predictions and targets by key: leave 'accuracy' out of metrics= "
+            "(the loss and each loss term are reported); nothing was trained")
     fns = [t.fn for t in objective.terms.values()]
     if any(isinstance(f, nn.BCELoss) for f in fns) and not any(isinstance(f, nn.BCEWithLogitsLoss) for f in fns):
         raise ConfigError("metric 'accuracy' reads one output as a logit (> 0 predicts 1), but the loss is a BCELoss, "

@@ -282,7 +282,7 @@ class Trainer:
         self.final_validation = final_validation
         self.metrics = validate_metrics(metrics)
         check_metric_names(self.objective, self.metrics)
-        check_accuracy(self.objective, self.metrics)
+        check_accuracy(self.objective, self.metrics, models=list(net.models) if isinstance(net, ModelSet) else ())
         bind_activation(self.metrics, (t.fn for t in self.objective.terms.values()))
         self.monitor: Monitor | None = monitor_of(monitor, higher_is_better(self.metrics))
         if isinstance(callbacks, Callback) or not isinstance(callbacks, Iterable):

@@ -88,6 +88,14 @@ def test_a_resume_with_another_teacher_is_refused_before_anything_is_restored(tm
                                                            resume_from=run.run_dir)
 
 
+def test_the_built_in_accuracy_in_a_several_model_run_is_refused_before_anything_is_written(tmp_path):
+    # was refused at the first batch ("cannot score outputs of shape dict"), the run begun and failed
+    with pytest.raises(ConfigError, match=r"metric 'accuracy' .* several models \['student', 'teacher'\].* "
+                                          r"nothing was trained"):
+        _trainer(tmp_path / "runs", "kd", metrics=["accuracy"])
+    assert not (tmp_path / "runs").exists()
+
+
 def test_several_models_need_a_training_fn_and_keyed_terms_name_missing_keys(tmp_path):
     s, t = small_net(0), _teacher()
     with pytest.raises(ConfigError, match="training_fn"):

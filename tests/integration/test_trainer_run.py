@@ -351,6 +351,25 @@ def test_declared_accuracy_is_the_exact_share_of_correct_rows_and_undeclared_cos
         Trainer(net2, torch.optim.SGD(net2.parameters(), lr=0.1), nn.CrossEntropyLoss(), metrics=["f1"])
 
 
+def test_the_built_in_accuracy_under_its_own_key_is_the_built_in_and_under_another_key_is_refused_saying_so(tmp_path):
+    # a fresh user wrote metrics={"accuracy": "accuracy"}: refused with "a metric is a name ('accuracy') ..., got 'accuracy'"
+    from nnx_es.errors import ConfigError
+    from trainkit import blobs_data
+
+    x, y = blobs_data(48, seed=0)
+    runs = []
+    for metrics in (["accuracy"], {"accuracy": "accuracy"}):
+        net = small_net(4)
+        runs.append(Trainer(net, torch.optim.SGD(net.parameters(), lr=0.1), nn.CrossEntropyLoss(), metrics=metrics,
+                            runs_root=tmp_path / "runs", progress=False).fit([(x, y)], [(x, y)], epochs=1))
+    assert runs[0].history[0].train["accuracy"] == runs[1].history[0].train["accuracy"]
+    assert runs[0].history[0].val == runs[1].history[0].val and "val_accuracy" in runs[1].history[0].val
+    net = small_net(4)
+    with pytest.raises(ConfigError, match=r"metrics=\{'acc': 'accuracy'\}: the built-in 'accuracy' is reported under "
+                                          r"its own name .* write metrics=\{'accuracy': 'accuracy'\} or \['accuracy'\]"):
+        Trainer(net, torch.optim.SGD(net.parameters(), lr=0.1), nn.CrossEntropyLoss(), metrics={"acc": "accuracy"})
+
+
 def test_a_resume_after_a_deferred_last_records_the_pending_events_it_abandons(tmp_path):
     from nnx_es import LambdaCallback
     from projections import committed
