@@ -31,7 +31,7 @@ import structlog
 
 from events.schema import CallbackFinalized, RunFailed, RunFinalized
 from nnx_es.callbacks import Callback, CallbackList
-from nnx_es.distributed.peers import peer_failures, post_failure
+from nnx_es.distributed.peers import cause_first, peer_failures, post_failure
 from nnx_es.errors import NoUpdateError
 from nnx_es.stages import StageDispatcher, TrainingStage
 
@@ -98,10 +98,11 @@ class Finalization:
             message = str(exc) or ("interrupted" if isinstance(exc, KeyboardInterrupt) else repr(exc))
             others = peer_failures(self.state.world, self.session)
             if others:  # under DDP this rank's error is often the symptom (a closed connection) of theirs
-                message += f" [failed on another rank first: {'; '.join(others)}]"
                 exc.add_note(f"nnx_es: failed on another rank: {'; '.join(others)}")
+            # the record leads with the cause: the first failing rank's error, this rank's symptom after it
+            error_type, message = cause_first(type(exc).__name__, message, self.state.world.rank, others)
             rec.emit(RunFailed(
-                error_type=type(exc).__name__, message=message,
+                error_type=error_type, message=message,
                 epoch=ctx.epoch, step=ctx.step_count,
                 traceback="".join(traceback.format_exception(exc))[-4000:] if with_traceback else "",
             ))

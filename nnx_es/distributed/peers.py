@@ -6,15 +6,16 @@ and the writer rank, the only one whose log is kept, would record that symptom a
 rank that fails posts ``"<class>: <message>"`` to the process group's key-value store (the one
 ``torchrun`` started the group with: it outlives a rank) under the run's session and its rank, and a
 rank recording its own failure reads what the others posted, without waiting: the writer's
-``run_failed`` then names the first cause (:class:`~nnx_es.finalize.Finalization`). Nothing here
-raises: a store that cannot be reached leaves the record as it was.
+``run_failed`` then leads with the cause (:func:`cause_first`, :class:`~nnx_es.finalize.Finalization`)
+-- its class and message first, this rank's symptom after -- so ``inspect summary`` shows it first.
+Nothing here raises: a store that cannot be reached leaves the record as it was.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["peer_failures", "post_failure"]
+__all__ = ["cause_first", "peer_failures", "post_failure"]
 
 _LIMIT = 2000  # characters of a posted error
 
@@ -62,3 +63,25 @@ def peer_failures(world: Any, session: str) -> list[str]:
     except Exception:  # noqa: BLE001 - a diagnosis, never a second failure
         return out
     return out
+
+
+def cause_first(own_type: str, own_message: str, rank: int, others: list[str]) -> tuple[str, str]:
+    """The ``(error_type, message)`` of a failure record that leads with the cause: the first of
+    ``others`` (:func:`peer_failures`' ``"rank R: <class>: <message>"``, in rank order), then this
+    rank's own error (``own_type``, ``own_message``: mostly the broken group's symptom, gloo's
+    "Connection closed by peer" or a timeout) and any further ranks'. Without ``others``: this
+    rank's own, unchanged.
+
+    A rank that posted its failure left the group when it failed; this rank reads the posts only as
+    its own failure is recorded, so a posted failure is taken to precede this rank's.
+    """
+    if not others:
+        return own_type, own_message
+    head, rest = others[0], others[1:]
+    where, _, error = head.partition(": ")
+    cause_type, sep, cause_message = error.partition(": ")
+    if not sep:  # not "<class>: <message>": the whole text is the message
+        cause_type, cause_message = "RuntimeError", error
+    also = "".join(f"; then {r}" for r in rest)
+    return cause_type, (f"{cause_message} [{where} failed first{also}; then rank {rank}: "
+                        f"{own_type}: {own_message}]")

@@ -378,5 +378,17 @@ def test_the_writers_record_of_a_failure_names_the_rank_that_failed_first(peer_e
     assert "nnx_es: failed on another rank: rank 1: ValueError: boom on rank 1" in r0["notes"]
     run_dir = peer_error_run / "runs" / "peer_error"
     (failed,) = of_kind(run_dir, "run_failed")
-    assert failed.message.endswith("[failed on another rank first: rank 1: ValueError: boom on rank 1]"), failed
+    # the record leads with the cause (it ended with it, after gloo's "Connection closed by peer"): its class,
+    # its message, the rank; rank 0's own error (the symptom) after it
+    assert failed.error_type == "ValueError", failed
+    assert failed.message.startswith("boom on rank 1 [rank 1 failed first; then rank 0: RuntimeError: "), failed
     assert load_result(run_dir).status == "failed"
+
+
+def test_inspect_summary_of_a_ddp_failure_shows_the_first_failing_ranks_error_first(peer_error_run: Path,
+                                                                                   capsys) -> None:
+    from nnx_es.cli.inspect import main
+
+    main([str(peer_error_run / "runs" / "peer_error"), "summary"])
+    (status,) = [line for line in capsys.readouterr().out.splitlines() if line.startswith("status")]
+    assert status.split(None, 1)[1].startswith("failed (ValueError: boom on rank 1 [rank 1 failed first"), status

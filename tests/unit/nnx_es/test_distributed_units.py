@@ -173,3 +173,14 @@ def test_a_functions_settings_and_where_the_ranks_differ_are_named() -> None:
     where, values = _focus([{"a": [1, {"p": 0.0}]}, {"a": [1, {"p": 0.5}]}])
     assert where == "['a'][1]['p']" and values == [0.0, 0.5]
     assert _focus([[1, 2], [1, 2, 3]]) == ("", [[1, 2], [1, 2, 3]])  # of another length: shown whole
+
+
+def test_a_failure_record_leads_with_the_first_posted_cause_and_keeps_this_ranks_symptom_after_it():
+    from nnx_es.distributed.peers import cause_first
+
+    assert cause_first("RuntimeError", "Connection closed by peer", 0, []) == ("RuntimeError", "Connection closed by peer")
+    assert cause_first("RuntimeError", "Connection closed by peer", 0,
+                       ["rank 1: ValueError: bad: batch 3", "rank 2: KeyError: 'x'"]) == (
+        "ValueError", "bad: batch 3 [rank 1 failed first; then rank 2: KeyError: 'x'; then rank 0: RuntimeError: "
+                      "Connection closed by peer]")
+    assert cause_first("RuntimeError", "timeout", 1, ["rank 0: garbled"])[0] == "RuntimeError"
