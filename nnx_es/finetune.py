@@ -13,7 +13,12 @@
   for the whole run). Whether a parameter trains is a function of the epoch alone, set at the
   start of every epoch, so a resumed run (LAST is at epoch boundaries) freezes exactly as the
   uninterrupted one did; the optimizer skips a parameter without a gradient, so its state
-  starts when it is unfrozen, in both runs alike.
+  starts when it is unfrozen, in both runs alike. A frozen module's normalization layers
+  (BatchNorm and the like, tracking running statistics) are frozen too by default
+  (``norm_stats="freeze"``): they normalize with their running statistics and do not update
+  them -- in eval mode while frozen, as a frozen backbone is fine-tuned (torchvision's
+  ``FrozenBatchNorm2d``, detectron2's ``freeze_at``); ``norm_stats="update"`` leaves them
+  in train mode, their statistics following the batches (the behaviour before this option).
 * :func:`param_groups` -- optimizer parameter groups by name pattern with lr multipliers, or
   layer-wise decay over the net's top-level children; each group keeps a ``name``. Their
   learning rates are in every receipt (``update_committed.lrs``, one per group, in order) and
@@ -37,7 +42,7 @@ from nnx_es.evaluation import state_fingerprint
 from nnx_es.result import load_result
 from nnx_es.storage import BlobStore
 
-__all__ = ["Freeze", "WeightsFrom", "group_names", "initial_weights", "load_weights", "param_groups"]
+__all__ = ["NORM_STATS", "Freeze", "WeightsFrom", "group_names", "initial_weights", "load_weights", "param_groups"]
 
 
 class WeightsFrom:
@@ -154,6 +159,10 @@ def group_names(optimizers: Mapping[str, Any]) -> dict[str, list[str]]:
     return {n: [str(g.get("name", f"group{i}")) for i, g in enumerate(o.param_groups)] for n, o in optimizers.items()}
 
 
+#: what ``Freeze(norm_stats=...)`` does with a frozen module's normalization layers
+NORM_STATS = ("freeze", "update")
+
+
 class Freeze(Callback):
     """Freeze the parameters whose names match ``patterns`` until 0-based epoch ``until_epoch``.
 
@@ -161,11 +170,22 @@ class Freeze(Callback):
     everything trains. ``until_epoch=None``: frozen for the whole run. Set at the start of each
     epoch from the epoch alone, so it survives a resume exactly (module docstring).
 
+    ``norm_stats``: ``"freeze"`` (default) puts every normalization layer tracking running
+    statistics (``BatchNorm1d/2d/3d``, ``SyncBatchNorm``, an ``InstanceNorm`` with
+    ``track_running_stats=True``) whose parameters the patterns all match (one without
+    parameters: whose ``running_mean`` they match) in eval mode while frozen -- it normalizes
+    with its running statistics and leaves them as they are -- again after a validation pass
+    within the epoch (which restores train mode); ``"update"`` leaves them in train mode (their
+    statistics follow the batches while their weights are frozen). After the run a layer frozen
+    to its end stays in eval mode until ``net.train()``.
+
     Raises:
-        ConfigError: no pattern, or (at the run's start) a pattern that matches no parameter.
+        ConfigError: no pattern, a bad ``norm_stats``, or (at the run's start) a pattern that
+            matches no parameter.
     """
 
-    def __init__(self, patterns: Sequence[str], until_epoch: int | None = None, *, name: str = "Freeze") -> None:
+    def __init__(self, patterns: Sequence[str], until_epoch: int | None = None, *, norm_stats: str = "freeze",
+                 name: str = "Freeze") -> None:
         if isinstance(patterns, str):
             patterns = [patterns]
         if not patterns or not all(isinstance(p, str) for p in patterns):
@@ -173,18 +193,36 @@ class Freeze(Callback):
         if until_epoch is not None and (isinstance(until_epoch, bool) or not isinstance(until_epoch, int)
                                         or until_epoch < 0):
             raise ConfigError(f"until_epoch must be an int >= 0 or None, got {until_epoch!r}")
-        self.patterns, self.until_epoch, self._name = list(patterns), until_epoch, name
+        if norm_stats not in NORM_STATS:
+            raise ConfigError(f"Freeze(norm_stats=...) must be one of {NORM_STATS}, got {norm_stats!r}: 'freeze' "
+                              "keeps a frozen module's BatchNorm statistics, 'update' lets them follow the batches")
+        self.patterns, self.until_epoch, self.norm_stats, self._name = list(patterns), until_epoch, norm_stats, name
 
     @property
     def name(self) -> str:
         return self._name
 
     def recipe_kwargs(self) -> dict[str, Any]:
-        return {"patterns": self.patterns, "until_epoch": self.until_epoch, "name": self._name}
+        return {"patterns": self.patterns, "until_epoch": self.until_epoch, "norm_stats": self.norm_stats,
+                "name": self._name}
+
+    def _matches(self, name: str) -> bool:
+        return any(fnmatch.fnmatchcase(name, p) for p in self.patterns)
 
     def matching(self, net: nn.Module) -> list[str]:
         """The names of the parameters the patterns match."""
-        return [n for n, _ in net.named_parameters() if any(fnmatch.fnmatchcase(n, p) for p in self.patterns)]
+        return [n for n, _ in net.named_parameters() if self._matches(n)]
+
+    def norm_layers(self, net: nn.Module) -> list[str]:
+        """The names of the normalization layers tracking running statistics that the patterns freeze."""
+        out = []
+        for mname, m in net.named_modules():
+            if isinstance(m, nn.modules.batchnorm._NormBase) and m.track_running_stats:
+                prefix = f"{mname}." if mname else ""
+                names = [prefix + n for n, _ in m.named_parameters(recurse=False)] or [f"{prefix}running_mean"]
+                if all(self._matches(n) for n in names):
+                    out.append(mname)
+        return out
 
     def frozen_at(self, epoch: int) -> bool:
         return self.until_epoch is None or epoch < self.until_epoch
@@ -195,6 +233,15 @@ class Freeze(Callback):
         for n, p in ctx.net.named_parameters():
             if n in names:
                 p.requires_grad_(train)
+        self._norms_to_eval(ctx)
+
+    def _norms_to_eval(self, ctx: Any) -> None:
+        """While frozen (``norm_stats="freeze"``), the frozen normalization layers in eval mode; the
+        loop's ``net.train()`` at each epoch's start puts them back otherwise."""
+        if self.norm_stats == "freeze" and self.frozen_at(ctx.epoch) and ctx.net.training:
+            modules = dict(ctx.net.named_modules())
+            for mname in self.norm_layers(ctx.net):
+                modules[mname].eval()
 
     def on_train_begin(self, ctx: Any) -> None:
         unmatched = [p for p in self.patterns
@@ -207,16 +254,23 @@ class Freeze(Callback):
     def on_epoch_begin(self, ctx: Any) -> None:
         self._apply(ctx)
 
+    def on_validation_end(self, ctx: Any, metrics: Any) -> None:
+        self._norms_to_eval(ctx)  # a pass within the epoch (validate_every_steps) restored train mode
+
     def state_dict(self) -> dict[str, Any]:
         """Its settings: held in LAST, so a stateful resume without this freeze (or with another) is refused."""
-        return {"patterns": list(self.patterns), "until_epoch": self.until_epoch}
+        return {"patterns": list(self.patterns), "until_epoch": self.until_epoch, "norm_stats": self.norm_stats}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Raises ResumeError: the run froze other parameters or until another epoch."""
-        if list(state.get("patterns", [])) != self.patterns or state.get("until_epoch") != self.until_epoch:
+        """Raises ResumeError: the run froze other parameters, until another epoch, or treated the
+        normalization statistics otherwise (a run checkpointed before ``norm_stats`` existed updated them)."""
+        theirs = state.get("norm_stats", "update")
+        if list(state.get("patterns", [])) != self.patterns or state.get("until_epoch") != self.until_epoch \
+                or theirs != self.norm_stats:
             raise ResumeError(f"cannot resume with {self.name}(patterns={self.patterns}, until_epoch="
-                              f"{self.until_epoch}): the run froze {state.get('patterns')} until epoch "
-                              f"{state.get('until_epoch')}; pass the run's freeze schedule again")
+                              f"{self.until_epoch}, norm_stats={self.norm_stats!r}): the run froze "
+                              f"{state.get('patterns')} until epoch {state.get('until_epoch')} with "
+                              f"norm_stats={theirs!r}; pass the run's freeze schedule again")
 
 
 def param_groups(net: nn.Module, lr: float, *, rules: Sequence[tuple[str, float]] = (),

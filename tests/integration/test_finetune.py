@@ -85,6 +85,35 @@ def test_the_freeze_schedule_trains_the_backbone_only_from_its_epoch(tmp_path):
     assert not torch.equal(snapshots[1][0], start) and snapshots[1][1] is True
 
 
+def _bn_net() -> nn.Module:
+    torch.manual_seed(3)
+    return nn.Sequential(nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Tanh()), nn.Linear(8, 2))
+
+
+def _bn_stats_after(tmp_path, run_id, freeze, **kw):
+    net = _bn_net()
+    before = {k: v.clone() for k, v in net[0][1].state_dict().items()}
+    train, val = _two_class_loaders()
+    Trainer(net, torch.optim.SGD(net.parameters(), lr=0.1), nn.CrossEntropyLoss(), callbacks=[freeze],
+            runs_root=tmp_path / "runs", run_id=run_id, progress=False, **kw).fit(train, val, epochs=2)
+    return before, net[0][1].state_dict()
+
+
+def test_a_frozen_modules_batchnorm_keeps_its_running_statistics_unless_norm_stats_update(tmp_path):
+    # found in a trial: Freeze left a frozen backbone's BatchNorm updating its running mean and variance
+    before, after = _bn_stats_after(tmp_path, "frozen", Freeze(["0.*"]), validate_every_steps=2)
+    for k in before:  # validation passes within the epoch (which restore train mode) included
+        assert torch.equal(before[k], after[k]), k
+    before, after = _bn_stats_after(tmp_path, "update", Freeze(["0.*"], norm_stats="update"))
+    assert not torch.equal(before["running_mean"], after["running_mean"])
+    assert after["num_batches_tracked"] > 0
+    before, after = _bn_stats_after(tmp_path, "thawed", Freeze(["0.*"], until_epoch=1))
+    assert not torch.equal(before["running_mean"], after["running_mean"])  # epoch 1 trains it all
+    assert Freeze(["0.*"]).norm_layers(_bn_net()) == ["0.1"] and Freeze(["0.0.*"]).norm_layers(_bn_net()) == []
+    with pytest.raises(ConfigError, match=r"norm_stats=\.\.\.\) must be one of \('freeze', 'update'\), got 'keep'"):
+        Freeze(["0.*"], norm_stats="keep")
+
+
 def test_strict_weights_refuse_a_new_head_naming_the_keys(tmp_path):
     pre, _ = _pretrained(tmp_path)
     net = _new_head_net()
