@@ -13,6 +13,8 @@ core, so their Python work never contends with training for the interpreter lock
 (an object with ``open``/``write``/``close``) runs on a thread of the training process. A sink
 that raises is dropped and warned about (:class:`SinkWarning`, at the run's end for a child's);
 the run never fails because of a sink, and waits for the sinks only at its very end (bounded).
+A run killed (SIGKILL) leaves no sink process behind: the child sees the pipe close, writes what it
+was handed and closes its sinks.
 Sinks run on the writer rank only. Semantics: issue "Several models, distillation, fine-tuning, real metrics and live
 logging" (live logging); the tags are :func:`nnx_es.plotting.export_tensorboard`'s.
 """
@@ -32,7 +34,7 @@ from typing import Any, Protocol
 import structlog
 
 from events.codec import decode
-from events.schema import Event, HistoryAppended, UpdateCommitted
+from events.schema import Event, HistoryAppended, LastCommitted, UpdateCommitted
 from projections.view import committed
 
 __all__ = ["CsvSink", "LiveSinks", "MlflowSink", "Sink", "SinkWarning", "TensorBoardSink", "scalars_of"]
@@ -80,7 +82,13 @@ def scalars_of(event: Event) -> list[tuple[str, int, float]]:
 
 class TensorBoardSink:
     """TensorBoard scalars, live, into ``log_dir`` (default: ``<run>/views/tensorboard``); needs the
-    ``plots`` extra (``tensorboard``)."""
+    ``plots`` extra (``tensorboard``).
+
+    The event file is flushed at each committed LAST: ``SummaryWriter`` writes on its own every
+    ``flush_secs`` (120 s) or ten events, and a run killed (SIGKILL) between two of those left its
+    last epochs' scalars in the writer's memory -- the sink's process ends without closing it. So
+    what a killed run committed is in TensorBoard as it is in the log (a ``CsvSink`` flushes each row).
+    """
 
     distributed = "writer"  # a sink writes: the writer rank alone feeds it
 
@@ -98,6 +106,8 @@ class TensorBoardSink:
     def write(self, seq: int, event: Event) -> None:
         for tag, step, value in scalars_of(event):
             self._writer.add_scalar(tag, value, step)
+        if isinstance(event, LastCommitted):  # a commit: its scalars reach the file now
+            self._writer.flush()
 
     def close(self) -> None:
         if self._writer is not None:
@@ -203,18 +213,35 @@ class _Feed:
             self._call(s, "close")
 
 
-def _child(conn: Any, feed: _Feed) -> None:
-    """The sink process: read batches until the end marker, then report the failures."""
+def _child(conn: Any, feed: _Feed, inherited: Any) -> None:
+    """The sink process: read batches until the end marker -- or until the training process is gone
+    (killed: the pipe's end of the training process closed) -- then close the sinks and report the
+    failures.
+
+    ``inherited``: the training process's end of the pipe, which the fork copied here; closed
+    first, or the pipe would never close while this process lives and, the training process
+    killed, it would wait for a batch forever."""
+    inherited.close()
+
     def batches() -> Iterator[list[tuple[int, bytes]]]:
-        while (batch := conn.recv()) is not _END:
+        while True:
+            try:
+                batch = conn.recv()
+            except (EOFError, OSError):  # the training process is gone: what it handed on is written, then closed
+                return
+            if batch is _END:
+                return
             yield batch
 
     try:
         feed.run(batches())
     except Exception as exc:  # noqa: BLE001 - reported to the parent, never raised into training
         feed.failures.append(f"live sinks stopped ({type(exc).__name__}: {exc})")
-    conn.send(feed.failures)
-    conn.close()
+    try:
+        conn.send(feed.failures)
+        conn.close()
+    except OSError:  # nobody to report to
+        pass
 
 
 class LiveSinks:
@@ -238,7 +265,8 @@ class LiveSinks:
         if far:
             parent, child = multiprocessing.get_context("fork").Pipe()
             self._proc = multiprocessing.get_context("fork").Process(
-                target=_child, args=(child, _Feed(self.run_dir, far, start)), name="nnx_es-sinks", daemon=True)
+                target=_child, args=(child, _Feed(self.run_dir, far, start), parent), name="nnx_es-sinks",
+                daemon=True)
             self._proc.start()
             child.close()
             self._conn = parent

@@ -122,3 +122,72 @@ def test_csv_sink_of_a_resumed_run_keeps_the_epochs_and_updates_before_the_resum
     from projections.view import committed
     receipts = [e for _, e in committed(read_events(run.run_dir)) if e.KIND == "update_committed"]
     assert [(int(u["step"]), float(u["loss"])) for u in updates] == [(r.step, r.loss) for r in receipts]
+
+
+_KILLED = """
+import os, signal, sys, time
+sys.path.insert(0, {tests!r})
+import torch
+from torch import nn
+from nnx_es import Callback, TensorBoardSink, Trainer
+from trainkit import loaders, small_net
+
+class KillAt(Callback):
+    def on_epoch_begin(self, ctx):
+        if ctx.epoch == 3:
+            time.sleep(1.0)  # the sinks' process has long written epoch 1 (flush_secs is 120 s: no timed flush)
+            if {group!r}:
+                os.killpg(0, signal.SIGKILL)  # the training process and its sinks' process at once
+            os.kill(os.getpid(), signal.SIGKILL)
+
+net = small_net(0)
+Trainer(net, torch.optim.SGD(net.parameters(), lr=0.1), nn.CrossEntropyLoss(), runs_root={root!r}, run_id="k",
+        progress=False, callbacks=[KillAt()], sinks=[TensorBoardSink({tb!r})]).fit(*loaders(), epochs=5)
+"""
+
+
+def _killed_run(tmp_path: Path, *, group: bool) -> list[int]:
+    """Train with a TensorBoardSink in a process SIGKILLed at epoch 3 (``group``: with its sinks' process);
+    the epochs of the scalars in TensorBoard. Nothing of the launch outlives it."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    tb = tmp_path / "tb"
+    script = _KILLED.format(tests=str(Path(__file__).resolve().parents[1]), root=str(tmp_path / "runs"), tb=str(tb),
+                            group=group)
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=90)  # ends when every holder of its output (the sinks' process) ended
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        pytest.fail("a process of the killed run outlived it (its sinks' process waited for a batch forever)")
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    assert proc.returncode == -9, out[-3000:]
+    committed = [e.record.epoch for _, e in read_events(tmp_path / "runs" / "k") if e.KIND == "history_appended"]
+    assert committed[:2] == [0, 1], committed
+    acc = EventAccumulator(str(tb), size_guidance={"scalars": 0})
+    acc.Reload()
+    return [e.step for e in acc.Scalars("epoch/loss")] if "epoch/loss" in acc.Tags()["scalars"] else []
+
+
+def test_tensorboard_sink_of_a_run_killed_with_its_sinks_process_holds_the_scalars_of_its_committed_epochs(tmp_path):
+    # found in a trial: the SummaryWriter flushes every 120 s, so a killed run lost its last scalars
+    pytest.importorskip("tensorboard")
+    assert _killed_run(tmp_path, group=True)[:2] == [0, 1]
+
+
+def test_a_run_killed_alone_leaves_no_sinks_process_and_its_sinks_are_closed(tmp_path):
+    # found with the test above: the sinks' process held the training process's end of its pipe, so once
+    # the training process was killed it waited for a batch forever
+    pytest.importorskip("tensorboard")
+    assert _killed_run(tmp_path, group=False)[:2] == [0, 1]
