@@ -8,6 +8,7 @@ counters are projections of that log.
 from typing import TYPE_CHECKING, Any
 
 from nnx_es.errors import (
+    CheckpointUnavailableError,
     CheckpointWriteError,
     ConfigError,
     CorruptCheckpointError,
@@ -82,6 +83,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Callback",
+    "CheckpointUnavailableError",
     "CheckpointWriteError",
     "ConfigError",
     "Constant",

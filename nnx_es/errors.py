@@ -5,6 +5,7 @@ from __future__ import annotations
 from events.errors import CorruptEventError, EventLogError, NnxError
 
 __all__ = [
+    "CheckpointUnavailableError",
     "CheckpointWriteError",
     "ConfigError",
     "CorruptCheckpointError",
@@ -55,6 +56,12 @@ class MissingDirectoryError(NnxError, FileNotFoundError):
 
 class ResumeError(NnxError, RuntimeError):
     """A run cannot be resumed from its LAST commit (the reason is named)."""
+
+
+class CheckpointUnavailableError(NnxError, LookupError):
+    """The checkpoint whose weights were asked for (``NNModel.load``, ``WeightsFrom``) cannot be
+    loaded: the run committed none of that kind, retention pruned it, or it holds no averaged
+    weights (the reason and what to do are named)."""
 
 
 class NonFiniteError(NnxError, FloatingPointError):

@@ -39,7 +39,7 @@ from nnx_es.callbacks import Callback
 from nnx_es.checkpoint import load_component, verify_checkpoint
 from nnx_es.errors import ConfigError, ResumeError
 from nnx_es.evaluation import state_fingerprint
-from nnx_es.result import load_result
+from nnx_es.result import load_result, loadable
 from nnx_es.storage import BlobStore
 
 __all__ = ["NORM_STATS", "Freeze", "WeightsFrom", "group_names", "initial_weights", "load_weights", "param_groups"]
@@ -76,7 +76,7 @@ class WeightsFrom:
         """``(state_dict, lineage fields)`` of the source.
 
         Raises:
-            ResumeError: the run has no such checkpoint, or it was pruned.
+            CheckpointUnavailableError: the run has no such checkpoint, or it was pruned.
             CorruptCheckpointError: a manifest or blob does not verify.
         """
         if isinstance(self.source, Mapping):
@@ -84,11 +84,7 @@ class WeightsFrom:
             return state, {"kind": "state_dict", "state_sha256": state_fingerprint(state)}
         run_dir = Path(self.source)
         result = load_result(run_dir)
-        pointer = result.best if self.which == "best" else result.last
-        if pointer is None:
-            raise ResumeError(f"run {result.run_id!r} has no committed {self.which.upper()} checkpoint to fine-tune from")
-        if pointer.manifest in result.pruned:
-            raise ResumeError(f"the {self.which.upper()} checkpoint of run {result.run_id!r} was pruned by retention")
+        pointer = loadable(result, self.which)
         store = BlobStore(run_dir / "blobs")
         manifest = verify_checkpoint(store, pointer.manifest)
         state = None

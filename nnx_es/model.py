@@ -14,7 +14,7 @@ from torch.optim import Optimizer
 
 from nnx_es.checkpoint import Manifest, load_component, verify_checkpoint
 from nnx_es.device import model_device
-from nnx_es.errors import ConfigError, ResumeError
+from nnx_es.errors import CheckpointUnavailableError, ConfigError
 from nnx_es.batches import weighted_forward
 from nnx_es.engine import default_forward
 from nnx_es.evaluation import (
@@ -28,7 +28,7 @@ from nnx_es.metrics import evaluate as evaluate_pass
 from nnx_es.metrics import check_accuracy, check_metric_names, validate_metrics
 from nnx_es.user_metrics import bind_activation
 from nnx_es.objective import Objective
-from nnx_es.result import RunResult, load_result
+from nnx_es.result import RunResult, load_result, loadable
 from nnx_es.snapshot import weight_misfits
 from nnx_es.storage import BlobStore
 from nnx_es.trainer import Trainer
@@ -206,8 +206,9 @@ class NNModel:
             ConfigError: ``which`` or ``weights`` is not one of the values above, or the
                 checkpoint's weights do not fit ``self.net`` (another architecture; the
                 message names the keys only one side has and the shapes that differ).
-            ResumeError: the run has no such checkpoint, or ``weights="averaged"`` and
-                the checkpoint holds no averaged weights.
+            CheckpointUnavailableError: the run has no such checkpoint, retention pruned it, or
+                ``weights="averaged"`` and the checkpoint holds no averaged weights (was
+                ``ResumeError``: nothing is resumed here).
             CorruptCheckpointError: a manifest or blob does not verify.
         """
         if which not in ("best", "last"):
@@ -215,19 +216,14 @@ class NNModel:
         if weights not in _WEIGHTS:
             raise ConfigError(f"weights must be one of {', '.join(map(repr, _WEIGHTS))}, got {weights!r}")
         result = load_result(run_dir)
-        pointer = result.best if which == "best" else result.last
-        if pointer is None:
-            raise ResumeError(f"run {result.run_id!r} has no committed {which.upper()} checkpoint")
-        if pointer.manifest in result.pruned:
-            raise ResumeError(f"the {which.upper()} checkpoint of run {result.run_id!r} (epoch {pointer.epoch}) was "
-                              f"pruned by checkpoint retention ({result.pruned[pointer.manifest]}): train with "
-                              "keep_best=True (the default) to keep BEST's, or keep_last=None to keep every one")
+        pointer = loadable(result, which)
         store = BlobStore(Path(run_dir) / "blobs")  # reads manifests from the run's log, opened read-only
         manifest = verify_checkpoint(store, pointer.manifest)
         state = _averaged_state(store, manifest) if weights != "raw" else None
         if state is None and weights == "averaged":
-            raise ResumeError(f"the {which.upper()} checkpoint of run {result.run_id!r} (epoch {pointer.epoch}) "
-                              "holds no averaged weights: the run had no EMA update hook")
+            raise CheckpointUnavailableError(f"the {which.upper()} checkpoint of run {result.run_id!r} (epoch "
+                                             f"{pointer.epoch}) holds no averaged weights: the run had no EMA update "
+                                             "hook; load weights='evaluated' or 'raw'")
         state = state if state is not None else load_component(store, manifest, "model")
         misfits = weight_misfits(self.net, state)
         if misfits:

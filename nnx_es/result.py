@@ -11,7 +11,7 @@ from events.schema import Counters, HistoryRecord
 from projections.checkpoints import Pointer
 from projections.view import Projections
 
-__all__ = ["RunResult", "load_result", "open_projections", "result_of"]
+__all__ = ["RunResult", "load_result", "loadable", "open_projections", "result_of"]
 
 
 class RunResult(msgspec.Struct, frozen=True, kw_only=True):
@@ -81,3 +81,23 @@ def result_of(p: Projections, run_dir: str | Path, n: int) -> RunResult:
         error=p.status.error,
         pruned=dict(p.checkpoints.pruned),
     )
+
+
+def loadable(result: RunResult, which: str) -> Pointer:
+    """The run's ``"best"`` or ``"last"`` checkpoint pointer, to load its weights from.
+
+    Raises:
+        CheckpointUnavailableError: the run committed no such checkpoint, or retention pruned it
+            (its reason named, and the setting that keeps it).
+    """
+    from nnx_es.errors import CheckpointUnavailableError
+
+    pointer = result.best if which == "best" else result.last
+    if pointer is None:
+        raise CheckpointUnavailableError(f"run {result.run_id!r} has no committed {which.upper()} checkpoint")
+    if pointer.manifest in result.pruned:
+        raise CheckpointUnavailableError(
+            f"the {which.upper()} checkpoint of run {result.run_id!r} (epoch {pointer.epoch}) was pruned by checkpoint "
+            f"retention ({result.pruned[pointer.manifest]}): train with keep_best=True (the default) to keep BEST's, "
+            "or keep_last=None to keep every one")
+    return pointer

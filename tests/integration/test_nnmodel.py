@@ -8,7 +8,7 @@ from torch import nn
 
 from nnx_es import EMA, NNModel, Trainer
 from nnx_es.engine import default_forward
-from nnx_es.errors import ConfigError, ResumeError
+from nnx_es.errors import CheckpointUnavailableError, ConfigError
 from nnx_es.metrics import evaluate
 from nnx_es.objective import Objective
 from trainkit import loaders, params_of, small_net
@@ -56,7 +56,7 @@ def test_without_an_averaging_hook_the_evaluated_weights_are_the_raw_ones(tmp_pa
     evaluated = params_of(model.net)
     model.load(run.run_dir, "best", weights="raw")
     assert all(torch.equal(v, evaluated[k]) for k, v in model.net.state_dict().items())
-    with pytest.raises(ResumeError, match="holds no averaged weights"):
+    with pytest.raises(CheckpointUnavailableError, match="holds no averaged weights"):  # a load error, not a resume's
         model.load(run.run_dir, "best", weights="averaged")
 
 

@@ -10,7 +10,8 @@ from torch import nn
 
 from nnx_es import NNModel, Trainer, load_result
 from nnx_es.audit import audit_run
-from nnx_es.errors import ConfigError, ResumeError
+from nnx_es.errors import CheckpointUnavailableError, ConfigError, ResumeError
+from nnx_es.finetune import WeightsFrom
 from nnx_es.testing import Fit, crash_test
 from trainkit import blobs_data, loaders, params_of, read_events, write_blob
 from torch.utils.data import DataLoader, TensorDataset
@@ -84,8 +85,13 @@ def test_loading_a_best_that_retention_pruned_is_refused_with_the_reason(tmp_pat
     run = trainer.fit(DataLoader(TensorDataset(x, y), batch_size=8), loaders()[1], epochs=4)
     if run.best.manifest == run.last.manifest:
         pytest.skip("BEST is LAST on this machine's numerics: nothing of BEST to prune")
-    with pytest.raises(ResumeError, match=r"pruned by checkpoint retention \(keep_last=1, keep_best=False\)"):
+    # a load error, not ResumeError (nothing is resumed): NnxError and LookupError
+    with pytest.raises(CheckpointUnavailableError, match=r"pruned by checkpoint retention \(keep_last=1, keep_best=False\)"):
         NNModel(_wide_net()).load(run.run_dir, "best")
+    with pytest.raises(LookupError, match="keep_best=True"):
+        fresh = _wide_net()
+        Trainer(fresh, torch.optim.SGD(fresh.parameters(), lr=0.1), nn.CrossEntropyLoss(),
+                init_from=WeightsFrom(run.run_dir, "best"))
 
 
 def test_a_resume_after_pruning_continues_bitwise(tmp_path):
