@@ -9,6 +9,7 @@ from __future__ import annotations
 
 __all__ = [
     "CorruptEventError",
+    "DamagedLogError",
     "EventLogError",
     "LogClosedError",
     "NnxError",
@@ -27,6 +28,11 @@ class EventLogError(NnxError, OSError):
 
 class TruncatedLogError(EventLogError):
     """The log's ``data.mdb`` is shorter than its pages need, or empty (0 bytes): a truncated write or copy."""
+
+
+class DamagedLogError(EventLogError):
+    """The log's bytes are damaged where no reader can go on by position: an LMDB meta page (bit rot
+    there reads as another data format), or the last key, which is not a seq (its count is the log's length)."""
 
 
 class LogClosedError(EventLogError):
