@@ -63,8 +63,9 @@ def meta_damage(data: Path) -> str | None:
     """What is damaged in ``data``'s two LMDB meta pages, or None when both read as LMDB 0.9 metas.
 
     A meta page whose magic is not LMDB's, or whose data format is not the other page's or
-    not LMDB's, is named with what it reads; the file being shorter than two pages is named too.
-    None also when ``data`` cannot be read (missing: nothing to name).
+    not LMDB's, is named with what it reads. None when neither page has LMDB's magic (not an LMDB
+    file at all), and when ``data`` cannot be read or is too short to hold both meta pages (a
+    truncated file): LMDB's own refusal says so.
     """
     try:
         with open(data, "rb") as f:
@@ -74,11 +75,12 @@ def meta_damage(data: Path) -> str | None:
     first = _meta(head, 0)
     psize = first[4] if first is not None and first[0] == _MAGIC and first[4] in _PAGE_SIZES else _DEFAULT_PSIZE
     metas = [first, _meta(head, psize)]
+    if None in metas or all(meta[0] != _MAGIC for meta in metas):  # type: ignore[index]
+        return None
     problems = []
     for i, meta in enumerate(metas):
-        if meta is None:
-            problems.append(f"meta page {i} is missing (the file has {len(head)} bytes)" if head else "")
-        elif meta[0] != _MAGIC:
+        assert meta is not None
+        if meta[0] != _MAGIC:
             problems.append(f"meta page {i} has magic {meta[0]:#010x}, not LMDB's {_MAGIC:#010x}")
         elif meta[1] != _DATA_VERSION:
             other = metas[1 - i]
@@ -86,7 +88,7 @@ def meta_damage(data: Path) -> str | None:
             problems.append(f"meta page {i} reads data format v{meta[1]} (LMDB 0.9 writes v{_DATA_VERSION}"
                             + ("; both meta pages say so: another LMDB's file, or both damaged)" if agree else
                                ", and the other meta page does not agree)"))
-    return "; ".join(filter(None, problems)) or None
+    return "; ".join(problems) or None
 
 
 _PAGE_SIZES = frozenset(1 << n for n in range(9, 17))  # 512 B .. 64 KiB

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import NoReturn
 
-import msgspec
+from nnx_es.cli._format import json_line, printable
 
 __all__ = ["EXIT_INTERRUPTED", "EXIT_OK", "EXIT_UNUSABLE", "EXIT_VIOLATIONS", "Parser", "UsageError", "fail",
            "reader_left", "wants_json", "writer_alive"]
@@ -46,14 +46,15 @@ def fail(tool: str, message: str, *, error_type: str, as_json: bool, usage: str 
     Always ``tool: message`` on stderr (a usage error as argparse says it: ``usage``, then
     ``tool: error: message``); in a ``--json`` mode also one line ``{"error": {"type": error_type,
     "message": message}}`` on stdout, so a program reading stdout learns why it got nothing (or
-    less) rather than a silence.
+    less) rather than a silence. The message may quote a log or a path: its controls are escaped
+    (:func:`nnx_es.cli._format.printable`).
     """
     if usage is not None:
-        sys.stderr.write(usage)
-    print(f"{tool}: {'error: ' if usage is not None else ''}{message}", file=sys.stderr)
+        sys.stderr.write(usage)  # the tool's own text
+    print(printable(f"{tool}: {'error: ' if usage is not None else ''}{message}"), file=sys.stderr)
     if as_json:
         try:
-            sys.stdout.write(msgspec.json.encode({"error": {"type": error_type, "message": message}}).decode() + "\n")
+            sys.stdout.write(json_line({"error": {"type": error_type, "message": message}}) + "\n")
             sys.stdout.flush()
         except BrokenPipeError:
             reader_left()
