@@ -208,7 +208,10 @@ class NNModel:
                 message names the keys only one side has and the shapes that differ).
             ResumeError: the run has no such checkpoint, or ``weights="averaged"`` and
                 the checkpoint holds no averaged weights.
-            CorruptCheckpointError: a manifest or blob does not verify.
+            CorruptCheckpointError: a manifest or blob does not verify, the manifest belongs to another
+                run (mixed: its ``run_id`` is not the run's, as ``tools/replay`` and a resume refuse it),
+                or a component does not decode (:mod:`nnx_es.state_codec`).
+            EventLogError: the run's log cannot be read (damaged: named).
         """
         if which not in ("best", "last"):
             raise ConfigError(f"which must be 'best' or 'last', got {which!r}")
@@ -223,7 +226,8 @@ class NNModel:
                               f"pruned by checkpoint retention ({result.pruned[pointer.manifest]}): train with "
                               "keep_best=True (the default) to keep BEST's, or keep_last=None to keep every one")
         store = BlobStore(Path(run_dir) / "blobs")  # reads manifests from the run's log, opened read-only
-        manifest = verify_checkpoint(store, pointer.manifest)
+        # the manifest must name this run, as replay and resume check: another run's checkpoint is refused
+        manifest = verify_checkpoint(store, pointer.manifest, run_id=result.run_id)
         state = _averaged_state(store, manifest) if weights != "raw" else None
         if state is None and weights == "averaged":
             raise ResumeError(f"the {which.upper()} checkpoint of run {result.run_id!r} (epoch {pointer.epoch}) "

@@ -1,0 +1,193 @@
+"""Readers of a run someone else handed over: damage is named (exit 2), strings are shown, never acted on.
+
+A small real run (its one callback named with terminal controls: ``ESC ]0;title BEL`` sets the
+terminal's title, ``ESC [2J`` clears the screen) is damaged or forged in a private copy, then read
+by ``tools/replay``, ``inspect`` (events, summary, ``--at``, a runs root, ``diff``) and
+``NNModel.load``. Forging uses the log's own test hooks (``put_raw``, ``put_blob_raw``) or LMDB
+directly; bit rot changes ``data.mdb`` itself.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import struct
+from pathlib import Path
+
+import lmdb
+import msgspec
+import pytest
+from trainkit import loaders, small_net
+
+from crashkit import flip_in_file
+from events.codec import decode, encode
+from events.errors import DamagedLogError, EventLogError
+from events.log import LmdbLog
+from events.schema import LastCommitted
+from nnx_es import LambdaCallback
+from nnx_es.checkpoint import Manifest
+from nnx_es.cli import inspect as inspect_cli
+from nnx_es.cli import replay as replay_cli
+from nnx_es.errors import CorruptCheckpointError
+from nnx_es.model import NNModel
+
+EVIL = "cb\x1b]0;pwned\x07\x1b[2J"
+RAW_CONTROLS = ("\x1b", "\x07")
+
+
+@pytest.fixture(scope="module")
+def small_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A finished 2-epoch run of a real Trainer whose callback is named :data:`EVIL`."""
+    root = tmp_path_factory.mktemp("hostile") / "runs"
+    NNModel(small_net()).train(*loaders(), epochs=2, runs_root=root, run_id="small", progress=False,
+                               callbacks=[LambdaCallback(name=EVIL, on_epoch_end=lambda ctx: None)])
+    return root / "small"
+
+
+@pytest.fixture
+def run(small_run: Path, tmp_path: Path) -> Path:
+    """A private copy of the small run, under ``tmp_path/runs``."""
+    dest = tmp_path / "runs" / small_run.name
+    shutil.copytree(small_run, dest, ignore=shutil.ignore_patterns("lock.mdb"))
+    return dest
+
+
+def _no_traceback(captured: pytest.CaptureResult[str]) -> None:
+    assert "Traceback" not in captured.err + captured.out
+
+
+def _unescaped(text: str) -> bool:
+    return any(c in text for c in RAW_CONTROLS)
+
+
+# --- a key that is not a seq, a damaged meta page -------------------------------------------------------
+
+
+def put_key(log_dir: Path, key: bytes, value: bytes) -> None:
+    """Store ``value`` under ``key`` in the log's events database, with LMDB itself (any key, no checksum)."""
+    env = lmdb.open(str(log_dir), max_dbs=8)
+    try:
+        with env.begin(write=True, db=env.open_db(b"events")) as txn:
+            txn.put(key, value)
+    finally:
+        env.close()
+
+
+@pytest.mark.parametrize("key", [(1 << 63).to_bytes(8, "big"), b"\xff" * 8, b"\xff" * 9, b"\x7f"])
+def test_a_last_key_that_is_not_a_seq_is_named_as_damage_by_every_reader(run: Path, capsys, key):
+    with LmdbLog(run / "events.lmdb", readonly=True) as log:
+        raw = dict(log.read_raw())[3]
+    put_key(run / "events.lmdb", key, raw)
+    for argv in (["summary"], ["summary", "--json"], [], ["--at", "5"], ["rows"]):
+        assert inspect_cli.main([str(run), *argv]) == 2, argv
+        captured = capsys.readouterr()
+        _no_traceback(captured)
+        assert "is damaged: its last key" in captured.err and "is not a seq" in captured.err
+    assert replay_cli.main([str(run)]) == 2
+    assert "is not a seq" in capsys.readouterr().err
+    assert inspect_cli.main([str(run.parent)]) == 1  # the listing names it
+    assert "DamagedLogError" in capsys.readouterr().out
+    with pytest.raises(DamagedLogError, match="is not a seq"):
+        NNModel(small_net()).load(run, "last")
+
+
+def test_a_damaged_meta_page_is_named_as_damage_not_as_a_data_format(run: Path, capsys):
+    data = run / "events.lmdb" / "data.mdb"
+    b = bytearray(data.read_bytes())
+    struct.pack_into("<I", b, 20, 254)  # meta page 0's data format: bit rot
+    data.write_bytes(bytes(b))
+    assert replay_cli.main([str(run), "--json"]) == 2
+    captured = capsys.readouterr()
+    _no_traceback(captured)
+    error = json.loads(captured.out)["error"]
+    assert error["type"] == "DamagedLogError"
+    assert "is damaged: meta page 0 reads data format v254" in error["message"]
+    assert "not supported" not in error["message"]
+
+
+# --- terminal controls ---------------------------------------------------------------------------------
+
+
+def test_inspect_and_replay_show_a_callback_name_with_terminal_controls_escaped(run: Path, capsys):
+    for argv in ([], ["--kind", "callback_began"], ["summary"], ["--at", "30"]):
+        assert inspect_cli.main([str(run), *argv]) == 0, argv
+        captured = capsys.readouterr()
+        assert not _unescaped(captured.out + captured.err), argv
+    assert inspect_cli.main([str(run), "--kind", "callback_began"]) == 0
+    assert "cb\\x1b]0;pwned\\x07\\x1b[2J" in capsys.readouterr().out  # shown, escaped
+    assert inspect_cli.main([str(run), "--kind", "callback_began", "--json"]) == 0
+    out = capsys.readouterr().out
+    assert not _unescaped(out) and json.loads(out.splitlines()[0])["name"] == EVIL  # JSON decodes to the name
+    assert replay_cli.main([str(run)]) == 0
+    assert not _unescaped(capsys.readouterr().out)
+
+
+def test_a_runs_listing_escapes_a_run_directory_named_with_terminal_controls(run: Path, capsys):
+    evil = run.parent / "r\x1b[2J\u202e"
+    run.rename(evil)
+    assert inspect_cli.main([str(run.parent)]) == 0
+    out = capsys.readouterr().out
+    assert "r\\x1b[2J\\u202e" in out and not _unescaped(out) and "\u202e" not in out
+    assert inspect_cli.main([str(run.parent), "--json"]) == 0
+    out = capsys.readouterr().out
+    assert "\u202e" not in out and json.loads(out)["run_id"] == evil.name
+
+
+# --- diff and the runs listing verify checksums ---------------------------------------------------------
+
+
+def test_diff_of_a_bit_rotted_log_exits_2_naming_the_damage_not_a_difference(small_run: Path, run: Path, capsys):
+    flip_in_file(run, 20, 2, 0x41)
+    for argv in ([str(small_run), str(run)], [str(run), str(small_run), "--json"]):
+        assert inspect_cli.main(["diff", *argv]) == 2
+        captured = capsys.readouterr()
+        _no_traceback(captured)
+        assert f"the event log of {run} is damaged" in captured.err
+        assert "do not verify against their checksums" in captured.err and "first difference" not in captured.out
+    assert json.loads(captured.out)["error"]["type"] == "DamagedLogError"
+
+
+def test_diff_of_an_undecodable_event_exits_2_not_1(small_run: Path, run: Path, capsys):
+    with LmdbLog(run / "events.lmdb") as log:
+        log.put_raw(20, b"\x92\x01\x02")  # the checksum recomputed: not bit rot, a value that does not decode
+    assert inspect_cli.main(["diff", str(small_run), str(run)]) == 2
+    captured = capsys.readouterr()
+    _no_traceback(captured)
+    assert "event at seq 20 does not decode" in captured.err and "nothing was compared" in captured.err
+
+
+def test_a_runs_listing_shows_a_bit_rotted_run_as_damaged(run: Path, capsys):
+    flip_in_file(run, 20, 2, 0x41)
+    assert inspect_cli.main([str(run.parent)]) == 1
+    out = capsys.readouterr().out
+    row = out.splitlines()[1].split()
+    assert row[:2] == ["small", "damaged"]
+    assert "small: damaged: 1 range of values do not verify against their checksums" in out
+    assert inspect_cli.main([str(run.parent), "--json"]) == 1
+    assert json.loads(capsys.readouterr().out)["status"] == "damaged"
+
+
+# --- NNModel.load checks that the checkpoint is the run's ---------------------------------------------
+
+
+def test_nnmodel_load_refuses_a_last_that_names_another_runs_manifest(run: Path):
+    with LmdbLog(run / "events.lmdb") as log:
+        seq, last = [(s, e) for s, e in log.read() if isinstance(e, LastCommitted)][-1]
+        mine = msgspec.msgpack.decode(log.get_blob(last.manifest.encode()), type=Manifest)
+        other = msgspec.msgpack.encode(msgspec.structs.replace(mine, run_id="another"))
+        digest = hashlib.sha256(other).hexdigest()
+        log.put_blob_raw(digest.encode(), other)  # another run's manifest, its blobs the same bytes
+        log.put_raw(seq, encode(msgspec.structs.replace(decode(dict(log.read_raw())[seq]), manifest=digest)))
+    assert replay_cli.main([str(run)]) == 1  # the audit refuses it (invariant 4) ...
+    with pytest.raises(CorruptCheckpointError, match="belongs to run 'another', not 'small'"):
+        NNModel(small_net()).load(run, "last")  # ... and so does load
+
+
+def test_nnmodel_load_of_a_damaged_log_raises_a_log_error(run: Path):
+    data = run / "events.lmdb" / "data.mdb"
+    b = bytearray(data.read_bytes())
+    struct.pack_into("<I", b, 16, 0x12345678)  # meta page 0's magic
+    data.write_bytes(bytes(b))
+    with pytest.raises(EventLogError, match="meta page 0 has magic 0x12345678"):
+        NNModel(small_net()).load(run, "best")
