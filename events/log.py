@@ -155,10 +155,13 @@ class LmdbLog(LogBase):
             self._sums = self._existing_db(SUMS_DB)
 
     def _existing_db(self, name: bytes) -> lmdb._Database | None:
-        """A named database of a read-only log, or None while no writer has created it."""
+        """A named database of a read-only log, or None while no writer has created it (a map a writer
+        outgrew is remapped first, by :meth:`_txn`: LMDB's own lookup transaction would fail)."""
         try:
             with self._reading():
-                return self._env.open_db(name, create=False)
+                with self._txn():
+                    pass
+                return self._env.open_db(name, create=False)  # (one opened in a read of ours is not kept)
         except EventLogError as exc:
             if not isinstance(exc.__cause__, lmdb.NotFoundError):
                 raise

@@ -9,15 +9,21 @@ directly; bit rot changes ``data.mdb`` itself.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import io
 import json
 import shutil
 import struct
+import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import lmdb
 import msgspec
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from trainkit import loaders, small_net
 
 from crashkit import flip_in_file
@@ -29,7 +35,7 @@ from nnx_es import LambdaCallback
 from nnx_es.checkpoint import Manifest
 from nnx_es.cli import inspect as inspect_cli
 from nnx_es.cli import replay as replay_cli
-from nnx_es.errors import CorruptCheckpointError
+from nnx_es.errors import CorruptCheckpointError, NnxError
 from nnx_es.model import NNModel
 
 EVIL = "cb\x1b]0;pwned\x07\x1b[2J"
@@ -191,3 +197,62 @@ def test_nnmodel_load_of_a_damaged_log_raises_a_log_error(run: Path):
     data.write_bytes(bytes(b))
     with pytest.raises(EventLogError, match="meta page 0 has magic 0x12345678"):
         NNModel(small_net()).load(run, "best")
+
+
+# --- hypothesis: forged keys and values, every reader bounded ----------------------------------------------
+
+_DBS = (b"events", b"sums", b"snapshots", b"blobs")
+_keys = st.one_of(st.integers(0, 60).map(lambda s: s.to_bytes(8, "big")),
+                  st.sampled_from([1 << 62, (1 << 63) - 1, 1 << 63, (1 << 64) - 1]).map(lambda s: s.to_bytes(8, "big")),
+                  st.binary(min_size=1, max_size=12))
+_forgeries = st.lists(st.tuples(st.sampled_from(_DBS), _keys, st.one_of(st.binary(max_size=48), st.none()),
+                                st.booleans()), min_size=1, max_size=3)
+
+
+def _forge(log_dir: Path, forgeries: list[tuple[bytes, bytes, bytes | None, bool]]) -> None:
+    """Store each ``(db, key, value, derived)`` with LMDB itself: ``value`` None deletes the key; ``derived``
+    stores a stored value of that database with its bytes changed by ``value`` (a plausible forgery)."""
+    env = lmdb.open(str(log_dir), max_dbs=8)
+    try:
+        with env.begin(write=True) as txn:
+            for name, key, value, derived in forgeries:
+                db = env.open_db(name, txn=txn)
+                if value is None:
+                    txn.delete(key, db=db)
+                    continue
+                if derived and (old := txn.get(key, db=db)) is not None:
+                    value = bytes(old[:len(old) // 2]) + value + bytes(old[len(old) // 2 + len(value):])
+                txn.put(key, value, db=db)
+    finally:
+        env.close()
+
+
+def _readers(run: Path, pristine: Path) -> list[tuple[str, Callable[[], int]]]:
+    def load() -> int:
+        try:
+            NNModel(small_net()).load(run, "last")
+        except NnxError:
+            return 2
+        return 0
+
+    inspect_argvs = ([], ["--json"], ["summary"], ["summary", "--verify", "--json"], ["--at", "20"])
+    return [("replay", lambda: replay_cli.main([str(run), "--json"])),
+            *((f"inspect {' '.join(a)}", lambda a=a: inspect_cli.main([str(run), *a])) for a in inspect_argvs),
+            ("inspect RUNS_ROOT", lambda: inspect_cli.main([str(run.parent)])),
+            ("inspect diff", lambda: inspect_cli.main(["diff", str(pristine), str(run)])),
+            ("NNModel.load", load)]
+
+
+@settings(max_examples=25, deadline=20_000, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(forgeries=_forgeries)
+def test_a_forged_log_is_read_or_refused_by_every_reader_without_a_traceback(small_run: Path, forgeries):
+    with tempfile.TemporaryDirectory() as tmp:
+        run = Path(tmp) / "runs" / "small"
+        shutil.copytree(small_run, run, ignore=shutil.ignore_patterns("lock.mdb"))
+        _forge(run / "events.lmdb", forgeries)
+        out = io.StringIO()
+        for name, reader in _readers(run, small_run):
+            with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+                status = reader()  # anything raised here is a traceback the reader lets through
+            assert status in (0, 1, 2), (name, status)
+        assert "Traceback" not in out.getvalue()
