@@ -80,6 +80,7 @@ from nnx_es.cli._common import (
     reader_left,
     wants_json,
 )
+from nnx_es.cli._format import printable
 from nnx_es.cli._schema import json_schema, plot_format_error, tensorboard_error
 from nnx_es.cli.listing import list_events
 from nnx_es.cli.many import diff_command, is_empty_runs_root, is_runs_root, list_command
@@ -320,11 +321,11 @@ def _run(log: LmdbLog, args: argparse.Namespace, kinds: frozenset[str] | None) -
                 return rows_command(args.run_dir, args.hardest, args.json)
             print(f"wrote {plot_cartography(args.run_dir, args.out)}")
         except CorruptCheckpointError as exc:  # a journal chunk or manifest that does not verify
-            print(f"inspect: the per-row records of {args.run_dir} do not verify: {exc}; run tools/replay "
-                  f"{args.run_dir} to audit the run", file=sys.stderr)
+            print(printable(f"inspect: the per-row records of {args.run_dir} do not verify: {exc}; run tools/replay "
+                            f"{args.run_dir} to audit the run"), file=sys.stderr)
             return EXIT_UNUSABLE
         except (OSError, ImportError, ValueError) as exc:
-            print(f"inspect: cannot write the data map to {args.out}: {exc}", file=sys.stderr)
+            print(printable(f"inspect: cannot write the data map to {args.out}: {exc}"), file=sys.stderr)
             return EXIT_UNUSABLE
     elif args.command == "plot":
         from nnx_es.plotting import plot_run
@@ -333,7 +334,7 @@ def _run(log: LmdbLog, args: argparse.Namespace, kinds: frozenset[str] | None) -
         try:
             print(f"wrote {plot_run(args.run_dir, args.out)}")
         except (OSError, ImportError, RuntimeError) as exc:  # RuntimeError: .pgf without a TeX system
-            print(f"inspect: cannot write the plot to {args.out}: {exc}", file=sys.stderr)
+            print(printable(f"inspect: cannot write the plot to {args.out}: {exc}"), file=sys.stderr)
             return EXIT_UNUSABLE
     elif args.command == "export":
         from nnx_es.plotting import export_tensorboard
@@ -347,7 +348,7 @@ def _run(log: LmdbLog, args: argparse.Namespace, kinds: frozenset[str] | None) -
             else:
                 n = export_tensorboard(args.run_dir, args.tensorboard)
         except (OSError, ImportError) as exc:
-            print(f"inspect: cannot export to {args.tensorboard}: {exc}", file=sys.stderr)
+            print(printable(f"inspect: cannot export to {args.tensorboard}: {exc}"), file=sys.stderr)
             return EXIT_UNUSABLE
         print(f"wrote {n} scalars to {args.tensorboard}")
     elif args.at is not None:
