@@ -14,7 +14,7 @@ from torch.optim import Optimizer
 
 from nnx_es.checkpoint import Manifest, load_component, verify_checkpoint
 from nnx_es.device import model_device
-from nnx_es.errors import ConfigError, ResumeError
+from nnx_es.errors import ConfigError, CorruptCheckpointError, ResumeError
 from nnx_es.batches import weighted_forward
 from nnx_es.engine import default_forward
 from nnx_es.evaluation import (
@@ -237,7 +237,12 @@ class NNModel:
         if misfits:
             raise ConfigError(f"the {which.upper()} checkpoint of run {result.run_id!r} (epoch {pointer.epoch}) "
                               f"does not fit this net (another architecture?): {misfits}")
-        self.net.load_state_dict(state)
+        try:
+            self.net.load_state_dict(state)
+        except (RuntimeError, TypeError, ValueError, AttributeError) as exc:  # keys and shapes fit: crafted contents
+            raise CorruptCheckpointError(f"the {which.upper()} checkpoint of run {result.run_id!r} (epoch "
+                                         f"{pointer.epoch}) does not load into this net: {type(exc).__name__}: "
+                                         f"{exc}") from None
         self.source = WeightsSource(run_dir=str(Path(run_dir)), checkpoint=which, manifest=pointer.manifest,
                                     epoch=pointer.epoch, weights=weights, fingerprint=weights_fingerprint(self.net))
         return pointer.epoch

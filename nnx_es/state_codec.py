@@ -227,6 +227,8 @@ def decode_state(data: bytes) -> Any:
             pair = nested(payload)
             if type(pair) is not list or len(pair) != 2 or type(pair[0]) is not dict or type(pair[1]) is not dict:
                 raise ValueError("a state dict is not [items map, metadata map]")
+            if not all(type(v) is dict for v in pair[1].values()):  # nn.Module reads each as a map
+                raise ValueError("a state dict's metadata is not a map of maps (module prefix -> version fields)")
             out = OrderedDict(pair[0])
             out._metadata = pair[1]  # type: ignore[attr-defined]
             return out

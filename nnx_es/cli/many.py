@@ -99,8 +99,8 @@ def list_runs(root: Path) -> list[RunRow]:
                 damage = log_damage(log)
             if damage is not None:
                 rows.append(RunRow(run_id=run_dir.name, status="damaged", epochs=None, best=None, started=None,
-                                   bytes=_size(run_dir), error=damage, advice=f"tools/replay {run_dir} names the damage; "
-                                   "restore the run directory from a copy"))
+                                   bytes=_size(run_dir), error=damage,
+                                   advice=f"tools/replay {run_dir} names the damage; restore the run directory from a copy"))
                 continue
         except NotARunError as exc:  # its log is gone: the message says so and what to do
             rows.append(_unreadable(run_dir, exc, None))

@@ -13,6 +13,7 @@ import contextlib
 import hashlib
 import io
 import json
+import re
 import shutil
 import struct
 import tempfile
@@ -32,10 +33,10 @@ from events.errors import DamagedLogError, EventLogError
 from events.log import LmdbLog
 from events.schema import LastCommitted
 from nnx_es import LambdaCallback
-from nnx_es.checkpoint import Manifest
+from nnx_es.checkpoint import Component, Manifest
 from nnx_es.cli import inspect as inspect_cli
 from nnx_es.cli import replay as replay_cli
-from nnx_es.errors import CorruptCheckpointError, NnxError
+from nnx_es.errors import ConfigError, CorruptCheckpointError, NnxError
 from nnx_es.model import NNModel
 
 EVIL = "cb\x1b]0;pwned\x07\x1b[2J"
@@ -177,17 +178,47 @@ def test_a_runs_listing_shows_a_bit_rotted_run_as_damaged(run: Path, capsys):
 # --- NNModel.load checks that the checkpoint is the run's ---------------------------------------------
 
 
-def test_nnmodel_load_refuses_a_last_that_names_another_runs_manifest(run: Path):
+def _forge_last(run: Path, change: Callable[[Manifest], Manifest]) -> None:
+    """Make the run's final LAST name ``change(its manifest)``, stored in the log, the checksums recomputed:
+    a forged run, as a writer would have written it."""
     with LmdbLog(run / "events.lmdb") as log:
         seq, last = [(s, e) for s, e in log.read() if isinstance(e, LastCommitted)][-1]
         mine = msgspec.msgpack.decode(log.get_blob(last.manifest.encode()), type=Manifest)
-        other = msgspec.msgpack.encode(msgspec.structs.replace(mine, run_id="another"))
-        digest = hashlib.sha256(other).hexdigest()
-        log.put_blob_raw(digest.encode(), other)  # another run's manifest, its blobs the same bytes
+        forged = msgspec.msgpack.encode(change(mine))
+        digest = hashlib.sha256(forged).hexdigest()
+        log.put_blob_raw(digest.encode(), forged)
         log.put_raw(seq, encode(msgspec.structs.replace(decode(dict(log.read_raw())[seq]), manifest=digest)))
+
+
+def test_nnmodel_load_refuses_a_last_that_names_another_runs_manifest(run: Path):
+    _forge_last(run, lambda m: msgspec.structs.replace(m, run_id="another"))  # its blobs the same bytes
     assert replay_cli.main([str(run)]) == 1  # the audit refuses it (invariant 4) ...
     with pytest.raises(CorruptCheckpointError, match="belongs to run 'another', not 'small'"):
         NNModel(small_net()).load(run, "last")  # ... and so does load
+
+
+def _with_model(state: bytes) -> Callable[[Manifest], Manifest]:
+    comp = Component(blob=hashlib.sha256(state).hexdigest(), codec="tensors", bytes=len(state), data=state)
+    return lambda m: msgspec.structs.replace(m, components={**m.components, "model": comp})
+
+
+def _tensors_codec(tree: object) -> bytes:
+    encoded = msgspec.msgpack.encode(tree)
+    return len(encoded).to_bytes(8, "little") + encoded
+
+
+@pytest.mark.parametrize("state, error, named", [
+    (_tensors_codec([1, 2]), ConfigError, "the checkpoint's weights are a list, not a state dict"),
+    (_tensors_codec({"0.weight": "w", 7: 1}), ConfigError, "0.weight: a str in the checkpoint, not a tensor"),
+    (_tensors_codec({"w": msgspec.msgpack.Ext(1, msgspec.msgpack.encode(["float32", [1 << 20] * 2, 0, 4 << 40]))}),
+     CorruptCheckpointError, "component 'model' does not decode: a float32 tensor of shape"),
+    (_tensors_codec(msgspec.msgpack.Ext(3, msgspec.msgpack.encode([{}, {"": 5}]))), CorruptCheckpointError,
+     "metadata is not a map of maps"),
+])
+def test_nnmodel_load_of_a_crafted_model_state_names_it(run: Path, state: bytes, error: type, named: str):
+    _forge_last(run, _with_model(state))
+    with pytest.raises(error, match=re.escape(named)):
+        NNModel(small_net()).load(run, "last")
 
 
 def test_nnmodel_load_of_a_damaged_log_raises_a_log_error(run: Path):
