@@ -12,6 +12,7 @@ __all__ = [
     "DamagedLogError",
     "EventLogError",
     "LogClosedError",
+    "NewLogError",
     "NnxError",
     "SequenceGapError",
     "TruncatedLogError",
@@ -33,6 +34,11 @@ class TruncatedLogError(EventLogError):
 class DamagedLogError(EventLogError):
     """The log's bytes are damaged where no reader can go on by position: an LMDB meta page (bit rot
     there reads as another data format), or the last key, which is not a seq (its count is the log's length)."""
+
+
+class NewLogError(EventLogError):
+    """A read-only open found the log's data file without its events database: its writer is creating it
+    (a run starting at this moment), or the file is another LMDB environment."""
 
 
 class LogClosedError(EventLogError):

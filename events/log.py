@@ -44,7 +44,7 @@ from pathlib import Path
 import lmdb
 
 from events.chunks import RawChunk, StoredPairs, cursor_chunks, ends_read
-from events.errors import DamagedLogError, EventLogError, LogClosedError, TruncatedLogError
+from events.errors import DamagedLogError, EventLogError, LogClosedError, NewLogError, TruncatedLogError
 from events.keys import check_items, check_keys
 from events.lmdbfile import meta_damage, reader_map_size, valid_key
 from events.logbase import EventLog, MemoryLog, LogBase, seq_key  # noqa: F401 (EventLog, MemoryLog: re-exported)
@@ -85,6 +85,7 @@ class LmdbLog(LogBase):
         TruncatedLogError: its ``data.mdb`` is shorter than its pages need, or exists and is
             empty (0 bytes; refused before LMDB opens it: a writer would make it a new log).
         DamagedLogError: a meta page is damaged, or the last key is not a seq (:mod:`events.lmdbfile`).
+        NewLogError: (read-only) the data file has no events database yet: its writer is creating it.
     """
 
     def __init__(
@@ -137,6 +138,9 @@ class LmdbLog(LogBase):
                 self._env.close()
             if isinstance(exc, EventLogError):
                 raise
+            if isinstance(exc, lmdb.NotFoundError):  # only a read-only open looks its databases up
+                raise NewLogError(f"event log at {self.path} has no events database yet: its writer is creating it "
+                                  "(a run starting now: try again), or it is another LMDB environment") from None
             if isinstance(exc, lmdb.Error) and (why := meta_damage(data)):  # bit rot reads as a data format
                 raise DamagedLogError(f"event log at {self.path} is damaged: {why}: not opened; restore the run "
                                       "directory from a copy") from None

@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import json
 import os
 import struct
 import subprocess
 import sys
 from pathlib import Path
 
+import lmdb
 import pytest
 
-from events.errors import EventLogError
+from events.errors import EventLogError, NewLogError
 from events.lmdbfile import HEADROOM_MAX, HEADROOM_MIN, meta_damage, reader_map_size, valid_key
 from events.log import LmdbLog
 from events.schema import EpochBegan
@@ -98,3 +100,37 @@ def test_a_reader_mid_read_whose_map_a_writer_outgrows_is_told_to_read_again_the
         assert [first for first, _ in chunks] == [1024, 2048]  # the open read was not ended
         assert ro.refresh() == 2104 and ro.get_blob(b"k2103") == bytes(1 << 20)  # remapped: it follows
         assert ro.map_size() < (1 << 20) * 4 + HEADROOM_MIN + (4 << 20)
+
+
+def test_a_reader_of_a_log_whose_writer_has_not_created_its_databases_is_told_so(tmp_path: Path):
+    lmdb.open(str(tmp_path / "log"), max_dbs=8).close()  # the data file, no database yet
+    with pytest.raises(NewLogError, match="has no events database yet: its writer is creating it"):
+        LmdbLog(tmp_path / "log", readonly=True)
+
+
+_STARTING_WRITER = (
+    "import sys, time, lmdb\nfrom pathlib import Path\nfrom events.log import LmdbLog\n"
+    "from events.schema import EpochBegan, RunFinalized\nfrom nnx_es.storage import Lease\n"
+    "root = Path(sys.argv[1])\nlease = Lease(root, 'live').acquire()\n"
+    "lmdb.open(str(root / 'live' / 'events.lmdb'), max_dbs=8).close()  # created, no database yet\n"
+    "print('created', flush=True)\ntime.sleep(1.5)\n"
+    "with LmdbLog(root / 'live' / 'events.lmdb') as log:\n"
+    "    log.append(EpochBegan(epoch=0)); log.commit(RunFinalized(status='completed', epochs=1, steps=0))\n"
+)
+
+
+def test_inspect_follow_waits_for_a_log_its_writer_is_creating(tmp_path: Path, capsys):
+    from nnx_es.cli.inspect import main
+
+    (tmp_path / "runs" / "live").mkdir(parents=True)
+    writer = subprocess.Popen([sys.executable, "-c", _STARTING_WRITER, str(tmp_path / "runs")], cwd=REPO,
+                              stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+    try:
+        assert writer.stdout is not None and writer.stdout.readline().strip() == "created"
+        assert main([str(tmp_path / "runs" / "live"), "--kind", "epoch_began"]) == 2  # not following: said
+        assert "no events database yet" in capsys.readouterr().err
+        assert main([str(tmp_path / "runs" / "live"), "--follow", "--json"]) == 0  # following: waited for it
+        assert [json.loads(line)["kind"] for line in capsys.readouterr().out.splitlines()] == [
+            "epoch_began", "run_finalized"]
+    finally:
+        assert writer.wait(timeout=60) == 0
