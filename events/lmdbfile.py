@@ -14,9 +14,9 @@ layout is LMDB 0.9's on a 64-bit machine (``mdb.c``: a 16-byte page header, then
 ``MDB_meta``: magic, version, address, map size, two ``MDB_db``, last page, txnid).
 
 Keys: :func:`valid_key` says whether a stored key is a seq at all: 8 bytes (big-endian, as
-:func:`events.logbase.seq_key` writes them) below :data:`MAX_SEQ`; :data:`MAX_SEQ` is 2^63
-(Python's ``sys.maxsize`` + 1 and msgpack's signed int64: every seq a log can hold
-is an index the readers can count to).
+:func:`events.logbase.seq_key` writes them) below :data:`MAX_SEQ`, 2^62: a log's length, the
+last seq + 1, and the sums readers form from it stay below Python's ``sys.maxsize`` (2^63 - 1,
+what ``itertools.islice`` and ``range`` take) and msgpack's signed int64.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ HEADROOM_MAX = 1 << 30
 _ROUND = 1 << 20  # the map is a whole number of MiB (a multiple of every page size)
 
 #: one past the largest seq a log may hold: a key at or past it is not a seq (damage, or a forged log)
-MAX_SEQ = 1 << 63
+MAX_SEQ = 1 << 62
 
 _MAGIC = 0xBEEFC0DE
 _DATA_VERSION = 1  # LMDB 0.9's MDB_DATA_VERSION
@@ -56,7 +56,7 @@ def reader_map_size(data: Path) -> int:
 
 def valid_key(key: bytes) -> bool:
     """Whether ``key`` is a seq's key: 8 bytes, big-endian, below :data:`MAX_SEQ`."""
-    return len(key) == 8 and key[0] < 0x80
+    return len(key) == 8 and key[0] < MAX_SEQ >> 56
 
 
 def meta_damage(data: Path) -> str | None:

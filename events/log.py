@@ -202,7 +202,7 @@ class LmdbLog(LogBase):
                 return 0
             if not valid_key(key := cur.key()):  # the log's length would be no count (2^63, 2^64 + 1, ...)
                 raise DamagedLogError(f"event log at {self.path} is damaged: its last key, {bytes(key).hex()}, is not "
-                                      "a seq (8 bytes below 2^63): not read; restore the run directory from a copy")
+                                      "a seq (8 bytes below 2^62): not read; restore the run directory from a copy")
             return int.from_bytes(key, "big") + 1
 
     _reads = 0  # read transactions this handle has open (a generator suspended mid-read holds one)

@@ -60,16 +60,15 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from collections.abc import Sequence
 from pathlib import Path
 
 import msgspec
 
 from events.codec import KINDS
-from events.errors import EventLogError, NewLogError, SequenceGapError
+from events.errors import EventLogError, SequenceGapError
 from events.log import LmdbLog
-from nnx_es.audit import NotARunError, open_run_log
+from nnx_es.audit import NotARunError
 from nnx_es.cli._common import (
     EXIT_INTERRUPTED,
     EXIT_OK,
@@ -78,9 +77,9 @@ from nnx_es.cli._common import (
     Parser,
     UsageError,
     fail,
+    open_log,
     reader_left,
     wants_json,
-    writer_alive,
 )
 from nnx_es.cli._format import printable
 from nnx_es.cli._schema import json_schema, plot_format_error, tensorboard_error
@@ -246,7 +245,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             is_runs_root(args.run_dir) or is_empty_runs_root(args.run_dir)):
         return list_command(args.run_dir, as_json)
     try:
-        log = _open(args)
+        log = open_log(args.run_dir, follow=args.follow, poll_s=args.poll_s)
     except (NotARunError, EventLogError) as exc:
         return fail("inspect", str(exc), error_type=type(exc).__name__, as_json=as_json)
     except KeyboardInterrupt:
@@ -265,22 +264,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     finally:
         log.close()
     return EXIT_OK
-
-
-def _open(args: argparse.Namespace) -> LmdbLog:
-    """The run's log, read-only; with ``--follow``, a log whose writer (alive: it holds the lease) is creating
-    it right now is waited for, every ``poll_s``, as the events it will append are.
-
-    Raises:
-        NotARunError / EventLogError: as :func:`nnx_es.audit.open_run_log`.
-    """
-    while True:
-        try:
-            return open_run_log(args.run_dir)
-        except NewLogError:
-            if not args.follow or not writer_alive(args.run_dir):
-                raise
-        time.sleep(args.poll_s)
 
 
 def _missing_argument(args: argparse.Namespace) -> str | None:

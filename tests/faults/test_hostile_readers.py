@@ -81,7 +81,8 @@ def put_key(log_dir: Path, key: bytes, value: bytes) -> None:
         env.close()
 
 
-@pytest.mark.parametrize("key", [(1 << 63).to_bytes(8, "big"), b"\xff" * 8, b"\xff" * 9, b"\x7f"])
+@pytest.mark.parametrize("key", [(1 << 63).to_bytes(8, "big"), ((1 << 63) - 1).to_bytes(8, "big"), b"\xff" * 8,
+                                 b"\xff" * 9, b"\x7f"])
 def test_a_last_key_that_is_not_a_seq_is_named_as_damage_by_every_reader(run: Path, capsys, key):
     with LmdbLog(run / "events.lmdb", readonly=True) as log:
         raw = dict(log.read_raw())[3]
@@ -234,7 +235,8 @@ def test_nnmodel_load_of_a_damaged_log_raises_a_log_error(run: Path):
 
 _DBS = (b"events", b"sums", b"snapshots", b"blobs")
 _keys = st.one_of(st.integers(0, 60).map(lambda s: s.to_bytes(8, "big")),
-                  st.sampled_from([1 << 62, (1 << 63) - 1, 1 << 63, (1 << 64) - 1]).map(lambda s: s.to_bytes(8, "big")),
+                  st.sampled_from([(1 << 62) - 1, 1 << 62, (1 << 63) - 1, 1 << 63, (1 << 64) - 1]).map(
+                      lambda s: s.to_bytes(8, "big")),
                   st.binary(min_size=1, max_size=12))
 _forgeries = st.lists(st.tuples(st.sampled_from(_DBS), _keys, st.one_of(st.binary(max_size=48), st.none()),
                                 st.booleans()), min_size=1, max_size=3)

@@ -40,8 +40,9 @@ def test_a_reader_opened_on_a_small_log_maps_megabytes(tmp_path: Path):
 
 
 def test_keys_that_are_seqs():
-    assert valid_key((0).to_bytes(8, "big")) and valid_key(((1 << 63) - 1).to_bytes(8, "big"))
-    assert not valid_key((1 << 63).to_bytes(8, "big")) and not valid_key(b"\x00" * 9) and not valid_key(b"\x05")
+    assert valid_key((0).to_bytes(8, "big")) and valid_key(((1 << 62) - 1).to_bytes(8, "big"))
+    assert not valid_key((1 << 62).to_bytes(8, "big")) and not valid_key(((1 << 63) - 1).to_bytes(8, "big"))
+    assert not valid_key(b"\x00" * 9) and not valid_key(b"\x05")
 
 
 def _log_file(tmp_path: Path) -> Path:
