@@ -84,10 +84,15 @@ class _Out:
             self.stream.write(line + "\n")
 
 
-# --- commands ------------------------------------------------------------------------------
-
-
 def list_events(log: LmdbLog, args: argparse.Namespace, kinds: frozenset[str] | None) -> None:
+    """Print the rows ``inspect``'s arguments ask for (``--from/--to/--limit/--kind/--epoch/--rank``, ``--json``),
+    then, with ``--follow``, the rows a live writer appends, polling every ``args.poll_s`` seconds, until the run
+    finalizes or no process on this machine writes it.
+
+    Raises:
+        EventLogError: LMDB refused a read (a corrupted page), naming the last seq read before it.
+        SequenceGapError: a key read is out of place (the rows were printed under their keys as stored).
+    """
     stop = log.next_seq if args.end is None else min(args.end + 1, log.next_seq)
     out = sys.stdout
     table = None if args.json else _Out(out, len(str(max(stop - 1, 0))))
