@@ -9,8 +9,10 @@ from __future__ import annotations
 
 __all__ = [
     "CorruptEventError",
+    "DamagedLogError",
     "EventLogError",
     "LogClosedError",
+    "NewLogError",
     "NnxError",
     "SequenceGapError",
     "TruncatedLogError",
@@ -27,6 +29,16 @@ class EventLogError(NnxError, OSError):
 
 class TruncatedLogError(EventLogError):
     """The log's ``data.mdb`` is shorter than its pages need, or empty (0 bytes): a truncated write or copy."""
+
+
+class DamagedLogError(EventLogError):
+    """The log's bytes are damaged where no reader can go on by position: an LMDB meta page (bit rot
+    there reads as another data format), or the last key, which is not a seq (its count is the log's length)."""
+
+
+class NewLogError(EventLogError):
+    """A read-only open found the log's data file without its events database: its writer is creating it
+    (a run starting at this moment), or the file is another LMDB environment."""
 
 
 class LogClosedError(EventLogError):

@@ -44,8 +44,9 @@ from pathlib import Path
 import lmdb
 
 from events.chunks import RawChunk, StoredPairs, cursor_chunks, ends_read
-from events.errors import EventLogError, LogClosedError, TruncatedLogError
+from events.errors import DamagedLogError, EventLogError, LogClosedError, NewLogError, TruncatedLogError
 from events.keys import check_items, check_keys
+from events.lmdbfile import meta_damage, reader_map_size, valid_key
 from events.logbase import EventLog, MemoryLog, LogBase, seq_key  # noqa: F401 (EventLog, MemoryLog: re-exported)
 from events.sums import SUMS_DB, SumProblem, SumRecord, batch_crc, pack_sum, unpack_sum, verify
 
@@ -55,7 +56,6 @@ _EVENTS_DB = b"events"
 _SNAPSHOTS_DB = b"snapshots"
 _BLOBS_DB = b"blobs"
 _DEFAULT_MAP_SIZE = 32 << 20  # bytes; doubled on demand
-_READER_MAP_SIZE = 1 << 40  # bytes of address space a read-only handle maps (not memory: pages are read on use)
 #: LMDB's sync flags for every handle (docs/INVARIANTS.md "Power loss"). Each write transaction
 #: syncs its data pages before its meta page points at them: with MDB_NOSYNC (``sync=False``, what
 #: this log used before) a power cut could keep a meta page whose pages never reached the disk, or
@@ -76,17 +76,20 @@ class LmdbLog(LogBase):
             process that has the log open for writing (a callback reading its own run),
             the reader shares the writer's environment (LMDB allows one handle per
             process); it must not keep a read open across the writer's next flush.
-        map_size: initial map size in bytes; doubled whenever a write finds it full.
+        map_size: initial map size in bytes; doubled whenever a write finds it full. Default: 32 MiB
+            for a writer; for a reader, the file and room to grow (:func:`events.lmdbfile.reader_map_size`).
 
     Raises:
         EventLogError: the directory is missing (read-only) or is not an LMDB log; reads
             raise it for a page LMDB finds corrupted.
         TruncatedLogError: its ``data.mdb`` is shorter than its pages need, or exists and is
             empty (0 bytes; refused before LMDB opens it: a writer would make it a new log).
+        DamagedLogError: a meta page is damaged, or the last key is not a seq (:mod:`events.lmdbfile`).
+        NewLogError: (read-only) the data file has no events database yet: its writer is creating it.
     """
 
     def __init__(
-        self, path: str | os.PathLike[str], *, readonly: bool = False, map_size: int = _DEFAULT_MAP_SIZE
+        self, path: str | os.PathLike[str], *, readonly: bool = False, map_size: int | None = None
     ) -> None:
         self.path = Path(path)
         self.readonly = readonly
@@ -109,9 +112,8 @@ class LmdbLog(LogBase):
                 self.path.mkdir(parents=True, exist_ok=True)
             self._env = lmdb.open(
                 str(self.path),
-                # a reader maps far past what a live writer will grow to: a writer's growth never
-                # needs the reader to remap (which would end every read transaction it has open)
-                map_size=max(map_size, _READER_MAP_SIZE) if readonly else map_size,
+                # a reader maps the file and room to grow (events.lmdbfile), not more: it runs under a ulimit -v
+                map_size=map_size or (reader_map_size(data) if readonly else _DEFAULT_MAP_SIZE),
                 subdir=True,
                 readonly=readonly,
                 max_dbs=8,
@@ -136,8 +138,18 @@ class LmdbLog(LogBase):
                 self._env.close()
             if isinstance(exc, EventLogError):
                 raise
+            if isinstance(exc, lmdb.NotFoundError):  # only a read-only open looks its databases up
+                raise NewLogError(f"event log at {self.path} has no events database yet: its writer is creating it "
+                                  "(a run starting now: try again), or it is another LMDB environment") from None
+            if isinstance(exc, lmdb.Error) and (why := meta_damage(data)):  # bit rot reads as a data format
+                raise DamagedLogError(f"event log at {self.path} is damaged: {why}: not opened; restore the run "
+                                      "directory from a copy") from None
             raise EventLogError(f"cannot open event log at {self.path}: {exc}") from None
-        super().__init__(self._count_stored())
+        try:
+            super().__init__(self._count_stored())
+        except EventLogError:
+            self._env.close()
+            raise
         if not readonly:
             _WRITERS[str(self.path.resolve())] = self
 
@@ -147,10 +159,13 @@ class LmdbLog(LogBase):
             self._sums = self._existing_db(SUMS_DB)
 
     def _existing_db(self, name: bytes) -> lmdb._Database | None:
-        """A named database of a read-only log, or None while no writer has created it."""
+        """A named database of a read-only log, or None while no writer has created it (a map a writer
+        outgrew is remapped first, by :meth:`_txn`: LMDB's own lookup transaction would fail)."""
         try:
             with self._reading():
-                return self._env.open_db(name, create=False)
+                with self._txn():
+                    pass
+                return self._env.open_db(name, create=False)  # (one opened in a read of ours is not kept)
         except EventLogError as exc:
             if not isinstance(exc.__cause__, lmdb.NotFoundError):
                 raise
@@ -185,14 +200,36 @@ class LmdbLog(LogBase):
             cur = txn.cursor(self._events)
             if not cur.last():
                 return 0
-            return int.from_bytes(cur.key(), "big") + 1
+            if not valid_key(key := cur.key()):  # the log's length would be no count (2^63, 2^64 + 1, ...)
+                raise DamagedLogError(f"event log at {self.path} is damaged: its last key, {bytes(key).hex()}, is not "
+                                      "a seq (8 bytes below 2^62): not read; restore the run directory from a copy")
+            return int.from_bytes(key, "big") + 1
 
-    def _txn(self, write: bool = False) -> lmdb.Transaction:
+    _reads = 0  # read transactions this handle has open (a generator suspended mid-read holds one)
+
+    @contextmanager
+    def _txn(self) -> Iterator[lmdb.Transaction]:
+        """A read transaction. A writer that grew the file past a reader's map makes LMDB refuse it
+        (``MapResizedError``): the reader maps the file as it is now (:func:`events.lmdbfile.reader_map_size`)
+        and begins again, unless another of its reads is open (a remap would end it).
+
+        Raises:
+            EventLogError: the map must grow while another read of this handle is open (read again).
+        """
         try:
-            return self._env.begin(write=write)
+            txn = self._env.begin()
         except lmdb.MapResizedError:
-            self._env.set_mapsize(0)  # adopt the size a writer grew the map to
-            return self._env.begin(write=write)
+            if self._reads:
+                raise EventLogError(f"event log at {self.path} grew past this reader's map while one of its reads "
+                                    "was open (remapping would end that read): read again") from None
+            self._env.set_mapsize(reader_map_size(self.path / "data.mdb") if self.readonly and not self._shared else 0)
+            txn = self._env.begin()
+        self._reads += 1
+        try:
+            with txn:
+                yield txn
+        finally:
+            self._reads -= 1
 
     def refresh(self) -> int:
         """Re-read the stored length (a reader following a live writer); return it."""

@@ -14,7 +14,7 @@ from torch.optim import Optimizer
 
 from nnx_es.checkpoint import Manifest, load_component, verify_checkpoint
 from nnx_es.device import model_device
-from nnx_es.errors import CheckpointUnavailableError, ConfigError
+from nnx_es.errors import CheckpointUnavailableError, ConfigError, CorruptCheckpointError
 from nnx_es.batches import weighted_forward
 from nnx_es.engine import default_forward
 from nnx_es.evaluation import (
@@ -209,7 +209,10 @@ class NNModel:
             CheckpointUnavailableError: the run has no such checkpoint, retention pruned it, or
                 ``weights="averaged"`` and the checkpoint holds no averaged weights (was
                 ``ResumeError``: nothing is resumed here).
-            CorruptCheckpointError: a manifest or blob does not verify.
+            CorruptCheckpointError: a manifest or blob does not verify, the manifest belongs to another
+                run (mixed: its ``run_id`` is not the run's, as ``tools/replay`` and a resume refuse it),
+                or a component does not decode (:mod:`nnx_es.state_codec`).
+            EventLogError: the run's log cannot be read (damaged: named).
         """
         if which not in ("best", "last"):
             raise ConfigError(f"which must be 'best' or 'last', got {which!r}")
@@ -218,7 +221,8 @@ class NNModel:
         result = load_result(run_dir)
         pointer = loadable(result, which)
         store = BlobStore(Path(run_dir) / "blobs")  # reads manifests from the run's log, opened read-only
-        manifest = verify_checkpoint(store, pointer.manifest)
+        # the manifest must name this run, as replay and resume check: another run's checkpoint is refused
+        manifest = verify_checkpoint(store, pointer.manifest, run_id=result.run_id)
         state = _averaged_state(store, manifest) if weights != "raw" else None
         if state is None and weights == "averaged":
             raise CheckpointUnavailableError(f"the {which.upper()} checkpoint of run {result.run_id!r} (epoch "
@@ -229,7 +233,12 @@ class NNModel:
         if misfits:
             raise ConfigError(f"the {which.upper()} checkpoint of run {result.run_id!r} (epoch {pointer.epoch}) "
                               f"does not fit this net (another architecture?): {misfits}")
-        self.net.load_state_dict(state)
+        try:
+            self.net.load_state_dict(state)
+        except (RuntimeError, TypeError, ValueError, AttributeError) as exc:  # keys and shapes fit: crafted contents
+            raise CorruptCheckpointError(f"the {which.upper()} checkpoint of run {result.run_id!r} (epoch "
+                                         f"{pointer.epoch}) does not load into this net: {type(exc).__name__}: "
+                                         f"{exc}") from None
         self.source = WeightsSource(run_dir=str(Path(run_dir)), checkpoint=which, manifest=pointer.manifest,
                                     epoch=pointer.epoch, weights=weights, fingerprint=weights_fingerprint(self.net))
         return pointer.epoch

@@ -224,15 +224,21 @@ def _check_same_generators(run: RunComponents, rng: dict[str, Any]) -> None:
                           "build it with the same generators (any seed: their states are restored)")
 
 
-def weight_misfits(net: nn.Module, weights: dict[str, Any]) -> str:
-    """How ``weights`` (a model state dict) does not fit ``net``: keys either lacks and shapes
-    that differ, the first six named; ``""`` when it fits. Checked before loading, because
-    ``load_state_dict`` copies what fits and then raises."""
+def weight_misfits(net: nn.Module, weights: Any) -> str:
+    """How ``weights`` (a model state dict) does not fit ``net``: keys either lacks, values that are not
+    tensors and shapes that differ, the first six named; ``""`` when it fits. Checked before loading,
+    because ``load_state_dict`` copies what fits and then raises; ``weights`` is a checkpoint's
+    component, someone else's bytes: anything but a dict of tensors is named, never an error."""
+    if not isinstance(weights, dict):
+        return f"the checkpoint's weights are a {type(weights).__name__}, not a state dict"
     own = net.state_dict()
-    misfits = [f"{k} only in the checkpoint" for k in sorted(set(weights) - set(own))] + [
+    misfits = [f"{k} only in the checkpoint" for k in sorted(set(weights) - set(own), key=repr)] + [
         f"{k} only in this net" for k in sorted(set(own) - set(weights))] + [
+        f"{k}: a {type(weights[k]).__name__} in the checkpoint, not a tensor"
+        for k in own if k in weights and not isinstance(weights[k], torch.Tensor)] + [
         f"{k}: {tuple(weights[k].shape)} in the checkpoint, {tuple(v.shape)} here"
-        for k, v in own.items() if k in weights and tuple(weights[k].shape) != tuple(v.shape)
+        for k, v in own.items()
+        if isinstance(weights.get(k), torch.Tensor) and tuple(weights[k].shape) != tuple(v.shape)
     ]
     return "; ".join(misfits[:6]) + (f"; and {len(misfits) - 6} more" if len(misfits) > 6 else "")
 

@@ -35,14 +35,14 @@ returns ``None``) and the checkpoint keeps it with the ``"torch"`` codec.
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Any
+from typing import Annotated, Any, Optional
 
 import msgspec
 import numpy as np
 import torch
 from torch import Tensor
 
-__all__ = ["DTYPES", "NUMPY_DTYPES", "decode_state", "encode_state"]
+__all__ = ["DTYPES", "MAX_DEPTH", "MAX_DIMS", "NUMPY_DTYPES", "decode_state", "encode_state"]
 
 _TENSOR, _TUPLE, _STATE_DICT, _NUMPY = 1, 2, 3, 4
 
@@ -68,7 +68,16 @@ _AS_NUMPY = frozenset(("float32", "float64", "float16", "int64", "int32", "int16
 _NUMPY_SCALARS = frozenset(d.type for d in NUMPY_DTYPES.values())
 
 _plain = msgspec.msgpack.Encoder()
-_plain_decoder = msgspec.msgpack.Decoder()
+#: most sizes in a stored shape (torch's own limit is 64 dimensions)
+MAX_DIMS = 64
+#: deepest nesting of containers a stored state may have (a state dict nests a few levels)
+MAX_DEPTH = 64
+_Size = Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)]
+_Shape = Annotated[list[_Size], msgspec.Meta(max_length=MAX_DIMS)]
+#: a tensor's fields: dtype name, shape, offset and size of its bytes in the data section
+_tensor_fields = msgspec.msgpack.Decoder(tuple[str, _Shape, _Size, _Size])
+#: a NumPy value's: the same, its shape None for a scalar
+_numpy_fields = msgspec.msgpack.Decoder(tuple[str, Optional[_Shape], _Size, _Size])
 _encoder = msgspec.msgpack.Encoder()
 _LENGTH = 8  # bytes of the tree's length
 
@@ -152,12 +161,21 @@ def encode_state(state: Any) -> bytes | None:
 def decode_state(data: bytes) -> Any:
     """The state :func:`encode_state` encoded (tensors on the CPU, writable, not sharing memory).
 
+    The bytes are someone else's (a run directory handed over): everything is checked before it is
+    built -- each extension's fields by type (a dtype of :data:`DTYPES` / :data:`NUMPY_DTYPES`, a
+    shape of at most :data:`MAX_DIMS` sizes in ``[0, 2^63)``, an offset and size inside the data
+    section that match the shape), nesting at most :data:`MAX_DEPTH` containers deep, map keys
+    ``str`` or ``int``, bool bytes 0 or 1 -- so crafted bytes raise ``ValueError``, never another
+    error, and never allocate more than the bytes given.
+
     Raises:
-        ValueError: the bytes do not decode (torn, or not this codec).
+        ValueError: the bytes do not decode (torn, crafted, or not this codec), naming what is wrong.
     """
     view = memoryview(data)
+    if len(view) < _LENGTH:
+        raise ValueError(f"{len(view)} bytes hold no tree length ({_LENGTH} bytes)")
     n = int.from_bytes(view[:_LENGTH], "little")
-    if len(view) < _LENGTH or _LENGTH + n > len(view):
+    if _LENGTH + n > len(view):
         raise ValueError(f"the tree's length {n} does not fit in {len(view)} bytes")
     section = view[_LENGTH + n:]
 
@@ -165,23 +183,35 @@ def decode_state(data: bytes) -> Any:
         numel = 1
         for d in shape:
             numel *= d
-        if nbytes != numel * itemsize or offset < 0 or offset + nbytes > len(section):
+        if nbytes != numel * itemsize or offset + nbytes > len(section):
             raise ValueError(f"a {name} {kind} of shape {shape} needs {numel * itemsize} bytes; "
                              f"{nbytes} at offset {offset} of a {len(section)}-byte data section")
-        return section[offset:offset + nbytes]
+        data = section[offset:offset + nbytes]
+        if name in ("bool", "bool_") and data.tobytes().translate(None, b"\x00\x01"):
+            raise ValueError(f"a bool {kind} holds a byte other than 0 or 1")
+        return data
+
+    def fields(decoder: msgspec.msgpack.Decoder[Any], payload: memoryview, kind: str) -> Any:
+        try:
+            return decoder.decode(payload)
+        except msgspec.DecodeError as exc:
+            raise ValueError(f"a {kind}'s fields do not decode: {exc}") from None
 
     def ext_hook(code: int, payload: memoryview) -> Any:
         if code == _TENSOR:
-            name, shape, offset, nbytes = _plain_decoder.decode(payload)
+            name, shape, offset, nbytes = fields(_tensor_fields, payload, "tensor")
             dtype = DTYPES.get(name)
             if dtype is None:
                 raise ValueError(f"unknown tensor dtype {name!r}")
             data = raw("tensor", name, shape, dtype.itemsize, offset, nbytes)
-            if not nbytes:
-                return torch.empty(shape, dtype=dtype)
-            return torch.frombuffer(bytearray(data), dtype=dtype).reshape(shape)
+            try:
+                if not nbytes:
+                    return torch.empty(shape, dtype=dtype)
+                return torch.frombuffer(bytearray(data), dtype=dtype).reshape(shape)
+            except RuntimeError as exc:  # e.g. an empty tensor whose sizes overflow its strides
+                raise ValueError(f"a {name} tensor of shape {shape} cannot be built: {exc}") from None
         if code == _NUMPY:
-            name, shape, offset, nbytes = _plain_decoder.decode(payload)
+            name, shape, offset, nbytes = fields(_numpy_fields, payload, "NumPy value")
             np_dtype = NUMPY_DTYPES.get(name)
             if np_dtype is None:
                 raise ValueError(f"unknown NumPy dtype {name!r}")
@@ -189,16 +219,63 @@ def decode_state(data: bytes) -> Any:
             array = np.frombuffer(bytearray(data), dtype=np_dtype)
             return array.reshape(shape) if shape is not None else array[0]
         if code == _TUPLE:
-            return tuple(decoder.decode(payload))
+            items = nested(payload)
+            if type(items) is not list:
+                raise ValueError(f"a tuple holds a {type(items).__name__}, not an array of items")
+            return tuple(items)
         if code == _STATE_DICT:
-            items, metadata = decoder.decode(payload)
-            out = OrderedDict(items)
-            out._metadata = metadata  # type: ignore[attr-defined]
+            pair = nested(payload)
+            if type(pair) is not list or len(pair) != 2 or type(pair[0]) is not dict or type(pair[1]) is not dict:
+                raise ValueError("a state dict is not [items map, metadata map]")
+            if not all(type(v) is dict for v in pair[1].values()):  # nn.Module reads each as a map
+                raise ValueError("a state dict's metadata is not a map of maps (module prefix -> version fields)")
+            out = OrderedDict(pair[0])
+            out._metadata = pair[1]  # type: ignore[attr-defined]
             return out
         raise ValueError(f"unknown msgpack extension type {code}")
 
+    depth = [0]
+
+    def nested(payload: memoryview) -> Any:
+        depth[0] += 1
+        try:
+            if depth[0] > MAX_DEPTH:
+                raise ValueError(f"containers nest more than {MAX_DEPTH} deep")
+            return decoder.decode(payload)
+        finally:
+            depth[0] -= 1
+
     decoder = msgspec.msgpack.Decoder(ext_hook=ext_hook)
     try:
-        return decoder.decode(view[_LENGTH:_LENGTH + n])
+        tree = decoder.decode(view[_LENGTH:_LENGTH + n])
     except msgspec.DecodeError as exc:
         raise ValueError(str(exc)) from None
+    except RecursionError:
+        raise ValueError(f"containers nest deeper than this interpreter decodes (at most {MAX_DEPTH} are "
+                         "expected)") from None
+    _check_tree(tree)
+    return tree
+
+
+def _check_tree(tree: Any) -> None:
+    """Refuse a decoded tree nested more than :data:`MAX_DEPTH` deep or holding a map key that is not
+    ``str``/``int`` (what :func:`encode_state` writes), without recursion.
+
+    Raises:
+        ValueError: naming the depth or the key's type.
+    """
+    stack = [(tree, 0)]
+    while stack:
+        node, level = stack.pop()
+        if level > MAX_DEPTH:
+            raise ValueError(f"containers nest more than {MAX_DEPTH} deep")
+        if isinstance(node, dict):
+            for k, v in node.items():
+                if type(k) is not str and type(k) is not int:
+                    raise ValueError(f"a map key is a {type(k).__name__}, not a str or int")
+                stack.append((v, level + 1))
+            metadata = getattr(node, "_metadata", None)
+            if metadata is not None:
+                stack.append((metadata, level + 1))
+        elif isinstance(node, (list, tuple)):
+            stack.extend((v, level + 1) for v in node)

@@ -235,7 +235,8 @@ class EMA(UpdateHook):
         ``state`` is not one."""
         if not isinstance(state, dict) or "n_averaged" not in state:
             return None
-        return {k.removeprefix("module."): v for k, v in state.items() if k.startswith("module.")}
+        return {k.removeprefix("module."): v for k, v in state.items()
+                if isinstance(k, str) and k.startswith("module.")}
 
 
 def collect(hooks: Iterable[Any]) -> tuple[list[UpdateHook], list[Any]]:

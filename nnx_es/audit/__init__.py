@@ -11,7 +11,7 @@ its tail), :mod:`~nnx_es.audit.run` (the streaming pass, 1, 5 and 9), :mod:`~nnx
 
 from nnx_es.audit.fold import CommittedFold
 from nnx_es.audit.report import INVARIANTS, AuditReport, NotARunError, Violation
-from nnx_es.audit.reading import committed_tail, decoded, open_run_log
+from nnx_es.audit.reading import committed_tail, decoded, log_damage, open_run_log
 from nnx_es.audit.run import audit_run
 from nnx_es.audit.snapshots import Projected, project_log
 
@@ -25,6 +25,7 @@ __all__ = [
     "audit_run",
     "committed_tail",
     "decoded",
+    "log_damage",
     "open_run_log",
     "project_log",
 ]

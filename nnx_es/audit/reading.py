@@ -1,4 +1,5 @@
-"""Reading a run's log for the tools: open it read-only, its decodable events, its uncommitted tail."""
+"""Reading a run's log for the tools: open it read-only, what of it is damaged, its decodable events, its
+uncommitted tail."""
 
 from __future__ import annotations
 
@@ -6,14 +7,14 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from events.codec import decode, decode_many
-from events.errors import CorruptEventError
+from events.errors import CorruptEventError, SequenceGapError
 from events.log import LmdbLog
 from events.schema import Event, LastCommitted, RunResumed
 from nnx_es.audit.report import NotARunError
 from projections import tail_length
 from projections.commits import commits_all
 
-__all__ = ["committed_tail", "decoded", "open_run_log", "restart_seq"]
+__all__ = ["committed_tail", "decoded", "log_damage", "open_run_log", "restart_seq"]
 
 #: events a backward search for a restart point of the committed view reads first (doubled each time)
 _BACK_WINDOW = 1024
@@ -41,6 +42,30 @@ def open_run_log(run_dir: Path) -> LmdbLog:
     if not (path / "data.mdb").is_file():
         raise NotARunError(f"{str(run_dir)!r} is not a run: expected an event log at {path}")
     return LmdbLog(path, readonly=True)
+
+
+def log_damage(log: LmdbLog) -> str | None:
+    """What is damaged in ``log``: its first key out of place, or the ranges of values whose checksums do not
+    verify (:meth:`~events.log.LmdbLog.verify_sums`); None when every key is in place and every value a sum
+    record covers verifies (values written before checksums existed are not damage).
+
+    Bit rot, found by one key-only pass and one pass over the values (C-level, ~0.3 s a million events): a
+    value rewritten with its checksum is not found here (a forged log is another run: ``tools/replay`` audits
+    what it says).
+
+    Raises:
+        EventLogError: LMDB refused a read (a corrupted page).
+    """
+    try:
+        log.check_keys()
+    except SequenceGapError as exc:
+        return str(exc)
+    bad = [p for p in log.verify_sums() if p.problem != "uncovered"]
+    if not bad:
+        return None
+    shown = ", ".join(f"seqs {p.first}..{p.last} ({p.problem})" for p in bad[:3])
+    return (f"{len(bad)} range{'s' if len(bad) != 1 else ''} of values do not verify against their checksums: "
+            f"{shown}{', ...' if len(bad) > 3 else ''}")
 
 
 def decoded(log: LmdbLog, start: int = 0, stop: int | None = None) -> Iterator[tuple[int, Event]]:

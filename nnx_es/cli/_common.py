@@ -1,19 +1,22 @@
 """What the command-line tools share: exit statuses, how an error is said (also as JSON), a reader
-that left, whether a run has a live writer."""
+that left, whether a run has a live writer, opening a run's log to follow it."""
 
 from __future__ import annotations
 
 import argparse
 import os
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import NoReturn
 
-import msgspec
+from events.errors import NewLogError
+from events.log import LmdbLog
+from nnx_es.cli._format import json_line, printable
 
 __all__ = ["EXIT_INTERRUPTED", "EXIT_OK", "EXIT_UNUSABLE", "EXIT_VIOLATIONS", "Parser", "UsageError", "fail",
-           "reader_left", "wants_json", "writer_alive"]
+           "open_log", "reader_left", "wants_json", "writer_alive"]
 
 EXIT_OK, EXIT_VIOLATIONS, EXIT_UNUSABLE = 0, 1, 2
 #: Stopped by Ctrl-C (SIGINT): 128 + 2, as a shell reports it.
@@ -46,18 +49,39 @@ def fail(tool: str, message: str, *, error_type: str, as_json: bool, usage: str 
     Always ``tool: message`` on stderr (a usage error as argparse says it: ``usage``, then
     ``tool: error: message``); in a ``--json`` mode also one line ``{"error": {"type": error_type,
     "message": message}}`` on stdout, so a program reading stdout learns why it got nothing (or
-    less) rather than a silence.
+    less) rather than a silence. The message may quote a log or a path: its controls are escaped
+    (:func:`nnx_es.cli._format.printable`).
     """
     if usage is not None:
-        sys.stderr.write(usage)
-    print(f"{tool}: {'error: ' if usage is not None else ''}{message}", file=sys.stderr)
+        sys.stderr.write(usage)  # the tool's own text
+    print(printable(f"{tool}: {'error: ' if usage is not None else ''}{message}"), file=sys.stderr)
     if as_json:
         try:
-            sys.stdout.write(msgspec.json.encode({"error": {"type": error_type, "message": message}}).decode() + "\n")
+            sys.stdout.write(json_line({"error": {"type": error_type, "message": message}}) + "\n")
             sys.stdout.flush()
         except BrokenPipeError:
             reader_left()
     return status
+
+
+def open_log(run_dir: Path, *, follow: bool = False, poll_s: float = 0.5) -> LmdbLog:
+    """The run's log, read-only (:func:`nnx_es.audit.open_run_log`); with ``follow``, a log whose writer (alive:
+    it holds the lease) is creating it right now is waited for, every ``poll_s`` seconds, as a follower waits
+    for the events it will append.
+
+    Raises:
+        NotARunError / EventLogError: as :func:`nnx_es.audit.open_run_log` (NewLogError: not following, or
+            no writer holds the lease).
+    """
+    from nnx_es.audit import open_run_log
+
+    while True:
+        try:
+            return open_run_log(run_dir)
+        except NewLogError:
+            if not follow or not writer_alive(run_dir):
+                raise
+        time.sleep(poll_s)
 
 
 def reader_left() -> None:

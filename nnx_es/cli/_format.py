@@ -1,4 +1,12 @@
-"""How ``inspect`` renders a field value in one line: floats to 6 significant digits, structs inline."""
+r"""How the command-line tools render what they read: a field value in one line (floats to 6 significant
+digits, structs inline), and every string from a log made safe for a terminal.
+
+A log, a run directory's name, a spec are someone else's bytes: a callback named
+``"\x1b]0;title\x07\x1b[2J"`` printed raw sets the terminal's title and clears its screen.
+:func:`printable` is the one escape every printer of the tools applies to text (table rows, summary
+lines, error messages); :func:`json_line` is the JSON they print, with the characters JSON leaves raw
+escaped as ``\uXXXX`` (the same string once decoded).
+"""
 
 from __future__ import annotations
 
@@ -8,7 +16,26 @@ from typing import Any
 
 import msgspec
 
-__all__ = ["fields", "fmt"]
+__all__ = ["fields", "fmt", "json_line", "printable"]
+
+#: code points a terminal acts on rather than shows: the C0 and C1 controls and DEL, the line and
+#: paragraph separators, and the bidirectional controls (text shown in another order than stored)
+_CONTROLS = (*range(0x20), *range(0x7F, 0xA0), 0x061C, 0x200E, 0x200F, 0x2028, 0x2029, *range(0x202A, 0x202F),
+             *range(0x2066, 0x206A))
+_ESCAPES = {c: f"\\x{c:02x}" if c < 0x100 else f"\\u{c:04x}" for c in _CONTROLS}
+#: in JSON text: what msgspec leaves raw (it escapes U+0000..U+001F itself)
+_JSON_ESCAPES = {c: f"\\u{c:04x}" for c in _CONTROLS if c >= 0x20}
+
+
+def printable(text: str) -> str:
+    """``text`` with every control character (:data:`_CONTROLS`) written as an escape (``\\x1b``,
+    ``\\u202e``), so printing it shows it and does nothing else; other text is unchanged."""
+    return text if text.isprintable() else text.translate(_ESCAPES)
+
+
+def json_line(obj: Any) -> str:
+    """``obj`` as one line of JSON (msgspec), a terminal's controls escaped as ``\\uXXXX`` (decodes the same)."""
+    return msgspec.json.encode(obj).decode().translate(_JSON_ESCAPES)
 
 
 def fmt(value: Any) -> str:

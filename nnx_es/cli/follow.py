@@ -24,7 +24,7 @@ from pathlib import Path
 from events.codec import decode_many
 from events.log import LmdbLog
 from events.schema import Event, RunFinalized
-from nnx_es.cli._common import writer_alive
+from nnx_es.cli._common import open_log, writer_alive
 from nnx_es.sinks import TensorBoardSink, scalars_of
 from projections.commits import AFTER_RUN_KINDS
 from projections.view import committed
@@ -68,6 +68,7 @@ def follow_tensorboard(run_dir: Path, out_dir: Path, poll_s: float = 0.5) -> int
     Raises:
         ValueError: ``poll_s`` is not in (0, :data:`MAX_POLL_S`].
         EventLogError / CorruptEventError: the log cannot be read, or a value does not decode (named).
+        NotARunError: ``run_dir`` holds no event log.
         KeyboardInterrupt: Ctrl-C (the event file written so far is closed first).
     """
     if not 0 < poll_s <= MAX_POLL_S:
@@ -75,7 +76,7 @@ def follow_tensorboard(run_dir: Path, out_dir: Path, poll_s: float = 0.5) -> int
     said: list[str] = []
     sink = TensorBoardSink(out_dir)
     written = 0
-    with LmdbLog(Path(run_dir) / "events.lmdb", readonly=True) as log:
+    with open_log(Path(run_dir), follow=True, poll_s=poll_s) as log:  # a run starting now is waited for
         sink.open(Path(run_dir))
         try:
             for seq, event in committed(_live_events(log, Path(run_dir), poll_s, said)):

@@ -36,16 +36,20 @@ commands:
   --schema          (no RUN_DIR) the JSON Schema of the event lines --json prints (not of --at or summary)
 
 inspect RUNS_ROOT [--json]       (a directory of runs) one row per run: id, status, epochs, BEST's
-                                 value, started (UTC), size on disk; an unreadable run's reason and what
-                                 to do under the table (--json: "error", "advice"); exit 1 when a run is
-                                 unreadable; a directory with nothing in it yet (hidden entries aside):
-                                 "no runs under RUNS_ROOT yet", exit 0
+                                 value, started (UTC), size on disk; status "damaged" for a run whose keys
+                                 or checksums do not verify (every log is verified); an unreadable or
+                                 damaged run's reason and what to do under the table (--json: "error",
+                                 "advice"); exit 1 when a run is unreadable or damaged; a directory with
+                                 nothing in it yet (hidden entries aside): "no runs under RUNS_ROOT yet", exit 0
 inspect diff RUN_A RUN_B [--json]
                                  the first event where two runs differ (seq, kind, field, both values),
-                                 wall clock times, ids and checkpoint hashes aside; exit 0 the same, 1 differ
+                                 wall clock times, ids and checkpoint hashes aside; exit 0 the same, 1 differ,
+                                 2 a log damaged (keys or checksums that do not verify, a value that does not
+                                 decode: said as damage, never as a difference)
 
 An option the command would ignore is refused (e.g. summary --at, --at --kind).
-Tables use rich when stdout is a terminal, plain aligned text otherwise.
+Tables use rich when stdout is a terminal, plain aligned text otherwise. Every string read from a log is
+printed with its control characters escaped (\\x1b, \\u202e: shown, never acted on by the terminal).
 exit status: 0 ok; 130 interrupted (Ctrl-C); 2 unusable input (missing directory, not a run,
 bad or inapplicable option, output that cannot be written or whose directory is missing, a
 damaged log: a key out of place or a page LMDB refuses, named on stderr with where it is).
@@ -56,18 +60,15 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, TextIO
 
 import msgspec
 
-from events.codec import KINDS, decode
-from events.errors import CorruptEventError, EventLogError, SequenceGapError
+from events.codec import KINDS
+from events.errors import EventLogError, SequenceGapError
 from events.log import LmdbLog
-from events.schema import EvaluationRecorded, Event, HistoryAppended, RunFinalized, RunStarted
-from nnx_es.audit import NotARunError, open_run_log
+from nnx_es.audit import NotARunError
 from nnx_es.cli._common import (
     EXIT_INTERRUPTED,
     EXIT_OK,
@@ -76,12 +77,13 @@ from nnx_es.cli._common import (
     Parser,
     UsageError,
     fail,
+    open_log,
     reader_left,
     wants_json,
-    writer_alive,
 )
-from nnx_es.cli._format import fields, fmt
+from nnx_es.cli._format import printable
 from nnx_es.cli._schema import json_schema, plot_format_error, tensorboard_error
+from nnx_es.cli.listing import list_events
 from nnx_es.cli.many import diff_command, is_empty_runs_root, is_runs_root, list_command
 from nnx_es.cli.projected import at, summary
 from nnx_es.errors import CorruptCheckpointError
@@ -91,9 +93,6 @@ __all__ = ["COMMANDS", "json_schema", "main"]
 COMMANDS: tuple[str, ...] = ("events", "summary", "plot", "export", "rows")
 #: what ``plot`` draws: the run's curves (default) or the per-row data map
 PLOTS: tuple[str, ...] = ("curves", "cartography")
-_UNDECODABLE = "<undecodable>"
-_BULKY = frozenset({"recipe", "library_versions", "traceback", "components", "columns"})  # columns: per-row records
-_VALUE_CHARS = 80
 
 
 # --- arguments -----------------------------------------------------------------------------
@@ -185,12 +184,6 @@ def _epochs(text: str) -> tuple[int, int]:
     return lo, hi
 
 
-def _event_epoch(event: Event) -> int | None:
-    if isinstance(event, HistoryAppended):
-        return event.record.epoch
-    return getattr(event, "epoch", None)
-
-
 def _seq(text: str) -> int:
     try:
         value = int(text)
@@ -208,158 +201,6 @@ def _kinds(values: list[str]) -> frozenset[str] | None:
         raise ValueError(f"--kind: unknown kind(s) {', '.join(unknown)}; known kinds: {', '.join(KINDS)}")
     return frozenset(wanted) or None
 
-
-# --- rendering -----------------------------------------------------------------------------
-
-
-def _compact(event: Event) -> str:
-    parts = []
-    for name, value in fields(event):
-        if name in _BULKY:
-            size = len(value) if hasattr(value, "__len__") else 0
-            parts.append(f"{name}=<{size}>")
-            continue
-        text = fmt(value)
-        if len(text) > _VALUE_CHARS:
-            text = text[: _VALUE_CHARS - 3] + "..."
-        parts.append(f"{name}={text}")
-    return " ".join(parts)
-
-
-def _as_json(seq: int, event: Event) -> dict[str, Any]:
-    fields = msgspec.to_builtins(event)
-    fields.pop("kind", None)  # the tag carries the version; kind/version are given separately
-    return {"seq": seq, "kind": event.KIND, "version": event.VERSION, **fields}
-
-
-class _Out:
-    """Rows to stdout: rich styling on a terminal, plain aligned text otherwise."""
-
-    def __init__(self, stream: TextIO, seq_width: int) -> None:
-        self.stream = stream
-        self.seq_width = max(seq_width, 3)
-        self.kind_width = max(len(k) for k in (*KINDS, _UNDECODABLE))
-        self.console: Any = None
-        if stream.isatty():
-            from rich.console import Console
-
-            self.console = Console(file=stream, highlight=False, soft_wrap=True)
-
-    def header(self) -> None:
-        self._row("seq", "kind", "fields", style="bold")
-
-    def row(self, seq: int, kind: str, fields: str) -> None:
-        style = "red" if kind == _UNDECODABLE else "cyan" if kind.endswith("_committed") else ""
-        self._row(str(seq), kind, fields, style=style)
-
-    def _row(self, seq: str, kind: str, fields: str, style: str) -> None:
-        line = f"{seq:>{self.seq_width}}  {kind:<{self.kind_width}}  {fields}".rstrip()
-        if self.console is not None:
-            from rich.text import Text
-
-            self.console.print(Text(line, style=style))
-        else:
-            self.stream.write(line + "\n")
-
-
-# --- commands ------------------------------------------------------------------------------
-
-
-def _events(log: LmdbLog, args: argparse.Namespace, kinds: frozenset[str] | None) -> None:
-    stop = log.next_seq if args.end is None else min(args.end + 1, log.next_seq)
-    out = sys.stdout
-    table = None if args.json else _Out(out, len(str(max(stop - 1, 0))))
-    if table is not None:
-        table.header()
-    state = {"shown": 0, "writer_rank": 0, "finalized": False, "expected": args.start, "broken": False}
-    next_seq = _checked_rows(log, args, kinds, args.start, stop, table, state)
-    _no_rank_rows(args, state)
-    while args.follow and not state["finalized"] and (args.end is None or next_seq <= args.end):
-        if args.limit is not None and state["shown"] >= args.limit:
-            break
-        alive = writer_alive(args.run_dir)  # read before the log: a writer that dies after it flushed is seen
-        time.sleep(args.poll_s)
-        end = log.refresh() if args.end is None else min(args.end + 1, log.refresh())
-        if end > next_seq:
-            next_seq = _checked_rows(log, args, kinds, next_seq, end, table, state)
-        elif not alive:
-            print(f"inspect: no process writes {args.run_dir} any more; stopped following", file=sys.stderr)
-            break
-        out.flush()
-
-
-def _no_rank_rows(args: argparse.Namespace, state: dict[str, Any]) -> None:
-    """Say on stderr why ``--rank R`` matched nothing when R is not the writer rank: only the
-    writer rank appends to the log (the others fold the same events in memory)."""
-    if args.rank is not None and state["shown"] == 0 and args.rank != state["writer_rank"]:
-        print(f"inspect: no event of rank {args.rank}: the log holds the writer rank's events (rank "
-              f"{state['writer_rank']}); rank {args.rank}'s are not recorded (only the writer rank writes the run)",
-              file=sys.stderr)
-
-
-def _checked_rows(log: LmdbLog, args: argparse.Namespace, kinds: frozenset[str] | None, start: int, stop: int,
-                  table: _Out | None, state: dict[str, Any]) -> int:
-    """:func:`_rows`, then the damage it met named.
-
-    Raises:
-        EventLogError: LMDB refused a read (a corrupted page), naming the last seq read before it.
-        SequenceGapError: the keys read did not run on (a changed, missing or duplicated key: the
-            rows were printed under their keys as stored), naming the first damaged key of the log.
-    """
-    try:
-        next_seq = _rows(log, args, kinds, start, stop, table, state)
-    except EventLogError as exc:
-        sys.stdout.flush()
-        read = "before any event" if state["expected"] == args.start else f"after seq {state['expected'] - 1}"
-        raise EventLogError(f"{exc}; the listing stopped {read}") from exc
-    if state["broken"]:
-        sys.stdout.flush()
-        log.check_keys()  # names the first damaged key (the read went on past it, by position)
-    return next_seq
-
-
-def _rows(log: LmdbLog, args: argparse.Namespace, kinds: frozenset[str] | None, start: int, stop: int,
-          table: _Out | None, state: dict[str, Any]) -> int:
-    """Print the rows of ``[start, stop)``; return the seq after the last one read.
-
-    ``state["broken"]`` becomes true when a key read is not the seq due after the one before it.
-    """
-    out = sys.stdout
-    seq = start - 1
-    for seq, raw in log.read_raw(start, stop):
-        if args.limit is not None and state["shown"] >= args.limit:
-            return seq
-        if seq != state["expected"]:
-            state["broken"] = True
-        state["expected"] = seq + 1
-        try:
-            event = decode(raw, seq)
-        except CorruptEventError as exc:
-            if kinds is not None or args.epoch is not None:
-                continue
-            if table is None:
-                out.write(msgspec.json.encode({"seq": seq, "kind": None, "error": exc.reason}).decode() + "\n")
-            else:
-                table.row(seq, _UNDECODABLE, f"error={exc.reason} bytes={len(raw)}")
-            state["shown"] += 1
-            continue
-        if isinstance(event, RunStarted):
-            state["writer_rank"] = event.writer_rank
-        state["finalized"] = isinstance(event, (RunFinalized, EvaluationRecorded))
-        if kinds is not None and event.KIND not in kinds:
-            continue
-        if args.rank is not None and getattr(event, "rank", state["writer_rank"]) != args.rank:
-            continue
-        if args.epoch is not None:
-            e = _event_epoch(event)
-            if e is None or not args.epoch[0] <= e <= args.epoch[1]:
-                continue
-        if table is None:
-            out.write(msgspec.json.encode(_as_json(seq, event)).decode() + "\n")
-        else:
-            table.row(seq, event.KIND, _compact(event))
-        state["shown"] += 1
-    return seq + 1
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -404,9 +245,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             is_runs_root(args.run_dir) or is_empty_runs_root(args.run_dir)):
         return list_command(args.run_dir, as_json)
     try:
-        log = open_run_log(args.run_dir)
+        log = open_log(args.run_dir, follow=args.follow, poll_s=args.poll_s)
     except (NotARunError, EventLogError) as exc:
         return fail("inspect", str(exc), error_type=type(exc).__name__, as_json=as_json)
+    except KeyboardInterrupt:
+        return EXIT_INTERRUPTED
     try:
         return _run(log, args, kinds)
     except BrokenPipeError:
@@ -481,11 +324,11 @@ def _run(log: LmdbLog, args: argparse.Namespace, kinds: frozenset[str] | None) -
                 return rows_command(args.run_dir, args.hardest, args.json)
             print(f"wrote {plot_cartography(args.run_dir, args.out)}")
         except CorruptCheckpointError as exc:  # a journal chunk or manifest that does not verify
-            print(f"inspect: the per-row records of {args.run_dir} do not verify: {exc}; run tools/replay "
-                  f"{args.run_dir} to audit the run", file=sys.stderr)
+            print(printable(f"inspect: the per-row records of {args.run_dir} do not verify: {exc}; run tools/replay "
+                            f"{args.run_dir} to audit the run"), file=sys.stderr)
             return EXIT_UNUSABLE
         except (OSError, ImportError, ValueError) as exc:
-            print(f"inspect: cannot write the data map to {args.out}: {exc}", file=sys.stderr)
+            print(printable(f"inspect: cannot write the data map to {args.out}: {exc}"), file=sys.stderr)
             return EXIT_UNUSABLE
     elif args.command == "plot":
         from nnx_es.plotting import plot_run
@@ -494,7 +337,7 @@ def _run(log: LmdbLog, args: argparse.Namespace, kinds: frozenset[str] | None) -
         try:
             print(f"wrote {plot_run(args.run_dir, args.out)}")
         except (OSError, ImportError, RuntimeError) as exc:  # RuntimeError: .pgf without a TeX system
-            print(f"inspect: cannot write the plot to {args.out}: {exc}", file=sys.stderr)
+            print(printable(f"inspect: cannot write the plot to {args.out}: {exc}"), file=sys.stderr)
             return EXIT_UNUSABLE
     elif args.command == "export":
         from nnx_es.plotting import export_tensorboard
@@ -508,13 +351,13 @@ def _run(log: LmdbLog, args: argparse.Namespace, kinds: frozenset[str] | None) -
             else:
                 n = export_tensorboard(args.run_dir, args.tensorboard)
         except (OSError, ImportError) as exc:
-            print(f"inspect: cannot export to {args.tensorboard}: {exc}", file=sys.stderr)
+            print(printable(f"inspect: cannot export to {args.tensorboard}: {exc}"), file=sys.stderr)
             return EXIT_UNUSABLE
         print(f"wrote {n} scalars to {args.tensorboard}")
     elif args.at is not None:
         at(log, args.at, args.json)
     else:
-        _events(log, args, kinds)
+        list_events(log, args, kinds)
     sys.stdout.flush()
     return EXIT_OK
 

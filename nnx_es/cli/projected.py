@@ -17,7 +17,7 @@ import msgspec
 from events.log import LmdbLog
 from nnx_es.audit import committed_tail, project_log
 from nnx_es.cli._common import reader_left, writer_alive
-from nnx_es.cli._format import fmt
+from nnx_es.cli._format import fmt, json_line, printable
 from nnx_es.views import summary as summary_of
 from projections import Projections
 from projections.status import UNFINISHED
@@ -42,7 +42,7 @@ def projected(log: LmdbLog, stop: int, *, check_keys: bool = False) -> tuple[Pro
     if check_keys:
         log.check_keys(start, stop)
     for note in notes:
-        print(f"inspect: {note}", file=sys.stderr)
+        print(printable(f"inspect: {note}"), file=sys.stderr)
     return p, committed_tail(log, stop), start
 
 
@@ -67,15 +67,15 @@ def at(log: LmdbLog, seq: int, as_json: bool) -> None:
         "projections": msgspec.to_builtins(p),
     }
     if as_json:
-        sys.stdout.write(msgspec.json.encode(doc).decode() + "\n")
+        sys.stdout.write(json_line(doc) + "\n")
         return
     where = "no committed checkpoint yet" if last is None else f"LAST epoch {last.epoch} step {last.step} manifest {last.manifest}"
     past = f" (past the end: the log's last event is seq {stop - 1})" if past_end else ""
-    sys.stdout.write(f"at seq {seq}{past}: {stop} events read, {tail} uncommitted; corresponds to {where}\n")
-    for name in ("status", "counters", "checkpoints", "schedulers"):
-        sys.stdout.write(f"{name:<12} {fmt(getattr(p, name))}\n")
-    for r in p.history.records:
-        sys.stdout.write(f"{'history':<12} epoch {r.epoch}: {fmt(r.train)} {fmt(r.val)} improved={fmt(r.improved)}\n")
+    lines = [f"at seq {seq}{past}: {stop} events read, {tail} uncommitted; corresponds to {where}"]
+    lines += [f"{name:<12} {fmt(getattr(p, name))}" for name in ("status", "counters", "checkpoints", "schedulers")]
+    lines += [f"{'history':<12} epoch {r.epoch}: {fmt(r.train)} {fmt(r.val)} improved={fmt(r.improved)}"
+              for r in p.history.records]
+    sys.stdout.write("".join(printable(line) + "\n" for line in lines))
 
 
 def summary(log: LmdbLog, run_dir: Path, as_json: bool, *, verify: bool = False) -> bool:
@@ -115,18 +115,19 @@ def summary(log: LmdbLog, run_dir: Path, as_json: bool, *, verify: bool = False)
 
 def _print_summary(doc: dict[str, Any], run_dir: Path, as_json: bool) -> None:
     if as_json:
-        sys.stdout.write(msgspec.json.encode(doc).decode() + "\n")
+        sys.stdout.write(json_line(doc) + "\n")
         return
-    lines = _summary_lines(doc, run_dir)
+    lines = [(printable(k), printable(v)) for k, v in _summary_lines(doc, run_dir)]
     if sys.stdout.isatty():
         from rich.console import Console
         from rich.table import Table
+        from rich.text import Text
 
         table = Table(show_header=False, box=None, pad_edge=False)
         table.add_column(style="bold")
         table.add_column()
         for key, value in lines:
-            table.add_row(key, value)
+            table.add_row(Text(key), Text(value))  # Text: a "[bold]" in a run's strings is shown, not markup
         Console(highlight=False).print(table)
     else:
         width = max(len(k) for k, _ in lines)

@@ -13,8 +13,6 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-import msgspec
-
 from events.errors import EventLogError
 from nnx_es.cli._common import (
     EXIT_INTERRUPTED,
@@ -27,6 +25,7 @@ from nnx_es.cli._common import (
     reader_left,
     wants_json,
 )
+from nnx_es.cli._format import json_line, printable
 from nnx_es.audit import INVARIANTS, AuditReport, NotARunError, audit_run
 
 __all__ = ["main", "render"]
@@ -45,7 +44,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def render(report: AuditReport) -> str:
-    """The human-readable report."""
+    """The human-readable report, one line per item (a log's strings in it escaped: :func:`printable`)."""
     lines = [
         f"{'ok' if report.ok else 'FAILED'}: run {report.run_id!r} ({report.status}), "
         f"{len(report.violations)} violation{'s' if len(report.violations) != 1 else ''}",
@@ -58,7 +57,7 @@ def render(report: AuditReport) -> str:
         lines.append("violated: " + "; ".join(f"{k}. {INVARIANTS[k]}" for k in broken if k in INVARIANTS))
         lines.extend(v.line() for v in report.violations)
     lines.extend(f"note: {note}" for note in report.notes)
-    return "\n".join(lines)
+    return "\n".join(map(printable, lines))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -83,7 +82,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_INTERRUPTED
     try:
         if args.json:
-            sys.stdout.write(msgspec.json.encode(report).decode() + "\n")
+            sys.stdout.write(json_line(report) + "\n")
         else:
             print(render(report))
         sys.stdout.flush()

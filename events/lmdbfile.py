@@ -1,0 +1,101 @@
+"""What a reader learns from a log's LMDB file before (or instead of) LMDB: how much to map, what is damaged.
+
+A read-only handle maps :func:`reader_map_size` bytes: the file's size and room for a live
+writer to grow into (:data:`HEADROOM_MIN` .. :data:`HEADROOM_MAX`), never a fixed terabyte, so
+a reader runs under any ``ulimit -v`` that holds the file (a 4 GB limit holds a small run's
+reader with torch imported). A writer that outgrows the map makes the reader's next
+transaction fail with ``MapResizedError``; the reader maps :func:`reader_map_size` of the file
+as it is then (:meth:`events.log.LmdbLog._txn`), and LMDB raises that to the pages in use.
+
+:func:`meta_damage` reads LMDB's two meta pages itself when LMDB refuses to open a file as
+not an LMDB file or of another data format: a byte changed in a meta page (bit rot) reads
+as "data format v254 is not supported", which is damage, not a version. The meta page's
+layout is LMDB 0.9's on a 64-bit machine (``mdb.c``: a 16-byte page header, then
+``MDB_meta``: magic, version, address, map size, two ``MDB_db``, last page, txnid).
+
+Keys: :func:`valid_key` says whether a stored key is a seq at all: 8 bytes (big-endian, as
+:func:`events.logbase.seq_key` writes them) below :data:`MAX_SEQ`, 2^62: a log's length, the
+last seq + 1, and the sums readers form from it stay below Python's ``sys.maxsize`` (2^63 - 1,
+what ``itertools.islice`` and ``range`` take) and msgpack's signed int64.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+from pathlib import Path
+
+__all__ = ["HEADROOM_MAX", "HEADROOM_MIN", "MAX_SEQ", "meta_damage", "reader_map_size", "valid_key"]
+
+#: bytes a read-only map holds past the file's size, at least / at most (the headroom is the file's own size
+#: between them: a live writer doubles its map as it grows, so a follower remaps O(log size) times)
+HEADROOM_MIN = 64 << 20
+HEADROOM_MAX = 1 << 30
+_ROUND = 1 << 20  # the map is a whole number of MiB (a multiple of every page size)
+
+#: one past the largest seq a log may hold: a key at or past it is not a seq (damage, or a forged log)
+MAX_SEQ = 1 << 62
+
+_MAGIC = 0xBEEFC0DE
+_DATA_VERSION = 1  # LMDB 0.9's MDB_DATA_VERSION
+_HEADER = 16  # bytes of a page header before MDB_meta (pgno, pad, flags, lower, upper)
+_META = struct.Struct("<IIQQI")  # magic, version, address, map size, psize (mm_dbs[FREE_DBI].md_pad)
+_DEFAULT_PSIZE = 4096
+
+
+def reader_map_size(data: Path) -> int:
+    """The bytes a read-only handle of ``data`` (a log's ``data.mdb``) maps: its size plus headroom.
+
+    Raises:
+        OSError: ``data`` cannot be stat'ed.
+    """
+    size = os.stat(data).st_size
+    want = size + min(max(size, HEADROOM_MIN), HEADROOM_MAX)
+    return -(-want // _ROUND) * _ROUND
+
+
+def valid_key(key: bytes) -> bool:
+    """Whether ``key`` is a seq's key: 8 bytes, big-endian, below :data:`MAX_SEQ`."""
+    return len(key) == 8 and key[0] < MAX_SEQ >> 56
+
+
+def meta_damage(data: Path) -> str | None:
+    """What is damaged in ``data``'s two LMDB meta pages, or None when both read as LMDB 0.9 metas.
+
+    A meta page whose magic is not LMDB's, or whose data format is not the other page's or
+    not LMDB's, is named with what it reads. None when neither page has LMDB's magic (not an LMDB
+    file at all), and when ``data`` cannot be read or is too short to hold both meta pages (a
+    truncated file): LMDB's own refusal says so.
+    """
+    try:
+        with open(data, "rb") as f:
+            head = f.read(2 * 65536)
+    except OSError:
+        return None
+    first = _meta(head, 0)
+    psize = first[4] if first is not None and first[0] == _MAGIC and first[4] in _PAGE_SIZES else _DEFAULT_PSIZE
+    metas = [first, _meta(head, psize)]
+    if None in metas or all(meta[0] != _MAGIC for meta in metas):  # type: ignore[index]
+        return None
+    problems = []
+    for i, meta in enumerate(metas):
+        assert meta is not None
+        if meta[0] != _MAGIC:
+            problems.append(f"meta page {i} has magic {meta[0]:#010x}, not LMDB's {_MAGIC:#010x}")
+        elif meta[1] != _DATA_VERSION:
+            other = metas[1 - i]
+            agree = other is not None and other[0] == _MAGIC and other[1] == meta[1]
+            problems.append(f"meta page {i} reads data format v{meta[1]} (LMDB 0.9 writes v{_DATA_VERSION}"
+                            + ("; both meta pages say so: another LMDB's file, or both damaged)" if agree else
+                               ", and the other meta page does not agree)"))
+    return "; ".join(problems) or None
+
+
+_PAGE_SIZES = frozenset(1 << n for n in range(9, 17))  # 512 B .. 64 KiB
+
+
+def _meta(head: bytes, offset: int) -> tuple[int, int, int, int, int] | None:
+    at = offset + _HEADER
+    if at + _META.size > len(head):
+        return None
+    return _META.unpack_from(head, at)  # type: ignore[return-value]
