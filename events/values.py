@@ -121,6 +121,7 @@ class Lineage(msgspec.Struct, frozen=True, kw_only=True):
     SHA-256 and 0-based ``epoch``) or ``"state_dict"`` (``state_sha256``: the fingerprint of the
     mapping given). strict: the key policy. skipped: source keys not loaded (absent from the net,
     or of another shape). new: the net's keys not loaded (they kept the net's own initialization).
+    model: with a run of several models, the model whose weights were taken ("": the run's net as stored).
     """
 
     kind: str
@@ -132,6 +133,7 @@ class Lineage(msgspec.Struct, frozen=True, kw_only=True):
     strict: bool = True
     skipped: list[str] = []
     new: list[str] = []
+    model: str = ""
 
 
 class ModelDecl(msgspec.Struct, frozen=True, kw_only=True):

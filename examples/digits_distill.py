@@ -102,8 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     trainer = student_trainer(teacher.net, runs=args.runs, run_id=f"{prefix}-student", seed=args.seed)
     s_run = trainer.fit(loader("train", True), loader("val", False), epochs=args.epochs)
     student = NNModel(make_student())
-    state = {k.removeprefix("student."): v for k, v in _best_state(s_run).items()}
-    student.net.load_state_dict(state)
+    student.load(s_run.run_dir, "best", model="student")  # the student's keys of the run's model component
     print(f"student {s_run.run_id}: BEST epoch {s_run.best_epoch}, test accuracy "
           f"{test_accuracy(student.net, data['test']):.4f} "
           f"({sum(p.numel() for p in student.net.parameters())} parameters against the teacher's "
@@ -116,15 +115,6 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {v}")
         ok = ok and report.ok
     return 0 if ok else 1
-
-
-def _best_state(run) -> dict[str, torch.Tensor]:
-    """The student run's BEST model component (every trainable model under its name), hash-verified."""
-    from nnx_es.checkpoint import load_component, verify_checkpoint
-    from nnx_es.storage import BlobStore
-
-    store = BlobStore(Path(run.run_dir) / "blobs")
-    return load_component(store, verify_checkpoint(store, run.best.manifest), "model")
 
 
 if __name__ == "__main__":

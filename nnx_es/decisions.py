@@ -81,19 +81,19 @@ class FixedHeadProvider:
 
     @classmethod
     def from_run(cls, model: NNModel | nn.Module, run_dir: str | Path, which: str = "best", *, n_features: int,
-                 threshold: float = 0.0) -> FixedHeadProvider:
+                 threshold: float = 0.0, weights_of: str | None = None) -> FixedHeadProvider:
         """Load ``run_dir``'s BEST or LAST weights into ``model`` (manifest and blobs hash-verified
-        first, :meth:`NNModel.load`) and answer from them.
+        first, :meth:`NNModel.load`) and answer from them. ``weights_of``: in a run of several
+        models, the one whose weights to load (``NNModel.load(model=...)``).
 
         Raises:
-            ConfigError / ResumeError / CorruptCheckpointError: see :meth:`NNModel.load`.
+            ConfigError / CheckpointUnavailableError / CorruptCheckpointError: see :meth:`NNModel.load`.
         """
         nn_model = model if isinstance(model, NNModel) else NNModel(model)
-        epoch = nn_model.load(run_dir, which)
-        result = load_result(run_dir)
-        pointer = result.best if which == "best" else result.last
-        assert pointer is not None  # load succeeded
-        source = Source(run_id=result.run_id, checkpoint=which, manifest=pointer.manifest, epoch=epoch)
+        epoch = nn_model.load(run_dir, which, model=weights_of)
+        loaded = nn_model.source
+        assert loaded is not None  # load succeeded
+        source = Source(run_id=load_result(run_dir).run_id, checkpoint=which, manifest=loaded.manifest, epoch=epoch)
         return cls(nn_model, n_features=n_features, threshold=threshold, source=source)
 
     def validate(self, questions: Sequence[Any]) -> list[ClassifyQuestion]:

@@ -36,11 +36,9 @@ from torch import nn
 
 from events.schema import Lineage
 from nnx_es.callbacks import Callback
-from nnx_es.checkpoint import load_component, verify_checkpoint
 from nnx_es.errors import ConfigError, ResumeError
 from nnx_es.evaluation import state_fingerprint
-from nnx_es.result import load_result, loadable
-from nnx_es.storage import BlobStore
+from nnx_es.weights import read_weights
 
 __all__ = ["NORM_STATS", "Freeze", "WeightsFrom", "group_names", "initial_weights", "load_weights", "param_groups"]
 
@@ -55,13 +53,15 @@ class WeightsFrom:
             the others (False).
         weights: with a run, ``"raw"`` (the net's own, default) or ``"evaluated"`` (the averaged
             weights when the run had an EMA hook), as :meth:`nnx_es.NNModel.load`.
+        model: with a run of several models, the one whose weights to start from (its keys without
+            the ``"<model>."`` prefix, :mod:`nnx_es.weights`); recorded in the lineage.
 
     Raises:
         ConfigError: a bad argument.
     """
 
     def __init__(self, source: str | Path | Mapping[str, Any], which: str = "best", *, strict: bool = True,
-                 weights: str = "raw") -> None:
+                 weights: str = "raw", model: str | None = None) -> None:
         if not isinstance(source, (str, Path, Mapping)):
             raise ConfigError(f"WeightsFrom source must be a run directory or a state_dict, got {type(source).__name__}")
         if which not in ("best", "last"):
@@ -70,7 +70,10 @@ class WeightsFrom:
             raise ConfigError(f"weights must be 'raw' or 'evaluated', got {weights!r}")
         if not isinstance(strict, bool):
             raise ConfigError(f"strict must be True or False, got {strict!r}")
-        self.source, self.which, self.strict, self.weights = source, which, strict, weights
+        if model is not None and (isinstance(source, Mapping) or not (isinstance(model, str) and model.isidentifier())):
+            raise ConfigError(f"model must be the name of a model of the source run (an identifier), given with a run "
+                              f"directory, got model={model!r} with a {type(source).__name__} source")
+        self.source, self.which, self.strict, self.weights, self.model = source, which, strict, weights, model
 
     def state(self) -> tuple[dict[str, Any], dict[str, Any]]:
         """``(state_dict, lineage fields)`` of the source.
@@ -82,24 +85,10 @@ class WeightsFrom:
         if isinstance(self.source, Mapping):
             state = dict(self.source)
             return state, {"kind": "state_dict", "state_sha256": state_fingerprint(state)}
-        run_dir = Path(self.source)
-        result = load_result(run_dir)
-        pointer = loadable(result, self.which)
-        store = BlobStore(run_dir / "blobs")
-        manifest = verify_checkpoint(store, pointer.manifest)
-        state = None
-        if self.weights == "evaluated":
-            from nnx_es.update_hooks import EMA
-
-            for name in manifest.components:
-                if name.startswith("update_hook/"):
-                    state = EMA.module_state(load_component(store, manifest, name))
-                    if state is not None:
-                        break
-        if state is None:
-            state = load_component(store, manifest, "model")
-        return state, {"kind": "run", "run_id": result.run_id, "checkpoint": self.which, "manifest": pointer.manifest,
-                       "epoch": pointer.epoch}
+        state, result, pointer = read_weights(Path(self.source), self.which, self.weights, model=self.model)
+        lineage = {"kind": "run", "run_id": result.run_id, "checkpoint": self.which, "manifest": pointer.manifest,
+                   "epoch": pointer.epoch}
+        return state, (lineage if self.model is None else {**lineage, "model": self.model})
 
 
 def load_weights(net: nn.Module, init: WeightsFrom) -> Lineage:

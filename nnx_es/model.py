@@ -12,9 +12,8 @@ from msgspec import Struct
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from nnx_es.checkpoint import Manifest, load_component, verify_checkpoint
 from nnx_es.device import model_device
-from nnx_es.errors import CheckpointUnavailableError, ConfigError, CorruptCheckpointError
+from nnx_es.errors import ConfigError, CorruptCheckpointError
 from nnx_es.batches import weighted_forward
 from nnx_es.engine import default_forward
 from nnx_es.evaluation import (
@@ -28,11 +27,10 @@ from nnx_es.metrics import evaluate as evaluate_pass
 from nnx_es.metrics import check_accuracy, check_metric_names, validate_metrics
 from nnx_es.user_metrics import bind_activation
 from nnx_es.objective import Objective
-from nnx_es.result import RunResult, load_result, loadable
+from nnx_es.result import RunResult
 from nnx_es.snapshot import weight_misfits
-from nnx_es.storage import BlobStore
 from nnx_es.trainer import Trainer
-from nnx_es.update_hooks import EMA
+from nnx_es.weights import model_names, read_weights
 
 __all__ = ["NNModel", "WeightsSource"]
 
@@ -41,27 +39,13 @@ _TRAINER_KEYWORDS = frozenset(
     name for name, p in inspect.signature(Trainer.__init__).parameters.items() if p.kind is p.KEYWORD_ONLY
 )
 
-#: ``NNModel.load(weights=...)``: which weights of a checkpoint are loaded
-_WEIGHTS = ("evaluated", "raw", "averaged")
-
-
-def _averaged_state(store: BlobStore, manifest: Manifest) -> dict[str, Any] | None:
-    """The averaged weights a checkpoint holds (its first ``update_hook/<name>`` component that
-    is an :class:`~nnx_es.update_hooks.EMA` state: the hook validation evaluated), or None."""
-    for name in manifest.components:
-        if name.startswith("update_hook/"):
-            weights = EMA.module_state(load_component(store, manifest, name))
-            if weights is not None:
-                return weights
-    return None
-
-
 class WeightsSource(Struct, frozen=True, kw_only=True):
     """Where the weights in an :class:`NNModel`'s net came from: a run's checkpoint.
 
     run_dir: the run. checkpoint: ``"best"`` or ``"last"``. manifest: its SHA-256. epoch: its
     0-based epoch. weights: which of its weights (see :meth:`NNModel.load`). fingerprint:
     :func:`~nnx_es.evaluation.weights_fingerprint` of the net right after they were put there.
+    model: the model of a several-model run they are (None: the checkpoint's net as stored).
     """
 
     run_dir: str
@@ -70,6 +54,7 @@ class WeightsSource(Struct, frozen=True, kw_only=True):
     epoch: int
     weights: str
     fingerprint: str
+    model: str | None = None
 
 
 def _is_array(data: Any) -> bool:
@@ -187,7 +172,8 @@ class NNModel:
             fingerprint=weights_fingerprint(self.net))
         return self.run
 
-    def load(self, run_dir: str | Path, which: str = "best", *, weights: str = "evaluated") -> int:
+    def load(self, run_dir: str | Path, which: str = "best", *, weights: str = "evaluated",
+             model: str | None = None) -> int:
         """Load the weights of the run's BEST or LAST checkpoint (hash-verified); return its 0-based epoch.
 
         Args:
@@ -201,6 +187,9 @@ class NNModel:
                 ``"raw"``: the net's own trained weights (component ``model``: what a
                 stateful resume restores into the net, the averaged ones going back into
                 the hook). ``"averaged"``: the averaged weights, refused when there are none.
+            model: in a run of several models (``Trainer(net={"student": ..., ...})``), the one
+                whose weights to load (``"student"``: its keys without the ``student.`` prefix);
+                None (default): the checkpoint's keys as stored (:mod:`nnx_es.weights`).
 
         Raises:
             ConfigError: ``which`` or ``weights`` is not one of the values above, or the
@@ -214,25 +203,14 @@ class NNModel:
                 or a component does not decode (:mod:`nnx_es.state_codec`).
             EventLogError: the run's log cannot be read (damaged: named).
         """
-        if which not in ("best", "last"):
-            raise ConfigError(f"which must be 'best' or 'last', got {which!r}")
-        if weights not in _WEIGHTS:
-            raise ConfigError(f"weights must be one of {', '.join(map(repr, _WEIGHTS))}, got {weights!r}")
-        result = load_result(run_dir)
-        pointer = loadable(result, which)
-        store = BlobStore(Path(run_dir) / "blobs")  # reads manifests from the run's log, opened read-only
-        # the manifest must name this run, as replay and resume check: another run's checkpoint is refused
-        manifest = verify_checkpoint(store, pointer.manifest, run_id=result.run_id)
-        state = _averaged_state(store, manifest) if weights != "raw" else None
-        if state is None and weights == "averaged":
-            raise CheckpointUnavailableError(f"the {which.upper()} checkpoint of run {result.run_id!r} (epoch "
-                                             f"{pointer.epoch}) holds no averaged weights: the run had no EMA update "
-                                             "hook; load weights='evaluated' or 'raw'")
-        state = state if state is not None else load_component(store, manifest, "model")
+        state, result, pointer = read_weights(run_dir, which, weights, model=model)
         misfits = weight_misfits(self.net, state)
         if misfits:
+            names = model_names(state) if model is None else []
+            hint = (f"; the run stores several models ({', '.join(names)}): load one with model=<name>"
+                    if len(names) > 1 and not set(names) & {n for n, _ in self.net.named_children()} else "")
             raise ConfigError(f"the {which.upper()} checkpoint of run {result.run_id!r} (epoch {pointer.epoch}) "
-                              f"does not fit this net (another architecture?): {misfits}")
+                              f"does not fit this net (another architecture?): {misfits}{hint}")
         try:
             self.net.load_state_dict(state)
         except (RuntimeError, TypeError, ValueError, AttributeError) as exc:  # keys and shapes fit: crafted contents
@@ -240,7 +218,8 @@ class NNModel:
                                          f"{pointer.epoch}) does not load into this net: {type(exc).__name__}: "
                                          f"{exc}") from None
         self.source = WeightsSource(run_dir=str(Path(run_dir)), checkpoint=which, manifest=pointer.manifest,
-                                    epoch=pointer.epoch, weights=weights, fingerprint=weights_fingerprint(self.net))
+                                    epoch=pointer.epoch, weights=weights, fingerprint=weights_fingerprint(self.net),
+                                    model=model)
         return pointer.epoch
 
     def outputs(self, data: Any) -> Tensor:

@@ -151,3 +151,37 @@ def test_each_trainable_model_has_its_optimizer_and_its_state_under_its_name(tmp
     assert torch.equal(state["head.weight"], head.weight) and not torch.equal(head.weight, before["weight"])
     receipts = [e for _, e in read_events(run.run_dir) if e.KIND == "update_committed"]
     assert {r.optimizer for r in receipts} == {"enc", "head"}
+
+
+def test_one_model_of_a_several_model_run_loads_by_name_into_its_own_module(tmp_path):
+    from nnx_es import NNModel
+    from nnx_es.decisions import FixedHeadProvider
+    from nnx_es.finetune import WeightsFrom, load_weights
+
+    run = _trainer(tmp_path / "runs", "kd").fit(*loaders(batch_size=8, n_train=48), epochs=2)
+    store = BlobStore(Path(run.run_dir) / "blobs")
+    stored = load_component(store, verify_checkpoint(store, run.best.manifest), "model")
+
+    student = NNModel(small_net(9))  # another initialization: every weight must come from the run
+    with pytest.raises(ConfigError, match=r"stores several models|model=<name>") if len({k.split(".")[0] for k in stored}) > 1 \
+            else pytest.raises(ConfigError, match="does not fit this net"):
+        student.load(run.run_dir, "best")
+    assert student.load(run.run_dir, "best", model="student") == run.best.epoch
+    for key, value in student.net.state_dict().items():
+        assert torch.equal(value, stored["student." + key]), key
+    assert student.source.model == "student"
+
+    with pytest.raises(ConfigError, match=r"stores no model 'teacher'.*\['student'\].*frozen"):
+        NNModel(small_net(9)).load(run.run_dir, "best", model="teacher")
+    with pytest.raises(ConfigError, match="model must be"):
+        NNModel(small_net(9)).load(run.run_dir, "best", model="student.0")
+
+    net = small_net(5)
+    lineage = load_weights(net, WeightsFrom(run.run_dir, "best", model="student"))
+    assert lineage.model == "student" and lineage.run_id == "kd" and lineage.skipped == [] and lineage.new == []
+    assert all(torch.equal(v, stored["student." + k]) for k, v in net.state_dict().items())
+    with pytest.raises(ConfigError, match="model must be"):
+        WeightsFrom({"w": torch.zeros(1)}, model="student")
+
+    provider = FixedHeadProvider.from_run(small_net(7), run.run_dir, "best", n_features=4, weights_of="student")
+    assert provider.source.run_id == "kd" and provider.source.manifest == run.best.manifest
