@@ -6,8 +6,10 @@
     nnx-es resume runs/<id> [--spec spec.json] [--from last|best|SEQ] [--run-id ID] [--epochs N] [--allow PKG]
 
 Exit status: 0 success, 1 the run failed, 2 bad input (one line on stderr naming what was wrong).
-Rebuilding imports only from ``torch``, ``nnx_es`` and the packages ``--allow`` names: the spec
-file, or a stored run, cannot widen that.
+Every recipe is built by type for its slot (:mod:`nnx_es.recipes.slots`): a class of the slot's
+base or a factory registered for it, from ``torch``, ``nnx_es`` and the packages ``--allow``
+names; the spec file, or a stored run, cannot widen that. A stored spec is checked like a file
+(and its ``spec_hash`` verified); arguments are checked before anything is written.
 """
 
 from __future__ import annotations
@@ -58,7 +60,10 @@ def _init(args: argparse.Namespace) -> int:
     out = Path(args.out)
     if out.exists() and not args.force:
         raise BadInput(f"--out {str(out)!r} already exists (pass --force to overwrite)")
-    hidden = tuple(int(h) for h in args.hidden.split(",") if h)
+    try:
+        hidden = tuple(int(h) for h in args.hidden.split(",") if h)
+    except ValueError:
+        raise BadInput(f"--hidden takes widths separated by commas (128,64), got {args.hidden!r}") from None
     spec = scaffold(dataset=args.dataset, model=args.model, lr=args.lr, epochs=args.epochs, seed=args.seed,
                     batch_size=args.batch_size, hidden=hidden, val_fraction=args.val_fraction)
     out.write_bytes(msgspec.json.format(msgspec.json.encode(spec), indent=2) + b"\n")
@@ -134,15 +139,11 @@ def lr_curve(spec: Any, allowed: Any) -> tuple[dict[str, list[float]], int]:
     Builds the model, optimizers and schedulers (no data); a plateau scheduler is drawn as if
     the monitor improved every epoch (it never reduces).
     """
-    from nnx_es.recipes import BuildContext, Recipe, from_spec
+    from nnx_es.recipes import from_spec
+    from nnx_es.recipes.runspec import build_model_and_optimizers
 
-    net = from_spec(spec.model, allowed=allowed)
-    ctx = BuildContext(net=net)
-    for name, r in spec.optimizers.items():
-        if "params" not in r.kwargs:
-            r = Recipe(target=r.target, kwargs={**r.kwargs, "params": {"@params": None}})
-        ctx.optimizers[name] = from_spec(r, allowed=allowed, context=ctx)
-    schedulers = [from_spec(r, allowed=allowed, context=ctx) for r in spec.schedulers]
+    _net, ctx = build_model_and_optimizers(spec, allowed)
+    schedulers = [from_spec(r, allowed=allowed, context=ctx, slot="scheduler") for r in spec.schedulers]
     per_epoch, _ = _updates_per_epoch(spec)
     curves: dict[str, list[float]] = {name: [] for name in ctx.optimizers}
     for _epoch in range(max(spec.epochs, 0)):
@@ -262,10 +263,16 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def stored_spec(run_dir: Path) -> Any:
-    """The spec a run recorded in its ``run_started`` (None when it recorded none)."""
+    """The spec a run recorded in its ``run_started`` (None when it recorded none), its ``spec_hash``
+    verified (:func:`nnx_es.recipes.runspec.spec_of_run`); the caller validates it like a file.
+
+    Raises:
+        BadInput: not a run directory, or a log that does not start with ``run_started``.
+        RecipeError: the spec does not match its hash, or does not decode.
+    """
     from events.log import LmdbLog
     from events.schema import RunStarted
-    from nnx_es.recipes.runspec import decode_spec
+    from nnx_es.recipes.runspec import spec_of_run
 
     if not (run_dir / "events.lmdb").is_dir():
         raise BadInput(f"{str(run_dir)!r} is not a run directory (no events.lmdb)")
@@ -273,12 +280,16 @@ def stored_spec(run_dir: Path) -> Any:
         first = next(iter(log.read()), None)
     if first is None or not isinstance(first[1], RunStarted):
         raise BadInput(f"{str(run_dir)!r}: its log does not start with run_started")
-    return decode_spec(first[1].spec) if first[1].spec is not None else None
+    return spec_of_run(first[1])
 
 
 def _resume(args: argparse.Namespace) -> int:
     from nnx_es.recipes.runspec import build_run
 
+    from nnx_es.argchecks import check_epochs
+
+    if args.epochs is not None:
+        check_epochs(args.epochs, "--epochs")
     run_dir = Path(args.run_dir).resolve()
     spec = _load(args.spec) if args.spec else stored_spec(run_dir)
     if spec is None:
