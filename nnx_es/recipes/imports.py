@@ -26,6 +26,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from nnx_es.errors import RecipeError, UnsafeRecipeError
+from nnx_es.recipes.slots import registered
 from nnx_es.recipes.slots import under as _under
 
 if TYPE_CHECKING:
@@ -121,7 +122,7 @@ class Allowed:
         if _under(dotted, DENIED_PREFIXES):
             raise UnsafeRecipeError(f"recipe path {path!r} is under a denied module (code loaders, process "
                                     "spawners); refused, nothing imported")
-        if not _under(dotted, self.prefixes):
+        if not _under(dotted, self.prefixes) and not registered(dotted):
             raise UnsafeRecipeError(
                 f"recipe path {path!r} is outside the allowed module prefixes {list(self.prefixes)}; refused, "
                 "nothing imported (trusted code may allow more, e.g. --allow PACKAGE; a recipe cannot)"
@@ -165,7 +166,7 @@ class Allowed:
         real_module = getattr(obj, "__module__", None) or ""
         real_qualname = getattr(obj, "__qualname__", None) or ""
         real = f"{real_module}.{real_qualname}"
-        if (not _under(real_module, self.prefixes) or _under(real, DENIED_PREFIXES)
+        if ((not _under(real_module, self.prefixes) and not registered(real)) or _under(real, DENIED_PREFIXES)
                 or any(p.startswith(("_", "<")) for p in [*real_module.split("."), *real_qualname.split(".")])):
             raise UnsafeRecipeError(
                 f"recipe path {path!r} resolves to {real!r}, outside the allowed module prefixes "

@@ -37,7 +37,8 @@ from typing import Any
 
 from nnx_es.errors import RecipeError, UnsafeRecipeError
 
-__all__ = ["COMPONENT", "PARAMETERS", "SLOTS", "Slot", "known_anywhere", "parameter_slot", "register", "under"]
+__all__ = ["COMPONENT", "PARAMETERS", "SLOTS", "Slot", "known_anywhere", "parameter_slot", "register", "registered",
+           "under"]
 
 
 def under(name: str, prefixes: Iterable[str]) -> bool:
@@ -196,8 +197,15 @@ def known_anywhere(dotted: str, user: Iterable[str]) -> bool:
     return under(dotted, user) or any(s.admits_text(dotted, ()) for s in SLOTS.values())
 
 
+def registered(dotted: str) -> bool:
+    """Whether trusted code registered the function ``dotted`` for some slot (:func:`register`)."""
+    return any(dotted in s.factories for s in SLOTS.values())
+
+
 def register(slot_name: str, path: str) -> None:
     """Register the function at ``path`` (``"module:name"``) for ``slot_name`` (trusted code only: a spec cannot).
+
+    A registered path may be named by a recipe whatever the allowed prefixes (trusted code vouched for it).
 
     An object slot calls it as a factory (its result checked against the slot's bases); a
     function slot hands it to the runtime (``lr_lambda``, ``step``, ``callback_hook``,
