@@ -40,8 +40,14 @@ def _say(command: str, exc: BaseException) -> None:
 
 
 def _allowed(args: argparse.Namespace) -> Any:
+    """The guard for ``--allow``: the user's own packages (never the standard library: ``--allow os`` would make
+    ``os.popen`` a data factory; never torch or nnx_es, see :class:`~nnx_es.recipes.Allowed`)."""
     from nnx_es.recipes import Allowed
 
+    stdlib = [p for p in args.allow or () if p.split(".")[0] in sys.stdlib_module_names]
+    if stdlib:
+        raise BadInput(f"--allow {stdlib[0]!r} is the standard library: --allow names your own package (its classes "
+                       "are type-checked, its functions become factories)")
     return Allowed(args.allow or ())
 
 

@@ -188,3 +188,27 @@ def test_resume_with_an_argument_out_of_range_exits_2_and_leaves_the_log_byte_id
     assert found["codes"] == [2], stderr
     assert len(stderr.strip().splitlines()) == 1, stderr
     assert digest(runs / "r") == before and sorted(runs.iterdir()) == entries
+
+
+def test_hostile_specs_are_one_line_and_exit_2_through_the_cli_never_a_traceback(tmp_path) -> None:
+    good = msgspec.to_builtins(scaffold(epochs=1))
+    bad = {
+        "not_a_module.json": {**good, "model": recipe("nnx_es.monitor:Monitor", name="val_loss")},
+        "tensor.json": {**good, "loss": recipe("torch.nn.modules.loss:CrossEntropyLoss",
+                                               weight={"@tensor": [1.0] * 10, "dtype": "onnx"})},
+        "epochs.json": {**good, "epochs": 2**40},
+    }
+    for name, spec in bad.items():
+        (tmp_path / name).write_text(json.dumps(spec))
+    (tmp_path / "deep.json").write_text('{"model": {"@type": "recipe", "target": "nnx_es.recipes.models:MLP", "kwargs": '
+                                        '{"hidden": ' + "[" * 100_000 + "]" * 100_000 + "}}}")
+    commands = [[command, name] for name in [*bad, "deep.json"] for command in ("report", "run")]
+    commands += [["run", "tensor.json", "--allow", "os"], ["run", "tensor.json", "--allow", "torch.utils"]]
+    found, stderr = drive(tmp_path, commands, ["torch._dynamo"])
+    assert found["codes"] == [2] * len(commands), stderr
+    lines = stderr.strip().splitlines()
+    assert len(lines) == len(commands) and not any("Traceback" in line for line in lines), stderr
+    assert "nnx_es.monitor:Monitor" in lines[0] and "model" in lines[0]
+    assert "dtype 'onnx'" in lines[2] and "spec epochs must be an int" in lines[4] and "nested too deep" in lines[6]
+    assert "standard library" in lines[8] and "your own package" in lines[9]
+    assert found["imported"] == [] and not (tmp_path / "runs").exists()
