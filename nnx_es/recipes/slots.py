@@ -181,8 +181,9 @@ def slot(name: str) -> Slot:
 
 
 def component() -> Slot:
-    """Any object slot of a spec (what :func:`~nnx_es.recipes.from_spec` builds when no slot is named)."""
-    objects = [s for s in SLOTS.values() if s.takes_recipe]
+    """Any typed object slot of a spec (what :func:`~nnx_es.recipes.from_spec` builds when no slot is named; a
+    data factory, whose result has no base to check, is built with ``slot="data"`` only)."""
+    objects = [s for s in SLOTS.values() if s.takes_recipe and s.bases]
     return Slot("spec component", tuple(dict.fromkeys(b for s in objects for b in s.bases)),
                 tuple(dict.fromkeys(h for s in objects for h in s.homes)),
                 tuple(dict.fromkeys(f for s in objects for f in s.factories)))
@@ -206,6 +207,8 @@ def register(slot_name: str, path: str) -> None:
     """Register the function at ``path`` (``"module:name"``) for ``slot_name`` (trusted code only: a spec cannot).
 
     A registered path may be named by a recipe whatever the allowed prefixes (trusted code vouched for it).
+    ``path`` is where the function is defined (its ``__module__`` and ``__qualname__``: they are checked
+    after the import, so a re-exported name is refused).
 
     An object slot calls it as a factory (its result checked against the slot's bases); a
     function slot hands it to the runtime (``lr_lambda``, ``step``, ``callback_hook``,
