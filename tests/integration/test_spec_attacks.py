@@ -6,7 +6,6 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -20,25 +19,7 @@ from events.log import LmdbLog
 from events.schema import RunStarted
 from events.specs import spec_hash
 from nnx_es.recipes.runspec import scaffold
-
-REPO = Path(__file__).resolve().parents[2]
-
-#: runs nnx-es in-process, then says its exit status and which watched modules are imported
-DRIVER = """
-import json, sys
-from nnx_es.cli.main import main
-watch = json.loads(sys.argv[1])
-codes = [main(argv) for argv in json.loads(sys.argv[2])]
-print(json.dumps({"codes": codes, "imported": [m for m in watch if m in sys.modules]}))
-"""
-
-
-def drive(cwd: Path, commands: list[list[str]], watch: list[str]) -> tuple[dict, str]:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    out = subprocess.run([sys.executable, "-c", DRIVER, json.dumps(watch), json.dumps(commands)], cwd=cwd, env=env,
-                         capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0 and "Traceback" not in out.stderr, out.stderr
-    return json.loads(out.stdout.strip().splitlines()[-1]), out.stderr
+from spec_drive import REPO, drive
 
 
 def recipe(target: str, **kwargs) -> dict:
