@@ -193,3 +193,13 @@ def test_hostile_specs_are_one_line_and_exit_2_through_the_cli_never_a_traceback
     assert "dtype 'onnx'" in lines[2] and "spec epochs must be an int" in lines[4] and "nested too deep" in lines[6]
     assert "standard library" in lines[8] and "your own package" in lines[9]
     assert found["imported"] == [] and not (tmp_path / "runs").exists()
+
+
+def test_init_checks_its_counts_and_sizes_before_writing_the_spec(tmp_path) -> None:
+    bad = [["--hidden", "a"], ["--hidden", "0"], ["--epochs", "-1"], ["--epochs", "99999999999999999999"],
+           ["--batch-size", "0"], ["--lr", "nan"], ["--val-fraction", "1.5"]]
+    found, stderr = drive(tmp_path, [["init", "--out", "s.json", *argv] for argv in bad], [])
+    assert found["codes"] == [2] * len(bad), stderr
+    lines = stderr.strip().splitlines()
+    assert len(lines) == len(bad) and all(argv[0] in line for argv, line in zip(bad, lines)), stderr
+    assert not (tmp_path / "s.json").exists()
