@@ -135,9 +135,11 @@ def test_a_stored_spec_rewritten_with_its_checksum_fixed_is_refused_by_resume_an
     run_dir, marker = runs / "r", tmp_path / "ran"
     forge(run_dir, with_callback(marker), fix_hash=False)
     before = digest(run_dir)
+    (tmp_path / "spec.json").write_text(json.dumps(msgspec.to_builtins(scaffold(epochs=2))))
     found, stderr = drive(tmp_path, [["resume", "runs/r", "--epochs", "2"],
-                                     ["resume", "runs/r", "--from", "best", "--run-id", "fork"]], [])
-    assert found["codes"] == [2, 2], stderr
+                                     ["resume", "runs/r", "--from", "best", "--run-id", "fork"],
+                                     ["resume", "runs/r", "--spec", "spec.json"]], [])  # a spec of one's own too
+    assert found["codes"] == [2, 2, 2], stderr
     assert all("not to the spec_hash it records" in line for line in stderr.splitlines()), stderr
     assert digest(run_dir) == before and not marker.exists() and not (runs / "fork").exists()
     audit = replay(run_dir)
