@@ -47,8 +47,8 @@ from nnx_es.recipes.imports import Allowed, path_of
 from nnx_es.recipes.slots import COMPONENT, Slot, component, known_anywhere, parameter_slot
 from nnx_es.recipes.slots import slot as get_slot
 
-__all__ = ["MAX_DEPTH", "TENSOR_DTYPES", "BuildContext", "Recipe", "check_depth", "check_paths", "check_recipe",
-           "check_signature", "from_spec", "recipe_hash", "to_spec", "walk_paths"]
+__all__ = ["MAX_DEPTH", "TENSOR_DTYPES", "BuildContext", "Recipe", "check_depth", "check_paths", "check_signature",
+           "from_spec", "recipe_hash", "to_spec", "validate_recipe", "walk_paths"]
 
 #: how deep a recipe's JSON may nest (recipes inside recipes, lists, mappings)
 MAX_DEPTH = 32
@@ -326,7 +326,8 @@ def as_recipe(value: Recipe | Mapping[str, Any]) -> Recipe:
         raise RecipeError(f"malformed recipe {dict(value)!r}: {exc}") from None
 
 
-def check_recipe(recipe: Recipe | Mapping[str, Any], *, allowed: Allowed | None = None, slot: str = COMPONENT) -> None:
+def validate_recipe(recipe: Recipe | Mapping[str, Any], *, allowed: Allowed | None = None,
+                    slot: str = COMPONENT) -> None:
     """What :func:`from_spec` checks, building nothing: every path (text, then the import and its type,
     nested ones for their parameter's slot), the markers, and the keywords each target takes (missing
     ones are not refused: a target may default them).

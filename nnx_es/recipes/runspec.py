@@ -24,7 +24,7 @@ import msgspec
 from events.specs import spec_hash, spec_hash_problem
 from nnx_es.argchecks import check_epochs
 from nnx_es.errors import ConfigError, NnxError, RecipeError
-from nnx_es.recipes.core import BuildContext, Recipe, check_depth, check_paths, check_recipe, from_spec, to_spec
+from nnx_es.recipes.core import BuildContext, Recipe, check_depth, check_paths, from_spec, to_spec, validate_recipe
 from nnx_es.recipes.imports import Allowed, path_of
 from nnx_es.recipes.slots import slot
 
@@ -163,7 +163,7 @@ def validate_spec(spec: RunSpec, allowed: Allowed) -> None:
     for name, path in spec.steps.items():
         _said(f"spec steps[{name!r}]", allowed.check_text, path, slot("step"))
     for where, recipe, name in recipes:
-        _said(where, check_recipe, recipe, allowed=allowed, slot=name)
+        _said(where, validate_recipe, recipe, allowed=allowed, slot=name)
     for name, path in spec.steps.items():
         _said(f"spec steps[{name!r}]", allowed.resolve, path, slot("step"))
 

@@ -13,7 +13,7 @@ import torch
 
 from nnx_es.errors import RecipeError, UnsafeRecipeError
 from nnx_es.recipes import Allowed, BuildContext, Recipe, from_spec
-from nnx_es.recipes.core import MAX_TENSOR_VALUES, check_recipe
+from nnx_es.recipes.core import MAX_TENSOR_VALUES, validate_recipe
 from nnx_es.recipes.runspec import decode_spec, scaffold, validate_spec
 from nnx_es.recipes.slots import SLOTS, register
 
@@ -80,7 +80,7 @@ def recipe(target: str, **kwargs) -> Recipe:
 ])
 def test_a_class_of_another_slot_is_refused_naming_the_slot(slot, target) -> None:
     with pytest.raises(UnsafeRecipeError, match=f"recipe path '{target}'.*{slot}"):
-        check_recipe(recipe(target), slot=slot)
+        validate_recipe(recipe(target), slot=slot)
 
 
 @pytest.mark.parametrize("target", [
