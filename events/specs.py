@@ -48,6 +48,7 @@ def spec_hash_problem(spec: Any, recorded: str) -> str | None:
     if found == recorded:
         return None
     if spec is None:
-        return f"run_started records spec_hash {recorded[:16]}... but no spec: the spec was removed after it was written"
+        return (f"run_started records spec_hash {recorded[:16]}... but no spec: the spec was removed after it was "
+                "written")
     return (f"run_started.spec hashes to {found[:16]}..., not to the spec_hash it records ({recorded[:16] or 'none'}"
             f"{'...' if recorded else ''}): the stored spec was changed after it was written")

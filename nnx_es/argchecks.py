@@ -18,7 +18,8 @@ from nnx_es.errors import ConfigError
 from nnx_es.monitor import Monitor
 from nnx_es.progress import Progress
 
-__all__ = ["BATCH_CALLBACK_KEYWORDS", "MAX_EPOCHS", "as_number", "check_epochs", "check_batch_callback", "check_cadences", "check_fit_args", "check_recipe",
+__all__ = ["BATCH_CALLBACK_KEYWORDS", "MAX_EPOCHS", "as_number", "check_batch_callback", "check_cadences", "check_epochs",
+           "check_fit_args", "check_recipe",
            "check_run_args",
            "monitor_of", "optimizers_of"]
 

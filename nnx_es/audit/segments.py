@@ -236,7 +236,8 @@ class _Sequence:
 
     def __init__(self, sink: Sink) -> None:
         self.lifecycle = LifecycleCheck(sink)
-        checks = (self.lifecycle, CommitOrderCheck(sink), FinalizationCheck(sink), DigestCheck(sink), SpecHashCheck(sink))
+        checks = (self.lifecycle, CommitOrderCheck(sink), FinalizationCheck(sink), DigestCheck(sink),
+                  SpecHashCheck(sink))
         self.routes = {kind: [c.feed for c in checks if kind in c.KINDS] for kind in LifecycleCheck.KINDS}
         self.run_started: tuple[int, RunStarted] | None = None  # the first, and its seq
 

@@ -423,7 +423,8 @@ def _tensor(value: Mapping[str, Any], where: str) -> torch.Tensor:
         if isinstance(item, list):
             todo.extend(item)
         elif isinstance(item, bool) or not isinstance(item, (int, float)):
-            raise RecipeError(f"{where}: @tensor holds {type(item).__name__} {item!r}; it takes nested lists of numbers")
+            raise RecipeError(f"{where}: @tensor holds {type(item).__name__} {item!r}; it takes nested lists of "
+                              "numbers")
         else:
             count += 1
         if count > MAX_TENSOR_VALUES or len(todo) > MAX_TENSOR_VALUES:

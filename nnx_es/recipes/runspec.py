@@ -28,8 +28,8 @@ from nnx_es.recipes.core import BuildContext, Recipe, check_depth, check_paths, 
 from nnx_es.recipes.imports import Allowed, path_of
 from nnx_es.recipes.slots import slot
 
-__all__ = ["FIELD_SLOTS", "STEP_FUNCTIONS", "TRAINER_SETTINGS", "BuiltRun", "RunSpec", "build_model_and_optimizers", "build_run",
-           "decode_spec",
+__all__ = ["FIELD_SLOTS", "STEP_FUNCTIONS", "TRAINER_SETTINGS", "BuiltRun", "RunSpec", "build_model_and_optimizers",
+           "build_run", "decode_spec",
            "load_spec", "record_spec", "scaffold", "spec_hash", "spec_of_run", "validate_spec"]
 
 #: Trainer keywords a spec's ``trainer`` section may set
@@ -204,14 +204,15 @@ def build_run(spec: RunSpec, *, allowed: Allowed | None = None, runs_root: str |
     if not (isinstance(loaders, Sequence) and len(loaders) == 2):
         raise RecipeError(f"spec data: {spec.data.target} must return (train_loader, val_loader or None)")
     steps = {k: allowed.resolve(v, slot("step")) for k, v in spec.steps.items()}
-    built = {where: build(where, r, name) for where, r, name in _slotted(spec)
-             if name in ("loss", "scheduler", "callback", "hook", "monitor")}
+    built: dict[str, list[Any]] = {}
+    for where, r, name in _slotted(spec):
+        if name in ("loss", "scheduler", "callback", "hook", "monitor"):
+            built.setdefault(name, []).append(build(where, r, name))
     try:
         trainer = nnx_es.Trainer(
-            net, dict(ctx.optimizers), built["spec loss"], monitor=built.get("spec monitor"),
-            metrics=tuple(spec.metrics), schedulers=[built[f"spec schedulers[{i!r}]"] for i in range(len(spec.schedulers))],
-            callbacks=[built[f"spec callbacks[{i!r}]"] for i in range(len(spec.callbacks))],
-            hooks=[built[f"spec hooks[{i!r}]"] for i in range(len(spec.hooks))],
+            net, dict(ctx.optimizers), built["loss"][0], monitor=built.get("monitor", [None])[0],
+            metrics=tuple(spec.metrics), schedulers=built.get("scheduler", []), callbacks=built.get("callback", []),
+            hooks=built.get("hook", []),
             **steps, **spec.trainer, runs_root=runs_root, run_id=run_id, seed=spec.seed, progress=progress,
             recipe_required=True, spec=spec,
         )

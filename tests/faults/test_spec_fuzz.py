@@ -23,7 +23,8 @@ BOUND_S = 30
 #: import paths a fuzzed recipe names: the spec's own, others of each slot, and ones no slot takes
 TARGETS = [
     "nnx_es.recipes.models:MLP", "torch.optim.adam:Adam", "torch.optim.sgd:SGD", "nnx_es.schedulers:Scheduler",
-    "torch.optim.lr_scheduler:ReduceLROnPlateau", "torch.optim.lr_scheduler:StepLR", "torch.optim.lr_scheduler:LambdaLR",
+    "torch.optim.lr_scheduler:ReduceLROnPlateau", "torch.optim.lr_scheduler:StepLR",
+    "torch.optim.lr_scheduler:LambdaLR",
     "torch.nn.modules.loss:CrossEntropyLoss", "nnx_es.objective:Objective", "nnx_es.objective:Term",
     "nnx_es.callbacks:EarlyStopping", "nnx_es.callbacks:LambdaCallback", "nnx_es.monitor:Monitor",
     "nnx_es.update_hooks:GradientAccumulation", "nnx_es.recipes.data:tabular", "torch.nn.modules.linear:Linear",

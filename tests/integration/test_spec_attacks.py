@@ -183,8 +183,8 @@ def test_hostile_specs_are_one_line_and_exit_2_through_the_cli_never_a_traceback
     }
     for name, spec in bad.items():
         (tmp_path / name).write_text(json.dumps(spec))
-    (tmp_path / "deep.json").write_text('{"model": {"@type": "recipe", "target": "nnx_es.recipes.models:MLP", "kwargs": '
-                                        '{"hidden": ' + "[" * 100_000 + "]" * 100_000 + "}}}")
+    (tmp_path / "deep.json").write_text('{"model": {"@type": "recipe", "target": "nnx_es.recipes.models:MLP", '
+                                        '"kwargs": {"hidden": ' + "[" * 100_000 + "]" * 100_000 + "}}}")
     commands = [[command, name] for name in [*bad, "deep.json"] for command in ("report", "run")]
     commands += [["run", "tensor.json", "--allow", "os"], ["run", "tensor.json", "--allow", "torch.utils"]]
     found, stderr = drive(tmp_path, commands, ["torch._dynamo"])
