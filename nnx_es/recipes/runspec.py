@@ -14,6 +14,8 @@ schedulers, loss terms, callbacks, hooks, monitor, data, step functions, cadence
 from __future__ import annotations
 
 import math
+import os
+import stat
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -88,16 +90,31 @@ def decode_spec(document: Any) -> RunSpec:
     return spec
 
 
+#: the largest spec file read (a spec is a page of JSON; this bounds what a hostile one costs)
+MAX_SPEC_BYTES = 16 * 2**20
+
+
 def load_spec(path: str | Path) -> RunSpec:
-    """Read and decode the spec file at ``path``.
+    """Read and decode the spec file at ``path``: a regular file of at most :data:`MAX_SPEC_BYTES` (a FIFO or
+    a device is refused, never read: it could block or never end).
 
     Raises:
-        RecipeError: the file cannot be read, or see :func:`decode_spec` (the file named).
+        RecipeError: the file cannot be read, is no regular file or is too big, or see :func:`decode_spec`
+            (the file named).
     """
     try:
-        data = Path(path).read_bytes()
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+        with os.fdopen(fd, "rb") as f:
+            st = os.fstat(f.fileno())
+            if not stat.S_ISREG(st.st_mode):
+                raise RecipeError(f"spec {str(path)!r} is not a regular file; give a JSON file")
+            if st.st_size > MAX_SPEC_BYTES:
+                raise RecipeError(f"spec {str(path)!r} is {st.st_size} bytes, more than {MAX_SPEC_BYTES}: not a spec")
+            data = f.read(MAX_SPEC_BYTES + 1)
     except OSError as exc:
         raise RecipeError(f"cannot read spec {str(path)!r}: {exc.strerror or exc}") from None
+    if len(data) > MAX_SPEC_BYTES:
+        raise RecipeError(f"spec {str(path)!r} is more than {MAX_SPEC_BYTES} bytes: not a spec")
     try:
         spec = decode_spec(data)
     except RecipeError as exc:

@@ -233,3 +233,19 @@ def test_the_readmes_recipe_and_every_scaffold_build(tmp_path) -> None:
     assert isinstance(adam, torch.optim.Adam)
     for kwargs in ({}, {"dataset": "breast_cancer"}, {"val_fraction": 0.0}, {"hidden": (64, 32)}):
         validate_spec(decode_spec(msgspec.json.encode(scaffold(epochs=2, **kwargs))), Allowed())
+
+
+def test_a_spec_path_that_is_a_fifo_or_too_big_is_refused_without_reading_it(tmp_path) -> None:
+    import os
+
+    from nnx_es.recipes.runspec import MAX_SPEC_BYTES, load_spec
+
+    os.mkfifo(tmp_path / "fifo.json")
+    with pytest.raises(RecipeError, match="not a regular file"):
+        load_spec(tmp_path / "fifo.json")  # never opened for a blocking read: no writer, no hang
+    with open(tmp_path / "big.json", "wb") as f:
+        f.truncate(MAX_SPEC_BYTES + 1)
+    with pytest.raises(RecipeError, match="more than"):
+        load_spec(tmp_path / "big.json")
+    with pytest.raises(RecipeError, match="cannot read spec"):
+        load_spec(tmp_path / "missing.json")
