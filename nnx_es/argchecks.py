@@ -18,7 +18,8 @@ from nnx_es.errors import ConfigError
 from nnx_es.monitor import Monitor
 from nnx_es.progress import Progress
 
-__all__ = ["BATCH_CALLBACK_KEYWORDS", "as_number", "check_batch_callback", "check_cadences", "check_fit_args", "check_recipe",
+__all__ = ["BATCH_CALLBACK_KEYWORDS", "MAX_EPOCHS", "as_number", "check_batch_callback", "check_cadences", "check_epochs",
+           "check_fit_args", "check_recipe",
            "check_run_args",
            "monitor_of", "optimizers_of"]
 
@@ -32,6 +33,22 @@ def as_number(value: Any) -> float:
         return float(value)
     except (TypeError, ValueError, RuntimeError):  # RuntimeError: a tensor of several elements
         return math.nan
+
+
+#: the largest epoch budget: far past any run, and an int every event and counter holds
+MAX_EPOCHS = 2**31 - 1
+
+
+def check_epochs(epochs: Any, what: str = "epochs") -> int:
+    """``epochs`` (a budget, 0-based epochs ``0 .. epochs - 1``) when it is an int in ``[0, MAX_EPOCHS]``.
+
+    Raises:
+        ConfigError: naming ``what`` (``epochs``, ``--epochs``, ``spec epochs``) and the value.
+    """
+    if isinstance(epochs, bool) or not isinstance(epochs, int) or not 0 <= epochs <= MAX_EPOCHS:
+        shown = repr(epochs) if len(repr(epochs)) <= 40 else repr(epochs)[:37] + "..."
+        raise ConfigError(f"{what} must be an int in [0, {MAX_EPOCHS}], got {shown}; nothing was trained or written")
+    return epochs
 
 
 def check_cadences(*, validate_every: int, validate_every_steps: int | None, phase_every: int | None,
@@ -182,8 +199,7 @@ def check_fit_args(train_loader: Any, val_loader: Any, *, epochs: Any, monitor: 
     from nnx_es.loaders import length_of
     from nnx_es.session import RESUME_MODES
 
-    if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 0:
-        raise ConfigError(f"epochs must be an int >= 0, got {epochs!r}")
+    check_epochs(epochs)
     if val_loader is None and monitor is not None and monitor.name.startswith("val_"):
         raise ConfigError(f"monitor {monitor.name!r} needs a validation loader: fit(train, val, ...)")
     if resume_mode not in RESUME_MODES:

@@ -20,6 +20,7 @@ from events.codec import decode_many
 from events.errors import CorruptEventError, SequenceGapError
 from events.log import LmdbLog
 from events.schema import LastCommitted, RunStarted
+from events.specs import spec_hash_problem
 from nnx_es.checkpoint import Manifest, verify_checkpoint
 from nnx_es.errors import CorruptCheckpointError, ResumeError
 from nnx_es.lifecycle import compiled_table
@@ -146,11 +147,15 @@ def find_resume_point(run_dir: Path, log: LmdbLog, *, expect_run_id: str | None 
 
     Raises:
         ResumeError: the log's keys are not 0, 1, 2, ... (a gap, a duplicate or a key out
-            of order) or a value does not decode (invariant 1: the seq is named), no LAST commit, or the LAST checkpoint
-            is missing, empty, torn, corrupt or mixed (the reason is named).
+            of order) or a value does not decode (invariant 1: the seq is named), ``run_started.spec`` does not
+            hash to its ``spec_hash``, no LAST commit, or the LAST checkpoint is missing, empty, torn, corrupt
+            or mixed (the reason is named).
         EventLogError: LMDB cannot read the log.
     """
     scan = _scan(run_dir, log)
+    problem = spec_hash_problem(scan.started.spec, scan.started.spec_hash) if scan.started is not None else None
+    if problem is not None:  # a spec rewritten after it was written: the run is not the one it says (docs/SECURITY.md)
+        raise ResumeError(f"cannot resume {run_dir}: {problem}; nothing was restored or written")
     run_id = expect_run_id or (scan.started.run_id if scan.started is not None else None)
     if not scan.lasts:
         raise ResumeError(f"run at {run_dir} has no committed LAST checkpoint to resume from")

@@ -6,8 +6,10 @@
     nnx-es resume runs/<id> [--spec spec.json] [--from last|best|SEQ] [--run-id ID] [--epochs N] [--allow PKG]
 
 Exit status: 0 success, 1 the run failed, 2 bad input (one line on stderr naming what was wrong).
-Rebuilding imports only from ``torch``, ``nnx_es`` and the packages ``--allow`` names: the spec
-file, or a stored run, cannot widen that.
+Every recipe is built by type for its slot (:mod:`nnx_es.recipes.slots`): a class of the slot's
+base or a factory registered for it, from ``torch``, ``nnx_es`` and the packages ``--allow``
+names; the spec file, or a stored run, cannot widen that. A stored spec is checked like a file
+(and its ``spec_hash`` verified); arguments are checked before anything is written.
 """
 
 from __future__ import annotations
@@ -38,8 +40,14 @@ def _say(command: str, exc: BaseException) -> None:
 
 
 def _allowed(args: argparse.Namespace) -> Any:
+    """The guard for ``--allow``: the user's own packages (never the standard library: ``--allow os`` would make
+    ``os.popen`` a data factory; never torch or nnx_es, see :class:`~nnx_es.recipes.Allowed`)."""
     from nnx_es.recipes import Allowed
 
+    stdlib = [p for p in args.allow or () if p.split(".")[0] in sys.stdlib_module_names]
+    if stdlib:
+        raise BadInput(f"--allow {stdlib[0]!r} is the standard library: --allow names your own package (its classes "
+                       "are type-checked, its functions become factories)")
     return Allowed(args.allow or ())
 
 
@@ -58,7 +66,10 @@ def _init(args: argparse.Namespace) -> int:
     out = Path(args.out)
     if out.exists() and not args.force:
         raise BadInput(f"--out {str(out)!r} already exists (pass --force to overwrite)")
-    hidden = tuple(int(h) for h in args.hidden.split(",") if h)
+    try:
+        hidden = tuple(int(h) for h in args.hidden.split(",") if h)
+    except ValueError:
+        raise BadInput(f"--hidden takes widths separated by commas (128,64), got {args.hidden!r}") from None
     spec = scaffold(dataset=args.dataset, model=args.model, lr=args.lr, epochs=args.epochs, seed=args.seed,
                     batch_size=args.batch_size, hidden=hidden, val_fraction=args.val_fraction)
     out.write_bytes(msgspec.json.format(msgspec.json.encode(spec), indent=2) + b"\n")
@@ -73,8 +84,24 @@ def _kw(recipe: Any) -> dict[str, Any]:
     return dict(recipe.kwargs) if recipe is not None else {}
 
 
-def _short(target: str) -> str:
-    return target.rsplit(":", 1)[-1]
+def _short(target: Any) -> str:
+    return str(target).rsplit(":", 1)[-1]
+
+
+def _at(value: Any, *keys: str, default: Any = None) -> Any:
+    """``value[k1][k2]...`` through mappings only; ``default`` where a key is missing or a step is no mapping
+    (``report`` reads a spec's keywords before it builds them, so they may be anything JSON holds)."""
+    for key in keys:
+        if not isinstance(value, dict) or key not in value:
+            return default
+        value = value[key]
+    return value
+
+
+def _groups(recipe: Any) -> list[dict[str, Any]] | None:
+    """An optimizer recipe's listed parameter groups (``{"@params": [...]}``), the ones that are mappings; None: all."""
+    listed = _at(recipe.kwargs, "params", "@params")
+    return [g for g in listed if isinstance(g, dict)] if isinstance(listed, list) else None
 
 
 def plan_warnings(spec: Any) -> list[str]:
@@ -87,18 +114,15 @@ def plan_warnings(spec: Any) -> list[str]:
         warnings.append(f"monitor {monitor.get('name')!r} watches validation, but the data has no validation split")
     for s in spec.schedulers:
         inner = s.kwargs.get("scheduler")
-        if isinstance(inner, dict) and str(inner.get("target", "")).endswith("ReduceLROnPlateau"):
-            mode = inner.get("kwargs", {}).get("mode", "min")
+        if str(_at(inner, "target", default="")).endswith("ReduceLROnPlateau"):
+            mode = _at(inner, "kwargs", "mode", default="min")
             if spec.monitor is not None and mode != monitor.get("mode", "min"):
                 warnings.append(f"scheduler {s.kwargs.get('name')!r}: ReduceLROnPlateau mode {mode!r} disagrees with "
                                 f"the monitor's mode {monitor.get('mode', 'min')!r}")
             if spec.monitor is None:
                 warnings.append(f"scheduler {s.kwargs.get('name')!r}: ReduceLROnPlateau without a monitor")
     for name, o in spec.optimizers.items():
-        lrs = [o.kwargs.get("lr")]
-        groups = o.kwargs.get("params", {})
-        if isinstance(groups, dict) and isinstance(groups.get("@params"), list):
-            lrs += [g.get("lr") for g in groups["@params"]]
+        lrs = [o.kwargs.get("lr"), *(g.get("lr") for g in _groups(o) or [])]
         for lr in lrs:
             if isinstance(lr, (int, float)) and not LR_RANGE[0] <= lr <= LR_RANGE[1]:
                 warnings.append(f"optimizer {name!r}: learning rate {lr:g} is far outside the usual range "
@@ -120,32 +144,45 @@ def _updates_per_epoch(spec: Any) -> tuple[int, bool]:
     if spec.data is None or not spec.data.target.endswith("nnx_es.recipes.data:tabular"):
         return 1, False
     kw = _kw(spec.data)
-    rows = {"digits": 1797, "breast_cancer": 569}.get(kw.get("dataset", "digits"))
-    if rows is None or kw.get("dataset") not in BUILTIN_DATASETS:
+    dataset = kw.get("dataset", "digits")
+    rows = {"digits": 1797, "breast_cancer": 569}.get(dataset) if isinstance(dataset, str) else None
+    if rows is None or dataset not in BUILTIN_DATASETS:
         return 1, False
-    train = rows - int(kw.get("val_fraction", 0.2) * rows)
+    batch, fraction = kw.get("batch_size", 32), kw.get("val_fraction", 0.2)
     accumulation = next((h.kwargs.get("steps", 1) for h in spec.hooks if h.target.endswith(":GradientAccumulation")), 1)
-    return max(1, math.ceil(math.ceil(train / kw.get("batch_size", 32)) / accumulation)), True
+    if not (_positive_int(batch) and _positive_int(accumulation) and isinstance(fraction, (int, float))
+            and 0 <= fraction < 1):
+        return 1, False  # what the run would refuse: drawn one per epoch
+    train = rows - int(fraction * rows)
+    return max(1, math.ceil(math.ceil(train / batch) / accumulation)), True
+
+
+def _positive_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+#: the most updates the learning-rate preview simulates (the rest of a longer plan is not drawn)
+MAX_PREVIEW_UPDATES = 10_000
 
 
 def lr_curve(spec: Any, allowed: Any) -> tuple[dict[str, list[float]], int]:
-    """Each optimizer's first group's learning rate at every planned update, and updates per epoch.
+    """Each optimizer's first group's learning rate at every planned update (the first
+    :data:`MAX_PREVIEW_UPDATES`), and updates per epoch.
 
-    Builds the model, optimizers and schedulers (no data); a plateau scheduler is drawn as if
-    the monitor improved every epoch (it never reduces).
+    Builds the model, optimizers and schedulers (no data) by type, as a run would; a plateau
+    scheduler is drawn as if the monitor improved every epoch (it never reduces).
+
+    Raises:
+        UnsafeRecipeError / RecipeError: see :func:`nnx_es.recipes.runspec.build_run`.
     """
-    from nnx_es.recipes import BuildContext, Recipe, from_spec
+    from nnx_es.recipes import from_spec
+    from nnx_es.recipes.runspec import build_model_and_optimizers
 
-    net = from_spec(spec.model, allowed=allowed)
-    ctx = BuildContext(net=net)
-    for name, r in spec.optimizers.items():
-        if "params" not in r.kwargs:
-            r = Recipe(target=r.target, kwargs={**r.kwargs, "params": {"@params": None}})
-        ctx.optimizers[name] = from_spec(r, allowed=allowed, context=ctx)
-    schedulers = [from_spec(r, allowed=allowed, context=ctx) for r in spec.schedulers]
+    _net, ctx = build_model_and_optimizers(spec, allowed)
+    schedulers = [from_spec(r, allowed=allowed, context=ctx, slot="scheduler") for r in spec.schedulers]
     per_epoch, _ = _updates_per_epoch(spec)
     curves: dict[str, list[float]] = {name: [] for name in ctx.optimizers}
-    for _epoch in range(max(spec.epochs, 0)):
+    for _epoch in range(min(max(spec.epochs, 0), math.ceil(MAX_PREVIEW_UPDATES / per_epoch))):
         for _ in range(per_epoch):
             for name, opt in ctx.optimizers.items():
                 curves[name].append(float(opt.param_groups[0]["lr"]))
@@ -168,21 +205,21 @@ def _report(args: argparse.Namespace) -> int:
     print(f"spec {args.spec}: valid (imports allowed from {', '.join(allowed.prefixes)})")
     print(f"model       {spec.model.target}  {_fmt(spec.model.kwargs)}")
     for name, o in spec.optimizers.items():
-        groups = o.kwargs.get("params", {})
-        listed = groups["@params"] if isinstance(groups, dict) and isinstance(groups.get("@params"), list) else None
+        listed = _groups(o)
         n = len(listed) if listed is not None else 1
         print(f"optimizer   {name}: {_short(o.target)} lr={o.kwargs.get('lr', 'default')}, {n} parameter group(s)")
         if listed is not None and n > 1:  # layer-wise learning rates: each group's own
             base = o.kwargs.get("lr")
             for i, g in enumerate(listed):
-                names = g.get("names", [])
+                names = [str(n) for n in g.get("names", [])] if isinstance(g.get("names", []), list) else []
                 print(f"  group {i}   lr={g.get('lr', base)}  {len(names)} parameter(s): {', '.join(names[:4])}"
                       f"{', ...' if len(names) > 4 else ''}")
     for s in spec.schedulers:
-        inner = s.kwargs.get("scheduler", {})
-        inner_kw = {k: v for k, v in inner.get("kwargs", {}).items() if k != "optimizer"}
-        opt = inner.get("kwargs", {}).get("optimizer", {}).get("@optimizer", "?")
-        print(f"scheduler   {s.kwargs.get('name')}: {_short(inner.get('target', '?'))} on {opt}, clock "
+        inner = s.kwargs.get("scheduler")
+        inner_kw = {k: v for k, v in _at(inner, "kwargs", default={}).items() if k != "optimizer"} \
+            if isinstance(_at(inner, "kwargs"), dict) else {}
+        opt = _at(inner, "kwargs", "optimizer", "@optimizer", default="?")
+        print(f"scheduler   {s.kwargs.get('name')}: {_short(_at(inner, 'target', default='?'))} on {opt}, clock "
               f"{s.kwargs.get('clock', 'epoch')}  {_fmt(inner_kw)}")
     print(f"loss        {_short(spec.loss.target)}  {_fmt(spec.loss.kwargs)}")
     for c in spec.callbacks:
@@ -205,7 +242,8 @@ def _report(args: argparse.Namespace) -> int:
     curves, per_epoch = lr_curve(spec, allowed)
     known = _updates_per_epoch(spec)[1]
     _plot(curves, png, per_epoch, known)
-    print(f"learning-rate preview: {png} ({sum(map(len, curves.values())) // max(len(curves), 1)} planned updates, "
+    drawn = sum(map(len, curves.values())) // max(len(curves), 1)
+    print(f"learning-rate preview: {png} ({drawn} planned updates{'' if drawn < MAX_PREVIEW_UPDATES else ' drawn'}, "
           f"{per_epoch} per epoch{'' if known else ' (unknown: one per epoch drawn)'})")
     return EXIT_OK
 
@@ -262,10 +300,16 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def stored_spec(run_dir: Path) -> Any:
-    """The spec a run recorded in its ``run_started`` (None when it recorded none)."""
+    """The spec a run recorded in its ``run_started`` (None when it recorded none), its ``spec_hash``
+    verified (:func:`nnx_es.recipes.runspec.spec_of_run`); the caller validates it like a file.
+
+    Raises:
+        BadInput: not a run directory, or a log that does not start with ``run_started``.
+        RecipeError: the spec does not match its hash, or does not decode.
+    """
     from events.log import LmdbLog
     from events.schema import RunStarted
-    from nnx_es.recipes.runspec import decode_spec
+    from nnx_es.recipes.runspec import spec_of_run
 
     if not (run_dir / "events.lmdb").is_dir():
         raise BadInput(f"{str(run_dir)!r} is not a run directory (no events.lmdb)")
@@ -273,12 +317,16 @@ def stored_spec(run_dir: Path) -> Any:
         first = next(iter(log.read()), None)
     if first is None or not isinstance(first[1], RunStarted):
         raise BadInput(f"{str(run_dir)!r}: its log does not start with run_started")
-    return decode_spec(first[1].spec) if first[1].spec is not None else None
+    return spec_of_run(first[1])
 
 
 def _resume(args: argparse.Namespace) -> int:
     from nnx_es.recipes.runspec import build_run
 
+    from nnx_es.argchecks import check_epochs
+
+    if args.epochs is not None:
+        check_epochs(args.epochs, "--epochs")
     run_dir = Path(args.run_dir).resolve()
     spec = _load(args.spec) if args.spec else stored_spec(run_dir)
     if spec is None:

@@ -10,19 +10,26 @@ argument that cannot be recovered is refused, named -- never guessed.
 Values in ``kwargs`` are JSON builtins or one of these markers::
 
     {"@type": "recipe", "target": ..., "kwargs": {...}}   a nested object, built first
-    {"@ref": "module:name"}                               a class or function, by import path
+    {"@ref": "module:name"}                               a function, by import path
     {"@optimizer": "main"}                                the run's optimizer of that name
     {"@params": [{"names": [...], "lr": ...}, ...]}       the net's parameters, in groups, by name
     {"@tensor": [...], "dtype": "float32"}                a small tensor (a loss's class weights)
 
-:func:`from_spec` imports every path through :class:`~nnx_es.recipes.imports.Allowed` (checked
-before importing: nothing outside the allowed prefixes is imported) and binds the keywords to
-the target's signature, so a misspelt keyword is named at once.
+Recipes are instantiated by type, not by module (:mod:`nnx_es.recipes.slots`): a recipe resolves
+only to a class of the base its slot expects, or to a factory registered for the slot; a nested
+recipe is typed by its parameter (a table for trusted classes, else the annotation) and an
+``@ref`` only stands where a function is expected (an ``lr_lambda``, a ``LambdaCallback`` hook,
+a per-row loss). A keyword that declares no class takes plain data and markers only.
+``@tensor`` takes the dtypes of :data:`TENSOR_DTYPES` and at most :data:`MAX_TENSOR_VALUES` values.
+
+:func:`from_spec` checks every path's text before importing anything (allowed prefixes, a place
+some slot keeps its types), resolves each for its slot through
+:class:`~nnx_es.recipes.imports.Allowed`, and binds the keywords to the target's signature, so a
+misspelt keyword is named at once.
 """
 
 from __future__ import annotations
 
-import hashlib
 import inspect
 import weakref
 from collections.abc import Mapping
@@ -34,10 +41,17 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
-from nnx_es.errors import RecipeError
+from events.specs import canonical_hash
+from nnx_es.errors import NnxError, RecipeError, UnsafeRecipeError
 from nnx_es.recipes.imports import Allowed, path_of
+from nnx_es.recipes.slots import COMPONENT, Slot, component, known_anywhere, parameter_slot
+from nnx_es.recipes.slots import slot as get_slot
 
-__all__ = ["BuildContext", "Recipe", "check_signature", "from_spec", "recipe_hash", "to_spec", "walk_paths"]
+__all__ = ["MAX_DEPTH", "TENSOR_DTYPES", "BuildContext", "Recipe", "check_depth", "check_paths", "check_signature",
+           "from_spec", "recipe_hash", "to_spec", "validate_recipe", "walk_paths"]
+
+#: how deep a recipe's JSON may nest (recipes inside recipes, lists, mappings)
+MAX_DEPTH = 32
 
 
 class Recipe(msgspec.Struct, frozen=True, kw_only=True, tag="recipe", tag_field="@type"):
@@ -59,7 +73,6 @@ class BuildContext:
 _BUILT: weakref.WeakKeyDictionary[Any, Recipe] = weakref.WeakKeyDictionary()
 #: constructor arguments that are run state or deprecated: left out when the object has no such attribute
 _SKIP = frozenset({"last_epoch", "verbose", "size_average", "reduce", "device", "dtype"})
-_ENCODER = msgspec.json.Encoder(order="sorted")
 
 
 def _min_lr(s: Any) -> Any:
@@ -82,8 +95,9 @@ _RECOVER = {
 
 
 def recipe_hash(document: Any) -> str:
-    """SHA-256 (hex) of ``document``'s canonical JSON (sorted keys): what ``run_started.spec_hash`` holds."""
-    return hashlib.sha256(_ENCODER.encode(document)).hexdigest()
+    """SHA-256 (hex) of ``document``'s canonical JSON (sorted keys): what ``run_started.spec_hash`` holds
+    (:func:`events.specs.canonical_hash`)."""
+    return canonical_hash(document)
 
 
 # --- live object -> recipe ---------------------------------------------------------------
@@ -220,6 +234,44 @@ def walk_paths(value: Any) -> list[str]:
     return out
 
 
+def check_depth(value: Any, where: str, limit: int = MAX_DEPTH) -> None:
+    """Refuse JSON nested deeper than ``limit`` (a recipe's keywords, a spec), without recursing.
+
+    Raises:
+        RecipeError: naming where and the limit.
+    """
+    todo: list[tuple[Any, int]] = [(msgspec.to_builtins(value) if isinstance(value, msgspec.Struct) else value, 0)]
+    while todo:
+        item, depth = todo.pop()
+        if depth > limit:
+            raise RecipeError(f"{where}: nested deeper than {limit} levels; a recipe's keywords are plain data "
+                              "and recipes a few levels deep")
+        if isinstance(item, Recipe):
+            todo.append((item.kwargs, depth + 1))
+        elif isinstance(item, Mapping):
+            todo.extend((v, depth + 1) for v in item.values())
+        elif isinstance(item, (list, tuple)):
+            todo.extend((v, depth + 1) for v in item)
+
+
+def check_paths(value: Any, allowed: Allowed, slot: Slot | None = None) -> None:
+    """Every path ``value`` names, checked from its text before the first import: allowed, and able to
+    stand in some slot (``slot`` for the outermost recipe). See :mod:`nnx_es.recipes.slots`.
+
+    Raises:
+        UnsafeRecipeError: naming the first path refused; nothing was imported.
+    """
+    paths = walk_paths(value)
+    for i, path in enumerate(paths):
+        module, qualname = allowed.check_text(path, slot if i == 0 and isinstance(value, Recipe) else None)
+        dotted = module + ("." + qualname if qualname else "")
+        if not known_anywhere(dotted, allowed.user):
+            raise UnsafeRecipeError(
+                f"recipe path {path!r} is no class or factory any slot of a spec takes (a model, an optimizer, a "
+                "scheduler, a loss, a callback, a hook, the monitor, data) nor in a package --allow names; "
+                "refused, nothing imported")
+
+
 def check_signature(target: Any, kwargs: Mapping[str, Any], path: str, *, partial: bool = True) -> None:
     """Refuse keywords ``target``'s signature does not take (and, unless ``partial``, missing ones).
 
@@ -238,22 +290,28 @@ def check_signature(target: Any, kwargs: Mapping[str, Any], path: str, *, partia
 
 
 def from_spec(recipe: Recipe | Mapping[str, Any], *, allowed: Allowed | None = None,
-              context: BuildContext | None = None) -> Any:
+              context: BuildContext | None = None, slot: str = COMPONENT) -> Any:
     """Build what ``recipe`` describes; the result's :func:`to_spec` is ``recipe`` again.
 
-    Every path the recipe names is checked against ``allowed`` (default: ``torch``, ``nnx_es``)
-    before anything is imported.
+    ``slot``: the place it stands in a spec (:data:`~nnx_es.recipes.slots.SLOTS`: ``"model"``,
+    ``"optimizer"``, ``"scheduler"``, ``"loss"``, ``"callback"``, ``"hook"``, ``"monitor"``,
+    ``"data"``); the default takes any of them. Every path the recipe names is checked against
+    ``allowed`` and the registry before anything is imported; each nested recipe is built for
+    the slot its parameter declares (:func:`~nnx_es.recipes.slots.parameter_slot`).
 
     Raises:
-        UnsafeRecipeError: a path outside the allowed prefixes, private, denied, or an alias.
+        UnsafeRecipeError: a path outside the allowed prefixes, private, denied, an alias, or not of
+            its slot (a class of another base, a function nobody registered).
         RecipeError: a path that does not import, a keyword the target does not take, a
-            marker with nothing to refer to.
+            marker with nothing to refer to, JSON nested too deep, or the constructor refused its
+            arguments (its error named).
     """
     allowed = allowed or Allowed()
     recipe = as_recipe(recipe)
-    for path in walk_paths(recipe):  # every path, before the first import
-        allowed.check_text(path)
-    return _build(recipe, allowed, context or BuildContext())
+    check_depth(recipe, recipe.target)
+    expected = component() if slot == COMPONENT else get_slot(slot)
+    check_paths(recipe, allowed, expected)  # every path, before the first import
+    return _build(recipe, expected, allowed, context or BuildContext())
 
 
 def as_recipe(value: Recipe | Mapping[str, Any]) -> Recipe:
@@ -268,38 +326,113 @@ def as_recipe(value: Recipe | Mapping[str, Any]) -> Recipe:
         raise RecipeError(f"malformed recipe {dict(value)!r}: {exc}") from None
 
 
-def _build(recipe: Recipe, allowed: Allowed, context: BuildContext) -> Any:
-    target = allowed.resolve(recipe.target)
-    kwargs = {k: _decode(v, allowed, context, f"{recipe.target}({k}=...)") for k, v in recipe.kwargs.items()}
-    check_signature(target, kwargs, recipe.target, partial=False)
-    obj = target(**kwargs)
+def validate_recipe(recipe: Recipe | Mapping[str, Any], *, allowed: Allowed | None = None,
+                    slot: str = COMPONENT) -> None:
+    """What :func:`from_spec` checks, building nothing: every path (text, then the import and its type,
+    nested ones for their parameter's slot), the markers, and the keywords each target takes (missing
+    ones are not refused: a target may default them).
+
+    Raises:
+        UnsafeRecipeError / RecipeError: as :func:`from_spec`.
+    """
+    allowed = allowed or Allowed()
+    recipe = as_recipe(recipe)
+    check_depth(recipe, recipe.target)
+    expected = component() if slot == COMPONENT else get_slot(slot)
+    check_paths(recipe, allowed, expected)
+    _build(recipe, expected, allowed, None)
+
+
+def _build(recipe: Recipe, slot: Slot, allowed: Allowed, context: BuildContext | None) -> Any:
+    """Build ``recipe`` for ``slot`` (``context`` None: check it, build nothing, return None)."""
+    target = allowed.resolve(recipe.target, slot)
+    kwargs = {k: _decode(v, parameter_slot(target, k), allowed, context, f"{recipe.target}({k}=...)")
+              for k, v in recipe.kwargs.items()}
+    check_signature(target, kwargs, recipe.target, partial=context is None)
+    if context is None:
+        return None
+    try:
+        obj = target(**kwargs)
+    except NnxError:
+        raise
+    except Exception as exc:  # a constructor refusing its arguments: the recipe's fault, said in one line
+        raise RecipeError(f"recipe {recipe.target}: {type(exc).__name__}: {exc}") from None
+    bases = slot.classes() if slot.takes_recipe else ()
+    if not inspect.isclass(target) and bases and not isinstance(obj, bases):
+        raise RecipeError(f"recipe {recipe.target}: the factory returned {type(obj).__name__}, not {slot.describe()}")
     if _weakrefable(obj):
         _BUILT[obj] = _normal(recipe)
     return obj
 
 
-def _decode(value: Any, allowed: Allowed, context: BuildContext, where: str) -> Any:
-    if isinstance(value, Recipe):
-        return _build(value, allowed, context)
+#: the dtypes a ``{"@tensor": ..., "dtype": ...}`` may name
+TENSOR_DTYPES = {name: getattr(torch, name) for name in (
+    "float16", "bfloat16", "float32", "float64", "int8", "int16", "int32", "int64", "uint8", "bool")}
+#: the most values a ``@tensor`` holds (a loss's class weights, not data)
+MAX_TENSOR_VALUES = 4096
+
+
+def _decode(value: Any, slot: Slot | None, allowed: Allowed, context: BuildContext | None, where: str) -> Any:
+    """``value`` (JSON) as the keyword it is for: a recipe is built for ``slot``, an ``@ref`` resolved for
+    it; with no slot (plain data) only numbers, strings, lists, mappings and the markers pass.
+    ``context`` None: check only (the references to the run's net and optimizers are not looked up)."""
+    if isinstance(value, Recipe) or (isinstance(value, Mapping) and value.get("@type") == "recipe"):
+        if slot is None or not slot.takes_recipe:
+            raise UnsafeRecipeError(
+                f"{where}: a recipe is not accepted here: the parameter takes "
+                f"{'plain data (it declares no class)' if slot is None else slot.describe() + ' by @ref'}; refused")
+        recipe = value if isinstance(value, Recipe) else as_recipe({k: v for k, v in value.items() if k != "@type"})
+        return _build(recipe, slot, allowed, context)
     if isinstance(value, list):
-        return [_decode(v, allowed, context, where) for v in value]
+        return [_decode(v, slot, allowed, context, where) for v in value]
     if not isinstance(value, Mapping):
         return value
-    if value.get("@type") == "recipe":
-        return _build(as_recipe({k: v for k, v in value.items() if k != "@type"}), allowed, context)
     if "@ref" in value:
-        return allowed.resolve(value["@ref"])
+        if slot is None or not slot.takes_ref:
+            raise UnsafeRecipeError(f"{where}: @ref {value['@ref']!r} is not accepted here: only a parameter that "
+                                    "takes a function (an lr_lambda, a LambdaCallback hook, a loss function) takes "
+                                    "an @ref; refused")
+        return allowed.resolve(value["@ref"], slot.functions_only())
+    if context is None and ("@optimizer" in value or "@params" in value):
+        return value
     if "@optimizer" in value:
-        opt = context.optimizers.get(value["@optimizer"])
+        opt = context.optimizers.get(value["@optimizer"]) if isinstance(value["@optimizer"], str) else None
         if opt is None:
             raise RecipeError(f"{where}: no optimizer named {value['@optimizer']!r} (the run has "
                               f"{sorted(context.optimizers)})")
         return opt
     if "@tensor" in value:
-        return torch.tensor(value["@tensor"], dtype=getattr(torch, str(value.get("dtype", "float32"))))
+        return _tensor(value, where)
     if "@params" in value:
         return _param_groups(value["@params"], context, where)
-    return {k: _decode(v, allowed, context, where) for k, v in value.items()}
+    return {k: _decode(v, slot, allowed, context, where) for k, v in value.items()}
+
+
+def _tensor(value: Mapping[str, Any], where: str) -> torch.Tensor:
+    """A ``{"@tensor": nested lists of numbers, "dtype": one of TENSOR_DTYPES}`` marker.
+
+    Raises:
+        RecipeError: an unknown dtype, more than MAX_TENSOR_VALUES values, or values that are no tensor.
+    """
+    dtype = value.get("dtype", "float32")
+    if not isinstance(dtype, str) or dtype not in TENSOR_DTYPES:
+        raise RecipeError(f"{where}: @tensor dtype {dtype!r} is not one of {', '.join(TENSOR_DTYPES)}")
+    data, count, todo = value["@tensor"], 0, [value["@tensor"]]
+    while todo:
+        item = todo.pop()
+        if isinstance(item, list):
+            todo.extend(item)
+        elif isinstance(item, bool) or not isinstance(item, (int, float)):
+            raise RecipeError(f"{where}: @tensor holds {type(item).__name__} {item!r}; it takes nested lists of "
+                              "numbers")
+        else:
+            count += 1
+        if count > MAX_TENSOR_VALUES or len(todo) > MAX_TENSOR_VALUES:
+            raise RecipeError(f"{where}: @tensor holds more than {MAX_TENSOR_VALUES} values; too big for a recipe")
+    try:
+        return torch.tensor(data, dtype=TENSOR_DTYPES[dtype])
+    except (ValueError, TypeError, RuntimeError, OverflowError) as exc:
+        raise RecipeError(f"{where}: @tensor {str(data)[:60]!r} is no {dtype} tensor: {exc}") from None
 
 
 def _param_groups(groups: Any, context: BuildContext, where: str) -> Any:
@@ -308,9 +441,12 @@ def _param_groups(groups: Any, context: BuildContext, where: str) -> Any:
     named = dict(context.net.named_parameters())
     if groups is None:
         return list(named.values())
+    if not isinstance(groups, list) or not all(isinstance(g, Mapping) and isinstance(g.get("names", []), list)
+                                               for g in groups):
+        raise RecipeError(f"{where}: @params takes null or a list of {{'names': [...], <overrides>}}, got {groups!r}")
     out = []
     for group in groups:
-        unknown = [n for n in group.get("names", []) if n not in named]
+        unknown = [n for n in group.get("names", []) if not isinstance(n, str) or n not in named]
         if unknown:
             raise RecipeError(f"{where}: the net has no parameter {unknown[0]!r}")
         out.append({"params": [named[n] for n in group["names"]],

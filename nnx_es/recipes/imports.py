@@ -5,11 +5,14 @@ form ``"package.module.name"``). Rebuilding it is an import, so it is guarded tw
 
 1. **before importing**, from the text alone: every part is an identifier, none is private
    (a leading ``_``), the path lies under one of the allowed prefixes (``torch``, ``nnx_es``
-   and what the trusted caller adds -- never what a recipe asks for) and under none of the
-   denied ones (torch's own code loaders and process spawners, nnx_es's crash harness);
+   and the user's own packages the trusted caller adds -- never what a recipe asks for),
+   under none of the denied ones (torch's own code loaders and process spawners, nnx_es's
+   crash harness), and where the slot it stands in keeps its types
+   (:class:`~nnx_es.recipes.slots.Slot`: ``torch.optim`` for an optimizer ...);
 2. **after importing**, from the object itself: it is a class or a function, its
    ``__module__`` is allowed (an alias such as ``logging.os.system`` resolves to ``posix`` and
-   is refused) and its ``__qualname__`` is public and not local (``<lambda>``, ``<locals>``).
+   is refused), its ``__qualname__`` is public and not local (``<lambda>``, ``<locals>``), and
+   it is of the slot: a subclass of its bases, or a function registered for it (or the user's).
 
 A refused path raises :class:`~nnx_es.errors.UnsafeRecipeError` naming it; in case 1 nothing
 was imported. See spec 004 "Reproducibility" (recipes instead of pickles).
@@ -20,9 +23,14 @@ from __future__ import annotations
 import importlib
 import inspect
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from nnx_es.errors import RecipeError, UnsafeRecipeError
+from nnx_es.recipes.slots import registered
+from nnx_es.recipes.slots import under as _under
+
+if TYPE_CHECKING:
+    from nnx_es.recipes.slots import Slot
 
 __all__ = ["DEFAULT_PREFIXES", "DENIED_PREFIXES", "Allowed", "path_of"]
 
@@ -34,11 +42,6 @@ DENIED_PREFIXES = (
     "torch.multiprocessing", "torch.distributed", "torch.onnx", "torch.compiler", "torch.utils.benchmark",
     "nnx_es.testing", "nnx_es.injection", "nnx_es.cli",
 )
-
-
-def _under(name: str, prefixes: Iterable[str]) -> bool:
-    """Whether dotted ``name`` is one of ``prefixes`` or inside one (``torchvision`` is not under ``torch``)."""
-    return any(name == p or name.startswith(p + ".") for p in prefixes)
 
 
 def path_of(obj: Any) -> str:
@@ -62,19 +65,31 @@ def path_of(obj: Any) -> str:
 class Allowed:
     """The module prefixes a recipe may name (set by trusted code: defaults plus ``extra``).
 
+    Inside the defaults (``torch``, ``nnx_es``) a recipe reaches only what its slot's registry
+    lists (:mod:`nnx_es.recipes.slots`); inside ``extra`` -- the user's own packages, ``--allow``
+    -- any class of the slot's bases, and functions (a factory, a step function, a hook).
+
     Args:
-        extra: further prefixes, e.g. the package that defined the model (``"myproject"``).
+        extra: the user's own packages, e.g. the one that defined the model (``"myproject"``).
 
     Raises:
-        RecipeError: a prefix that is not a dotted identifier.
+        RecipeError: a prefix that is not a dotted identifier, or an ``extra`` inside the defaults
+            (``--allow torch`` would make every function of torch a factory).
     """
 
     def __init__(self, extra: Iterable[str] = (), *, defaults: Iterable[str] = DEFAULT_PREFIXES) -> None:
-        prefixes = [*defaults, *extra]
-        for p in prefixes:
+        defaults, extra = tuple(defaults), tuple(extra)
+        for p in (*defaults, *extra):
             if not isinstance(p, str) or not all(part.isidentifier() for part in p.split(".")):
                 raise RecipeError(f"an allowed module prefix must be a dotted name, got {p!r}")
-        self.prefixes = tuple(dict.fromkeys(prefixes))
+        inside = [p for p in extra if _under(p, DEFAULT_PREFIXES) or _under(p, DENIED_PREFIXES)]
+        if inside:
+            raise RecipeError(f"--allow {inside[0]!r}: torch and nnx_es are allowed already, by type (a class of the "
+                              "slot's base, or a factory registered for it); --allow names your own package")
+        self.defaults = defaults
+        #: the user's own packages: their classes (type-checked) and functions may be named
+        self.user = tuple(dict.fromkeys(p for p in extra if p not in defaults))
+        self.prefixes = tuple(dict.fromkeys((*defaults, *extra)))
 
     def __repr__(self) -> str:
         return f"Allowed({', '.join(self.prefixes)})"
@@ -83,15 +98,16 @@ class Allowed:
         """These prefixes plus the top-level package that defined ``obj``'s class (trusted: the
         caller holds the object)."""
         module = type(obj).__module__.split(".")[0]
-        if module in ("builtins", "__main__"):
+        if module in ("builtins", "__main__") or _under(module, self.defaults) or _under(module, DEFAULT_PREFIXES):
             return self
-        return Allowed((module,), defaults=self.prefixes)
+        return Allowed((*self.user, module), defaults=self.defaults)
 
-    def check_text(self, path: str) -> tuple[str, str]:
-        """Check ``path`` before anything is imported; return (module, qualname or "").
+    def check_text(self, path: str, slot: Slot | None = None) -> tuple[str, str]:
+        """Check ``path`` before anything is imported (against ``slot`` when given); return (module, qualname or "").
 
         Raises:
-            UnsafeRecipeError: malformed, private, denied or outside the allowed prefixes.
+            UnsafeRecipeError: malformed, private, denied, outside the allowed prefixes, or not where
+                ``slot``'s types live.
         """
         if not isinstance(path, str) or path.count(":") > 1:
             raise UnsafeRecipeError(f"recipe path {path!r} is not 'module:name' or a dotted name")
@@ -106,22 +122,25 @@ class Allowed:
         if _under(dotted, DENIED_PREFIXES):
             raise UnsafeRecipeError(f"recipe path {path!r} is under a denied module (code loaders, process "
                                     "spawners); refused, nothing imported")
-        if not _under(dotted, self.prefixes):
+        if not _under(dotted, self.prefixes) and not registered(dotted):
             raise UnsafeRecipeError(
                 f"recipe path {path!r} is outside the allowed module prefixes {list(self.prefixes)}; refused, "
                 "nothing imported (trusted code may allow more, e.g. --allow PACKAGE; a recipe cannot)"
             )
+        if slot is not None:
+            slot.check_text(path, dotted, self.user)
         return module, qualname
 
-    def resolve(self, path: str) -> Any:
-        """Import the class or function ``path`` names, after checking the text, and check what it is.
+    def resolve(self, path: str, slot: Slot | None = None) -> Any:
+        """Import the class or function ``path`` names, after checking the text, and check what it is
+        (against ``slot`` when given: every recipe of a spec is resolved for its slot).
 
         Raises:
             UnsafeRecipeError: see :meth:`check_text`; or the object resolves to a module outside the
-                allowed prefixes, a denied one, or a private/local name (an alias).
+                allowed prefixes, a denied one, or a private/local name (an alias); or it is not of ``slot``.
             RecipeError: the path does not import or names no class or function.
         """
-        module, qualname = self.check_text(path)
+        module, qualname = self.check_text(path, slot)
         if qualname:
             obj = self._import(module, path)
             attrs = qualname.split(".")
@@ -147,12 +166,14 @@ class Allowed:
         real_module = getattr(obj, "__module__", None) or ""
         real_qualname = getattr(obj, "__qualname__", None) or ""
         real = f"{real_module}.{real_qualname}"
-        if (not _under(real_module, self.prefixes) or _under(real, DENIED_PREFIXES)
+        if ((not _under(real_module, self.prefixes) and not registered(real)) or _under(real, DENIED_PREFIXES)
                 or any(p.startswith(("_", "<")) for p in [*real_module.split("."), *real_qualname.split(".")])):
             raise UnsafeRecipeError(
                 f"recipe path {path!r} resolves to {real!r}, outside the allowed module prefixes "
                 f"{list(self.prefixes)} or private (an alias); refused"
             )
+        if slot is not None:
+            slot.check_object(obj, path, real, self.user)
         return obj
 
     @staticmethod

@@ -4,12 +4,18 @@ schedulers, loss terms, callbacks, hooks, monitor, data, step functions, cadence
 * :func:`record_spec`: what ``Trainer(..., recipe_required=True)`` stores in ``run_started.spec``
   (with its SHA-256 in ``spec_hash``), read back from the live objects; whatever cannot be
   recovered (a model argument, a lambda step function) is refused before training, named.
-* :func:`build_run`: a trainer and its loaders from a spec, every import through the guard.
+* :func:`build_run`: a trainer and its loaders from a spec, every import through the guard, each
+  recipe built for its field's slot (:data:`FIELD_SLOTS`, :mod:`nnx_es.recipes.slots`);
+* :func:`spec_of_run`: the spec a run recorded, its ``spec_hash`` verified: a stored spec is as
+  untrusted as a file on the command line and goes through the same :func:`validate_spec`;
 * :func:`scaffold`: the complete spec ``nnx-es init`` writes.
 """
 
 from __future__ import annotations
 
+import math
+import os
+import stat
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,18 +23,25 @@ from typing import Any
 
 import msgspec
 
-from nnx_es.errors import RecipeError
-from nnx_es.recipes.core import BuildContext, Recipe, as_recipe, check_signature, from_spec, recipe_hash, to_spec, walk_paths
+from events.specs import spec_hash, spec_hash_problem
+from nnx_es.argchecks import check_epochs
+from nnx_es.errors import ConfigError, NnxError, RecipeError
+from nnx_es.recipes.core import BuildContext, Recipe, check_depth, check_paths, from_spec, to_spec, validate_recipe
 from nnx_es.recipes.imports import Allowed, path_of
+from nnx_es.recipes.slots import slot
 
-__all__ = ["STEP_FUNCTIONS", "TRAINER_SETTINGS", "BuiltRun", "RunSpec", "build_run", "decode_spec", "load_spec", "spec_hash",
-           "record_spec", "scaffold", "validate_spec"]
+__all__ = ["FIELD_SLOTS", "STEP_FUNCTIONS", "TRAINER_SETTINGS", "BuiltRun", "RunSpec", "build_model_and_optimizers",
+           "build_run", "decode_spec",
+           "load_spec", "record_spec", "scaffold", "spec_hash", "spec_of_run", "validate_spec"]
 
 #: Trainer keywords a spec's ``trainer`` section may set
 TRAINER_SETTINGS = ("validate_every", "validate_every_steps", "phase_every", "keep_phases", "checkpoint_lag",
                     "sample_weights", "track_grad_norm", "batch_gather", "keep_last", "keep_best", "nonfinite")
 #: step functions a spec names by import path
 STEP_FUNCTIONS = ("train_step_fn", "eval_step_fn", "trainer_step_fn")
+#: each recipe field of a :class:`RunSpec` -> the slot its recipes stand in (steps: the ``"step"`` slot)
+FIELD_SLOTS = {"model": "model", "optimizers": "optimizer", "loss": "loss", "schedulers": "scheduler",
+               "callbacks": "callback", "hooks": "hook", "monitor": "monitor", "data": "data"}
 
 
 class RunSpec(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -61,26 +74,47 @@ def decode_spec(document: Any) -> RunSpec:
     """A :class:`RunSpec` from JSON bytes/str or builtins.
 
     Raises:
-        RecipeError: not JSON, or a field of the wrong type or unknown (named with its path, ``$.model.kwargs``).
+        RecipeError: not JSON, nested deeper than :data:`~nnx_es.recipes.core.MAX_DEPTH`, or a field of
+            the wrong type or unknown (named with its path, ``$.model.kwargs``).
     """
     try:
         if isinstance(document, (bytes, str)):
-            return msgspec.json.decode(document, type=RunSpec)
-        return msgspec.convert(document, RunSpec)
+            spec = msgspec.json.decode(document, type=RunSpec)
+        else:
+            spec = msgspec.convert(document, RunSpec)
     except (msgspec.ValidationError, msgspec.DecodeError) as exc:
         raise RecipeError(f"bad spec: {exc}") from None
+    except RecursionError:
+        raise RecipeError("bad spec: nested too deep to decode") from None
+    check_depth(spec, "bad spec")
+    return spec
+
+
+#: the largest spec file read (a spec is a page of JSON; this bounds what a hostile one costs)
+MAX_SPEC_BYTES = 16 * 2**20
 
 
 def load_spec(path: str | Path) -> RunSpec:
-    """Read and decode the spec file at ``path``.
+    """Read and decode the spec file at ``path``: a regular file of at most :data:`MAX_SPEC_BYTES` (a FIFO or
+    a device is refused, never read: it could block or never end).
 
     Raises:
-        RecipeError: the file cannot be read, or see :func:`decode_spec` (the file named).
+        RecipeError: the file cannot be read, is no regular file or is too big, or see :func:`decode_spec`
+            (the file named).
     """
     try:
-        data = Path(path).read_bytes()
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+        with os.fdopen(fd, "rb") as f:
+            st = os.fstat(f.fileno())
+            if not stat.S_ISREG(st.st_mode):
+                raise RecipeError(f"spec {str(path)!r} is not a regular file; give a JSON file")
+            if st.st_size > MAX_SPEC_BYTES:
+                raise RecipeError(f"spec {str(path)!r} is {st.st_size} bytes, more than {MAX_SPEC_BYTES}: not a spec")
+            data = f.read(MAX_SPEC_BYTES + 1)
     except OSError as exc:
         raise RecipeError(f"cannot read spec {str(path)!r}: {exc.strerror or exc}") from None
+    if len(data) > MAX_SPEC_BYTES:
+        raise RecipeError(f"spec {str(path)!r} is more than {MAX_SPEC_BYTES} bytes: not a spec")
     try:
         spec = decode_spec(data)
     except RecipeError as exc:
@@ -88,41 +122,67 @@ def load_spec(path: str | Path) -> RunSpec:
     return spec
 
 
-def validate_spec(spec: RunSpec, allowed: Allowed) -> None:
-    """Check every path (text first, for all of them, then the import) and every recipe's keywords
-    against its target's signature, without building anything or loading data.
+def spec_of_run(started: Any) -> RunSpec | None:
+    """The spec a run's ``run_started`` recorded (None: it recorded none), once its ``spec_hash`` matches.
+
+    The spec is then as untrusted as a file given on the command line: build it only through
+    :func:`build_run` / :func:`validate_spec`.
 
     Raises:
-        UnsafeRecipeError / RecipeError: naming the path or keyword.
+        RecipeError: the spec does not hash to ``spec_hash`` (changed after it was written, its
+            checksums recomputed), or does not decode (see :func:`decode_spec`).
     """
-    for path in walk_paths(msgspec.to_builtins(spec)):
-        allowed.check_text(path)
-    for path in spec.steps.values():
-        allowed.check_text(path)
+    problem = spec_hash_problem(started.spec, started.spec_hash)
+    if problem is not None:
+        raise RecipeError(f"{problem}; refused (give a spec you trust with --spec FILE)")
+    return decode_spec(started.spec) if started.spec is not None else None
+
+
+def _slotted(spec: RunSpec) -> list[tuple[str, Recipe, str]]:
+    """(where, recipe, slot) of every recipe field of ``spec``, in :data:`FIELD_SLOTS` order."""
+    out = []
+    for name, slot_name in FIELD_SLOTS.items():
+        value = getattr(spec, name)
+        items = (value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list)
+                 else [] if value is None else [(None, value)])
+        out.extend((f"spec {name}" + (f"[{key!r}]" if key is not None else ""), r, slot_name) for key, r in items)
+    return out
+
+
+def _said(where: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
+    """``fn(*args, **kwargs)``, a recipe error it raises prefixed with ``where`` (the spec field)."""
+    try:
+        return fn(*args, **kwargs)
+    except RecipeError as exc:
+        raise type(exc)(f"{where}: {exc}") from None
+
+
+def validate_spec(spec: RunSpec, allowed: Allowed) -> None:
+    """Check the counts, every path (its text first, for all of them, then the import and its type for
+    its field's slot) and every recipe's keywords against its target's signature, without building
+    anything or loading data.
+
+    Raises:
+        UnsafeRecipeError / RecipeError: naming the spec field, the path or keyword.
+        ConfigError: ``epochs`` out of range.
+    """
+    check_depth(spec, "spec")
+    check_epochs(spec.epochs, "spec epochs")
     unknown = sorted(set(spec.steps) - set(STEP_FUNCTIONS))
     if unknown:
         raise RecipeError(f"spec steps: unknown step function {unknown[0]!r} (known: {', '.join(STEP_FUNCTIONS)})")
     unknown = sorted(set(spec.trainer) - set(TRAINER_SETTINGS))
     if unknown:
         raise RecipeError(f"spec trainer: unknown setting {unknown[0]!r} (known: {', '.join(TRAINER_SETTINGS)})")
-    for recipe in _recipes(msgspec.to_builtins(spec)):
-        target = allowed.resolve(recipe.target)
-        check_signature(target, recipe.kwargs, recipe.target)
-    for path in spec.steps.values():
-        allowed.resolve(path)
-
-
-def _recipes(value: Any) -> list[Recipe]:
-    out: list[Recipe] = []
-    if isinstance(value, Mapping):
-        if value.get("@type") == "recipe":
-            out.append(as_recipe({k: v for k, v in value.items() if k != "@type"}))
-        for v in value.values():
-            out.extend(_recipes(v))
-    elif isinstance(value, list):
-        for v in value:
-            out.extend(_recipes(v))
-    return out
+    recipes = _slotted(spec)
+    for where, recipe, name in recipes:  # every path's text, before the first import
+        _said(where, check_paths, recipe, allowed, slot(name))
+    for name, path in spec.steps.items():
+        _said(f"spec steps[{name!r}]", allowed.check_text, path, slot("step"))
+    for where, recipe, name in recipes:
+        _said(where, validate_recipe, recipe, allowed=allowed, slot=name)
+    for name, path in spec.steps.items():
+        _said(f"spec steps[{name!r}]", allowed.resolve, path, slot("step"))
 
 
 @dataclass
@@ -143,7 +203,8 @@ def build_run(spec: RunSpec, *, allowed: Allowed | None = None, runs_root: str |
     The trainer records ``spec`` (``recipe_required=True``), so its ``run_started`` can rebuild the run.
 
     Raises:
-        UnsafeRecipeError / RecipeError: see :func:`validate_spec`; ConfigError: a bad value.
+        UnsafeRecipeError / RecipeError: see :func:`validate_spec`; a constructor refusing its
+            arguments (named); ConfigError: a bad value.
     """
     import nnx_es
 
@@ -151,25 +212,49 @@ def build_run(spec: RunSpec, *, allowed: Allowed | None = None, runs_root: str |
     validate_spec(spec, allowed)
     if spec.data is None:
         raise RecipeError("spec data: a spec run from the command line needs a data recipe")
-    net = from_spec(spec.model, allowed=allowed)
+    net, ctx = build_model_and_optimizers(spec, allowed)
+
+    def build(where: str, r: Recipe, slot_name: str) -> Any:
+        return _said(where, from_spec, r, allowed=allowed, context=ctx, slot=slot_name)
+
+    loaders = build("spec data", spec.data, "data")
+    if not (isinstance(loaders, Sequence) and len(loaders) == 2):
+        raise RecipeError(f"spec data: {spec.data.target} must return (train_loader, val_loader or None)")
+    steps = {k: allowed.resolve(v, slot("step")) for k, v in spec.steps.items()}
+    built: dict[str, list[Any]] = {}
+    for where, r, name in _slotted(spec):
+        if name in ("loss", "scheduler", "callback", "hook", "monitor"):
+            built.setdefault(name, []).append(build(where, r, name))
+    try:
+        trainer = nnx_es.Trainer(
+            net, dict(ctx.optimizers), built["loss"][0], monitor=built.get("monitor", [None])[0],
+            metrics=tuple(spec.metrics), schedulers=built.get("scheduler", []), callbacks=built.get("callback", []),
+            hooks=built.get("hook", []),
+            **steps, **spec.trainer, runs_root=runs_root, run_id=run_id, seed=spec.seed, progress=progress,
+            recipe_required=True, spec=spec,
+        )
+    except NnxError:
+        raise
+    except (TypeError, ValueError, OverflowError) as exc:  # a setting of the wrong type: the spec's fault
+        raise ConfigError(f"spec trainer: {type(exc).__name__}: {exc}") from None
+    return BuiltRun(trainer, loaders[0], loaders[1], spec.epochs, spec)
+
+
+def build_model_and_optimizers(spec: RunSpec, allowed: Allowed) -> tuple[Any, BuildContext]:
+    """The net (slot ``model``) and its optimizers (slot ``optimizer``; one without ``params`` takes all
+    the net's parameters), as ``(net, context)``; what ``nnx-es report`` previews too.
+
+    Raises:
+        UnsafeRecipeError / RecipeError: naming the spec field.
+    """
+    net = _said("spec model", from_spec, spec.model, allowed=allowed, slot="model")
     ctx = BuildContext(net=net)
     for name, recipe in spec.optimizers.items():
         if "params" not in recipe.kwargs:
             recipe = Recipe(target=recipe.target, kwargs={**recipe.kwargs, "params": {"@params": None}})
-        ctx.optimizers[name] = from_spec(recipe, allowed=allowed, context=ctx)
-    build = lambda r: from_spec(r, allowed=allowed, context=ctx)  # noqa: E731
-    loaders = build(spec.data)
-    if not (isinstance(loaders, Sequence) and len(loaders) == 2):
-        raise RecipeError(f"spec data: {spec.data.target} must return (train_loader, val_loader or None)")
-    steps = {k: allowed.resolve(v) for k, v in spec.steps.items()}
-    trainer = nnx_es.Trainer(
-        net, dict(ctx.optimizers), build(spec.loss), monitor=build(spec.monitor) if spec.monitor else None,
-        metrics=tuple(spec.metrics), schedulers=[build(r) for r in spec.schedulers],
-        callbacks=[build(r) for r in spec.callbacks], hooks=[build(r) for r in spec.hooks],
-        **steps, **spec.trainer, runs_root=runs_root, run_id=run_id, seed=spec.seed, progress=progress,
-        recipe_required=True, spec=spec,
-    )
-    return BuiltRun(trainer, loaders[0], loaders[1], spec.epochs, spec)
+        ctx.optimizers[name] = _said(f"spec optimizers[{name!r}]", from_spec, recipe, allowed=allowed, context=ctx,
+                                     slot="optimizer")
+    return net, ctx
 
 
 def record_spec(required: bool, given: RunSpec | Mapping[str, Any] | None, *, net: Any, optimizers: Mapping[str, Any],
@@ -217,9 +302,8 @@ def record_spec(required: bool, given: RunSpec | Mapping[str, Any] | None, *, ne
     return msgspec.to_builtins(spec)  # type: ignore[no-any-return]
 
 
-def spec_hash(document: Mapping[str, Any] | None) -> str:
-    """The SHA-256 ``run_started.spec_hash`` holds ("" without a spec)."""
-    return recipe_hash(document) if document is not None else ""
+#: the largest batch size or patience ``nnx-es init`` writes; the widest hidden layer it scaffolds
+_MAX_COUNT, _MAX_WIDTH = 2**31 - 1, 2**16
 
 
 def scaffold(*, dataset: str = "digits", model: str = "mlp", lr: float = 3e-3, epochs: int = 20, seed: int = 0,
@@ -229,12 +313,23 @@ def scaffold(*, dataset: str = "digits", model: str = "mlp", lr: float = 3e-3, e
     ReduceLROnPlateau and EarlyStopping on ``val_loss``, BEST).
 
     Raises:
-        RecipeError: an unknown model; ConfigError: an unknown data set.
+        RecipeError: an unknown model; ConfigError: an unknown data set, or a count or size out of
+            range (``epochs``, ``batch_size``, ``hidden``, ``val_fraction``, ``lr``, ``patience``).
     """
     from nnx_es.recipes.data import dataset_shape
 
     if model != "mlp":
         raise RecipeError(f"--model must be 'mlp', got {model!r} (write another model's recipe into the spec)")
+    check_epochs(epochs, "--epochs")
+    for name, value, low in (("--batch-size", batch_size, 1), ("--patience", patience, 0)):
+        if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= _MAX_COUNT:
+            raise ConfigError(f"{name} must be an int in [{low}, {_MAX_COUNT}], got {value!r}")
+    if any(isinstance(h, bool) or not isinstance(h, int) or not 1 <= h <= _MAX_WIDTH for h in hidden):
+        raise ConfigError(f"--hidden must be widths in [1, {_MAX_WIDTH}], got {list(hidden)!r}")
+    if not 0.0 <= val_fraction < 1.0:
+        raise ConfigError(f"--val-fraction must be in [0, 1), got {val_fraction!r}")
+    if not math.isfinite(lr) or lr <= 0:
+        raise ConfigError(f"--lr must be a finite number > 0, got {lr!r}")
     features, classes = dataset_shape(dataset)
     validated = val_fraction > 0
     r = Recipe

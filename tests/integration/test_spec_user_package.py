@@ -1,0 +1,66 @@
+"""The user's own package in a spec (``--allow mypkg``): its model, data factory and lr_lambda build by type, a
+resume needs the same --allow, and its classes are still checked against their slot."""
+
+from __future__ import annotations
+
+import json
+
+from spec_drive import drive
+
+PACKAGE = '''
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+
+class Net(nn.Module):
+    def __init__(self, width: int = 4) -> None:
+        super().__init__()
+        self.width = width
+        self.lin = nn.Linear(width, 2)
+
+    def forward(self, x):
+        return self.lin(x)
+
+
+def loaders(width: int = 4, rows: int = 32):
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(rows, width, generator=g), torch.randint(0, 2, (rows,), generator=g)
+    return DataLoader(TensorDataset(x, y), batch_size=8), DataLoader(TensorDataset(x, y), batch_size=16)
+
+
+def halve(epoch: int) -> float:
+    return 0.5 ** epoch
+'''
+
+
+def recipe(target: str, **kwargs) -> dict:
+    return {"@type": "recipe", "target": target, "kwargs": kwargs}
+
+
+def test_a_users_package_runs_with_allow_and_its_resume_needs_the_same_allow(tmp_path) -> None:
+    (tmp_path / "mypkg").mkdir()
+    (tmp_path / "mypkg" / "__init__.py").write_text("")
+    (tmp_path / "mypkg" / "models.py").write_text(PACKAGE)
+    spec = {
+        "model": recipe("mypkg.models:Net", width=4),
+        "optimizers": {"main": recipe("torch.optim.sgd:SGD", lr=0.1)},
+        "loss": recipe("torch.nn.modules.loss:CrossEntropyLoss"),
+        "schedulers": [recipe("nnx_es.schedulers:Scheduler", name="halving", scheduler=recipe(
+            "torch.optim.lr_scheduler:LambdaLR", optimizer={"@optimizer": "main"},
+            lr_lambda={"@ref": "mypkg.models:halve"}))],
+        "data": recipe("mypkg.models:loaders", width=4),
+        "epochs": 1,
+    }
+    (tmp_path / "spec.json").write_text(json.dumps(spec))
+    wrong = {**spec, "callbacks": [recipe("mypkg.models:Net")]}  # a Module where a Callback goes
+    (tmp_path / "wrong.json").write_text(json.dumps(wrong))
+    found, stderr = drive(tmp_path, [["run", "spec.json", "--allow", "mypkg", "--run-id", "u"],
+                                     ["resume", "runs/u", "--epochs", "2"],
+                                     ["resume", "runs/u", "--epochs", "2", "--allow", "mypkg"],
+                                     ["run", "wrong.json", "--allow", "mypkg", "--run-id", "w"]], [])
+    assert found["codes"] == [0, 2, 0, 2], stderr
+    lines = stderr.strip().splitlines()
+    assert "mypkg.models:Net" in lines[0] and "outside the allowed module prefixes" in lines[0], stderr
+    assert "spec callbacks[0]" in lines[1] and "callback" in lines[1], stderr
+    assert not (tmp_path / "runs" / "w").exists()
