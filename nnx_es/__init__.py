@@ -21,6 +21,7 @@ from nnx_es.errors import (
     NonFiniteWarning,
     RecipeError,
     ResumeError,
+    UnsafePathError,
     UnsafePayloadError,
     UnsafeRecipeError,
 )
@@ -120,6 +121,7 @@ __all__ = [
     "TrainContext",
     "Trainer",
     "TrainingStage",
+    "UnsafePathError",
     "UnsafePayloadError",
     "UnsafeRecipeError",
     "UpdateHook",

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from events.errors import CorruptEventError, EventLogError, NnxError
+from events.errors import CorruptEventError, EventLogError, NnxError, UnsafePathError
 
 __all__ = [
     "CheckpointWriteError",
@@ -20,6 +20,7 @@ __all__ = [
     "NonFiniteWarning",
     "RecipeError",
     "ResumeError",
+    "UnsafePathError",
     "UnsafePayloadError",
     "UnsafeRecipeError",
 ]
