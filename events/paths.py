@@ -47,7 +47,8 @@ def _refuse(path: Path, found: str, want: str) -> UnsafePathError:
             pass
         return UnsafePathError(f"{path} is {found}: nothing under a run directory is followed; replace the link "
                                f"with {want} itself (nothing was read or written through it)")
-    return UnsafePathError(f"{path} is {found}, not {want}: refused (nothing was read or written through it)")
+    return UnsafePathError(f"{path} is {found}, not {want}: refused, nothing was read or written through it; "
+                           "remove it (or restore the run directory from a copy)")
 
 
 def check_entry(path: str | os.PathLike[str], kind: str | None) -> os.stat_result | None:

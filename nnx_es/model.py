@@ -208,7 +208,10 @@ class NNModel:
                 message names the keys only one side has and the shapes that differ).
             ResumeError: the run has no such checkpoint, or ``weights="averaged"`` and
                 the checkpoint holds no averaged weights.
-            CorruptCheckpointError: a manifest or blob does not verify.
+            CorruptCheckpointError: a manifest or blob does not verify (or holds more bytes than
+                its manifest records: read no further).
+            UnsafePathError: the run's log, its blob directory or a blob is a symbolic link, a FIFO,
+                a device, ...: refused, never followed or read (:mod:`events.paths`).
         """
         if which not in ("best", "last"):
             raise ConfigError(f"which must be 'best' or 'last', got {which!r}")
