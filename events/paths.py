@@ -24,10 +24,11 @@ from pathlib import Path
 
 from events.errors import UnsafePathError
 
-__all__ = ["check_entry", "describe", "open_dir", "open_file", "read_file"]
+__all__ = ["check_entry", "create_file", "describe", "open_dir", "open_file", "read_file"]
 
 _DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
 _FILE = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
+_NEW = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC  # no O_TRUNC: checked first
 _KINDS = ((stat.S_ISLNK, "a symbolic link"), (stat.S_ISDIR, "a directory"), (stat.S_ISREG, "a regular file"),
           (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
           (stat.S_ISSOCK, "a socket"))
@@ -177,3 +178,37 @@ def read_file(anchor: str | os.PathLike[str], parts: Sequence[str], *, limit: in
         return chunks[0] if len(chunks) == 1 else b"".join(chunks)
     finally:
         os.close(fd)
+
+
+def create_file(anchor: str | os.PathLike[str], parts: Sequence[str]) -> int:
+    """Open ``anchor/parts...`` for writing, emptied; return its descriptor (the caller closes it).
+
+    The directories are walked (and made) as by :func:`open_dir`; the file is created when missing
+    (``O_CREAT | O_NOFOLLOW``, mode 0o644 less the umask). One that exists must be a regular file of
+    one link: it is emptied only after that is checked (a hard link to another file is never truncated).
+
+    Raises:
+        UnsafePathError: a component is a symbolic link, or the file is a FIFO, a device, a
+            directory, or a hard link; nothing was written.
+        OSError: any other failure of ``open``/``mkdir``.
+    """
+    *dirs, name = parts
+    path = Path(anchor, *parts)
+    dir_fd = open_dir(anchor, dirs, create=True)
+    try:
+        fd = os.open(name, _NEW, 0o644, dir_fd=dir_fd)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise _refuse(path, "a symbolic link", "a regular file") from None
+        if exc.errno in (errno.ENXIO, errno.EISDIR):  # a FIFO no one reads; a directory
+            raise _refuse(path, _what(dir_fd, name), "a regular file") from None
+        raise
+    finally:
+        os.close(dir_fd)
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
+        os.close(fd)
+        found = describe(st.st_mode) if not stat.S_ISREG(st.st_mode) else f"a file with {st.st_nlink} links"
+        raise _refuse(path, found, "a regular file of its own")
+    os.ftruncate(fd, 0)
+    return fd

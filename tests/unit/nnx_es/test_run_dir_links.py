@@ -323,3 +323,50 @@ def test_a_bind_mount_of_a_live_run_meets_its_lease(tmp_path: Path) -> None:
             capture_output=True, text=True, timeout=120, cwd=repo, env={**os.environ, "PYTHONPATH": str(repo)})
     assert out.returncode == 3, out.stdout + out.stderr
     assert "LeaseHeldError" in out.stdout and "reached the same directory by another path" in out.stdout
+
+
+# --- live sinks writing under the run -------------------------------------------------------
+
+
+def _history_event():
+    from events.schema import Counters, HistoryAppended, HistoryRecord
+
+    return HistoryAppended(record=HistoryRecord(epoch=0, train={"loss": 1.0}, val={}, monitor_value=None,
+                                                improved=None, lrs={}, counters=Counters(), wall_time_s=0.0))
+
+
+def test_a_csv_sink_refuses_a_linked_or_hard_linked_file_in_views_and_never_truncates_its_target(
+        tmp_path: Path) -> None:
+    from nnx_es.sinks import CsvSink
+
+    victim = _victim(tmp_path)
+    run = tmp_path / "run"
+    (run / "views").mkdir(parents=True)
+    (run / "views" / "epochs.csv").symlink_to(victim / "notes.txt")
+    sink = CsvSink()
+    sink.open(run)
+    with pytest.raises(UnsafePathError, match=r"views/epochs.csv is a symbolic link"):
+        sink.write(0, _history_event())
+    (run / "views" / "epochs.csv").unlink()
+    os.link(victim / "notes.txt", run / "views" / "epochs.csv")
+    with pytest.raises(UnsafePathError, match=r"views/epochs.csv is a file with 2 links"):
+        sink.write(0, _history_event())
+    sink.close()
+    assert (victim / "notes.txt").read_bytes() == b"the user's own file\n"
+    (run / "views" / "epochs.csv").unlink()
+    sink = CsvSink()
+    sink.open(run)
+    sink.write(0, _history_event())
+    sink.close()
+    assert (run / "views" / "epochs.csv").read_text().splitlines()[0] == "epoch,loss"
+
+
+def test_a_csv_sink_refuses_a_linked_views_directory(tmp_path: Path) -> None:
+    from nnx_es.sinks import CsvSink
+
+    victim = _victim(tmp_path)
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "views").symlink_to(victim, target_is_directory=True)
+    with pytest.raises(UnsafePathError, match=r"run/views is a symbolic link"):
+        CsvSink().open(tmp_path / "run")
+    assert _tree(victim) == {"notes.txt": b"the user's own file\n"}
