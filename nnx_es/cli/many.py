@@ -21,6 +21,7 @@ import msgspec
 
 from events.errors import EventLogError
 from events.log import LmdbLog
+from events.paths import check_entry
 from nnx_es.audit import NotARunError, open_run_log
 from nnx_es.cli._common import EXIT_OK, fail, reader_left, writer_alive
 from nnx_es.result import load_result
@@ -85,10 +86,11 @@ def _size(path: Path) -> int:
 def list_runs(root: Path) -> list[RunRow]:
     """Every run under ``root``, by id. A run whose log cannot be read is listed with status ``unreadable``,
     the reason in ``error`` and what to do in ``advice`` (a directory holding a run's parts without its
-    log is listed so too, not left out)."""
+    log is listed so too, not left out; so is an entry that is a symbolic link: never followed)."""
     rows = []
     for run_dir in _run_dirs(root):
         try:
+            check_entry(run_dir, "dir")  # a run found by id in a runs root is never a link (events.paths)
             open_run_log(run_dir).close()
         except NotARunError as exc:  # its log is gone: the message says so and what to do
             rows.append(_unreadable(run_dir, exc, None))
@@ -114,7 +116,7 @@ def list_runs(root: Path) -> list[RunRow]:
 
 def _unreadable(run_dir: Path, exc: BaseException, advice: str | None) -> RunRow:
     return RunRow(run_id=run_dir.name, status="unreadable", epochs=None, best=None, started=None,
-                  bytes=_size(run_dir), error=f"{type(exc).__name__}: {exc}", advice=advice)
+                  bytes=0 if run_dir.is_symlink() else _size(run_dir), error=f"{type(exc).__name__}: {exc}", advice=advice)
 
 
 def _strip(value: Any) -> Any:

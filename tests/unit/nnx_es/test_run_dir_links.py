@@ -370,3 +370,15 @@ def test_a_csv_sink_refuses_a_linked_views_directory(tmp_path: Path) -> None:
     with pytest.raises(UnsafePathError, match=r"run/views is a symbolic link"):
         CsvSink().open(tmp_path / "run")
     assert _tree(victim) == {"notes.txt": b"the user's own file\n"}
+
+
+def test_a_runs_root_lists_a_linked_run_as_unreadable_without_following_it(tmp_path: Path) -> None:
+    from nnx_es.cli.many import list_runs
+
+    victim = tmp_path / "victim"
+    (victim / "events.lmdb").mkdir(parents=True)
+    (tmp_path / "runs").mkdir()
+    (tmp_path / "runs" / "r").symlink_to(victim, target_is_directory=True)
+    [row] = list_runs(tmp_path / "runs")
+    assert row.run_id == "r" and row.status == "unreadable" and row.bytes == 0
+    assert "runs/r is a symbolic link" in row.error
