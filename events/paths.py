@@ -170,12 +170,16 @@ def read_file(anchor: str | os.PathLike[str], parts: Sequence[str], *, limit: in
         os.close(dir_fd)
     try:
         want = min(st.st_size, limit) + 1  # one past what it holds: a file growing while read is seen
-        chunks = [os.read(fd, min(want, _READ_MAX))]  # one read, one buffer: a regular file's whole size
-        got = len(chunks[0])
-        while got < want and chunks[-1]:
-            chunks.append(os.read(fd, min(want - got, _READ_MAX)))
-            got += len(chunks[-1])
-        return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+        data = os.read(fd, min(want, _READ_MAX))  # one read, one buffer: a regular file's whole size
+        rest: list[bytes] = []
+        got = len(data)
+        while got < want:
+            chunk = os.read(fd, min(want - got, _READ_MAX))
+            if not chunk:
+                break
+            rest.append(chunk)
+            got += len(chunk)
+        return b"".join([data, *rest]) if rest else data  # (no second copy of a file read whole)
     finally:
         os.close(fd)
 

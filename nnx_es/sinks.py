@@ -97,7 +97,7 @@ class TensorBoardSink:
         from torch.utils.tensorboard import SummaryWriter
 
         if self.log_dir is None:  # under the run: made without following a link (the writer opens its files)
-            os.close(open_dir(run_dir, ("views", "tensorboard"), create=True))
+            os.close(open_dir(run_dir.parent, (run_dir.name, "views", "tensorboard"), create=True))
         self._writer = SummaryWriter(log_dir=str(self.log_dir or run_dir / "views" / "tensorboard"))
 
     def write(self, seq: int, event: Event) -> None:
@@ -128,7 +128,8 @@ class CsvSink:
     def open(self, run_dir: Path) -> None:
         """Raises: UnsafePathError: ``views/`` under the run (or a file the sink writes) is a symbolic link."""
         # under the run, nothing is followed (events.paths); an out_dir of the caller's is taken as named
-        self._where: tuple[Path, tuple[str, ...]] = (self.out_dir, ()) if self.out_dir else (run_dir, ("views",))
+        self._where: tuple[Path, tuple[str, ...]] = (self.out_dir, ()) if self.out_dir else \
+            (run_dir.parent, (run_dir.name, "views"))
         self._where[0].mkdir(parents=True, exist_ok=True)
         os.close(open_dir(*self._where, create=True))
 

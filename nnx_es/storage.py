@@ -96,17 +96,17 @@ def atomic_write_all(items: Sequence[tuple[Path, bytes]], *, root: Path | None =
     directory holding them (and the parent of each directory created) is
     fsynced once. When this returns every file is durable.
 
-    ``root``: the directory the paths lie under (a run directory), opened as named (when it does
-    not exist yet: its nearest existing ancestor); each directory between it and a file is opened
-    without following a link (:mod:`events.paths`) and made when missing. Without it, each file's
-    own directory is the root.
+    ``root``: the directory the paths lie under (a run directory, a writer's: named by runs root
+    and id, or resolved); it and each directory between it and a file are opened without following
+    a link (:mod:`events.paths`) and made when missing (its parent is opened as named). Without it,
+    each file's own directory is opened as named.
     A temporary is created in its directory's descriptor (``O_EXCL | O_NOFOLLOW``); the rename
     into place names full paths (a directory swapped for a link after the walk does not hold
     the temporary: the rename fails), and replaces a link at the destination, never writes through it.
 
     Raises:
-        UnsafePathError: a directory below ``root`` is a symbolic link or not a directory; nothing
-            was written (earlier files of the batch were not renamed).
+        UnsafePathError: ``root`` or a directory below it is a symbolic link or not a directory;
+            nothing was written (earlier files of the batch were not renamed).
         CheckpointWriteError: any OS error (ENOSPC, EIO, ...), naming the file; every
             temporary is removed. Files renamed before the error hold their complete,
             synced bytes; the others keep their previous bytes.
@@ -118,7 +118,8 @@ def atomic_write_all(items: Sequence[tuple[Path, bytes]], *, root: Path | None =
     try:
         for path, data in items:
             path = Path(path)
-            anchor = _existing_ancestor(Path(root) if root is not None else path.parent)
+            # the root's own name is not followed either: its parent (or the nearest existing) is the anchor
+            anchor = _existing_ancestor(Path(root).parent if root is not None else path.parent)
             d = fds.get(path.parent)
             if d is None:
                 d = fds[path.parent] = open_dir(anchor, path.parent.relative_to(anchor).parts, create=True,

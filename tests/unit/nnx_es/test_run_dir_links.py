@@ -382,3 +382,22 @@ def test_a_runs_root_lists_a_linked_run_as_unreadable_without_following_it(tmp_p
     [row] = list_runs(tmp_path / "runs")
     assert row.run_id == "r" and row.status == "unreadable" and row.bytes == 0
     assert "runs/r is a symbolic link" in row.error
+
+
+def test_a_run_directory_swapped_for_a_link_under_a_writer_takes_no_blob_or_view(tmp_path: Path) -> None:
+    """A writer names its run by runs root and id: when ``runs/r`` becomes a link (someone sharing the
+    runs root moved the run and left a link), its next blob or view write is refused; a reader that
+    names the link itself still reads the run (the user's own naming)."""
+    victim = _victim(tmp_path)
+    store, digest, _ = _stored(tmp_path)
+    (tmp_path / "runs").mkdir()
+    (tmp_path / "runs" / "r").symlink_to(tmp_path / "run", target_is_directory=True)
+    shutil.move(tmp_path / "run", victim / "run")
+    (tmp_path / "run").symlink_to(victim / "run", target_is_directory=True)
+    before = _tree(victim)
+    with pytest.raises(UnsafePathError, match=r"/run is a symbolic link"):
+        store.put(b"new state")
+    with pytest.raises(UnsafePathError, match=r"/run is a symbolic link"):
+        write_views(tmp_path / "run", project([]))
+    assert _tree(victim) == before
+    assert BlobStore(tmp_path / "runs" / "r" / "blobs").get(digest) == b"model state" * 100
