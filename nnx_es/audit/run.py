@@ -104,6 +104,8 @@ def audit_run(run_dir: Path) -> AuditReport:
     Raises:
         NotARunError: the directory is missing or holds no ``events.lmdb``.
         EventLogError: the log cannot be opened or read.
+        UnsafePathError: a symbolic link, a FIFO or a device under the run (its log, blob or view
+            directory, a blob, a view): refused, never followed or read (:mod:`events.paths`).
     """
     run_dir = Path(run_dir)
     log = open_run_log(run_dir)
