@@ -2,7 +2,7 @@
 
 from events.chunks import RawChunk, StoredPairs
 from events.codec import CURRENT_TYPES, EVENT_TYPES, KINDS, AnyEvent, decode, encode, kind_of, upcast
-from events.errors import CorruptEventError, EventLogError, LogClosedError, NnxError, SequenceGapError
+from events.errors import CorruptEventError, EventLogError, LogClosedError, NnxError, SequenceGapError, UnsafePathError
 from events.log import EventLog, LmdbLog, MemoryLog, seq_key
 from events.schema import *  # noqa: F403
 from events.sums import SumProblem, SumRecord
@@ -25,6 +25,7 @@ __all__ = [
     "StoredPairs",
     "SumProblem",
     "SumRecord",
+    "UnsafePathError",
     "decode",
     "encode",
     "kind_of",

@@ -16,6 +16,7 @@ __all__ = [
     "NnxError",
     "SequenceGapError",
     "TruncatedLogError",
+    "UnsafePathError",
 ]
 
 
@@ -43,6 +44,12 @@ class NewLogError(EventLogError):
 
 class LogClosedError(EventLogError):
     """An operation was attempted on a closed event log."""
+
+
+class UnsafePathError(NnxError, PermissionError):
+    """Something under a run directory is a symbolic link, or not the kind of file it must be (a FIFO,
+    a device or a socket where a regular file belongs, a file where a directory belongs): refused,
+    never followed, opened for writing or read (:mod:`events.paths`). The message names the path."""
 
 
 class CorruptEventError(NnxError, ValueError):

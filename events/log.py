@@ -47,6 +47,7 @@ from events.chunks import RawChunk, StoredPairs, cursor_chunks, ends_read
 from events.errors import DamagedLogError, EventLogError, LogClosedError, NewLogError, TruncatedLogError
 from events.keys import check_items, check_keys
 from events.lmdbfile import meta_damage, reader_map_size, valid_key
+from events.paths import check_entry
 from events.logbase import EventLog, MemoryLog, LogBase, seq_key  # noqa: F401 (EventLog, MemoryLog: re-exported)
 from events.sums import SUMS_DB, SumProblem, SumRecord, batch_crc, pack_sum, unpack_sum, verify
 
@@ -82,6 +83,8 @@ class LmdbLog(LogBase):
     Raises:
         EventLogError: the directory is missing (read-only) or is not an LMDB log; reads
             raise it for a page LMDB finds corrupted.
+        UnsafePathError: the directory, its ``data.mdb`` or ``lock.mdb`` is a symbolic link, or
+            one of the two files is not a regular file (:mod:`events.paths`); nothing was opened.
         TruncatedLogError: its ``data.mdb`` is shorter than its pages need, or exists and is
             empty (0 bytes; refused before LMDB opens it: a writer would make it a new log).
         DamagedLogError: a meta page is damaged, or the last key is not a seq (:mod:`events.lmdbfile`).
@@ -93,6 +96,8 @@ class LmdbLog(LogBase):
     ) -> None:
         self.path = Path(path)
         self.readonly = readonly
+        for entry, kind in ((self.path, None), (self.path / "data.mdb", "file"), (self.path / "lock.mdb", "file")):
+            check_entry(entry, kind)  # LMDB opens them itself: a link (or a FIFO) is refused first
         data = self.path / "data.mdb"
         if readonly and not data.exists():
             raise EventLogError(f"no event log at {self.path}: expected {data}")

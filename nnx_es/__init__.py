@@ -22,6 +22,7 @@ from nnx_es.errors import (
     NonFiniteWarning,
     RecipeError,
     ResumeError,
+    UnsafePathError,
     UnsafePayloadError,
     UnsafeRecipeError,
 )
@@ -122,6 +123,7 @@ __all__ = [
     "TrainContext",
     "Trainer",
     "TrainingStage",
+    "UnsafePathError",
     "UnsafePayloadError",
     "UnsafeRecipeError",
     "UpdateHook",

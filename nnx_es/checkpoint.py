@@ -183,10 +183,12 @@ def component_bytes(store: BlobStore, name: str, comp: Component) -> bytes:
     """A component's bytes, from the manifest (inline) or its blob, hash-verified either way.
 
     Raises:
-        CorruptCheckpointError: the blob is missing or corrupt, or inline bytes do not hash to ``blob``.
+        UnsafePathError: the blob file is a symbolic link, a FIFO, a device, ... (nothing was read).
+        CorruptCheckpointError: the blob is missing, corrupt or longer than ``comp.bytes``, or inline
+            bytes do not hash to ``blob``.
     """
     if comp.data is None:
-        return store.get(comp.blob)
+        return store.get(comp.blob, size=comp.bytes)  # never read past the size the manifest records
     found = hashlib.sha256(comp.data).hexdigest()
     if found != comp.blob:
         raise CorruptCheckpointError(f"component {name!r} kept in the manifest is corrupt: its bytes hash to "

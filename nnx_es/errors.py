@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from events.errors import CorruptEventError, EventLogError, NnxError
+from events.errors import CorruptEventError, EventLogError, NnxError, UnsafePathError
 
 __all__ = [
     "CheckpointUnavailableError",
@@ -21,6 +21,7 @@ __all__ = [
     "NonFiniteWarning",
     "RecipeError",
     "ResumeError",
+    "UnsafePathError",
     "UnsafePayloadError",
     "UnsafeRecipeError",
 ]

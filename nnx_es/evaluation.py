@@ -113,7 +113,8 @@ def record_evaluation(run_dir: str | Path, event: EvaluationRecorded) -> int:
     """Append ``event`` (synced) to the finalized run at ``run_dir``; return its seq.
 
     Raises:
-        LeaseHeldError: another process writes the run.
+        LeaseHeldError: another process writes the run (by this path or another: :mod:`nnx_es.lease`).
+        UnsafePathError: its lease file or log is a symbolic link (or of the wrong kind): nothing written.
         ResumeError: the run has no event log, or it is not finalized (its last event is not
             ``run_finalized`` or an earlier evaluation: it is running, or was killed before its end).
     """

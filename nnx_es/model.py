@@ -201,7 +201,10 @@ class NNModel:
             CorruptCheckpointError: a manifest or blob does not verify, the manifest belongs to another
                 run (mixed: its ``run_id`` is not the run's, as ``tools/replay`` and a resume refuse it),
                 or a component does not decode (:mod:`nnx_es.state_codec`).
+                Also a blob holding more bytes than its manifest records (read no further).
             EventLogError: the run's log cannot be read (damaged: named).
+            UnsafePathError: the run's log, its blob directory or a blob is a symbolic link, a FIFO,
+                a device, ...: refused, never followed or read (:mod:`events.paths`).
         """
         state, result, pointer = read_weights(run_dir, which, weights, model=model)
         misfits = weight_misfits(self.net, state)

@@ -35,7 +35,7 @@ from nnx_es.resume import find_resume_point
 from nnx_es.rng import seed_everything
 from nnx_es.run_state import RunState, World
 from nnx_es.snapshot import RunComponents, apply_state, check_world_size, load_state
-from nnx_es.storage import BlobStore, Lease, clean_stale_temporaries, validate_run_id
+from nnx_es.storage import BlobStore, Lease, check_run_dir, clean_stale_temporaries, validate_run_id
 from projections.checkpoints import CheckpointsState
 
 __all__ = ["RESUME_MODES", "Session", "apply_loaded", "check_epochs", "library_versions", "new_run_id", "open_session"]
@@ -121,8 +121,14 @@ def open_session(
     what is there (a log without a LAST, blobs, views) is removed and the run starts afresh. After the session the state's
     store reads through its own log handles (the session's log is closed).
 
+    Nothing under the run is followed (DESIGN.md "Trust boundaries"): ``runs_root / run_id`` must
+    be a directory, not a link (a ``resume_from`` the caller names is resolved first: its links
+    are the caller's own naming); its log, blobs and views too (:func:`~nnx_es.storage.check_run_dir`).
+
     Raises:
         ConfigError / ResumeError / LeaseHeldError: see :meth:`nnx_es.Trainer.fit`.
+        UnsafePathError: the run directory, its lease file, log, blob or view directory is a
+            symbolic link or of the wrong kind; nothing was read or written under it.
     """
     if resume_mode not in RESUME_MODES:
         raise ConfigError(f"resume_mode must be one of {RESUME_MODES}, got {resume_mode!r}")
@@ -143,7 +149,10 @@ def open_session(
     state: RunState | None = None
     try:
         lease.acquire()
-        created = not run_dir.exists()  # under the lease: what appears in it now is this call's
+        # under the lease, the run directory is made (never through a link) and locked by its
+        # identity: a writer reaching it by another path is refused from here on
+        created = lease.hold_run_dir(create=True)
+        check_run_dir(run_dir)  # its log, blobs and views: no link, before anything is read, cleared or written
         has_log = (run_dir / "events.lmdb" / "data.mdb").exists()
         if auto and has_log:
             if _has_last(run_dir):

@@ -24,6 +24,7 @@ from __future__ import annotations
 import csv
 import math
 import multiprocessing
+import os
 import queue
 import threading
 import warnings
@@ -34,6 +35,7 @@ from typing import Any, Protocol
 import structlog
 
 from events.codec import decode
+from events.paths import create_file, open_dir
 from events.schema import Event, HistoryAppended, LastCommitted, UpdateCommitted
 from projections.view import committed
 
@@ -99,8 +101,11 @@ class TensorBoardSink:
         self._writer: Any = None
 
     def open(self, run_dir: Path) -> None:
+        """Raises: UnsafePathError: ``views/`` or ``views/tensorboard/`` under the run is a symbolic link."""
         from torch.utils.tensorboard import SummaryWriter
 
+        if self.log_dir is None:  # under the run: made without following a link (the writer opens its files)
+            os.close(open_dir(run_dir.parent, (run_dir.name, "views", "tensorboard"), create=True))
         self._writer = SummaryWriter(log_dir=str(self.log_dir or run_dir / "views" / "tensorboard"))
 
     def write(self, seq: int, event: Event) -> None:
@@ -131,12 +136,17 @@ class CsvSink:
         self._epoch_columns: list[str] | None = None
 
     def open(self, run_dir: Path) -> None:
-        self._dir = self.out_dir or run_dir / "views"
-        self._dir.mkdir(parents=True, exist_ok=True)
+        """Raises: UnsafePathError: ``views/`` under the run (or a file the sink writes) is a symbolic link."""
+        # under the run, nothing is followed (events.paths); an out_dir of the caller's is taken as named
+        self._where: tuple[Path, tuple[str, ...]] = (self.out_dir, ()) if self.out_dir else \
+            (run_dir.parent, (run_dir.name, "views"))
+        self._where[0].mkdir(parents=True, exist_ok=True)
+        os.close(open_dir(*self._where, create=True))
 
     def _writer(self, name: str, header: list[str]) -> Any:
         if name not in self._writers:
-            f = open(self._dir / name, "w", newline="")  # noqa: SIM115 - closed in close()
+            anchor, dirs = self._where
+            f = os.fdopen(create_file(anchor, (*dirs, name)), "w", newline="")  # noqa: SIM115 - closed in close()
             self._files[name] = f
             self._writers[name] = csv.writer(f)
             self._writers[name].writerow(header)

@@ -1,4 +1,5 @@
-"""Files outside LMDB: atomic writes, the content-addressed blob store, run ids and leases.
+"""Files outside LMDB: atomic writes and the content-addressed blob store (run ids and leases:
+:mod:`nnx_es.lease`, re-exported here).
 
 Every file goes through an owned temporary file (``.<name>.<pid>.<rand>.tmp``
 in the destination's directory), ``fsync``, atomic ``os.replace`` and a
@@ -8,12 +9,13 @@ together (a checkpoint's large blobs, the two views) share the
 directory fsyncs: each temporary is written and synced, all are renamed, then
 each directory is synced once -- no file is ever visible with unsynced bytes,
 and all are durable before the caller goes on (to LAST, which names them).
+
+Nothing under a run directory is followed: writes walk from the run directory with
+``O_NOFOLLOW`` and reads take regular files only, bounded (:mod:`events.paths`).
 """
 
 from __future__ import annotations
 
-import errno
-import fcntl
 import hashlib
 import os
 import re
@@ -22,36 +24,48 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from events.log import EventLog, LmdbLog
-from nnx_es.errors import CheckpointWriteError, CorruptCheckpointError, InvalidRunIdError, LeaseHeldError
+from events.paths import check_entry, open_dir, read_file
+from nnx_es.errors import CheckpointWriteError, CorruptCheckpointError, UnsafePathError
+from nnx_es.lease import Lease, validate_run_id
 
 __all__ = [
     "BlobStore",
     "Lease",
     "atomic_write",
     "atomic_write_all",
+    "RUN_ENTRIES",
+    "check_run_dir",
     "clean_stale_temporaries",
     "fsync_dir",
+    "UNSIZED_MAX",
     "validate_run_id",
 ]
 
-_RUN_ID = re.compile(r"[A-Za-z0-9._-]{1,128}")
 _DIGEST = re.compile(r"[0-9a-f]{64}")
 TMP_SUFFIX = ".tmp"
 
+#: what a run directory holds, and what each must be when present (DESIGN.md "The run directory");
+#: ``None``: anything but a link (the log's readers name a wrong kind themselves)
+RUN_ENTRIES: tuple[tuple[str, str | None], ...] = (
+    ("events.lmdb", None), ("events.lmdb/data.mdb", "file"), ("events.lmdb/lock.mdb", "file"),
+    ("blobs", "dir"), ("blobs/sha256", "dir"), ("views", "dir"),
+)
 
-def validate_run_id(run_id: str) -> str:
-    """Return ``run_id`` if it is a safe directory name.
+#: the most bytes a blob whose size nothing records (a manifest, a journal chunk) is read to:
+#: a longer file is damage (a sparse terabyte is not read into memory)
+UNSIZED_MAX = 1 << 30
+
+
+def check_run_dir(run_dir: Path) -> None:
+    """Refuse a run directory whose log, blob or view directory (or the log's files) is a symbolic
+    link or of the wrong kind (:data:`RUN_ENTRIES`), before a reader or writer opens anything in it.
+    A check, not a guard against a swap after it: every later open walks without following a link.
 
     Raises:
-        InvalidRunIdError: empty, longer than 128 characters, ``.``, ``..``, ``.leases`` (the
-            runs root's lease directory), or a character outside ``[A-Za-z0-9._-]``.
+        UnsafePathError: naming the entry and what it is.
     """
-    if not isinstance(run_id, str) or not _RUN_ID.fullmatch(run_id) or run_id in (".", "..", ".leases"):
-        raise InvalidRunIdError(
-            f"run_id must be 1-128 characters of [A-Za-z0-9._-], not '.', '..' or '.leases' (the runs root's "
-            f"lease directory), got {run_id!r}"
-        )
-    return run_id
+    for rel, kind in RUN_ENTRIES:
+        check_entry(Path(run_dir, rel), kind)
 
 
 def fsync_dir(path: Path) -> None:
@@ -63,38 +77,56 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def atomic_write(path: Path, data: bytes) -> None:
-    """Durably replace ``path`` with ``data`` (temporary, fsync, rename, dir fsync).
+def atomic_write(path: Path, data: bytes, *, root: Path | None = None) -> None:
+    """Durably replace ``path`` with ``data`` (temporary, fsync, rename, dir fsync); ``root``: see
+    :func:`atomic_write_all`.
 
     Raises:
+        UnsafePathError: see :func:`atomic_write_all`.
         CheckpointWriteError: any OS error (ENOSPC, EIO, ...); the temporary is
             removed and ``path`` keeps its previous bytes.
     """
-    atomic_write_all([(path, data)])
+    atomic_write_all([(path, data)], root=root)
 
 
-def atomic_write_all(items: Sequence[tuple[Path, bytes]]) -> None:
+def atomic_write_all(items: Sequence[tuple[Path, bytes]], *, root: Path | None = None) -> None:
     """Durably replace each ``path`` with its ``data``, as one batch.
 
     Each temporary is written and fsynced, then all are renamed, then each
     directory holding them (and the parent of each directory created) is
     fsynced once. When this returns every file is durable.
 
+    ``root``: the directory the paths lie under (a run directory, a writer's: named by runs root
+    and id, or resolved); it and each directory between it and a file are opened without following
+    a link (:mod:`events.paths`) and made when missing (its parent is opened as named). Without it,
+    each file's own directory is opened as named.
+    A temporary is created in its directory's descriptor (``O_EXCL | O_NOFOLLOW``); the rename
+    into place names full paths (a directory swapped for a link after the walk does not hold
+    the temporary: the rename fails), and replaces a link at the destination, never writes through it.
+
     Raises:
+        UnsafePathError: ``root`` or a directory below it is a symbolic link or not a directory;
+            nothing was written (earlier files of the batch were not renamed).
         CheckpointWriteError: any OS error (ENOSPC, EIO, ...), naming the file; every
             temporary is removed. Files renamed before the error hold their complete,
             synced bytes; the others keep their previous bytes.
     """
-    staged: list[tuple[Path, Path]] = []  # (temporary, destination) written and synced
+    staged: list[tuple[int, str, Path, Path]] = []  # (dir fd, temporary's name, temporary, destination)
     created: list[Path] = []
+    fds: dict[Path, int] = {}  # each directory written into -> its descriptor
     path = Path()
     try:
         for path, data in items:
             path = Path(path)
-            created += _make_dirs(path.parent)
-            tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}{TMP_SUFFIX}")
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-            staged.append((tmp, path))
+            # the root's own name is not followed either: its parent (or the nearest existing) is the anchor
+            anchor = _existing_ancestor(Path(root).parent if root is not None else path.parent)
+            d = fds.get(path.parent)
+            if d is None:
+                d = fds[path.parent] = open_dir(anchor, path.parent.relative_to(anchor).parts, create=True,
+                                                created=created)
+            name = f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}{TMP_SUFFIX}"
+            fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644, dir_fd=d)
+            staged.append((d, name, path.with_name(name), path))
             try:
                 view = memoryview(data)
                 while view:
@@ -105,36 +137,33 @@ def atomic_write_all(items: Sequence[tuple[Path, bytes]]) -> None:
                 os.close(fd)
         dirs: dict[Path, None] = {}
         while staged:
-            tmp, path = staged[0]
+            _, _, tmp, path = staged[0]
             os.replace(tmp, path)
             staged.pop(0)
             dirs[path.parent] = None
-        for d in created:  # a new directory's entry is durable once its parent is synced
-            dirs.setdefault(d.parent)
-        for d in dirs:
-            path = d
-            fsync_dir(d)
+        for made in created:  # a new directory's entry is durable once its parent is synced
+            dirs.setdefault(made.parent)
+        for dir_path in dirs:
+            path = dir_path
+            fsync_dir(dir_path)
     except OSError as exc:
-        for tmp, _ in staged:
+        for d, name, _, _ in staged:
             try:
-                tmp.unlink()
+                os.unlink(name, dir_fd=d)
             except FileNotFoundError:
                 pass
+        if isinstance(exc, UnsafePathError):
+            raise
         raise CheckpointWriteError(f"writing {path} failed: {exc.strerror or exc}") from exc
+    finally:
+        for d in fds.values():
+            os.close(d)
 
 
-def _make_dirs(d: Path) -> list[Path]:
-    """mkdir -p ``d``; return the directories it created, deepest first."""
-    missing = []
-    while not d.exists():
-        missing.append(d)
+def _existing_ancestor(d: Path) -> Path:
+    while not os.path.lexists(d) and d != d.parent:
         d = d.parent
-    for m in reversed(missing):
-        try:
-            m.mkdir()
-        except FileExistsError:
-            pass
-    return missing
+    return d
 
 
 def clean_stale_temporaries(root: Path) -> list[Path]:
@@ -213,7 +242,7 @@ class BlobStore:
             self.path(digest)  # raises, naming it
         base = os.path.join(self.root, "sha256")  # strings: a commit asks this for every blob it stages
         for p in (os.path.join(base, digest), os.path.join(base, digest[:2], digest)):
-            if os.path.exists(p):
+            if check_entry(p, "file") is not None:  # a link or a FIFO there is refused, never taken for the blob
                 return Path(p)
         return None
 
@@ -229,6 +258,8 @@ class BlobStore:
         again (a large model's parts are hashed once per commit, not twice).
 
         Raises:
+            UnsafePathError: ``blobs/`` or ``blobs/sha256/`` is a symbolic link (or not a
+                directory), or a link or FIFO stands where one of the blobs would be.
             CheckpointWriteError: a blob could not be written durably.
         """
         digests = list(digests) if digests is not None else [hashlib.sha256(d).hexdigest() for d in datas]
@@ -239,7 +270,7 @@ class BlobStore:
             if digest not in new and self._existing(digest) is None:
                 new[digest] = data
         if new:
-            atomic_write_all([(self.path(d), data) for d, data in new.items()])
+            atomic_write_all([(self.path(d), data) for d, data in new.items()], root=self.root.parent)
         return digests
 
     def delete(self, digests: Sequence[str]) -> None:
@@ -256,95 +287,43 @@ class BlobStore:
         """Whether the blob is stored (a file, or a value of the log)."""
         return self._existing(digest) is not None or self._in_log(digest) is not None
 
-    def get(self, digest: str) -> bytes:
+    def get(self, digest: str, *, size: int | None = None) -> bytes:
         """Read and verify a blob.
 
+        ``size``: its length as a manifest records it (``Component.bytes``); a file is read to at
+        most one byte more, and one that holds more is damage. Without it, at most
+        :data:`UNSIZED_MAX` bytes. Only a regular file is read (:func:`events.paths.read_file`):
+        a FIFO or a device in place of a blob is refused at once, a link is never followed.
+
         Raises:
-            CorruptCheckpointError: missing, or its bytes do not hash to ``digest``.
+            UnsafePathError: the blob, or the directory holding it, is a symbolic link or not a
+                regular file (directory); nothing was read.
+            CorruptCheckpointError: missing, longer than ``size`` (or :data:`UNSIZED_MAX`), or its
+                bytes do not hash to ``digest``.
             EventLogError: the run's log could not be opened or read to look for it.
         """
-        p = self._existing(digest)
-        if p is not None:
-            data, where = p.read_bytes(), f"at {p}"
-        else:
-            stored = self._in_log(digest)
-            if stored is None:
+        self.path(digest)  # a malformed name is refused, naming it
+        limit = size if size is not None else UNSIZED_MAX
+        data: bytes | None = None
+        for parts in ((self.root.name, "sha256", digest), (self.root.name, "sha256", digest[:2], digest)):
+            data = read_file(self.root.parent, parts, limit=limit)
+            if data is not None:
+                where = f"at {Path(self.root.parent, *parts)}"
+                break
+        if data is None:
+            data = self._in_log(digest)
+            if data is None:
                 raise CorruptCheckpointError(
                     f"blob {digest} is missing (expected at {self.path(digest)} or in the event log's blobs)"
                 )
-            data, where = stored, f"in the event log at {self.root.parent / 'events.lmdb'}"
+            where = f"in the event log at {self.root.parent / 'events.lmdb'}"
+        if len(data) > limit:
+            said = f"the {size} bytes its manifest records" if size is not None else \
+                f"{UNSIZED_MAX} bytes, the most a blob of no recorded size may hold"
+            raise CorruptCheckpointError(f"blob {digest} {where} is damaged: it holds more than {said} "
+                                         "(read no further)")
         found = hashlib.sha256(data).hexdigest()
         if found != digest:
             what = "empty (a truncated write?)" if not data else f"corrupt: its {len(data)} bytes hash to {found}"
             raise CorruptCheckpointError(f"blob {digest} {where} is {what}")
         return data
-
-
-#: descriptors of the leases this process holds; a forked child closes its copies (see Lease)
-_HELD: set[int] = set()
-
-
-def _close_inherited_leases() -> None:
-    """In a forked child (a DataLoader worker, a multiprocessing fork): close the lease descriptors
-    it inherited -- closing, never unlocking, which would free the parent's lease."""
-    for fd in list(_HELD):
-        try:
-            os.close(fd)
-        except OSError:
-            pass
-    _HELD.clear()
-
-
-os.register_at_fork(after_in_child=_close_inherited_leases)
-
-
-class Lease:
-    """The writer lease of one run: an exclusive ``flock`` on ``runs/.leases/<id>.lock``.
-
-    The kernel drops the lock when no descriptor of it is left open, so a SIGKILLed
-    writer frees it: a process forked from the writer (DataLoader workers) closes the
-    copy it inherits at once, so it cannot keep the lease alive after the writer died.
-
-    Raises:
-        LeaseHeldError: from :meth:`acquire` when another process holds it.
-    """
-
-    def __init__(self, runs_root: Path, run_id: str) -> None:
-        self.path = Path(runs_root) / ".leases" / f"{validate_run_id(run_id)}.lock"
-        self._fd: int | None = None
-
-    def acquire(self) -> Lease:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as exc:
-            os.close(fd)
-            if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-                raise LeaseHeldError(
-                    f"run {self.path.stem!r} is being written by another process (lease {self.path} is held)"
-                ) from None
-            raise
-        os.ftruncate(fd, 0)
-        os.write(fd, f"{os.getpid()}\n".encode())
-        self._fd = fd
-        _HELD.add(fd)
-        return self
-
-    def release(self) -> None:
-        if self._fd is not None:
-            os.ftruncate(self._fd, 0)  # no pid left behind to be taken for a live writer
-            fcntl.flock(self._fd, fcntl.LOCK_UN)
-            _HELD.discard(self._fd)
-            os.close(self._fd)
-            self._fd = None
-
-    @property
-    def held(self) -> bool:
-        return self._fd is not None
-
-    def __enter__(self) -> Lease:
-        return self.acquire()
-
-    def __exit__(self, *exc: object) -> None:
-        self.release()

@@ -468,7 +468,11 @@ class Trainer:
             ResumeError: the resume point is missing or does not verify, the recipe
                 differs from the run's, or a loader has or lacks a generator of its own
                 the run's had (the reason is named; nothing is restored or erased).
-            LeaseHeldError: another process writes this run.
+            LeaseHeldError: another process writes this run (by this path or another: the run
+                directory itself is locked, :mod:`nnx_es.lease`).
+            UnsafePathError: the run directory (as ``runs_root/run_id``), its lease file, log, blob
+                or view directory, or a blob, is a symbolic link, a FIFO, ...; refused before anything
+                is written (or, found later, the run fails naming it).
             Exception: whatever training raised, after finalization.
         """
         check_fit_args(train_loader, val_loader, epochs=epochs, monitor=self.monitor, resume_mode=resume_mode,

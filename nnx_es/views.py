@@ -21,13 +21,15 @@ from __future__ import annotations
 import csv
 import io
 import json
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import msgspec
 
+from events.paths import read_file
 from events.schema import Counters, HistoryRecord
-from nnx_es.storage import atomic_write_all
+from nnx_es.storage import UNSIZED_MAX, atomic_write_all
 from projections import Projections
 
 __all__ = ["HISTORY_CSV", "SUMMARY_JSON", "VIEW_FILES", "expected_views", "read_views", "summary", "write_views"]
@@ -127,20 +129,28 @@ def expected_views(p: Projections) -> dict[str, bytes]:
 
 
 def write_views(run_dir: Path, p: Projections) -> None:
-    """Write every view of ``p`` under ``run_dir/views/`` atomically (temporary, fsync, rename).
+    """Write every view of ``p`` under ``run_dir/views/`` atomically (temporary, fsync, rename), without
+    following a link below ``run_dir`` (:func:`~nnx_es.storage.atomic_write_all`).
 
     Raises:
+        UnsafePathError: ``views/`` is a symbolic link or not a directory; nothing was written.
         CheckpointWriteError: a file could not be made durable; it keeps its previous bytes.
     """
-    atomic_write_all([(Path(run_dir) / rel, data) for rel, data in expected_views(p).items()])
+    atomic_write_all([(Path(run_dir) / rel, data) for rel, data in expected_views(p).items()], root=Path(run_dir))
 
 
-def read_views(run_dir: Path) -> dict[str, bytes]:
-    """The view files present under ``run_dir`` (relative path -> bytes); absent ones are left out."""
+def read_views(run_dir: Path, limits: Mapping[str, int] | None = None) -> dict[str, bytes]:
+    """The view files present under ``run_dir`` (relative path -> bytes); absent ones are left out.
+
+    ``limits``: the most bytes each may hold (the audit's: the size it expects); a file is read to at
+    most one byte more (default :data:`~nnx_es.storage.UNSIZED_MAX`). Regular files only, no link followed.
+
+    Raises:
+        UnsafePathError: ``views/`` or a view file is a symbolic link, a FIFO, a device, ...
+    """
     found: dict[str, bytes] = {}
     for rel in VIEW_FILES:
-        try:
-            found[rel] = (Path(run_dir) / rel).read_bytes()
-        except FileNotFoundError:
-            continue
+        data = read_file(run_dir, rel.split("/"), limit=(limits or {}).get(rel, UNSIZED_MAX))
+        if data is not None:
+            found[rel] = data
     return found

@@ -11,6 +11,7 @@ from events.errors import CorruptEventError, SequenceGapError
 from events.log import LmdbLog
 from events.schema import Event, LastCommitted, RunResumed
 from nnx_es.audit.report import NotARunError
+from nnx_es.storage import check_run_dir
 from projections import tail_length
 from projections.commits import commits_all
 
@@ -25,11 +26,14 @@ def open_run_log(run_dir: Path) -> LmdbLog:
 
     Raises:
         NotARunError: ``run_dir`` does not exist, is not a directory, or holds no event log.
+        UnsafePathError: its log, blob or view directory is a symbolic link or of the wrong kind
+            (:func:`nnx_es.storage.check_run_dir`).
         EventLogError: the log exists but LMDB cannot open it.
     """
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise NotARunError(f"run directory {str(run_dir)!r} does not exist or is not a directory")
+    check_run_dir(run_dir)
     path = run_dir / "events.lmdb"
     if path.is_dir() and not (path / "data.mdb").is_file():
         raise NotARunError(f"{str(run_dir)!r} has an event log directory without its data file: {path / 'data.mdb'} "

@@ -106,6 +106,8 @@ def audit_run(run_dir: Path) -> AuditReport:
     Raises:
         NotARunError: the directory is missing or holds no ``events.lmdb``.
         EventLogError: the log cannot be opened or read.
+        UnsafePathError: a symbolic link, a FIFO or a device under the run (its log, blob or view
+            directory, a blob, a view): refused, never followed or read (:mod:`events.paths`).
     """
     run_dir = Path(run_dir)
     log = open_run_log(run_dir)
@@ -237,8 +239,9 @@ def _check_tail(log: LmdbLog, sink: Sink, folded: CommittedFold, stop: int) -> i
 
 def _check_views(run_dir: Path, sink: Sink, p: Projections) -> None:
     """Invariant 9: each view file present equals the projection, byte for byte."""
-    present = read_views(run_dir)
-    for rel, want in expected_views(p).items():
+    expected = expected_views(p)
+    present = read_views(run_dir, {rel: len(want) for rel, want in expected.items()})
+    for rel, want in expected.items():
         got = present.get(rel)
         if got is None or got == want:
             continue

@@ -104,12 +104,16 @@ def writer_alive(run_dir: Path) -> bool:
     pid then makes a dead writer look alive: the safe side, nothing is claimed).
     A writer on another machine sharing ``runs/``, or in another PID namespace (a
     container sharing the volume: the table lists only the locks of its own), is not seen. ``run_dir`` is
-    resolved first (``.``, a symlink to the run).
+    resolved first (``.``, a symlink to the run). A writer that reached the run by another path (a
+    bind mount, another runs root) holds a lease file of its own there, and the run directory's own
+    ``flock`` (:mod:`nnx_es.lease`): that is looked for too.
     """
     run_dir = Path(run_dir).resolve()
     lease = run_dir.parent / ".leases" / f"{run_dir.name}.lock"
     held = _flocked(lease)
-    return held if held is not None else _pid_alive(lease)
+    if held is None:
+        return _pid_alive(lease)
+    return held or bool(_flocked(run_dir))  # a writer that reached the run by another path locks its directory
 
 
 def _flocked(path: Path) -> bool | None:

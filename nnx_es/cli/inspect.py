@@ -66,7 +66,7 @@ from pathlib import Path
 import msgspec
 
 from events.codec import KINDS
-from events.errors import EventLogError, SequenceGapError
+from events.errors import EventLogError, SequenceGapError, UnsafePathError
 from events.log import LmdbLog
 from nnx_es.audit import NotARunError
 from nnx_es.cli._common import (
@@ -246,7 +246,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return list_command(args.run_dir, as_json)
     try:
         log = open_log(args.run_dir, follow=args.follow, poll_s=args.poll_s)
-    except (NotARunError, EventLogError) as exc:
+    except (NotARunError, EventLogError, UnsafePathError) as exc:
         return fail("inspect", str(exc), error_type=type(exc).__name__, as_json=as_json)
     except KeyboardInterrupt:
         return EXIT_INTERRUPTED
@@ -258,6 +258,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_INTERRUPTED
     except SequenceGapError as exc:
         return fail("inspect", _damaged(args, exc), error_type=type(exc).__name__, as_json=as_json)
+    except UnsafePathError as exc:  # a link or a FIFO under the run (a blob, a view): refused, never read
+        return fail("inspect", str(exc), error_type=type(exc).__name__, as_json=as_json)
     except EventLogError as exc:
         return fail("inspect", f"{exc}; run tools/replay {args.run_dir} to audit the whole log",
                     error_type=type(exc).__name__, as_json=as_json)
@@ -323,7 +325,7 @@ def _run(log: LmdbLog, args: argparse.Namespace, kinds: frozenset[str] | None) -
             if args.command == "rows":
                 return rows_command(args.run_dir, args.hardest, args.json)
             print(f"wrote {plot_cartography(args.run_dir, args.out)}")
-        except CorruptCheckpointError as exc:  # a journal chunk or manifest that does not verify
+        except (CorruptCheckpointError, UnsafePathError) as exc:  # a journal chunk or manifest that does not verify
             print(printable(f"inspect: the per-row records of {args.run_dir} do not verify: {exc}; run tools/replay "
                             f"{args.run_dir} to audit the run"), file=sys.stderr)
             return EXIT_UNUSABLE

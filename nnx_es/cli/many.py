@@ -24,6 +24,7 @@ import msgspec
 
 from events.errors import CorruptEventError, DamagedLogError, EventLogError
 from events.log import LmdbLog
+from events.paths import check_entry
 from nnx_es.audit import NotARunError, log_damage, open_run_log
 from nnx_es.cli._common import EXIT_OK, EXIT_UNUSABLE, fail, reader_left, writer_alive
 from nnx_es.cli._format import json_line, printable
@@ -91,10 +92,12 @@ def list_runs(root: Path) -> list[RunRow]:
     """Every run under ``root``, by id. A run whose log cannot be read is listed with status ``unreadable``,
     the reason in ``error`` and what to do in ``advice`` (a directory holding a run's parts without its
     log is listed so too, not left out); a run whose keys or checksums do not verify
-    (:func:`nnx_es.audit.log_damage`: every log read whole, ~0.3 s a million events) with status ``damaged``."""
+    (:func:`nnx_es.audit.log_damage`: every log read whole, ~0.3 s a million events) with status ``damaged``; so is
+    an entry that is a symbolic link: never followed."""
     rows = []
     for run_dir in _run_dirs(root):
         try:
+            check_entry(run_dir, "dir")  # a run found by id in a runs root is never a link (events.paths)
             with open_run_log(run_dir) as log:
                 damage = log_damage(log)
             if damage is not None:
@@ -126,7 +129,7 @@ def list_runs(root: Path) -> list[RunRow]:
 
 def _unreadable(run_dir: Path, exc: BaseException, advice: str | None) -> RunRow:
     return RunRow(run_id=run_dir.name, status="unreadable", epochs=None, best=None, started=None,
-                  bytes=_size(run_dir), error=f"{type(exc).__name__}: {exc}", advice=advice)
+                  bytes=0 if run_dir.is_symlink() else _size(run_dir), error=f"{type(exc).__name__}: {exc}", advice=advice)
 
 
 def _strip(value: Any) -> Any:

@@ -2,7 +2,7 @@
 
 Exit status: 0 when every invariant holds, 1 when any is violated (each
 violation is named: event seq, invariant, expected, found), 2 when the input
-is unusable (missing directory, not a run, unreadable log); with ``--json`` such an error is
+is unusable (missing directory, not a run, unreadable log, a symbolic link or a FIFO under the run); with ``--json`` such an error is
 also printed on stdout as ``{"error": {"type", "message"}}``.
 """
 
@@ -13,7 +13,8 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from events.errors import EventLogError
+
+from events.errors import EventLogError, UnsafePathError
 from nnx_es.cli._common import (
     EXIT_INTERRUPTED,
     EXIT_OK,
@@ -76,7 +77,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return fail("replay", str(exc), error_type="UsageError", as_json=as_json, usage=parser.format_usage())
     try:
         report = audit_run(args.run_dir)
-    except (NotARunError, EventLogError) as exc:
+    except (NotARunError, EventLogError, UnsafePathError) as exc:  # a link or a FIFO under the run: refused
         return fail("replay", str(exc), error_type=type(exc).__name__, as_json=as_json)
     except KeyboardInterrupt:  # Ctrl-C on a long audit: no traceback
         return EXIT_INTERRUPTED

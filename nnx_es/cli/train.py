@@ -23,7 +23,7 @@ from typing import Any
 import msgspec
 
 from nnx_es.cli._common import EXIT_OK, EXIT_UNUSABLE, EXIT_VIOLATIONS
-from nnx_es.errors import ConfigError, NnxError, ResumeError
+from nnx_es.errors import ConfigError, LeaseHeldError, NnxError, ResumeError, UnsafePathError
 
 __all__ = ["add_commands"]
 
@@ -280,7 +280,7 @@ def _plot(curves: dict[str, list[float]], png: Path, per_epoch: int, known: bool
 def _train(built: Any, command: str, **fit: Any) -> int:
     try:
         run = built.trainer.fit(built.train_loader, built.val_loader, epochs=fit.pop("epochs", built.epochs), **fit)
-    except (ConfigError, ResumeError) as exc:
+    except (ConfigError, ResumeError, LeaseHeldError, UnsafePathError) as exc:  # refused before it began: exit 2
         raise BadInput(str(exc)) from None
     except Exception as exc:  # the run failed: it is recorded in its log
         _say(command, f"the run failed: {type(exc).__name__}: {exc}")

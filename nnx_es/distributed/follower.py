@@ -81,7 +81,7 @@ class FollowerBlobStore(BlobStore):
     def exists(self, digest: str) -> bool:
         return digest in self._blobs
 
-    def get(self, digest: str) -> bytes:
+    def get(self, digest: str, *, size: int | None = None) -> bytes:
         data = self._blobs.get(digest)
         if data is None:
             raise CorruptCheckpointError(f"blob {digest} is not held by this rank (only the writer rank stores "
