@@ -13,7 +13,6 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-
 from events.errors import EventLogError, UnsafePathError
 from nnx_es.cli._common import (
     EXIT_INTERRUPTED,
