@@ -20,7 +20,8 @@ the ``NNX_ES_KILL_AT`` environment variable (:mod:`nnx_es.injection`). POSIX onl
 """
 
 from nnx_es.testing.harness import Build, Fit, Points, crash_test, fault_test
-from nnx_es.testing.report import CrashReport, Failure, FaultReport, HarnessFailure, Report
+from nnx_es.testing.powerloss import power_loss_test
+from nnx_es.testing.report import CrashReport, Failure, FaultReport, HarnessFailure, PowerLossReport, Report
 
 __all__ = [
     "Build",
@@ -30,7 +31,9 @@ __all__ = [
     "Fit",
     "HarnessFailure",
     "Points",
+    "PowerLossReport",
     "Report",
     "crash_test",
     "fault_test",
+    "power_loss_test",
 ]
