@@ -232,17 +232,18 @@ def run_in_child(target: Callable[[], Any]) -> str:
     return f"error: {message or status}"
 
 
-def resume_and_check(resume: Callable[[], Any], ref: Reference, runs: Path, k: int) -> str:
+def resume_and_check(resume: Callable[[], Any], ref: Reference, runs: Path, k: int,
+                     refusals: tuple[type[BaseException], ...] = (ResumeError,)) -> str:
     """Resume the interrupted run ``runs/<RUN_ID>`` with ``resume()`` (a fit with ``resume_from=``;
     returns its result, or raises :class:`ResumeError` when it refuses) and check it ends as the
-    reference did; with no LAST yet (``k == 0``) the resume must be refused and write nothing.
-    Returns ``"resumed"`` or ``"refused"``; raises :class:`Finding` otherwise."""
+    reference did; with no LAST yet (``k == 0``) the resume must be refused (one of ``refusals``
+    raised) and write nothing. Returns ``"resumed"`` or ``"refused"``; raises :class:`Finding` otherwise."""
     run_dir = runs / RUN_ID
     if k == 0:
         before = len(read_log(run_dir)) if (run_dir / "events.lmdb" / "data.mdb").exists() else 0
         try:
             resume()
-        except ResumeError:
+        except refusals:
             after = len(read_log(run_dir)) if (run_dir / "events.lmdb" / "data.mdb").exists() else 0
             if after != before:
                 raise Finding("a refused resume writes nothing", f"{before} events", f"{after}") from None

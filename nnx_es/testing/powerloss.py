@@ -111,7 +111,7 @@ def _check_state(state: CrashState, ref: Reference, runs: Path, resume: Callable
     if not (run_dir / "events.lmdb" / "data.mdb").exists():
         if required:
             raise Finding("nothing committed is lost", f"LAST #{required} (its commit had returned)", "no event log")
-        return resume_and_check(resume, ref, runs, 0)
+        return resume_and_check(resume, ref, runs, 0, refusals=(NnxError,))
     try:
         events = ref.check_prefix(run_dir)
     except Finding:
@@ -122,7 +122,7 @@ def _check_state(state: CrashState, ref: Reference, runs: Path, resume: Callable
                           f"{type(exc).__name__}: {exc}"[:500]) from None
         try:  # nothing committed yet: a clear refusal to read is fine, and the resume must be refused
             resume()
-        except ResumeError:
+        except NnxError:  # ResumeError, or the log's own clear error (EventLogError naming the damage)
             return "refused"
         raise Finding("a resume before any LAST commit is refused", "ResumeError", "the resume ran") from None
     k = ref.check_committed(run_dir, events)
@@ -135,7 +135,8 @@ def _check_state(state: CrashState, ref: Reference, runs: Path, resume: Callable
         if shown and shown[-1] > epochs:
             raise Finding("readers never show an epoch beyond the durable LAST", f"epochs <= {epochs}",
                           f"read_rows shows epoch {shown[-1]}")
-    return resume_and_check(resume, ref, runs, k)
+    # with nothing committed, a log the cut left unreadable may be refused by its own clear error
+    return resume_and_check(resume, ref, runs, k, refusals=(NnxError,))
 
 
 def _in_child(state: CrashState, ref: Reference, runs: Path, resume: Callable[[], Any]) -> tuple[str, dict | None]:
@@ -149,6 +150,7 @@ def _in_child(state: CrashState, ref: Reference, runs: Path, resume: Callable[[]
         quiet = os.open(os.devnull, os.O_WRONLY)  # the resumes' own logging: the report says what matters
         os.dup2(quiet, 1)
         os.dup2(quiet, 2)
+        sys.stdout = sys.stderr = open(quiet, "w")  # noqa: SIM115 - the child exits with os._exit
         try:
             try:
                 result: dict[str, Any] = {"outcome": _check_state(state, ref, runs, resume)}
