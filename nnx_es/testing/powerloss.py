@@ -91,7 +91,7 @@ def _traced_run(command: list[str], runs: Path, trace: Path) -> None:
     """
     runs.mkdir(parents=True, exist_ok=True)
     env = traced_env(build_shim(), trace, runs)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)  # where the parent found build's module
+    env["PYTHONPATH"] = os.pathsep.join(os.path.abspath(p or ".") for p in sys.path)  # where build's module was found
     proc = subprocess.run([sys.executable, "-m", "nnx_es.testing.powerloss", *command], env=env,
                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     if proc.returncode != 0:
@@ -211,23 +211,40 @@ def _explore(ops: list, traced_root: Path, ref: Reference, work: Path, resume: C
     return outcomes, failures, [p for _, p, _, _ in rows]
 
 
-def _warm_up(resume: Callable[[Path], Callable[[], Any]], ref: Reference, runs: Path) -> None:
-    """Fit once in this process, uninterrupted (``resume``'s fit on an empty runs root starts afresh), so
-    the forked checks start warm (torch's first ops and lazy imports cost seconds), and check it ends
-    as the traced run did: a set-up that does not reproduce across processes fails every state.
+def _warm_up(resume: Callable[[Path], Callable[..., Any]], ref: Reference, runs: Path) -> None:
+    """Warm this process, then check in a forked child that ``build``'s fit reproduces the traced run.
+
+    The forked checks start from this process: a fit of a tiny model here first pays torch's and
+    the runtime's one-time costs (``torch._dynamo`` is imported by the first optimizer: seconds).
+    ``build`` itself runs only in children, so what it patches (a planted bug) stays out of this
+    process. A set-up that does not reproduce across processes would fail every state.
 
     Raises:
         RuntimeError: the fit differs from the traced run (the first difference named).
     """
+    import torch
+    from torch import nn
+
+    from nnx_es import Trainer
+    from nnx_es.testing.harness import run_in_child
+
+    net = nn.Linear(2, 2)
+    x = torch.zeros(4, 2)
+    Trainer(net, torch.optim.Adam(net.parameters()), nn.CrossEntropyLoss(), runs_root=runs, run_id="warm",
+            progress=False).fit([(x, torch.zeros(4, dtype=torch.long))], epochs=1)
+    shutil.rmtree(runs, ignore_errors=True)
     runs.mkdir(parents=True)
-    try:
+
+    def fit_and_compare() -> None:
         result = resume(runs)(fresh=True)
         ref.check_resumed(runs / RUN_ID, result.status)
-    except Finding as f:
-        raise RuntimeError(f"the set-up does not reproduce across processes: a fit in this process differs from "
-                           f"the traced one ({f}); seed every source of randomness in build") from None
-    finally:
-        shutil.rmtree(runs, ignore_errors=True)
+
+    outcome = run_in_child(fit_and_compare)
+    shutil.rmtree(runs, ignore_errors=True)
+    if outcome != "completed":
+        raise RuntimeError(f"the set-up does not reproduce across processes: a fit forked from this process differs "
+                           f"from the traced one ({outcome.removeprefix('error: ')}); seed every source of "
+                           "randomness in build")
 
 
 def _harness(command: list[str], resume: Callable[[Path], Callable[[], Any]], epochs: int | None, states: int,
