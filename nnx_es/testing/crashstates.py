@@ -296,12 +296,14 @@ def _digest(tree: dict[str, bytes | None]) -> str:
     return h.hexdigest()
 
 
-def crash_states(ops: list[Op], root: str, *, per_point: int, seed: int = 0) -> Iterator[CrashState]:
+def crash_states(ops: list[Op], root: str, *, per_point: int, seed: int = 0,
+                 distinct: bool = True) -> Iterator[CrashState]:
     """Yield the states after each persistence point of ``ops`` (recorded under ``root``): at most
     ``per_point`` distinct ones each (the synced-only and the everything-kept states first, then
     random ones drawn with ``random.Random(seed)``). A state is drawn at the end of its window --
     just before the next persistence point -- so every unsynced operation issued before that point
-    may or may not have reached the disk. A state identical to one already yielded is skipped.
+    may or may not have reached the disk. With ``distinct``, a state identical to one already yielded
+    (with as many events committed) is skipped, at any point; without, only within a point.
 
     Raises:
         TraceError: the trace cannot be replayed.
@@ -316,6 +318,8 @@ def crash_states(ops: list[Op], root: str, *, per_point: int, seed: int = 0) -> 
             continue
         # the window of ``point`` ends here, before the next sync: draw its states
         made = 0
+        if not distinct:
+            seen.clear()
         for attempt in range(per_point * 3):
             mode = "synced" if attempt == 0 else "all" if attempt == 1 else "random"
             tree = model.state(rng, mode)

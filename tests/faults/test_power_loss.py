@@ -60,3 +60,34 @@ def test_a_build_the_traced_interpreter_cannot_import_is_refused_by_name():
     for bad in (nested, lambda r, i: None):
         with pytest.raises(ConfigError, match="module-level function"):
             power_loss_test(bad, epochs=1)
+
+
+SCRIPT = '''
+import sys
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+from nnx_es import Trainer
+
+torch.manual_seed(0)
+x = torch.randn(32, 4); y = (x[:, 0] > 0).long()
+train = DataLoader(TensorDataset(x[:24], y[:24]), batch_size=8, shuffle=True, generator=torch.Generator().manual_seed(0))
+net = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+trainer = Trainer(net, torch.optim.SGD(net.parameters(), lr=0.1), nn.CrossEntropyLoss(), runs_root="runs", run_id="r",
+                  seed=0, progress=False)
+trainer.fit(train, epochs=int(sys.argv[1]))
+'''
+
+
+def test_nnx_es_crashtest_power_loss_checks_a_script_that_calls_fit_itself(tmp_path):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    (tmp_path / "train.py").write_text(SCRIPT)
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    proc = subprocess.run([sys.executable, "-m", "nnx_es", "crashtest", "--power-loss", "train.py", "--states", "20",
+                           "--", "2"], cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.startswith("power-loss test: ok") and "crash states" in proc.stdout, proc.stdout
