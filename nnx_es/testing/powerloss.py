@@ -139,10 +139,17 @@ def _check_state(state: CrashState, ref: Reference, runs: Path, resume: Callable
     return resume_and_check(resume, ref, runs, k, refusals=(NnxError,))
 
 
-def _in_child(state: CrashState, ref: Reference, runs: Path, resume: Callable[[], Any]) -> tuple[str, dict | None]:
-    """Check ``state`` in a forked child; a child dying by a signal is a violation."""
+def state_name(state: CrashState) -> str:
+    """``state <point>.<digest prefix>``: how a report names a crash state."""
+    return f"state {state.point}.{state.digest[:8]}"
+
+
+def _in_child(state: CrashState, ref: Reference, runs: Path, resume: Callable[[], Any],
+              keep: Path | None = None) -> tuple[str, dict | None]:
+    """Check ``state`` in a forked child; a child dying by a signal is a violation. With ``keep``, a
+    state that fails is written again to ``keep/<name>`` (as the cut left it, before any resume)."""
     where = f"a cut after persistence point {state.point} ({state.where}), {state.committed_events} events committed"
-    name = f"state {state.point}.{state.digest[:8]}"
+    name = state_name(state)
     r, w = os.pipe()
     pid = os.fork()
     if pid == 0:
@@ -168,6 +175,8 @@ def _in_child(state: CrashState, ref: Reference, runs: Path, resume: Callable[[]
     shutil.rmtree(runs, ignore_errors=True)
     if os.WIFSIGNALED(status):
         sig = signal.Signals(os.WTERMSIG(status)).name
+        if keep is not None:
+            state.write(keep / name.replace(" ", "_"))
         return "failed", {"point": name, "where": where, "check": "nothing is unreadable: reading the state never "
                           "kills the process", "expected": "the checks to finish", "found": f"the check died by {sig}"}
     if not data:
@@ -175,11 +184,16 @@ def _in_child(state: CrashState, ref: Reference, runs: Path, resume: Callable[[]
                           "expected": "a report from its child", "found": f"wait status {status}"}
     result = json.loads(data)
     outcome = result.pop("outcome")
-    return outcome, ({"point": name, "where": where, **result} if outcome == "failed" else None)
+    if outcome != "failed":
+        return outcome, None
+    if keep is not None:
+        state.write(keep / name.replace(" ", "_"))
+    return outcome, {"point": name, "where": where, **result}
 
 
 def _explore(ops: list, traced_root: Path, ref: Reference, work: Path, resume: Callable[[Path], Callable[[], Any]],
-             per_point: int, seed: int, workers: int) -> tuple[dict[str, str], list[Failure], list[int]]:
+             per_point: int, seed: int, workers: int,
+             keep: Path | None) -> tuple[dict[str, str], list[Failure], list[int]]:
     """Check every state in ``workers`` forked workers (each draws the same states, checks its share)."""
     children = []
     for i in range(workers):
@@ -192,23 +206,24 @@ def _explore(ops: list, traced_root: Path, ref: Reference, work: Path, resume: C
                 for n, state in enumerate(crash_states(ops, str(traced_root), per_point=per_point, seed=seed)):
                     if n % workers == i:
                         runs = work / f"w{i}"
-                        results.append((n, state.point, *_in_child(state, ref, runs, resume(runs))))
+                        results.append((n, state.point, state_name(state),
+                                        *_in_child(state, ref, runs, resume(runs), keep)))
                 with os.fdopen(w, "wb") as f:
                     f.write(json.dumps(results).encode())
             finally:
                 os._exit(0)
         os.close(w)
         children.append((pid, r))
-    rows: list[tuple[int, int, str, dict | None]] = []
+    rows: list[tuple[int, int, str, str, dict | None]] = []
     for pid, r in children:
         data, status = read_until_exit(pid, r)
         if not data:
             raise RuntimeError(f"a power-loss worker died (wait status {status})")
         rows += [tuple(x) for x in json.loads(data)]  # type: ignore[misc]
     rows.sort(key=lambda x: x[0])
-    outcomes = {f"#{n} point {p}": o for n, p, o, _ in rows}
-    failures = [Failure(**f) for _, _, _, f in rows if f is not None]
-    return outcomes, failures, [p for _, p, _, _ in rows]
+    outcomes = {name: o for _, _, name, o, _ in rows}
+    failures = [Failure(**f) for *_, f in rows if f is not None]
+    return outcomes, failures, [p for _, p, *_ in rows]
 
 
 def _warm_up(resume: Callable[[Path], Callable[..., Any]], ref: Reference, runs: Path) -> None:
@@ -248,7 +263,8 @@ def _warm_up(resume: Callable[[Path], Callable[..., Any]], ref: Reference, runs:
 
 
 def _harness(command: list[str], resume: Callable[[Path], Callable[[], Any]], epochs: int | None, states: int,
-             seed: int, runs_root: str | Path | None, workers: int | None) -> PowerLossReport:
+             seed: int, runs_root: str | Path | None, workers: int | None,
+             keep_failed: str | Path | None = None) -> PowerLossReport:
     import torch
 
     if isinstance(states, bool) or not isinstance(states, int) or states < 1:
@@ -266,7 +282,8 @@ def _harness(command: list[str], resume: Callable[[Path], Callable[[], Any]], ep
         points = len(persistence_points(ops, str(traced))) + 1
         per_point = max(2, math.ceil(states / points))
         n_workers = workers if workers is not None else max(1, min(2, os.cpu_count() or 1))
-        outcomes, failures, at = _explore(ops, traced, ref, root / "states", resume, per_point, seed, n_workers)
+        keep = Path(keep_failed) if keep_failed is not None else None
+        outcomes, failures, at = _explore(ops, traced, ref, root / "states", resume, per_point, seed, n_workers, keep)
     finally:
         torch.set_num_threads(threads)
         if owned:
@@ -277,7 +294,8 @@ def _harness(command: list[str], resume: Callable[[Path], Callable[[], Any]], ep
 
 
 def power_loss_test(build: Build, *, epochs: int, states: int = 300, seed: int = 0,
-                    runs_root: str | Path | None = None, workers: int | None = None) -> PowerLossReport:
+                    runs_root: str | Path | None = None, workers: int | None = None,
+                    keep_failed: str | Path | None = None) -> PowerLossReport:
     """Check the states a power cut may leave at every persistence point of ``build``'s fit.
 
     Args:
@@ -288,6 +306,8 @@ def power_loss_test(build: Build, *, epochs: int, states: int = 300, seed: int =
             per point: nothing unsynced kept, everything kept); identical states are checked once.
         seed: seeds the global RNGs before every ``build`` call, and the draw of the states.
         runs_root / workers: as for :func:`~nnx_es.testing.crash_test`.
+        keep_failed: a directory to write each failing state to, as the cut left it
+            (``<keep_failed>/state_<point>.<digest>/crashtest/...``: open it with ``tools/replay``).
 
     Returns:
         a :class:`~nnx_es.testing.report.PowerLossReport` (``assert report.ok, report``).
@@ -301,7 +321,7 @@ def power_loss_test(build: Build, *, epochs: int, states: int = 300, seed: int =
     job = Job(build, epochs, seed)
     return _harness(["build", module, qualname, script, str(epochs), str(seed)],
                     lambda runs: lambda fresh=False: job.fit(runs, resume=not fresh), epochs, states, seed, runs_root,
-                    workers)
+                    workers, keep_failed)
 
 
 def powerloss_script(argv: list[str], *, states: int = 300, seed: int = 0, jobs: int = 2) -> PowerLossReport:

@@ -103,7 +103,7 @@ class FaultReport(Report):
 @dataclass(frozen=True, repr=False)
 class PowerLossReport(Report):
     """A :class:`Report` of :func:`nnx_es.testing.power_loss_test`: ``tried`` names the crash states
-    checked (``#<n> point <p>``: the n-th state drawn, after persistence point p); ``available``
+    checked (``state <p>.<digest>``: a state after persistence point p, by its content); ``available``
     counts the persistence points of the traced run (plus its start); ``points_with_states``
     how many of them got at least one state. Failures are printed grouped by the promise broken."""
 

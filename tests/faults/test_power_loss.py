@@ -34,10 +34,15 @@ def checks_broken(report) -> set[str]:
     return {f.check for f in report.failures}
 
 
-def test_a_blob_renamed_without_its_directory_fsync_is_caught():
-    report = power_loss_test(powerkit.blob_renamed_without_directory_fsync, epochs=EPOCHS, states=50, seed=0)
+def test_a_blob_renamed_without_its_directory_fsync_is_caught_and_the_state_kept(tmp_path):
+    report = power_loss_test(powerkit.blob_renamed_without_directory_fsync, epochs=EPOCHS, states=50, seed=0,
+                             keep_failed=tmp_path)
     assert not report.ok
     assert any("audit" in c or "complete checkpoint" in c for c in checks_broken(report)), report
+    first = tmp_path / report.failures[0].point.replace(" ", "_") / "crashtest"
+    from nnx_es.audit import audit_run
+
+    assert not audit_run(first).ok  # the kept state shows the violation again
 
 
 def test_last_synced_before_its_blobs_is_caught():
