@@ -8,8 +8,9 @@
  * unlink/unlinkat, mkdir/mkdirat, rmdir, dup/dup2/dup3, close; a shared writable mmap of a traced
  * file (MDB_WRITEMAP) is recorded as unsupported (its writes would not be seen). lseek is not
  * wrapped: the offset of a write/writev is read from the kernel after the call (SEEK_CUR minus
- * the bytes written), which is what lseek+writev amounts to. lock.mdb is ignored (LMDB
- * reinitialises it on open).
+ * the bytes written), which is what lseek+writev amounts to. msync is not wrapped: with no shared
+ * writable map of a traced file (recorded as unsupported) it has nothing of ours to flush. lock.mdb
+ * is ignored (LMDB reinitialises it on open).
  *
  * A traced call runs under one mutex together with its record, so the trace is a linearisation
  * of what the threads did. Each record is one write(2) through syscall(SYS_write) (never our own

@@ -22,7 +22,7 @@ def shim():
         pytest.skip(f"power-loss tests trace with an LD_PRELOAD shim built by a C compiler: {exc}")
 
 
-@pytest.mark.parametrize(("build", "states"), [(powerkit.lag_0, 200), (powerkit.lag_epoch, 150)])
+@pytest.mark.parametrize(("build", "states"), [(powerkit.lag_0, 180), (powerkit.lag_epoch, 120)])
 def test_power_cuts_after_every_sync_lose_nothing_committed_with_pruning_and_a_journal(build, states):
     report = power_loss_test(build, epochs=EPOCHS, states=states, seed=0)
     assert report.ok, report
@@ -35,7 +35,7 @@ def checks_broken(report) -> set[str]:
 
 
 def test_a_blob_renamed_without_its_directory_fsync_is_caught_and_the_state_kept(tmp_path):
-    report = power_loss_test(powerkit.blob_renamed_without_directory_fsync, epochs=EPOCHS, states=50, seed=0,
+    report = power_loss_test(powerkit.blob_renamed_without_directory_fsync, epochs=EPOCHS, states=40, seed=0,
                              keep_failed=tmp_path)
     assert not report.ok
     assert any("audit" in c or "complete checkpoint" in c for c in checks_broken(report)), report
@@ -46,7 +46,7 @@ def test_a_blob_renamed_without_its_directory_fsync_is_caught_and_the_state_kept
 
 
 def test_last_synced_before_its_blobs_is_caught():
-    report = power_loss_test(powerkit.last_synced_before_its_blobs, epochs=EPOCHS, states=50, seed=0)
+    report = power_loss_test(powerkit.last_synced_before_its_blobs, epochs=EPOCHS, states=40, seed=0)
     assert not report.ok
     assert any("audit" in c or "complete checkpoint" in c for c in checks_broken(report)), report
 
