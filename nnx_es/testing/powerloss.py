@@ -300,7 +300,9 @@ def power_loss_test(build: Build, *, epochs: int, states: int = 300, seed: int =
 
     Args:
         build: ``build(runs_root, run_id) -> Fit`` as for :func:`~nnx_es.testing.crash_test`, and a
-            module-level function (the traced interpreter imports it by module and name).
+            module-level function (the traced interpreter imports it by module and name; a script's
+            is found by running the script as ``__mp_main__``, so call this under
+            ``if __name__ == "__main__":`` there, as ``multiprocessing`` asks).
         epochs: the fit's ``epochs``.
         states: the budget of crash states, spread evenly over the persistence points (at least 2
             per point: nothing unsynced kept, everything kept); identical states are checked once.
