@@ -155,8 +155,8 @@ class _Model:
         return None
 
     def _name(self, ino: int) -> str:
-        name = next((n for n, i in self.names.items() if i == ino), f"(inode {ino})")
-        return os.path.relpath(name, self.root)
+        name = next((n for n, i in self.names.items() if i == ino), None)
+        return f"(removed inode {ino})" if name is None else os.path.relpath(name, self.root)
 
     def _data(self, ino: int, offset: int, length: int, data: bytes) -> None:
         f = self.files[ino]
@@ -174,7 +174,7 @@ class _Model:
         """Make what the inode holds durable: a file's data, a directory's entries (issued so far)."""
         f = self.files[ino]
         if f.is_dir:
-            path = next(n for n, i in self.names.items() if i == ino)
+            path = next((n for n, i in self.names.items() if i == ino), None)  # None: a removed directory
             for k, (op, p, p2, _) in enumerate(self.meta):
                 if os.path.dirname(p2 if op == "rename" else p) == path:
                     self.meta_durable[k] = True
