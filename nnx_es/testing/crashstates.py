@@ -63,7 +63,9 @@ class CrashState:
     digest: str
 
     def write(self, dest: Path) -> None:
-        """Create the state's directories and files under ``dest`` (an empty directory)."""
+        """Create the state's directories and files under ``dest`` (created if missing: the traced root
+        existed before the trace, so every state has it, empty or not)."""
+        dest.mkdir(parents=True, exist_ok=True)
         for rel, data in sorted(self.files.items()):
             p = dest / rel
             if data is None:
