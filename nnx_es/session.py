@@ -35,7 +35,7 @@ from nnx_es.resume import find_resume_point
 from nnx_es.rng import seed_everything
 from nnx_es.run_state import RunState, World
 from nnx_es.snapshot import RunComponents, apply_state, check_world_size, load_state
-from nnx_es.storage import BlobStore, Lease, check_run_dir, clean_stale_temporaries, validate_run_id
+from nnx_es.storage import BlobStore, Lease, check_run_dir, clean_stale_temporaries, fsync_dir, validate_run_id
 from projections.checkpoints import CheckpointsState
 
 __all__ = ["RESUME_MODES", "Session", "apply_loaded", "check_epochs", "library_versions", "new_run_id", "open_session"]
@@ -177,6 +177,9 @@ def open_session(
         if removed:
             log.warning("removed stale temporaries", run_id=run_id, files=[str(p) for p in removed])
         with LmdbLog(run_dir / "events.lmdb") as event_log:
+            if not has_log:  # a new log: its directory entries (data.mdb, events.lmdb, the run's) are
+                for d in (run_dir / "events.lmdb", run_dir, runs_root):  # durable before a commit relies on
+                    fsync_dir(d)  # them; LMDB syncs data.mdb's bytes, never a directory (power loss)
             store = BlobStore(run_dir / "blobs", log=event_log)  # manifests go to the log with LAST
             checkpoints = CheckpointsState()
             if stateful:

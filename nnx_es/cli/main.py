@@ -1,10 +1,12 @@
 """``nnx-es <command>``: the project's command, with sub-commands (also ``python -m nnx_es``).
 
     nnx-es crashtest train.py [--points N] [--seed S] [--jobs J] [-- script arguments]
+    nnx-es crashtest --power-loss train.py [--states N] [--seed S] [--jobs J] [-- script arguments]
     nnx-es init | report | run | resume ...   (training from a spec: nnx_es.cli.train)
 
 ``crashtest`` runs a script that calls ``fit`` itself under crash injection
-(:mod:`nnx_es.testing.script`) and prints the report: exit 0 when every point holds,
+(:mod:`nnx_es.testing.script`), or with ``--power-loss`` checks the states a power cut may leave
+(:mod:`nnx_es.testing.powerloss`), and prints the report: exit 0 when every point holds,
 1 when any fails, 2 when the script's own uninterrupted run fails.
 """
 
@@ -32,12 +34,25 @@ def _points(text: str) -> int | str:
     return n
 
 
-def _crashtest(args: argparse.Namespace) -> int:
-    from nnx_es.testing.script import crashtest_script
+def _states(text: str) -> int:
+    n = int(text) if text.isdigit() else 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"--states takes an int >= 1, got {text!r}")
+    return n
 
+
+def _crashtest(args: argparse.Namespace) -> int:
+    from nnx_es.testing.powerloss import powerloss_script
+    from nnx_es.testing.script import crashtest_script
+    from nnx_es.testing.tracer import NoCompilerError
+
+    argv = [args.script, *args.script_args]
     try:
-        report = crashtest_script([args.script, *args.script_args], points=args.points, seed=args.seed, jobs=args.jobs)
-    except RuntimeError as exc:
+        if args.power_loss:
+            report = powerloss_script(argv, states=args.states, seed=args.seed, jobs=args.jobs)
+        else:
+            report = crashtest_script(argv, points=args.points, seed=args.seed, jobs=args.jobs)
+    except (RuntimeError, NoCompilerError) as exc:
         print(f"nnx-es crashtest: {exc}", file=sys.stderr)
         return EXIT_UNUSABLE
     print(report)
@@ -57,6 +72,11 @@ def _parser() -> argparse.ArgumentParser:
     crash.add_argument("--points", type=_points, default=None, help="N points spread over the run, or 'all' (default)")
     crash.add_argument("--seed", type=int, default=0, help="seed of the draw of the points (default 0)")
     crash.add_argument("--jobs", type=int, default=2, help="points checked side by side (default 2)")
+    crash.add_argument("--power-loss", action="store_true",
+                       help="instead of killing the script, trace its file operations (an LD_PRELOAD shim built with "
+                       "the system C compiler) and check the states a power cut after each sync may leave")
+    crash.add_argument("--states", type=_states, default=300,
+                       help="with --power-loss: the budget of crash states (default 300)")
     crash.set_defaults(run=_crashtest)
     add_commands(sub)
     return parser

@@ -17,10 +17,15 @@ instead. The reports are values (:mod:`nnx_es.testing.report`). The pytest plugi
 (:mod:`nnx_es.testing.pytest_plugin`) gives the fixtures ``crash_test`` and ``fault_test``;
 ``nnx-es crashtest train.py`` does the same for a script that calls ``fit`` itself, through
 the ``NNX_ES_KILL_AT`` environment variable (:mod:`nnx_es.injection`). POSIX only (``os.fork``).
+
+:func:`power_loss_test` goes further than a kill (which keeps the page cache): it traces one fit's
+writes and syncs below Python and checks the states a power cut after each sync may leave
+(:mod:`nnx_es.testing.powerloss`; ``nnx-es crashtest --power-loss train.py`` for a script).
 """
 
 from nnx_es.testing.harness import Build, Fit, Points, crash_test, fault_test
-from nnx_es.testing.report import CrashReport, Failure, FaultReport, HarnessFailure, Report
+from nnx_es.testing.powerloss import power_loss_test
+from nnx_es.testing.report import CrashReport, Failure, FaultReport, HarnessFailure, PowerLossReport, Report
 
 __all__ = [
     "Build",
@@ -30,7 +35,9 @@ __all__ = [
     "Fit",
     "HarnessFailure",
     "Points",
+    "PowerLossReport",
     "Report",
     "crash_test",
     "fault_test",
+    "power_loss_test",
 ]

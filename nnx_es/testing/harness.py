@@ -86,7 +86,7 @@ def _as_fit(made: Any) -> Fit:
     raise ConfigError(f"build(runs_root, run_id) must return a Fit or (trainer, train_loader[, val_loader]), got {made!r}")
 
 
-class _Job:
+class Job:
     """One user set-up: builds and fits it with seeded global RNGs."""
 
     def __init__(self, build: Build, epochs: int, seed: int) -> None:
@@ -232,37 +232,42 @@ def run_in_child(target: Callable[[], Any]) -> str:
     return f"error: {message or status}"
 
 
-def _resume(job: _Job, ref: Reference, runs: Path, k: int) -> str:
-    """Resume the interrupted run; with no LAST yet, the resume must be refused and write nothing."""
+def resume_and_check(resume: Callable[[], Any], ref: Reference, runs: Path, k: int,
+                     refusals: tuple[type[BaseException], ...] = (ResumeError,)) -> str:
+    """Resume the interrupted run ``runs/<RUN_ID>`` with ``resume()`` (a fit with ``resume_from=``;
+    returns its result, or raises :class:`ResumeError` when it refuses) and check it ends as the
+    reference did; with no LAST yet (``k == 0``) the resume must be refused (one of ``refusals``
+    raised) and write nothing. Returns ``"resumed"`` or ``"refused"``; raises :class:`Finding` otherwise."""
     run_dir = runs / RUN_ID
     if k == 0:
-        before = read_log(run_dir)
+        before = len(read_log(run_dir)) if (run_dir / "events.lmdb" / "data.mdb").exists() else 0
         try:
-            job.fit(runs, resume=True)
-        except ResumeError:
-            if len(read_log(run_dir)) != len(before):
-                raise Finding("a refused resume writes nothing", f"{len(before)} events", "more") from None
+            resume()
+        except refusals:
+            after = len(read_log(run_dir)) if (run_dir / "events.lmdb" / "data.mdb").exists() else 0
+            if after != before:
+                raise Finding("a refused resume writes nothing", f"{before} events", f"{after}") from None
             return "refused"
         raise Finding("a resume before any LAST commit is refused", "ResumeError", "the resume ran")
     try:
-        result = job.fit(runs, resume=True)
+        result = resume()
     except Exception as exc:  # noqa: BLE001 - named in the finding
         raise Finding("the run resumes from its LAST", "a completed resume", f"{type(exc).__name__}: {exc}") from None
     ref.check_resumed(run_dir, result.status)
     return "resumed"
 
 
-def _crash_point(job: _Job, ref: Reference, runs: Path, site: Site, fault: int | None) -> str:
+def _crash_point(job: Job, ref: Reference, runs: Path, site: Site, fault: int | None) -> str:
     del fault
     outcome = run_in_child(lambda: (install_kill(site.point), job.fit(runs)))
     if outcome != "killed":
         raise Finding("the run is killed at the point", "SIGKILL", outcome)
     events = ref.check_prefix(runs / RUN_ID)
     k = ref.check_committed(runs / RUN_ID, events)
-    return _resume(job, ref, runs, k)
+    return resume_and_check(lambda: job.fit(runs, resume=True), ref, runs, k)
 
 
-def _fault_point(job: _Job, ref: Reference, runs: Path, site: Site, fault: int | None) -> str:
+def _fault_point(job: Job, ref: Reference, runs: Path, site: Site, fault: int | None) -> str:
     assert fault is not None
     install_fault(site.point, fault)
     try:
@@ -283,10 +288,10 @@ def _fault_point(job: _Job, ref: Reference, runs: Path, site: Site, fault: int |
         return "refused"
     k = ref.check_committed(run_dir)
     ref.check_no_temporaries(run_dir, "after the fault")
-    return _resume(job, ref, runs, k)
+    return resume_and_check(lambda: job.fit(runs, resume=True), ref, runs, k)
 
 
-def _check(check: Callable[..., str], job: _Job, ref: Reference, root: Path, name: str, site: Site,
+def _check(check: Callable[..., str], job: Job, ref: Reference, root: Path, name: str, site: Site,
            fault: int | None) -> tuple[str, dict[str, Any] | None]:
     runs = root / name.replace(":", "_").replace(" ", "_")
     try:
@@ -301,7 +306,7 @@ def _check(check: Callable[..., str], job: _Job, ref: Reference, root: Path, nam
         shutil.rmtree(runs, ignore_errors=True)
 
 
-def _run_points(job: _Job, ref: Reference, root: Path, tasks: list[tuple[str, Site, int | None]],
+def _run_points(job: Job, ref: Reference, root: Path, tasks: list[tuple[str, Site, int | None]],
                 check: Callable[..., str], workers: int) -> tuple[dict[str, str], list[Failure]]:
     """Check every task in ``workers`` forked workers; each reports its results through a pipe as JSON."""
     chunks = [tasks[i::workers] for i in range(workers) if tasks[i::workers]]
@@ -337,7 +342,7 @@ def _run_points(job: _Job, ref: Reference, root: Path, tasks: list[tuple[str, Si
     return {n: outcomes[n] for n in order if n in outcomes}, [failures[n] for n in order if n in failures]
 
 
-def _root(runs_root: str | Path | None) -> tuple[Path, bool]:
+def work_root(runs_root: str | Path | None) -> tuple[Path, bool]:
     if runs_root is not None:
         Path(runs_root).mkdir(parents=True, exist_ok=True)
         return Path(tempfile.mkdtemp(prefix="nnx_es_crash_", dir=runs_root)), True
@@ -350,7 +355,7 @@ def _harness(build: Build, epochs: int, points: Points, seed: int, runs_root: st
     import torch
 
     t0 = time.perf_counter()
-    job = _Job(build, epochs, seed)
+    job = Job(build, epochs, seed)
     codes: list[tuple[str, int]] = []
     for name in faults or ():
         code = getattr(errno_module, str(name), None)
@@ -358,7 +363,7 @@ def _harness(build: Build, epochs: int, points: Points, seed: int, runs_root: st
             raise ConfigError(f"faults must name errno codes ('ENOSPC', 'EIO', ...), got {name!r}")
         codes.append((str(name), code))
     n_workers = workers if workers is not None else max(1, min(2, os.cpu_count() or 1))
-    root, owned = _root(runs_root)
+    root, owned = work_root(runs_root)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # forked children must not inherit a busy intra-op pool
     try:

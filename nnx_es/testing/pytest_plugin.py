@@ -1,4 +1,4 @@
-"""pytest plugin: the fixtures ``crash_test`` and ``fault_test``, and ``--nnx-crash-points=N``.
+"""pytest plugin: the fixtures ``crash_test``, ``fault_test`` and ``power_loss_test``, and ``--nnx-crash-points=N``.
 
 Registered through the ``pytest11`` entry point (``nnx_es.testing.pytest_plugin``), so an
 installed nnx_es gives every test suite the fixtures; ``-p nnx_es.testing.pytest_plugin``
@@ -11,6 +11,8 @@ loads it by hand. One test per model of yours::
 The fixtures are :func:`nnx_es.testing.crash_test` / :func:`~nnx_es.testing.fault_test` with
 ``runs_root`` bound to the test's ``tmp_path``; a call without ``points`` takes the
 ``--nnx-crash-points`` option (default: every point), to bound the time in CI.
+``power_loss_test`` is :func:`nnx_es.testing.power_loss_test` with ``runs_root`` bound the same
+way (its ``build`` must be a module-level function of the test module).
 """
 
 from __future__ import annotations
@@ -19,9 +21,9 @@ from typing import Any
 
 import pytest
 
-from nnx_es.testing import harness  # the fixtures below take its functions' names
+from nnx_es.testing import harness, powerloss  # the fixtures below take their functions' names
 
-__all__ = ["crash_test", "fault_test", "pytest_addoption"]
+__all__ = ["crash_test", "fault_test", "power_loss_test", "pytest_addoption"]
 
 
 def pytest_addoption(parser: Any) -> None:
@@ -53,3 +55,14 @@ def crash_test(request: Any, tmp_path: Any) -> Any:
 def fault_test(request: Any, tmp_path: Any) -> Any:
     """:func:`nnx_es.testing.fault_test`, runs under ``tmp_path``, points from ``--nnx-crash-points``."""
     return _bind(request, tmp_path, harness.fault_test)
+
+
+@pytest.fixture
+def power_loss_test(tmp_path: Any) -> Any:
+    """:func:`nnx_es.testing.power_loss_test`, runs under ``tmp_path``."""
+
+    def run(build: Any, **kwargs: Any) -> Any:
+        kwargs.setdefault("runs_root", tmp_path)
+        return powerloss.power_loss_test(build, **kwargs)
+
+    return run

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 from nnx_es.errors import NnxError
 
-__all__ = ["CrashReport", "Failure", "FaultReport", "HarnessFailure", "Report"]
+__all__ = ["CrashReport", "Failure", "FaultReport", "HarnessFailure", "PowerLossReport", "Report"]
 
 
 class HarnessFailure(NnxError, AssertionError):
@@ -98,3 +98,34 @@ class FaultReport(Report):
     """A :class:`Report` of :func:`nnx_es.testing.fault_test`; ``tried`` holds ``<errno name> <point>``."""
 
     title: str = field(default="fault test", init=False)
+
+
+@dataclass(frozen=True, repr=False)
+class PowerLossReport(Report):
+    """A :class:`Report` of :func:`nnx_es.testing.power_loss_test`: ``tried`` names the crash states
+    checked (``state <p>.<digest>``: a state after persistence point p, by its content); ``available``
+    counts the persistence points of the traced run (plus its start); ``points_with_states``
+    how many of them got at least one state. Failures are printed grouped by the promise broken."""
+
+    points_with_states: int = 0
+    title: str = field(default="power-loss test", init=False)
+
+    def groups(self) -> dict[str, list[Failure]]:
+        """The failures by the check that failed, in order of first appearance."""
+        out: dict[str, list[Failure]] = {}
+        for f in self.failures:
+            out.setdefault(f.check, []).append(f)
+        return out
+
+    def __str__(self) -> str:
+        resumed = sum(1 for v in self.outcomes.values() if v == "resumed")
+        refused = sum(1 for v in self.outcomes.values() if v == "refused")
+        head = (f"{self.title}: {'ok' if self.ok else 'FAILED'} -- {len(self.tried)} crash states after "
+                f"{self.points_with_states} of {self.available} persistence points, over {self.epochs} epoch(s) "
+                f"in {self.elapsed_s:.1f} s: {resumed} resumed bitwise, {refused} refused (nothing committed yet), "
+                f"{len(self.failures)} violations")
+        lines = [head]
+        for check, group in self.groups().items():
+            lines.append(f"{len(group)} state(s) break: {check} -- the first:")
+            lines.append("  " + str(group[0]).replace("\n", "\n  "))
+        return "\n".join(lines)
