@@ -48,7 +48,7 @@ from nnx_es.testing.crashstates import CrashState, crash_states, persistence_poi
 from nnx_es.testing.harness import RUN_ID, Build, Job, read_until_exit, work_root, resume_and_check
 from nnx_es.testing.reference import Finding, Reference
 from nnx_es.testing.report import Failure, PowerLossReport
-from nnx_es.testing.tracer import build_shim, install_commit_markers, read_trace, traced_env
+from nnx_es.testing.tracer import TRACE_ROOT_VAR, build_shim, install_commit_markers, read_trace, traced_env
 
 __all__ = ["power_loss_test", "powerloss_script"]
 
@@ -78,15 +78,29 @@ def _locate(build: Build) -> tuple[str, str, str]:
 
 
 def _load(module: str, qualname: str, script: str) -> Build:
+    """``build`` as the traced interpreter finds it: the script run as ``__mp_main__``, or the module.
+
+    Raises:
+        ConfigError: the script or module does not define it at its top level (in a script, defined
+            under ``if __name__ == "__main__":`` or in a branch the import does not run).
+    """
     if script:
-        return runpy.run_path(script, run_name="__mp_main__")[qualname]  # type: ignore[no-any-return]
-    return getattr(importlib.import_module(module), qualname)  # type: ignore[no-any-return]
+        found = runpy.run_path(script, run_name="__mp_main__").get(qualname)
+        where = f"the script {script} (run as __mp_main__, as multiprocessing's spawn runs it)"
+    else:
+        found = getattr(importlib.import_module(module), qualname, None)
+        where = f"the module {module}"
+    if found is None:
+        raise ConfigError(f"build {qualname!r} is not defined when the traced interpreter imports {where}: define it "
+                          "at the top level, not under `if __name__ == \"__main__\":` or in a branch")
+    return found  # type: ignore[no-any-return]
 
 
 def _traced_run(command: list[str], runs: Path, trace: Path) -> None:
     """Run ``python -m nnx_es.testing.powerloss <command>`` traced under ``runs``.
 
     Raises:
+        ConfigError: the traced interpreter could not find or rebuild ``build`` (its message).
         RuntimeError: the traced run failed (its stderr's end named).
     """
     runs.mkdir(parents=True, exist_ok=True)
@@ -95,6 +109,9 @@ def _traced_run(command: list[str], runs: Path, trace: Path) -> None:
     proc = subprocess.run([sys.executable, "-m", "nnx_es.testing.powerloss", *command], env=env,
                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     if proc.returncode != 0:
+        last = proc.stderr.strip().rpartition("\n")[2]
+        if last.startswith("nnx_es.errors.ConfigError: "):  # build cannot be found or rebuilt: say so, not a traceback
+            raise ConfigError(last.removeprefix("nnx_es.errors.ConfigError: "))
         raise RuntimeError(f"the traced reference run failed (exit {proc.returncode}): {proc.stderr.strip()[-2000:]}")
 
 
@@ -315,10 +332,16 @@ def power_loss_test(build: Build, *, epochs: int, states: int = 300, seed: int =
         a :class:`~nnx_es.testing.report.PowerLossReport` (``assert report.ok, report``).
 
     Raises:
-        ConfigError: ``build`` is not a module-level function, or bad ``epochs`` / ``states``.
+        ConfigError: ``build`` is not a module-level function (or, in a script, is defined under
+            ``if __name__ == "__main__":``), this call runs at the import of build's script (no such
+            guard around it), or bad ``epochs`` / ``states``.
         NoCompilerError: no C compiler to build the tracing shim.
         RuntimeError: the traced reference run failed (its error named).
     """
+    if os.environ.get(TRACE_ROOT_VAR):
+        raise ConfigError("power_loss_test was called inside its own traced interpreter: that interpreter imports "
+                          "build's script to find build, and the script calls power_loss_test at import; call it "
+                          "under `if __name__ == \"__main__\":`, as multiprocessing asks")
     module, qualname, script = _locate(build)
     job = Job(build, epochs, seed)
     return _harness(["build", module, qualname, script, str(epochs), str(seed)],
@@ -356,8 +379,6 @@ def _main(argv: list[str]) -> None:
     """The traced interpreter: ``build <module> <qualname> <script> <epochs> <seed> <runs>`` or
     ``script <runs> <script argv...>`` (the runs root comes from the tracer's environment)."""
     import torch
-
-    from nnx_es.testing.tracer import TRACE_ROOT_VAR
 
     torch.set_num_threads(1)
     install_commit_markers()

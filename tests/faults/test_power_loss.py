@@ -67,6 +67,55 @@ def test_a_build_the_traced_interpreter_cannot_import_is_refused_by_name():
             power_loss_test(bad, epochs=1)
 
 
+GUARDED_SCRIPT = '''
+from nnx_es.testing import power_loss_test
+import powerkit
+
+if __name__ == "__main__":
+    def build(runs_root, run_id):
+        return powerkit.lag_0(runs_root, run_id)
+
+    power_loss_test(build, epochs=1, states=2)
+'''
+
+UNGUARDED_SCRIPT = '''
+from nnx_es.testing import power_loss_test
+import powerkit
+
+
+def build(runs_root, run_id):
+    return powerkit.lag_0(runs_root, run_id)
+
+
+power_loss_test(build, epochs=1, states=2)
+'''
+
+
+@pytest.mark.parametrize(("script", "message"), [
+    (GUARDED_SCRIPT, r"build 'build' is not defined when the traced interpreter imports the script .*define it at "
+                     r"the top level, not under `if __name__ == \"__main__\":`"),
+    (UNGUARDED_SCRIPT, r"power_loss_test was called inside its own traced interpreter.*call it under "
+                       r"`if __name__ == \"__main__\":`"),
+], ids=["build_defined_under_the_main_guard", "script_without_the_main_guard"])
+def test_a_script_whose_build_the_traced_interpreter_cannot_rebuild_is_refused_with_a_config_error(
+        tmp_path, script, message):
+    import os
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    (tmp_path / "check.py").write_text(script)
+    here = Path(__file__).resolve()
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(here.parents[2]), str(here.parent)])}
+    proc = subprocess.run([sys.executable, "check.py"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode != 0
+    last = proc.stderr.strip().rpartition("\n")[2]
+    assert last.startswith("nnx_es.errors.ConfigError: ") and re.search(message, last), proc.stderr[-3000:]
+    assert "the traced reference run failed" not in proc.stderr, proc.stderr[-3000:]
+
+
 SCRIPT = '''
 import sys
 import torch
