@@ -97,7 +97,7 @@ def _load(module: str, qualname: str, script: str) -> Build:
 
 
 def _traced_run(command: list[str], runs: Path, trace: Path) -> None:
-    """Run ``python -m nnx_es.testing.powerloss <command>`` traced under ``runs``.
+    """Run :func:`_main` with ``command`` in a fresh interpreter, traced under ``runs``.
 
     Raises:
         ConfigError: the traced interpreter could not find or rebuild ``build`` (its message).
@@ -106,7 +106,9 @@ def _traced_run(command: list[str], runs: Path, trace: Path) -> None:
     runs.mkdir(parents=True, exist_ok=True)
     env = traced_env(build_shim(), trace, runs)
     env["PYTHONPATH"] = os.pathsep.join(os.path.abspath(p or ".") for p in sys.path)  # where build's module was found
-    proc = subprocess.run([sys.executable, "-m", "nnx_es.testing.powerloss", *command], env=env,
+    # not ``-m``: the package imports this module first, and runpy would warn on every traced run
+    entry = "import sys; from nnx_es.testing.powerloss import _main; _main(sys.argv[1:])"
+    proc = subprocess.run([sys.executable, "-c", entry, *command], env=env,
                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     if proc.returncode != 0:
         last = proc.stderr.strip().rpartition("\n")[2]

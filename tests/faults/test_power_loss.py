@@ -116,6 +116,19 @@ def test_a_script_whose_build_the_traced_interpreter_cannot_rebuild_is_refused_w
     assert "the traced reference run failed" not in proc.stderr, proc.stderr[-3000:]
 
 
+def build_whose_data_is_missing(runs_root, run_id):
+    raise FileNotFoundError("train.csv: my data is missing")
+
+
+def test_a_traced_run_that_fails_names_the_users_error_and_nothing_of_the_harness_import():
+    with pytest.raises(RuntimeError) as caught:
+        power_loss_test(build_whose_data_is_missing, epochs=1, states=2)
+    message = str(caught.value)
+    assert message.startswith("the traced reference run failed (exit 1): ") and message.endswith(
+        "FileNotFoundError: train.csv: my data is missing"), message
+    assert "RuntimeWarning" not in message and "found in sys.modules" not in message, message
+
+
 SCRIPT = '''
 import sys
 import torch
