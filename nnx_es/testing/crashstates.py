@@ -298,14 +298,20 @@ def _digest(tree: dict[str, bytes | None]) -> str:
     return h.hexdigest()
 
 
+#: random draws in a row that repeat a state already yielded, after which a point's window counts as
+#: exhausted (a budget beyond its distinct states would otherwise draw ``3 * per_point`` times)
+_EXHAUSTED = 64
+
+
 def crash_states(ops: list[Op], root: str, *, per_point: int, seed: int = 0,
                  distinct: bool = True) -> Iterator[CrashState]:
     """Yield the states after each persistence point of ``ops`` (recorded under ``root``): at most
     ``per_point`` distinct ones each (the synced-only and the everything-kept states first, then
-    random ones drawn with ``random.Random(seed)``). A state is drawn at the end of its window --
-    just before the next persistence point -- so every unsynced operation issued before that point
-    may or may not have reached the disk. With ``distinct``, a state identical to one already yielded
-    (with as many events committed) is skipped, at any point; without, only within a point.
+    random ones drawn with ``random.Random(seed)``, until ``_EXHAUSTED`` draws in a row repeat). A
+    state is drawn at the end of its window -- just before the next persistence point -- so every
+    unsynced operation issued before that point may or may not have reached the disk. With
+    ``distinct``, a state identical to one already yielded (with as many events committed) is
+    skipped, at any point; without, only within a point.
 
     Raises:
         TraceError: the trace cannot be replayed.
@@ -319,7 +325,7 @@ def crash_states(ops: list[Op], root: str, *, per_point: int, seed: int = 0,
         if sync is None:
             continue
         # the window of ``point`` ends here, before the next sync: draw its states
-        made = 0
+        made = repeats = 0
         if not distinct:
             seen.clear()
         for attempt in range(per_point * 3):
@@ -327,8 +333,12 @@ def crash_states(ops: list[Op], root: str, *, per_point: int, seed: int = 0,
             tree = model.state(rng, mode)
             key = (_digest(tree), model.marked)
             if key in seen:
+                repeats += 1
+                if repeats >= _EXHAUSTED:  # this window's states are (nearly) all drawn: a large budget ends here
+                    break
                 continue
             seen.add(key)
+            repeats = 0
             yield CrashState(point, where, tree, model.marked, key[0])
             made += 1
             if made >= per_point:

@@ -108,3 +108,10 @@ def test_a_commit_mark_sets_what_the_states_after_it_must_keep_and_a_writable_mm
         s.committed_events == 7 for s in states if s.point == 1)
     with pytest.raises(TraceError, match="shared writable mmap"):
         persistence_points([Op("unsupported", path=f"{ROOT}/f", path2="a shared writable mmap (MDB_WRITEMAP?)")], ROOT)
+
+
+def test_a_huge_states_budget_ends_once_each_points_distinct_states_are_drawn():
+    ops = [opened("f", 3), W("f", 3, 0, b"x"), Op("fsync", fd=3),
+           Op("open", fd=4, flags=os.O_RDONLY | os.O_DIRECTORY, path=ROOT), Op("fsync", fd=4), W("f", 3, 0, b"y")]
+    states = list(crash_states(ops, ROOT, per_point=10**9))  # used to draw 3e9 times at a point with 2 states
+    assert 1 <= len(states) <= 12 and len({(s.digest, s.committed_events) for s in states}) == len(states)
