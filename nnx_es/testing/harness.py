@@ -86,6 +86,17 @@ def _as_fit(made: Any) -> Fit:
     raise ConfigError(f"build(runs_root, run_id) must return a Fit or (trainer, train_loader[, val_loader]), got {made!r}")
 
 
+def seed_globals(seed: int) -> None:
+    """Seed the global RNGs a set-up may draw from before its trainer seeds its own: Python's
+    ``random``, NumPy's and torch's default generator."""
+    import numpy as np
+    import torch
+
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
 class Job:
     """One user set-up: builds and fits it with seeded global RNGs."""
 
@@ -95,12 +106,7 @@ class Job:
         self.build, self.epochs, self.seed = build, epochs, seed
 
     def fit(self, runs: Path, resume: bool = False) -> Any:
-        import numpy as np
-        import torch
-
-        random.seed(self.seed)
-        np.random.seed(self.seed)
-        torch.manual_seed(self.seed)
+        seed_globals(self.seed)
         spec = _as_fit(self.build(runs, RUN_ID))
         return spec.run(epochs=self.epochs, resume_from=runs / RUN_ID if resume else None)
 

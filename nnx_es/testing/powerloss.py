@@ -45,7 +45,7 @@ from typing import Any
 
 from nnx_es.errors import ConfigError, NnxError, ResumeError
 from nnx_es.testing.crashstates import CrashState, crash_states, persistence_points
-from nnx_es.testing.harness import RUN_ID, Build, Job, read_until_exit, work_root, resume_and_check
+from nnx_es.testing.harness import RUN_ID, Build, Job, read_until_exit, resume_and_check, seed_globals, work_root
 from nnx_es.testing.reference import Finding, Reference
 from nnx_es.testing.report import Failure, PowerLossReport
 from nnx_es.testing.tracer import TRACE_ROOT_VAR, build_shim, install_commit_markers, read_trace, traced_env
@@ -364,6 +364,7 @@ def powerloss_script(argv: list[str], *, states: int = 300, seed: int = 0, jobs:
     def resume(runs: Path) -> Callable[..., Any]:
         def run(fresh: bool = False) -> Any:
             out = runs.parent / f"{runs.name}.resume.json"
+            seed_globals(seed)  # as the traced interpreter did: a forked child's global RNGs are this process's
             drive("fresh" if fresh else "resume", runs, out, list(argv))
             got = json.loads(out.read_text())
             error = str(got.get("error") or "")
@@ -374,12 +375,13 @@ def powerloss_script(argv: list[str], *, states: int = 300, seed: int = 0, jobs:
             return type("Resumed", (), {"status": got["status"]})()
         return run
 
-    return _harness(["script", "-", *argv], resume, None, states, seed, None, jobs)
+    return _harness(["script", str(seed), *argv], resume, None, states, seed, None, jobs)
 
 
 def _main(argv: list[str]) -> None:
     """The traced interpreter: ``build <module> <qualname> <script> <epochs> <seed> <runs>`` or
-    ``script <runs> <script argv...>`` (the runs root comes from the tracer's environment)."""
+    ``script <seed> <script argv...>`` (the runs root comes from the tracer's environment; the
+    global RNGs are seeded with ``seed`` before the script runs, as before each resume)."""
     import torch
 
     torch.set_num_threads(1)
@@ -392,6 +394,7 @@ def _main(argv: list[str]) -> None:
         from nnx_es.testing.script import drive
 
         out = runs.parent / "traced.json"
+        seed_globals(int(argv[1]))
         drive("reference", runs, out, argv[2:])
         error = json.loads(out.read_text()).get("error")
         if error:

@@ -136,8 +136,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 from nnx_es import Trainer
 
-torch.manual_seed(0)
-x = torch.randn(32, 4); y = (x[:, 0] > 0).long()
+x = torch.randn(32, 4); y = (x[:, 0] > 0).long()  # torch's global RNG, unseeded: as a fresh interpreter has it
 train = DataLoader(TensorDataset(x[:24], y[:24]), batch_size=8, shuffle=True, generator=torch.Generator().manual_seed(0))
 net = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
 trainer = Trainer(net, torch.optim.SGD(net.parameters(), lr=0.1), nn.CrossEntropyLoss(), runs_root="runs", run_id="r",
@@ -146,7 +145,8 @@ trainer.fit(train, epochs=int(sys.argv[1]))
 '''
 
 
-def test_nnx_es_crashtest_power_loss_checks_a_script_that_calls_fit_itself(tmp_path):
+def test_nnx_es_crashtest_power_loss_checks_a_script_that_calls_fit_itself_drawing_from_unseeded_global_rngs(
+        tmp_path):
     import os
     import subprocess
     import sys
