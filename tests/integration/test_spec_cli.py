@@ -126,3 +126,21 @@ def test_decisions_on_the_trained_model_are_typed_validated_and_traceable(digits
         provider.decide([{"features": x[0].tolist()}, {"features": ["a"] * 64}])
     with pytest.raises(ConfigError, match=r"question 0: field `\$.features` has 3 values, expected 64"):
         provider.decide([{"features": [0.0, 1.0, 2.0]}])
+
+
+def test_one_spec_run_twice_is_one_run_twice(tmp_path: Path) -> None:
+    """The model is built after the spec's seed, not from whatever the global RNG held: two runs of
+    one spec (two processes) record the same losses and commit the same history."""
+    assert nnx_es(tmp_path, "init", "--out", "spec.json", "--epochs", "1").returncode == 0
+    for run_id in ("a", "b"):
+        out = nnx_es(tmp_path, "run", "spec.json", "--run-id", run_id)
+        assert out.returncode == 0, out.stderr
+
+    def losses(run_dir: Path) -> list[float]:
+        with LmdbLog(run_dir / "events.lmdb", readonly=True) as log:
+            return [e.loss for _, e in log.read(kinds=["microbatch_done"])]
+
+    first, second = losses(tmp_path / "runs" / "a"), losses(tmp_path / "runs" / "b")
+    assert first and first == second
+    a, b = load_result(tmp_path / "runs" / "a"), load_result(tmp_path / "runs" / "b")
+    assert a.history and [r.val for r in a.history] == [r.val for r in b.history]
