@@ -144,3 +144,19 @@ def test_one_spec_run_twice_is_one_run_twice(tmp_path: Path) -> None:
     assert first and first == second
     a, b = load_result(tmp_path / "runs" / "a"), load_result(tmp_path / "runs" / "b")
     assert a.history and [r.val for r in a.history] == [r.val for r in b.history]
+    digest = started(tmp_path / "runs" / "a").initial_weights
+    assert len(digest) == 64 and digest == started(tmp_path / "runs" / "b").initial_weights
+    def diff(x: str, y: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, str(REPO / "tools" / "inspect"), "diff", x, y], cwd=tmp_path,
+                              capture_output=True, text=True, timeout=300)
+
+    same = diff("runs/a", "runs/b")
+    assert same.returncode == 0, same.stdout + same.stderr
+
+    spec = json.loads((tmp_path / "spec.json").read_text())
+    spec["seed"] = spec["seed"] + 1  # another seed: other initial weights
+    (tmp_path / "other.json").write_text(json.dumps(spec))
+    assert nnx_es(tmp_path, "run", "other.json", "--run-id", "c").returncode == 0
+    differ = diff("runs/a", "runs/c")
+    assert differ.returncode == 1 and differ.stdout.startswith("initial weights differ: first difference at seq 0"), \
+        differ.stdout + differ.stderr
