@@ -48,7 +48,20 @@ def _allowed(args: argparse.Namespace) -> Any:
     if stdlib:
         raise BadInput(f"--allow {stdlib[0]!r} is the standard library: --allow names your own package (its classes "
                        "are type-checked, its functions become factories)")
+    if args.allow:
+        _find_packages_beside(getattr(args, "spec", None))
     return Allowed(args.allow or ())
+
+
+def _find_packages_beside(spec: str | None) -> None:
+    """Let ``--allow``'s packages be found as ``python -m nnx_es`` finds them: in the working directory,
+    and beside the spec file. The ``nnx-es`` console script's ``sys.path`` starts at its own ``bin/``, so
+    without this a package next to the spec was "No module named ...". The directories go at the END of
+    ``sys.path``: an installed package (torch) is never shadowed by a file there; the guard still type-checks
+    everything imported from them."""
+    for d in (Path.cwd(), Path(spec).resolve().parent if spec else None):
+        if d is not None and str(d) not in sys.path:
+            sys.path.append(str(d))
 
 
 def _load(path: str) -> Any:
