@@ -419,6 +419,9 @@ def add_commands(sub: Any) -> None:
     p.add_argument("--spec", default=None, help="the spec (default: the one the run recorded)")
     p.add_argument("--from", dest="from_", type=_from, default="last", help="last (default), best or SEQ")
     p.add_argument("--run-id", default=None, help="the new run's id with --from best|SEQ")
-    p.add_argument("--epochs", type=int, default=None, help="epoch budget, counted from the run's start")
+    p.add_argument("--epochs", type=int, default=None,
+                   help="epoch budget (default: the spec's epochs). Resuming LAST: counted from the run's start, "
+                        "so --epochs 30 on a 20-epoch run trains 10 more. A fork (--from best|SEQ): the new run's "
+                        "own epochs, counted from 0 (its epoch 0 trains as the source's next epoch did)")
     p.add_argument("--allow", **allow)
     p.set_defaults(run=_guarded("resume", _resume))

@@ -72,9 +72,17 @@ def test_resume_from_an_older_last_forks_a_new_run_recording_its_source(digits_r
     assert fork.returncode == 0, fork.stderr
     source = started(tmp / "runs" / "fork").source
     assert source is not None and source.run_id == "digits" and source.last_seq == lasts[1]
+    assert len(load_result(tmp / "runs" / "fork").history) == 1  # a fork's --epochs: its own, from 0 (--help)
     assert (digits_run / "events.lmdb" / "data.mdb").read_bytes() == before  # the source is never written
     bad = nnx_es(tmp, "resume", "runs/digits", "--from", "3", "--run-id", "fork2")
     assert bad.returncode == 2 and "no committed LAST at seq 3" in bad.stderr
+
+
+def test_resume_help_says_what_epochs_counts_for_a_resume_and_for_a_fork(tmp_path: Path) -> None:
+    out = nnx_es(tmp_path, "resume", "--help")
+    text = " ".join(out.stdout.split())
+    assert out.returncode == 0 and "counted from the run's start" in text and "A fork (--from best|SEQ): the new " \
+        "run's own epochs, counted from 0" in text, out.stdout
 
 
 def test_bad_input_exits_2_with_one_line_naming_it(tmp_path: Path) -> None:
