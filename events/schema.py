@@ -130,6 +130,11 @@ class RunStarted(Event, frozen=True, kw_only=True, tag="run_started"):
     #: when the ranks compare parameter digests (a data-parallel run); None: one process, or a run
     #: recorded before it was declared here
     digests: DigestCadence | None = None
+    #: SHA-256 of the net's state when the run starts training from the net's own (or ``init_from``)
+    #: weights (``nnx_es.evaluation.weights_fingerprint``: keys, dtypes, shapes, bytes): two runs that
+    #: start from other weights differ here first. "": a run started from a source run's checkpoint
+    #: (``source`` names it), and every run recorded before it was declared here
+    initial_weights: str = ""
 
 
 class RunResumed(Event, frozen=True, kw_only=True, tag="run_resumed"):

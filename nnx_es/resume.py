@@ -164,10 +164,11 @@ def find_resume_point(run_dir: Path, log: LmdbLog, *, expect_run_id: str | None 
     seq, event = last
     pruned = proj.checkpoints.pruned.get(event.manifest)
     if pruned is not None:
+        kept, _ = kept_lasts(scan.lasts, proj)
         raise ResumeError(
             f"LAST (seq {seq}, epoch {event.epoch}) is refused: checkpoint retention pruned it ({pruned}); "
-            "start from a kept checkpoint (the latest LAST, or BEST), or train with keep_last=None to keep "
-            "every one; nothing was restored"
+            f"start from a kept checkpoint -- the LASTs at seqs {kept} (the latest, BEST's and phase checkpoints' "
+            "among them) -- or train with keep_last=None to keep every one; nothing was restored"
         )
     store = BlobStore(Path(run_dir) / "blobs", log=log)
     try:
@@ -267,5 +268,13 @@ def _chosen_last(run_dir: Path, lasts: list[tuple[int, LastCommitted]], at: int 
     for x in lasts:
         if x[0] == at:
             return x
-    seqs = [s for s, _ in lasts]
-    raise ResumeError(f"run at {run_dir} has no committed LAST at seq {at}; its committed LASTs are at {seqs}")
+    kept, pruned = kept_lasts(lasts, proj)
+    raise ResumeError(f"run at {run_dir} has no committed LAST at seq {at}; the committed LASTs it keeps are at "
+                      f"{kept}" + (f" ({pruned} more were pruned by checkpoint retention)" if pruned else ""))
+
+
+def kept_lasts(lasts: list[tuple[int, LastCommitted]], proj: Projections) -> tuple[list[int], int]:
+    """The seqs of the committed LASTs whose checkpoint retention kept (the latest, BEST's, phase
+    checkpoints', ``keep_last``'s), and how many others it pruned."""
+    kept = [seq for seq, event in lasts if event.manifest not in proj.checkpoints.pruned]
+    return kept, len(lasts) - len(kept)

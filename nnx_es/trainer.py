@@ -55,6 +55,7 @@ from nnx_es.distributed.roles import check_declared, for_rank
 from nnx_es.distributed.wrap import check_distributed, data_parallel, is_writer_rank
 from nnx_es.engine import UpdateEngine, default_forward, default_train_step
 from nnx_es.errors import ConfigError
+from nnx_es.evaluation import weights_fingerprint
 from nnx_es.finalize import Finalization
 from nnx_es.finetune import group_names, initial_weights
 from nnx_es.loaders import loader_geometries
@@ -415,6 +416,7 @@ class Trainer:
             history=repr(self.rows.journal) if self.rows.journal is not None else "none",
             digests=DigestCadence(every=self.distributed.digest_every)
             if self.distributed is not None and self.components.world.distributed else None,
+            initial_weights=weights_fingerprint(self.net) if source is None else "",
         )
 
     # --- the run ------------------------------------------------------------------------

@@ -48,12 +48,32 @@ def fmt(value: Any) -> str:
         shown = list(fields(value)) or [(f.name, getattr(value, f.name)) for f in msgspec.structs.fields(value)]
         return "(" + " ".join(f"{k}={fmt(v)}" for k, v in shown) + ")"
     if isinstance(value, dict):
-        return "{" + ", ".join(f"{k}: {fmt(v)}" for k, v in value.items()) + "}"
+        return "{" + ", ".join(_shown([f"{fmt(k) if isinstance(k, str) else k}: {fmt(v)}"
+                                       for k, v in _ends(list(value.items()))], len(value))) + "}"
     if isinstance(value, (list, tuple)):
-        return "[" + ", ".join(fmt(v) for v in value) + "]"
+        return "[" + ", ".join(_shown([fmt(v) for v in _ends(list(value))], len(value))) + "]"
     if isinstance(value, str) and len(value) == 64 and all(c in "0123456789abcdef" for c in value):
         return value[:12]  # a SHA-256 name
     return str(value)
+
+
+#: a map or list longer than this prints its first and last entries and how many lie between (a long
+#: run's stored checkpoints: thousands of entries on one line); --json prints every one
+MAX_SHOWN = 8
+_HEAD, _TAIL = 4, 2
+
+
+def _ends(items: list[Any]) -> list[Any]:
+    """``items``, or its first and last few when there are more than :data:`MAX_SHOWN`."""
+    return items if len(items) <= MAX_SHOWN else items[:_HEAD] + items[-_TAIL:]
+
+
+def _shown(rendered: list[str], total: int) -> list[str]:
+    """The rendered entries of :func:`_ends`, with "... N more ..." between the first and last few."""
+    if total <= MAX_SHOWN:
+        return rendered
+    return rendered[:_HEAD] + [f"... {total - _HEAD - _TAIL} more ({total} in all; --json prints every one) ..."] \
+        + rendered[_HEAD:]
 
 
 def fields(struct: msgspec.Struct) -> Iterator[tuple[str, Any]]:

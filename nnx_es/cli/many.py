@@ -161,7 +161,8 @@ def _first_field(a: Any, b: Any, path: str = "") -> tuple[str, Any, Any]:
 def first_difference(a: Path, b: Path) -> dict[str, Any] | None:
     """Where the logs of runs ``a`` and ``b`` first differ: ``{"seq", "kind_a", "kind_b", "field", "a", "b"}``
     (``kind_x`` None where one log ends first); None when they hold the same events (also when
-    both name one log: LMDB opens an environment once per process).
+    both name one log: LMDB opens an environment once per process). Of two ``run_started`` events,
+    other ``initial_weights`` are named before any other field: they explain what follows.
 
     Raises:
         DamagedLogError: a log's keys or checksums do not verify (:func:`nnx_es.audit.log_damage`), named.
@@ -188,7 +189,10 @@ def first_difference(a: Path, b: Path) -> dict[str, Any] | None:
                 return {"seq": seq, "kind_a": x.KIND, "kind_b": y.KIND, "field": "kind", "a": x.KIND, "b": y.KIND}
             cx, cy = _comparable(x), _comparable(y)
             if cx != cy:
-                field, va, vb = _first_field(cx, cy)
+                # other initial weights explain every difference after them: said first (a seed, a model)
+                field, va, vb = ("initial_weights", cx["initial_weights"], cy["initial_weights"]) \
+                    if x.KIND == "run_started" and cx.get("initial_weights") != cy.get("initial_weights") \
+                    else _first_field(cx, cy)
                 return {"seq": seq, "kind_a": x.KIND, "kind_b": y.KIND, "field": field, "a": va, "b": vb}
 
 
@@ -253,6 +257,9 @@ def diff_command(argv: list[str], as_json: bool) -> int:
         sys.stdout.write(printable(f"{a} and {b} hold the same events (wall clock times, ids and checkpoint hashes "
                                    "aside)") + "\n")
     else:
-        sys.stdout.write(printable(f"first difference at seq {found['seq']}: {found['kind_a']} / {found['kind_b']}, "
-                                   f"{found['field']}: {found['a']!r} in {a}, {found['b']!r} in {b}") + "\n")
+        # run_started is event 0, so two runs that began from other weights say so before any loss differs
+        lead = "initial weights differ: " if found["field"] == "initial_weights" else ""
+        sys.stdout.write(printable(f"{lead}first difference at seq {found['seq']}: {found['kind_a']} / "
+                                   f"{found['kind_b']}, {found['field']}: {found['a']!r} in {a}, {found['b']!r} in "
+                                   f"{b}") + "\n")
     return EXIT_OK if found is None else 1

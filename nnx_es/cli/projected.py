@@ -105,19 +105,22 @@ def summary(log: LmdbLog, run_dir: Path, as_json: bool, *, verify: bool = False)
         doc["writer_alive"] = alive or writer_alive(run_dir)
     if p.history.records:
         doc["lrs"] = {opt: list(lrs) for opt, lrs in p.history.records[-1].lrs.items()}
+    # a run of the nnx-es CLI (its run_started holds a spec) resumes with nnx-es resume; one event read
+    first = next(iter(log.read(0, 1)), None) if doc["writer_alive"] is False else None
+    from_cli = first is not None and getattr(first[1], "spec", None) is not None
     try:
-        _print_summary(doc, run_dir, as_json)
+        _print_summary(doc, run_dir, as_json, from_cli=from_cli)
         sys.stdout.flush()  # here: a closed pipe is met now, not above the verdict
     except BrokenPipeError:  # the reader left early (`| head`): the verdict is returned all the same
         reader_left()
     return not damaged
 
 
-def _print_summary(doc: dict[str, Any], run_dir: Path, as_json: bool) -> None:
+def _print_summary(doc: dict[str, Any], run_dir: Path, as_json: bool, *, from_cli: bool = False) -> None:
     if as_json:
         sys.stdout.write(json_line(doc) + "\n")
         return
-    lines = [(printable(k), printable(v)) for k, v in _summary_lines(doc, run_dir)]
+    lines = [(printable(k), printable(v)) for k, v in _summary_lines(doc, run_dir, from_cli=from_cli)]
     if sys.stdout.isatty():
         from rich.console import Console
         from rich.table import Table
@@ -167,7 +170,9 @@ def _pointer(ptr: dict[str, Any] | None) -> str:
     return f"epoch {ptr['epoch']}  step {ptr['step']}  manifest {ptr['manifest'][:12]}{value}"
 
 
-def _summary_lines(doc: dict[str, Any], run_dir: Path) -> list[tuple[str, str]]:
+def _summary_lines(doc: dict[str, Any], run_dir: Path, *, from_cli: bool = False) -> list[tuple[str, str]]:
+    """The summary's (label, value) lines; ``from_cli``: the run was started by ``nnx-es run`` (its
+    ``run_started`` holds a spec), so a killed one is resumed with ``nnx-es resume``, not ``fit``."""
     status = doc["status"]
     if doc.get("stop_reason"):
         status += f" (stop: {doc['stop_reason']})"
@@ -175,7 +180,8 @@ def _summary_lines(doc: dict[str, Any], run_dir: Path) -> list[tuple[str, str]]:
         status += f" ({doc['error_type']}: {doc['error']})"
     if doc.get("writer_alive") is False:
         status += " (no process on this machine is writing it: killed or crashed? " + (
-            f"resume it with fit(..., resume_from={str(run_dir.resolve())!r}))" if doc["last"] is not None
+            (f"resume it with nnx-es resume {str(run_dir.resolve())!r})" if from_cli else
+             f"resume it with fit(..., resume_from={str(run_dir.resolve())!r}))") if doc["last"] is not None
             else "it has no checkpoint to resume from)")
     lines = [
         ("run", f"{doc['run_id'] or run_dir.name}  ({run_dir})"),

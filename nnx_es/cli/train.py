@@ -48,7 +48,20 @@ def _allowed(args: argparse.Namespace) -> Any:
     if stdlib:
         raise BadInput(f"--allow {stdlib[0]!r} is the standard library: --allow names your own package (its classes "
                        "are type-checked, its functions become factories)")
+    if args.allow:
+        _find_packages_beside(getattr(args, "spec", None))
     return Allowed(args.allow or ())
+
+
+def _find_packages_beside(spec: str | None) -> None:
+    """Let ``--allow``'s packages be found as ``python -m nnx_es`` finds them: in the working directory,
+    and beside the spec file. The ``nnx-es`` console script's ``sys.path`` starts at its own ``bin/``, so
+    without this a package next to the spec was "No module named ...". The directories go at the END of
+    ``sys.path``: an installed package (torch) is never shadowed by a file there; the guard still type-checks
+    everything imported from them."""
+    for d in (Path.cwd(), Path(spec).resolve().parent if spec else None):
+        if d is not None and str(d) not in sys.path:
+            sys.path.append(str(d))
 
 
 def _load(path: str) -> Any:
@@ -406,6 +419,9 @@ def add_commands(sub: Any) -> None:
     p.add_argument("--spec", default=None, help="the spec (default: the one the run recorded)")
     p.add_argument("--from", dest="from_", type=_from, default="last", help="last (default), best or SEQ")
     p.add_argument("--run-id", default=None, help="the new run's id with --from best|SEQ")
-    p.add_argument("--epochs", type=int, default=None, help="epoch budget, counted from the run's start")
+    p.add_argument("--epochs", type=int, default=None,
+                   help="epoch budget (default: the spec's epochs). Resuming LAST: counted from the run's start, "
+                        "so --epochs 30 on a 20-epoch run trains 10 more. A fork (--from best|SEQ): the new run's "
+                        "own epochs, counted from 0 (its epoch 0 trains as the source's next epoch did)")
     p.add_argument("--allow", **allow)
     p.set_defaults(run=_guarded("resume", _resume))

@@ -161,7 +161,10 @@ def declaration(started: RunStarted, train_loader: Any, val_loader: Any, *, net:
     the ``trainer_settings`` that decide when the ranks meet, and ``fit_args`` (``resume_from`` as given
     or not: a path may differ between hosts)."""
     declared = msgspec.structs.asdict(started)
-    for field in ("run_id", "wall_time_s", "library_versions", "callbacks", "loaders", "source", "recipe"):
+    # (initial_weights: DistributedDataParallel broadcasts rank 0's weights when it wraps the net; the parameter
+    # digests compare the ranks' weights from then on)
+    for field in ("run_id", "wall_time_s", "library_versions", "callbacks", "loaders", "source", "recipe",
+                  "initial_weights"):
         declared.pop(field)  # (the recipe's metadata, a per-host data path perhaps: logged when it differs)
     geometry = loader_geometries({"train": train_loader, "val": val_loader})
     train, val = geometry.get("train"), geometry.get("val")

@@ -29,6 +29,7 @@ from nnx_es.errors import ConfigError, NnxError, RecipeError
 from nnx_es.recipes.core import BuildContext, Recipe, check_depth, check_paths, from_spec, to_spec, validate_recipe
 from nnx_es.recipes.imports import Allowed, path_of
 from nnx_es.recipes.slots import slot
+from nnx_es.rng import seed_everything
 
 __all__ = ["FIELD_SLOTS", "STEP_FUNCTIONS", "TRAINER_SETTINGS", "BuiltRun", "RunSpec", "build_model_and_optimizers",
            "build_run", "decode_spec",
@@ -200,7 +201,9 @@ def build_run(spec: RunSpec, *, allowed: Allowed | None = None, runs_root: str |
               run_id: str | None = None, progress: bool | None = None) -> BuiltRun:
     """Build the trainer and loaders ``spec`` describes (the model first, then its optimizers...).
 
-    The trainer records ``spec`` (``recipe_required=True``), so its ``run_started`` can rebuild the run.
+    The global RNGs are seeded with ``spec.seed`` first (:func:`nnx_es.rng.seed_everything`), so the
+    model's initial weights are the spec's: two runs of one spec are the same run. The trainer
+    records ``spec`` (``recipe_required=True``), so its ``run_started`` can rebuild the run.
 
     Raises:
         UnsafeRecipeError / RecipeError: see :func:`validate_spec`; a constructor refusing its
@@ -212,6 +215,10 @@ def build_run(spec: RunSpec, *, allowed: Allowed | None = None, runs_root: str |
     validate_spec(spec, allowed)
     if spec.data is None:
         raise RecipeError("spec data: a spec run from the command line needs a data recipe")
+    # seeded before anything is built: the model's initial weights (and any draw a recipe makes)
+    # come from the spec's seed, so one spec run twice is one run twice (Trainer(seed=) seeds
+    # again before training)
+    seed_everything(spec.seed)
     net, ctx = build_model_and_optimizers(spec, allowed)
 
     def build(where: str, r: Recipe, slot_name: str) -> Any:

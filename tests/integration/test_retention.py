@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -136,4 +137,26 @@ def test_a_fork_from_a_pruned_last_is_refused_with_the_reason(tmp_path):
     with pytest.raises(ResumeError, match=r"checkpoint retention pruned it \(keep_last=1\)"):
         child.fit(*loaders(), epochs=1, resume_from=tmp_path / "src", resume_mode="weights_only",
                   resume_at=first_last)
+    assert not (tmp_path / "child").exists()
+
+
+def test_a_fork_refusal_lists_only_the_lasts_retention_kept_phase_checkpoints_included(tmp_path):
+    _, run = _fit(tmp_path, "src", 5, phase_every=2, keep_phases=1)
+    lasts = [(seq, e) for seq, e in read_events(run.run_dir) if e.KIND == "last_committed"]
+    result = load_result(run.run_dir)
+    kept = [seq for seq, e in lasts if e.manifest not in result.pruned]
+    pruned = [seq for seq, e in lasts if e.manifest in result.pruned]
+    assert pruned and len(kept) >= 2  # the latest, and a phase checkpoint's (or BEST's)
+    net = _wide_net()
+
+    def fork(at):
+        child = Trainer(net, torch.optim.Adam(net.parameters(), lr=1e-3), nn.CrossEntropyLoss(), monitor="val_loss",
+                        runs_root=tmp_path, run_id="child", progress=False)
+        return child.fit(*loaders(), epochs=1, resume_from=tmp_path / "src", resume_mode="weights_only",
+                         resume_at=at)
+
+    with pytest.raises(ResumeError, match=re.escape(f"the LASTs at seqs {kept}")):
+        fork(pruned[0])
+    with pytest.raises(ResumeError, match=re.escape(f"keeps are at {kept} ({len(pruned)} more were pruned")):
+        fork(10**9)
     assert not (tmp_path / "child").exists()

@@ -72,9 +72,17 @@ def test_resume_from_an_older_last_forks_a_new_run_recording_its_source(digits_r
     assert fork.returncode == 0, fork.stderr
     source = started(tmp / "runs" / "fork").source
     assert source is not None and source.run_id == "digits" and source.last_seq == lasts[1]
+    assert len(load_result(tmp / "runs" / "fork").history) == 1  # a fork's --epochs: its own, from 0 (--help)
     assert (digits_run / "events.lmdb" / "data.mdb").read_bytes() == before  # the source is never written
     bad = nnx_es(tmp, "resume", "runs/digits", "--from", "3", "--run-id", "fork2")
     assert bad.returncode == 2 and "no committed LAST at seq 3" in bad.stderr
+
+
+def test_resume_help_says_what_epochs_counts_for_a_resume_and_for_a_fork(tmp_path: Path) -> None:
+    out = nnx_es(tmp_path, "resume", "--help")
+    text = " ".join(out.stdout.split())
+    assert out.returncode == 0 and "counted from the run's start" in text and "A fork (--from best|SEQ): the new " \
+        "run's own epochs, counted from 0" in text, out.stdout
 
 
 def test_bad_input_exits_2_with_one_line_naming_it(tmp_path: Path) -> None:
@@ -126,3 +134,37 @@ def test_decisions_on_the_trained_model_are_typed_validated_and_traceable(digits
         provider.decide([{"features": x[0].tolist()}, {"features": ["a"] * 64}])
     with pytest.raises(ConfigError, match=r"question 0: field `\$.features` has 3 values, expected 64"):
         provider.decide([{"features": [0.0, 1.0, 2.0]}])
+
+
+def test_one_spec_run_twice_is_one_run_twice(tmp_path: Path) -> None:
+    """The model is built after the spec's seed, not from whatever the global RNG held: two runs of
+    one spec (two processes) record the same losses and commit the same history."""
+    assert nnx_es(tmp_path, "init", "--out", "spec.json", "--epochs", "1").returncode == 0
+    for run_id in ("a", "b"):
+        out = nnx_es(tmp_path, "run", "spec.json", "--run-id", run_id)
+        assert out.returncode == 0, out.stderr
+
+    def losses(run_dir: Path) -> list[float]:
+        with LmdbLog(run_dir / "events.lmdb", readonly=True) as log:
+            return [e.loss for _, e in log.read(kinds=["microbatch_done"])]
+
+    first, second = losses(tmp_path / "runs" / "a"), losses(tmp_path / "runs" / "b")
+    assert first and first == second
+    a, b = load_result(tmp_path / "runs" / "a"), load_result(tmp_path / "runs" / "b")
+    assert a.history and [r.val for r in a.history] == [r.val for r in b.history]
+    digest = started(tmp_path / "runs" / "a").initial_weights
+    assert len(digest) == 64 and digest == started(tmp_path / "runs" / "b").initial_weights
+    def diff(x: str, y: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, str(REPO / "tools" / "inspect"), "diff", x, y], cwd=tmp_path,
+                              capture_output=True, text=True, timeout=300)
+
+    same = diff("runs/a", "runs/b")
+    assert same.returncode == 0, same.stdout + same.stderr
+
+    spec = json.loads((tmp_path / "spec.json").read_text())
+    spec["seed"] = spec["seed"] + 1  # another seed: other initial weights
+    (tmp_path / "other.json").write_text(json.dumps(spec))
+    assert nnx_es(tmp_path, "run", "other.json", "--run-id", "c").returncode == 0
+    differ = diff("runs/a", "runs/c")
+    assert differ.returncode == 1 and differ.stdout.startswith("initial weights differ: first difference at seq 0"), \
+        differ.stdout + differ.stderr

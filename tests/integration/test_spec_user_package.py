@@ -64,3 +64,34 @@ def test_a_users_package_runs_with_allow_and_its_resume_needs_the_same_allow(tmp
     assert "mypkg.models:Net" in lines[0] and "outside the allowed module prefixes" in lines[0], stderr
     assert "spec callbacks[0]" in lines[1] and "callback" in lines[1], stderr
     assert not (tmp_path / "runs" / "w").exists()
+
+
+def test_the_console_script_finds_an_allowed_module_beside_the_spec_and_in_the_working_directory(tmp_path) -> None:
+    """``nnx-es`` (the console script, whose sys.path starts at its bin/) finds ``--allow mymodels`` beside the
+    spec and in the working directory, as ``python -m nnx_es`` does."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(sys.executable).with_name("nnx-es")
+    if not script.exists():
+        import pytest
+
+        pytest.skip(f"no nnx-es console script beside {sys.executable} (the package is not installed)")
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "mymodels.py").write_text(PACKAGE)
+    spec = {"model": recipe("mymodels:Net", width=4), "optimizers": {"main": recipe("torch.optim.sgd:SGD", lr=0.1)},
+            "loss": recipe("torch.nn.modules.loss:CrossEntropyLoss"), "data": recipe("mymodels:loaders", width=4),
+            "epochs": 1}
+    (project / "spec.json").write_text(json.dumps(spec))
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # as a user's shell: nothing added
+    for cwd, path in ((tmp_path, "project/spec.json"), (project, "spec.json")):
+        out = subprocess.run([str(script), "report", path, "--allow", "mymodels"], cwd=cwd, env=env,
+                             capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0 and "valid" in out.stdout, (cwd, out.stdout, out.stderr)
+    run = subprocess.run([str(script), "run", "spec.json", "--allow", "mymodels", "--run-id", "mine"], cwd=project,
+                         env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    assert (project / "runs" / "mine" / "events.lmdb" / "data.mdb").exists()

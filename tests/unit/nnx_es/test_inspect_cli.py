@@ -139,6 +139,25 @@ def test_summary_says_a_running_run_whose_writer_was_sigkilled_has_no_writer(tmp
     Lease(runs, "dead").acquire().release()  # inspect left the lease free
 
 
+def test_summary_of_a_killed_cli_run_says_to_resume_it_with_nnx_es_resume(tmp_path, capsys):
+    from crashkit import kill_at_event, run_killed
+
+    from nnx_es.recipes.runspec import build_run, scaffold
+
+    runs = tmp_path / "runs"
+
+    def train() -> None:  # what nnx-es run does: a trainer built from a spec (run_started holds it)
+        built = build_run(scaffold(dataset="digits", epochs=3), runs_root=runs, run_id="dead-cli", progress=False)
+        built.trainer.fit(built.train_loader, built.val_loader, epochs=3)
+
+    assert run_killed(train, kill_at_event(200)) == "killed"
+    assert main([str(runs / "dead-cli"), "summary"]) == 0
+    status = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("status"))
+    assert status.split(None, 1)[1] == (
+        "running (no process on this machine is writing it: killed or crashed? "
+        f"resume it with nnx-es resume {str(runs / 'dead-cli')!r})")
+
+
 def _running_run(root: Path, *, checkpoint: bool = True) -> Path:
     b = RunBuilder(root / "runs" / RUN_ID)
     b.start()
