@@ -37,7 +37,8 @@ from pathlib import Path
 from typing import Any, Literal, Union
 
 from nnx_es.errors import ConfigError, ResumeError
-from nnx_es.injection import Point, Recording, install_fault, install_kill, record_persistence, uninstall
+from nnx_es.injection import (Point, Recording, install_fault, install_kill, mark_kills_expected, record_persistence,
+                              uninstall)
 from nnx_es.testing.reference import Finding, Reference, read_log
 from nnx_es.testing.report import CrashReport, Failure, FaultReport, Report
 
@@ -213,6 +214,7 @@ def run_in_child(target: Callable[[], Any]) -> str:
     pid = os.fork()
     if pid == 0:  # the child never returns into the caller's code
         os.close(r)
+        mark_kills_expected()
         code = 0
         try:
             target()
@@ -316,6 +318,7 @@ def _run_points(job: Job, ref: Reference, root: Path, tasks: list[tuple[str, Sit
         pid = os.fork()
         if pid == 0:  # worker
             os.close(r)
+            mark_kills_expected()  # its resumes remove the killed runs' temporaries by design
             try:
                 results = [(name, *_check(check, job, ref, root, name, site, fault)) for name, site, fault in chunk]
                 with os.fdopen(w, "wb") as f:

@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from nnx_es.errors import ConfigError, NnxError, ResumeError
+from nnx_es.injection import mark_kills_expected
 from nnx_es.testing.crashstates import CrashState, crash_states, persistence_points
 from nnx_es.testing.harness import RUN_ID, Build, Job, read_until_exit, work_root, resume_and_check
 from nnx_es.testing.reference import Finding, Reference
@@ -154,6 +155,7 @@ def _in_child(state: CrashState, ref: Reference, runs: Path, resume: Callable[[]
     pid = os.fork()
     if pid == 0:
         os.close(r)
+        mark_kills_expected()
         quiet = os.open(os.devnull, os.O_WRONLY)  # the resumes' own logging: the report says what matters
         os.dup2(quiet, 1)
         os.dup2(quiet, 2)

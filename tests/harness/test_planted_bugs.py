@@ -213,3 +213,23 @@ def test_a_killed_child_whose_own_fork_keeps_the_pipe_open_does_not_hang_the_har
         assert time.monotonic() - started < 100
     finally:
         os.kill(int(marker.read_text()), signal.SIGKILL)
+
+
+def test_a_crash_test_does_not_warn_of_stale_temporaries_at_every_resumed_point(tmp_path, capfd):
+    report = crash_test(make_build(), epochs=1, points="all", runs_root=tmp_path)
+    assert report.ok, report
+    # a kill after a temporary's write leaves it; that point's resume removes it (by design here)
+    assert any(p.startswith("io:") for p in report.tried)
+    assert "removed stale temporaries" not in capfd.readouterr().err
+
+
+def test_a_users_own_resume_still_warns_of_the_stale_temporaries_it_removes(tmp_path):
+    from structlog.testing import capture_logs
+
+    build = make_build()
+    build(tmp_path, "mine").run(epochs=1)
+    (tmp_path / "mine" / "views" / ".summary.json.99999.deadbeef.tmp").write_text("{")
+    with capture_logs() as logs:
+        build(tmp_path, "mine").run(epochs=2, resume_from=tmp_path / "mine")
+    warned = [e for e in logs if e["event"] == "removed stale temporaries"]
+    assert warned and warned[0]["log_level"] == "warning", logs
