@@ -336,22 +336,11 @@ def powerloss_script(argv: list[str], *, states: int = 300, seed: int = 0, jobs:
     Raises:
         RuntimeError: the traced run of the script failed.
     """
-    from nnx_es.testing.script import drive
+    from nnx_es.testing.script import ScriptJob
 
-    def resume(runs: Path) -> Callable[..., Any]:
-        def run(fresh: bool = False) -> Any:
-            out = runs.parent / f"{runs.name}.resume.json"
-            drive("fresh" if fresh else "resume", runs, out, list(argv))
-            got = json.loads(out.read_text())
-            error = str(got.get("error") or "")
-            if error.startswith("ResumeError"):
-                raise ResumeError(error)
-            if error or got.get("status") is None:
-                raise RuntimeError(error or "the script ran no fit")
-            return type("Resumed", (), {"status": got["status"]})()
-        return run
-
-    return _harness(["script", "-", *argv], resume, None, states, seed, None, jobs)
+    job = ScriptJob(argv)
+    return _harness(["script", "-", *argv], lambda runs: lambda fresh=False: job.fit(runs, resume=not fresh), None,
+                    states, seed, None, jobs)
 
 
 def _main(argv: list[str]) -> None:

@@ -144,3 +144,71 @@ def test_nnx_es_crashtest_runs_a_script_under_injection_and_exits_0_when_every_p
     assert out.returncode == 0, out.stdout + out.stderr[-2000:]
     assert out.stdout.startswith("crash test: ok -- 2 of ")
     assert not (tmp_path / "runs").exists()  # every run went to the harness's own directory
+
+
+def test_nnx_es_crashtest_samples_20_points_by_default_and_says_how_many_all_would_run(tmp_path, monkeypatch, capsys):
+    from nnx_es.cli.main import main
+
+    (tmp_path / "train.py").write_text(SCRIPT)
+    monkeypatch.chdir(tmp_path)
+    assert main(["crashtest", "train.py", "--", "1"]) == 0  # before: every point, each in two fresh interpreters
+    out = capsys.readouterr().out
+    first = out.splitlines()[0]
+    assert first.startswith("crash test: ok -- 20 of "), first
+    available = int(first.split(" of ")[1].split()[0])
+    assert available > 20
+    assert f"(a sample of 20 points, seed 0; --points all runs all {available})" in out, out
+
+
+BUGGY_SCRIPT = '''
+import sys
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+from nnx_es import Callback, Trainer
+
+
+class Warmup(Callback):  # planted bug: its epoch count is not checkpointed
+    def __init__(self):
+        self.seen = 0
+
+    def on_epoch_begin(self, ctx):
+        for opt in ctx.trainer.optimizers.values():
+            for g in opt.param_groups:
+                g["lr"] = 0.05 * min(1.0, (self.seen + 1) / 3)
+        self.seen += 1
+
+
+def build(runs_root="runs", run_id="r"):
+    torch.manual_seed(0)
+    x = torch.randn(48, 4); y = (x[:, 0] > 0).long()
+    train = DataLoader(TensorDataset(x[:32], y[:32]), batch_size=8, shuffle=True,
+                       generator=torch.Generator().manual_seed(0))
+    net = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    trainer = Trainer(net, torch.optim.Adam(net.parameters(), lr=0.05), nn.CrossEntropyLoss(), callbacks=[Warmup()],
+                      runs_root=runs_root, run_id=run_id, seed=0, progress=False)
+    return trainer, train
+
+
+if __name__ == "__main__":
+    trainer, train = build()
+    trainer.fit(train, epochs=int(sys.argv[1]))
+'''
+
+
+def test_the_forked_crashtest_of_a_script_gives_the_apis_verdicts_on_a_planted_bug(tmp_path, monkeypatch):
+    import runpy
+
+    from nnx_es.testing import crash_test
+    from nnx_es.testing.script import crashtest_script
+
+    (tmp_path / "train.py").write_text(BUGGY_SCRIPT)
+    monkeypatch.chdir(tmp_path)
+    api = crash_test(runpy.run_path("train.py", run_name="buggy")["build"], epochs=2, points=8,
+                     runs_root=tmp_path / "api")
+    cli = crashtest_script(["train.py", "2"], points=8)  # its argv, its __main__ guard, this cwd
+    assert not api.ok and api.failures
+    assert (cli.available, cli.tried, cli.outcomes) == (api.available, api.tried, api.outcomes)
+    assert [(f.point, f.check, f.component) for f in cli.failures] == [(f.point, f.check, f.component)
+                                                                        for f in api.failures]
+    assert not (tmp_path / "runs").exists()  # every run went to the harness's own directory
