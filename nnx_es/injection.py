@@ -41,6 +41,7 @@ from typing import Any
 __all__ = [
     "ENV_VAR",
     "STORAGE_OPS",
+    "kills_expected",
     "Point",
     "Recording",
     "install_fault",
@@ -48,6 +49,7 @@ __all__ = [
     "install_kill",
     "install_storage_hook",
     "install_sync_hook",
+    "mark_kills_expected",
     "parse_point",
     "record_persistence",
     "uninstall",
@@ -273,6 +275,21 @@ def install_fault(point: Point, code: int) -> None:
             raise EventLogError(f"write to {log.path} failed: mdb_txn_commit: {message} (injected)")
 
     install_sync_hook(on_sync)
+
+
+_KILLS_EXPECTED = [False]
+
+
+def mark_kills_expected() -> None:
+    """Mark this process as a crash harness's (for the rest of its life: meant for a forked
+    child): the runs it resumes were killed on purpose, so a resume removing their stale
+    temporaries is expected and logged at debug level, not as a warning (:mod:`nnx_es.session`)."""
+    _KILLS_EXPECTED[0] = True
+
+
+def kills_expected() -> bool:
+    """Whether :func:`mark_kills_expected` marked this process."""
+    return _KILLS_EXPECTED[0]
 
 
 def install_from_environment() -> Point | None:

@@ -28,6 +28,7 @@ from events.schema import RunResumed, RunStarted, SourceRef, UpdateSpec
 from nnx_es.checkpoint import Manifest
 from nnx_es.distributed.verdict import describe_error, raise_described
 from nnx_es.errors import ConfigError, ResumeError
+from nnx_es.injection import kills_expected
 from nnx_es.lifecycle import Lifecycle
 from nnx_es.loaders import check_same_loaders
 from nnx_es.recorder import Recorder
@@ -174,8 +175,9 @@ def open_session(
                 "resume='auto' clears such a run and starts it afresh)"
             )
         removed = clean_stale_temporaries(run_dir)
-        if removed:
-            log.warning("removed stale temporaries", run_id=run_id, files=[str(p) for p in removed])
+        if removed:  # a crash harness's resumes remove what its kills left, by design: not a warning there
+            (log.debug if kills_expected() else log.warning)("removed stale temporaries", run_id=run_id,
+                                                             files=[str(p) for p in removed])
         with LmdbLog(run_dir / "events.lmdb") as event_log:
             if not has_log:  # a new log: its directory entries (data.mdb, events.lmdb, the run's) are
                 for d in (run_dir / "events.lmdb", run_dir, runs_root):  # durable before a commit relies on

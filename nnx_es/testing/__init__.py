@@ -15,8 +15,9 @@ checks that each run audits clean, keeps the reference's committed state and res
 reference's final state bitwise; :func:`fault_test` fails the persistence steps with an errno
 instead. The reports are values (:mod:`nnx_es.testing.report`). The pytest plugin
 (:mod:`nnx_es.testing.pytest_plugin`) gives the fixtures ``crash_test`` and ``fault_test``;
-``nnx-es crashtest train.py`` does the same for a script that calls ``fit`` itself, through
-the ``NNX_ES_KILL_AT`` environment variable (:mod:`nnx_es.injection`). POSIX only (``os.fork``).
+``nnx-es crashtest train.py`` does the same for a script that calls ``fit`` itself
+(:mod:`nnx_es.testing.script`); ``NNX_ES_KILL_AT`` kills any training process at a point
+(:mod:`nnx_es.injection`). POSIX only (``os.fork``).
 
 :func:`power_loss_test` goes further than a kill (which keeps the page cache): it traces one fit's
 writes and syncs below Python and checks the states a power cut after each sync may leave

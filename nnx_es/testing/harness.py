@@ -37,7 +37,8 @@ from pathlib import Path
 from typing import Any, Literal, Union
 
 from nnx_es.errors import ConfigError, ResumeError
-from nnx_es.injection import Point, Recording, install_fault, install_kill, record_persistence, uninstall
+from nnx_es.injection import (Point, Recording, install_fault, install_kill, mark_kills_expected, record_persistence,
+                              uninstall)
 from nnx_es.testing.reference import Finding, Reference, read_log
 from nnx_es.testing.report import CrashReport, Failure, FaultReport, Report
 
@@ -219,6 +220,7 @@ def run_in_child(target: Callable[[], Any]) -> str:
     pid = os.fork()
     if pid == 0:  # the child never returns into the caller's code
         os.close(r)
+        mark_kills_expected()
         code = 0
         try:
             target()
@@ -322,6 +324,7 @@ def _run_points(job: Job, ref: Reference, root: Path, tasks: list[tuple[str, Sit
         pid = os.fork()
         if pid == 0:  # worker
             os.close(r)
+            mark_kills_expected()  # its resumes remove the killed runs' temporaries by design
             try:
                 results = [(name, *_check(check, job, ref, root, name, site, fault)) for name, site, fault in chunk]
                 with os.fdopen(w, "wb") as f:
@@ -356,12 +359,21 @@ def work_root(runs_root: str | Path | None) -> tuple[Path, bool]:
     return Path(tempfile.mkdtemp(prefix="nnx_es_crash_", dir=base)), True
 
 
-def _harness(build: Build, epochs: int, points: Points, seed: int, runs_root: str | Path | None,
-             workers: int | None, faults: Sequence[str] | None) -> Report:
+def run_harness(job: Any, points: Points, seed: int, runs_root: str | Path | None, workers: int | None,
+                faults: Sequence[str] | None = None, epochs: int | None = None) -> Report:
+    """The crash test (``faults`` None) or the fault test of ``job``: anything with
+    ``fit(runs, resume=False)`` that fits (or resumes) the run ``runs/<RUN_ID>`` in this process
+    and returns its result (``.status``), raising :class:`ResumeError` when a resume is refused
+    (a :class:`Job`; ``nnx-es crashtest``'s script). Its reference fit runs here; every point in
+    a process forked from this one. ``epochs``: the report's (default: the reference's epochs).
+
+    Raises:
+        ConfigError: a bad ``points`` or ``faults``.
+        Exception: whatever the uninterrupted reference fit raised.
+    """
     import torch
 
     t0 = time.perf_counter()
-    job = Job(build, epochs, seed)
     codes: list[tuple[str, int]] = []
     for name in faults or ():
         code = getattr(errno_module, str(name), None)
@@ -395,7 +407,7 @@ def _harness(build: Build, epochs: int, points: Points, seed: int, runs_root: st
         torch.set_num_threads(threads)
         if owned:
             shutil.rmtree(root, ignore_errors=True)
-    return cls(epochs=epochs, available=available, tried=tuple(n for n, _, _ in tasks), outcomes=outcomes,
+    return cls(epochs=epochs if epochs is not None else len(ref.history), available=available, tried=tuple(n for n, _, _ in tasks), outcomes=outcomes,
                failures=tuple(failures), elapsed_s=time.perf_counter() - t0)
 
 
@@ -431,7 +443,7 @@ def crash_test(build: Build, *, epochs: int, points: Points = None, seed: int = 
         ConfigError: a bad ``epochs``/``points``, or ``build`` returned something else than a Fit.
         Exception: whatever the uninterrupted reference fit raised (the set-up itself fails).
     """
-    report = _harness(build, epochs, points, seed, runs_root, workers, None)
+    report = run_harness(Job(build, epochs, seed), points, seed, runs_root, workers, None, epochs)
     assert isinstance(report, CrashReport)
     return report
 
@@ -451,6 +463,6 @@ def fault_test(build: Build, *, epochs: int, faults: Sequence[str] = ("ENOSPC", 
     Returns:
         a :class:`~nnx_es.testing.report.FaultReport`.
     """
-    report = _harness(build, epochs, points, seed, runs_root, workers, tuple(faults))
+    report = run_harness(Job(build, epochs, seed), points, seed, runs_root, workers, tuple(faults), epochs)
     assert isinstance(report, FaultReport)
     return report

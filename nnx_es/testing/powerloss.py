@@ -43,7 +43,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from nnx_es.errors import ConfigError, NnxError, ResumeError
+from nnx_es.errors import ConfigError, NnxError
+from nnx_es.injection import mark_kills_expected
 from nnx_es.testing.crashstates import CrashState, crash_states, persistence_points
 from nnx_es.testing.harness import RUN_ID, Build, Job, read_until_exit, resume_and_check, seed_globals, work_root
 from nnx_es.testing.reference import Finding, Reference
@@ -173,6 +174,7 @@ def _in_child(state: CrashState, ref: Reference, runs: Path, resume: Callable[[]
     pid = os.fork()
     if pid == 0:
         os.close(r)
+        mark_kills_expected()
         quiet = os.open(os.devnull, os.O_WRONLY)  # the resumes' own logging: the report says what matters
         os.dup2(quiet, 1)
         os.dup2(quiet, 2)
@@ -359,20 +361,14 @@ def powerloss_script(argv: list[str], *, states: int = 300, seed: int = 0, jobs:
     Raises:
         RuntimeError: the traced run of the script failed.
     """
-    from nnx_es.testing.script import drive
+    from nnx_es.testing.script import ScriptJob
+
+    job = ScriptJob(argv)
 
     def resume(runs: Path) -> Callable[..., Any]:
         def run(fresh: bool = False) -> Any:
-            out = runs.parent / f"{runs.name}.resume.json"
             seed_globals(seed)  # as the traced interpreter did: a forked child's global RNGs are this process's
-            drive("fresh" if fresh else "resume", runs, out, list(argv))
-            got = json.loads(out.read_text())
-            error = str(got.get("error") or "")
-            if error.startswith("ResumeError"):
-                raise ResumeError(error)
-            if error or got.get("status") is None:
-                raise RuntimeError(error or "the script ran no fit")
-            return type("Resumed", (), {"status": got["status"]})()
+            return job.fit(runs, resume=not fresh)
         return run
 
     return _harness(["script", str(seed), *argv], resume, None, states, seed, None, jobs)

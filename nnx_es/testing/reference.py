@@ -182,8 +182,10 @@ class Reference:
 
 
 def first_divergence(ref: Reference, run_dir: Path, events: list[tuple[int, Event]]) -> str | None:
-    """The first step receipt of the resumed part that differs from the reference's, and the first
-    tensor (or value) of the final LAST checkpoint that differs."""
+    """The first step receipt of the resumed part that differs from the reference's, then the first
+    difference of each component of the final LAST checkpoint that differs (``final LAST
+    checkpoint: <first>``, ``also differs: <next>`` -- up to four more): in a component, a plain
+    value (``optimizer/adam['param_groups'][0]['lr']``, a callback's field) before any tensor."""
     lines = []
     resumed_at = max((s for s, e in events if e.KIND == "run_resumed"), default=-1)
     for seq, e in events:
@@ -198,34 +200,44 @@ def first_divergence(ref: Reference, run_dir: Path, events: list[tuple[int, Even
             break
     last = project(events).checkpoints.last
     if last is not None and ref.final["last"] is not None and last.manifest != ref.final["last"].manifest:
-        diff = _first_tensor(ref.run_dir, ref.final["last"].manifest, Path(run_dir), last.manifest)
-        if diff:
-            lines.append(f"final LAST checkpoint: {diff}")
+        diffs = _component_diffs(ref.run_dir, ref.final["last"].manifest, Path(run_dir), last.manifest)
+        if diffs:
+            lines.append(f"final LAST checkpoint: {diffs[0]}")
+            lines += [f"also differs: {d}" for d in diffs[1:5]]
     return "\n".join(lines) or None
 
 
-def _first_tensor(ref_dir: Path, ref_digest: str, run_dir: Path, digest: str) -> str | None:
+def _component_diffs(ref_dir: Path, ref_digest: str, run_dir: Path, digest: str) -> list[str]:
+    """The first difference of each checkpoint component that differs, in the manifest's order
+    (a manifest field first, when one differs)."""
     a_store, b_store = BlobStore(ref_dir / "blobs"), BlobStore(run_dir / "blobs")
     a, b = read_manifest(a_store, ref_digest), read_manifest(b_store, digest)
     for field in ("epoch", "step", "counters"):
         if getattr(a, field) != getattr(b, field):
-            return f"manifest {field}: expected {getattr(a, field)!r}, found {getattr(b, field)!r}"
+            return [f"manifest {field}: expected {getattr(a, field)!r}, found {getattr(b, field)!r}"]
+    out = []
     for name in list(a.components) + [n for n in b.components if n not in a.components]:
         if name not in a.components or name not in b.components:
-            return f"component {name!r} is {'missing' if name in a.components else 'not in the reference'}"
+            out.append(f"component {name!r} is {'missing' if name in a.components else 'not in the reference'}")
+            continue
         if a.components[name].blob == b.components[name].blob:
             continue
-        diff = _diff(load_component(a_store, a, name), load_component(b_store, b, name), name)
-        if diff:
-            return diff
-        return f"component {name!r}: different bytes (blob {a.components[name].blob[:12]} -> {b.components[name].blob[:12]})"
-    return None
+        state_a, state_b = load_component(a_store, a, name), load_component(b_store, b, name)
+        # a plain value (a learning rate, a counter, a callback's field) before any tensor: it is
+        # nearer the cause than the tensors trained from it
+        diff = _diff(state_a, state_b, name, tensors=False) or _diff(state_a, state_b, name, tensors=True)
+        out.append(diff or f"component {name!r}: different bytes (blob {a.components[name].blob[:12]} -> "
+                           f"{b.components[name].blob[:12]})")
+    return out
 
 
-def _diff(a: Any, b: Any, path: str) -> str | None:
-    """Where nested state ``a`` and ``b`` first differ (``path``: how the value was reached)."""
+def _diff(a: Any, b: Any, path: str, tensors: bool = True) -> str | None:
+    """Where nested state ``a`` and ``b`` first differ (``path``: how the value was reached);
+    ``tensors=False`` compares everything but two tensors."""
     import torch
 
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and not tensors:
+        return None
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
         if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
             return f"{path}: expected {_short(a, 80)}, found {_short(b, 80)}"
@@ -242,7 +254,7 @@ def _diff(a: Any, b: Any, path: str) -> str | None:
         for k in list(a) + [k for k in b if k not in a]:
             if k not in a or k not in b:
                 return f"{path}[{k!r}] is {'missing' if k in a else 'not in the reference'}"
-            d = _diff(a[k], b[k], f"{path}[{k!r}]")
+            d = _diff(a[k], b[k], f"{path}[{k!r}]", tensors)
             if d:
                 return d
         return None
@@ -250,7 +262,7 @@ def _diff(a: Any, b: Any, path: str) -> str | None:
         if len(a) != len(b):
             return f"{path}: expected {len(a)} items, found {len(b)}"
         for i, (x, y) in enumerate(zip(a, b)):
-            d = _diff(x, y, f"{path}[{i}]")
+            d = _diff(x, y, f"{path}[{i}]", tensors)
             if d:
                 return d
         return None

@@ -1,47 +1,49 @@
 """Crash tests of a script that calls ``fit`` itself: ``nnx-es crashtest train.py [--points N]``.
 
-Each run of the script is a process of its own (``python -m nnx_es.testing.script``, the
-*driver*), which runs the script as ``__main__`` with every ``Trainer`` it builds pointed at
-the harness's runs root and run id (``runs_root=``/``run_id=`` replaced, so ``NNModel.train``
-is covered too). The reference run counts the points (:mod:`nnx_es.injection`); each killed
-run gets ``NNX_ES_KILL_AT=<point>`` in its environment, which the runtime reads once when it
-is imported and which does nothing but SIGKILL the process there; each resume runs the
-script again with ``resume_from=`` added to its ``fit``. The checks are those of
-:func:`nnx_es.testing.crash_test` (:class:`~nnx_es.testing.reference.Reference`).
+The script runs as ``__main__`` (its arguments in ``sys.argv``, its directory first on
+``sys.path`` as ``python train.py`` puts it, the working directory the command's), with every
+``Trainer`` it builds pointed at the harness's runs root and run id (``runs_root=``/``run_id=``
+replaced, so ``NNModel.train`` is covered too); a resume runs it again with ``resume_from=`` added
+to its ``fit``. The script is a job of :func:`nnx_es.testing.harness.run_harness`, as a ``build``
+is for :func:`~nnx_es.testing.crash_test`: the uninterrupted reference run counts the points in
+this process, which has imported torch and the runtime once; each point runs in a process forked
+from it, killed there (:func:`nnx_es.injection.install_kill`), checked and resumed the same way
+(:class:`~nnx_es.testing.reference.Reference`). Modules the script imports stay imported between
+its runs in one process, as they do between the ``build`` calls of the API.
 
 The script must train one run (one ``fit``) and be deterministic given its own seeds.
 """
 
 from __future__ import annotations
 
-import argparse
 import functools
 import json
 import os
 import runpy
-import shutil
-import signal
-import subprocess
 import sys
-import tempfile
-import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from nnx_es.injection import ENV_VAR, Recording, parse_point
-from nnx_es.testing.harness import RUN_ID, choose_points, Site, persistence_sites
-from nnx_es.testing.reference import Finding, Reference, read_log
-from nnx_es.testing.report import CrashReport, Failure
+from nnx_es.errors import NnxError, ResumeError
+from nnx_es.testing.harness import RUN_ID, Points, run_harness
+from nnx_es.testing.report import CrashReport
 
-__all__ = ["crashtest_script", "drive"]
+__all__ = ["ScriptError", "ScriptJob", "crashtest_script", "drive", "run_script"]
+
+class ScriptError(NnxError, RuntimeError):
+    """The script's run failed: it raised, exited non-zero, or ran no ``fit`` (the error named)."""
 
 
-def drive(mode: str, runs: Path, out: Path, argv: list[str]) -> None:
+def run_script(mode: str, runs: Path, argv: list[str]) -> dict[str, Any]:
     """Run the script ``argv[0]`` (arguments ``argv[1:]``) as ``__main__`` in this process, its
-    trainers writing ``runs/<RUN_ID>``; write what the harness needs to ``out`` (JSON)."""
-    from nnx_es import injection
-    from nnx_es import Trainer
+    trainers writing ``runs/<RUN_ID>``; ``mode``: ``"fresh"``, ``"resume"`` (``resume_from=``
+    added to its ``fit``) or ``"reference"`` (fresh, and the persistence steps recorded).
+
+    Returns ``{"status": <the fit's status or None>, "error": "<type>: <message>"}`` (no
+    ``"error"`` when the script ended normally), plus the recording in ``"reference"`` mode.
+    ``Trainer``, ``sys.argv`` and ``sys.path`` are as they were afterwards.
+    """
+    from nnx_es import Trainer, injection
 
     init, fit = Trainer.__init__, Trainer.fit
     seen: dict[str, Any] = {}
@@ -59,11 +61,14 @@ def drive(mode: str, runs: Path, out: Path, argv: list[str]) -> None:
         seen["status"] = result.status
         return result
 
+    report: dict[str, Any] = {}
+    saved_argv, saved_path = sys.argv, list(sys.path)
+    here = [str(Path(argv[0]).resolve().parent), os.getcwd()]  # as `python SCRIPT` (and the old driver) saw it
     Trainer.__init__ = patched_init  # type: ignore[method-assign]
     Trainer.fit = patched_fit  # type: ignore[method-assign]
     rec = injection.record_persistence() if mode == "reference" else None
-    report: dict[str, Any] = {}
     sys.argv = list(argv)
+    sys.path[:0] = [p for p in dict.fromkeys(here) if p not in sys.path]
     try:
         runpy.run_path(argv[0], run_name="__main__")
     except SystemExit as exc:
@@ -71,90 +76,58 @@ def drive(mode: str, runs: Path, out: Path, argv: list[str]) -> None:
             report["error"] = f"SystemExit: {exc.code}"
     except BaseException as exc:  # noqa: BLE001 - reported to the harness
         report["error"] = f"{type(exc).__name__}: {exc}"
+    finally:
+        Trainer.__init__, Trainer.fit = init, fit  # type: ignore[method-assign]
+        sys.argv, sys.path[:] = saved_argv, saved_path
+        if rec is not None:
+            injection.uninstall()
     report["status"] = seen.get("status")
     if rec is not None:
         report.update(storage_ops=rec.storage_ops, storage_at=rec.storage_at, sync_at=rec.sync_at)
-    out.write_text(json.dumps(report))
+    return report
 
 
-def _run_driver(mode: str, runs: Path, argv: list[str], point: str | None = None) -> tuple[int, dict[str, Any]]:
-    out = runs.parent / f"{runs.name}.{mode}.json"
-    env = {k: v for k, v in os.environ.items() if k != ENV_VAR}
-    if point is not None:
-        env[ENV_VAR] = point
-    proc = subprocess.run([sys.executable, "-m", "nnx_es.testing.script", mode, str(runs), str(out), *argv],
-                          env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    report = json.loads(out.read_text()) if out.exists() else {"error": proc.stderr[-2000:]}
-    return proc.returncode, report
+def drive(mode: str, runs: Path, out: Path, argv: list[str]) -> None:
+    """:func:`run_script`, its result written to ``out`` (JSON): for a traced interpreter."""
+    out.write_text(json.dumps(run_script(mode, runs, argv)))
 
 
-def _check_point(ref: Reference, root: Path, site: Site, argv: list[str]) -> tuple[str, Failure | None]:
-    name = str(site.point)
-    runs = root / name.replace(":", "_")
-    run_dir = runs / RUN_ID
-    try:
-        code, got = _run_driver("kill", runs, argv, name)
-        if code != -signal.SIGKILL:
-            raise Finding("the script is killed at the point", "SIGKILL", got.get("error") or f"exit status {code}")
-        k = ref.check_committed(run_dir, ref.check_prefix(run_dir))
-        before = len(read_log(run_dir))
-        code, got = _run_driver("resume", runs, argv)
-        if k == 0:
-            if not str(got.get("error", "")).startswith("ResumeError"):
-                raise Finding("a resume before any LAST commit is refused", "ResumeError",
-                              got.get("error") or "the resume ran")
-            if len(read_log(run_dir)) != before:
-                raise Finding("a refused resume writes nothing", f"{before} events", "more")
-            return "refused", None
-        if got.get("error") or got.get("status") is None:
-            raise Finding("the run resumes from its LAST", "a completed resume", got.get("error") or "no fit ran")
-        ref.check_resumed(run_dir, got["status"])
-        return "resumed", None
-    except Finding as f:
-        return "failed", Failure(name, site.where, f.check, f.expected, f.found, f.divergence)
-    finally:
-        shutil.rmtree(runs, ignore_errors=True)
+class ScriptJob:
+    """The script as a job of :func:`~nnx_es.testing.harness.run_harness` (and of the power-loss
+    harness): ``fit(runs, resume)`` runs it in this process."""
+
+    def __init__(self, argv: list[str]) -> None:
+        self.argv = list(argv)
+
+    def fit(self, runs: Path, resume: bool = False) -> Any:
+        """Run the script fresh (or resuming ``runs/<RUN_ID>``); return an object with its fit's ``status``.
+
+        Raises:
+            ResumeError: the resume was refused (the script's fit raised it).
+            ScriptError: the script failed otherwise, or ran no ``fit``.
+        """
+        got = run_script("resume" if resume else "fresh", runs, self.argv)
+        error = str(got.get("error") or "")
+        if error.startswith("ResumeError"):
+            raise ResumeError(error)
+        if error or got.get("status") is None:
+            raise ScriptError(f"{self.argv[0]} failed: {error or 'it ran no fit'}")
+        return type("ScriptResult", (), {"status": got["status"]})()
 
 
-def crashtest_script(argv: list[str], *, points: int | str | None = None, seed: int = 0, jobs: int = 2) -> CrashReport:
-    """Crash-test the script ``argv[0]`` (with arguments ``argv[1:]``); one process per run.
+def crashtest_script(argv: list[str], *, points: Points = None, seed: int = 0,
+                     jobs: int = 2) -> CrashReport:
+    """Crash-test the script ``argv[0]`` (with arguments ``argv[1:]``): :func:`~nnx_es.testing.crash_test`'s
+    checks, each point in a process forked from this one. ``points``: ``N`` sampled with ``seed``,
+    or ``"all"``/``None``; ``jobs``: forked workers.
 
     Raises:
-        RuntimeError: the uninterrupted reference run of the script failed (its error named).
+        ScriptError: the uninterrupted reference run of the script failed (its error named).
+        ConfigError: a bad ``points``.
     """
-    t0 = time.perf_counter()
-    root = Path(tempfile.mkdtemp(prefix="nnx_es_crashtest_"))
     try:
-        code, got = _run_driver("reference", root / "reference", argv)
-        if code != 0 or got.get("error") or got.get("status") is None:
-            raise RuntimeError(f"the reference run of {argv[0]} failed: {got.get('error') or f'exit status {code}'}"
-                               + ("" if got.get("status") or got.get("error") else " (it ran no fit)"))
-        ref = Reference.of(root / "reference" / RUN_ID)
-        rec = Recording([tuple(op) for op in got["storage_ops"]], got["storage_at"], got["sync_at"])
-        sites = persistence_sites(ref, rec, kills=True)
-        chosen = choose_points(sites, points, seed)
-        (root / "points").mkdir()
-        with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
-            results = list(pool.map(lambda s: _check_point(ref, root / "points", s, argv), chosen))
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
-    names = tuple(str(s.point) for s in chosen)
-    return CrashReport(epochs=len(ref.history), available=len(sites), tried=names,
-                       outcomes={n: o for n, (o, _) in zip(names, results)},
-                       failures=tuple(f for _, f in results if f is not None), elapsed_s=time.perf_counter() - t0)
-
-
-def _main() -> None:
-    ap = argparse.ArgumentParser(prog="python -m nnx_es.testing.script", description="(internal) one run of a script")
-    ap.add_argument("mode", choices=("reference", "kill", "resume"))
-    ap.add_argument("runs", type=Path)
-    ap.add_argument("out", type=Path)
-    ap.add_argument("argv", nargs=argparse.REMAINDER)
-    args = ap.parse_args()
-    if args.mode == "kill":
-        parse_point(os.environ.get(ENV_VAR, ""))  # refused loudly when missing
-    drive(args.mode, args.runs, args.out, args.argv)
-
-
-if __name__ == "__main__":
-    _main()
+        report = run_harness(ScriptJob(argv), points, seed, None, max(1, jobs))
+    except ScriptError as exc:
+        raise ScriptError(f"the reference run of {exc}") from None
+    assert isinstance(report, CrashReport)
+    return report

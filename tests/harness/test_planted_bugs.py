@@ -213,3 +213,49 @@ def test_a_killed_child_whose_own_fork_keeps_the_pipe_open_does_not_hang_the_har
         assert time.monotonic() - started < 100
     finally:
         os.kill(int(marker.read_text()), signal.SIGKILL)
+
+
+# --- the report as a test failure shows it ---------------------------------------------------
+
+
+def test_a_failing_report_starts_with_a_summary_names_the_first_divergence_once_and_groups_identical_failures(
+        tmp_path):
+    report = crash_test(make_build(callbacks=[WarmupWithoutState]), epochs=EPOCHS, points=16, runs_root=tmp_path)
+    assert not report.ok and len(report.failures) >= 3
+    lines = str(report).splitlines()
+    n = len(report.failures)
+    assert lines[0].startswith(f"crash test: FAILED -- 16 of {report.available} points over 3 epoch(s)"), lines[0]
+    assert f"{n} failed (diverged)" in lines[0] and "resumed bitwise" in lines[0] and "refused" in lines[0], lines[0]
+    # the first divergence, once, with the state it lives in: the warm-up's learning rate, not a weight
+    assert lines[1].startswith(f"first divergence at {report.failures[0].point}: "
+                               "optimizer/adam['param_groups'][0]['lr']: expected "), lines[1]
+    assert "; step " in lines[1], lines[1]
+    assert sum("first divergence at" in line for line in lines) == 1
+    # one block per broken promise, the others named by their points
+    groups = report.groups()
+    assert len(groups) < n
+    assert sum(line.strip().startswith("expected:") for line in lines) == len(groups)
+    for check, group in groups.items():
+        assert any(line.startswith(f"{len(group)} point(s) break: {check} -- {group[0].point}") for line in lines)
+    # what pytest shows for `assert report.ok, report` at the default verbosity: saferepr, 240 characters
+    assert len(repr(report)) <= 238 and repr(report).startswith(lines[0]) and "['lr']: expected" in repr(report)
+
+
+def test_a_crash_test_does_not_warn_of_stale_temporaries_at_every_resumed_point(tmp_path, capfd):
+    report = crash_test(make_build(), epochs=1, points="all", runs_root=tmp_path)
+    assert report.ok, report
+    # a kill after a temporary's write leaves it; that point's resume removes it (by design here)
+    assert any(p.startswith("io:") for p in report.tried)
+    assert "removed stale temporaries" not in capfd.readouterr().err
+
+
+def test_a_users_own_resume_still_warns_of_the_stale_temporaries_it_removes(tmp_path):
+    from structlog.testing import capture_logs
+
+    build = make_build()
+    build(tmp_path, "mine").run(epochs=1)
+    (tmp_path / "mine" / "views" / ".summary.json.99999.deadbeef.tmp").write_text("{")
+    with capture_logs() as logs:
+        build(tmp_path, "mine").run(epochs=2, resume_from=tmp_path / "mine")
+    warned = [e for e in logs if e["event"] == "removed stale temporaries"]
+    assert warned and warned[0]["log_level"] == "warning", logs
