@@ -229,3 +229,23 @@ def test_a_resume_never_deletes_through_a_linked_blob_shard_outside_the_run(tmp_
     assert "Traceback" not in out.stderr, out.stderr
     assert f"sha256/{digest[:2]} is a symbolic link" in out.stderr, out.stderr  # said, never followed
     assert _tree(store_dir) == before  # the user's file is still there
+
+
+@pytest.mark.parametrize("place", ["events.lmdb", "events.lmdb/data.mdb", "events.lmdb/lock.mdb"])
+def test_inspect_diff_against_a_run_with_a_linked_log_exits_2_naming_the_link_not_a_difference(
+        work: Path, place: str) -> None:
+    """``inspect diff runs/r runs/r2`` where ``r2``'s log (or a file of it) links elsewhere ended in a traceback,
+    exit 1 (= "differ"); a log linked to ``r``'s own read as "the same events"."""
+    runs = work / "runs"
+    shutil.copytree(runs / "r", runs / "r2", symlinks=True)
+    link = runs / "r2" / place
+    target = work / "victim" / Path(place).name
+    if place == "events.lmdb":
+        shutil.rmtree(link)
+        target = runs / "r" / "events.lmdb"
+    else:
+        shutil.move(link, target)
+    link.symlink_to(target, target_is_directory=target.is_dir())
+    before = _tree(work / "victim")
+    _refused(_cli(work, "inspect", "diff", "runs/r", "runs/r2"), f"runs/r2/{place} is a symbolic link")
+    assert _tree(work / "victim") == before
