@@ -173,8 +173,11 @@ def lr_curve(spec: Any, allowed: Any) -> tuple[dict[str, list[float]], int]:
     scheduler is drawn as if the monitor improved every epoch (it never reduces).
 
     Raises:
-        UnsafeRecipeError / RecipeError: see :func:`nnx_es.recipes.runspec.build_run`.
+        UnsafeRecipeError / RecipeError: see :func:`nnx_es.recipes.runspec.build_run`; RecipeError also when
+            an optimizer or scheduler the spec builds fails a step of the preview (an LBFGS, which needs a
+            closure; a OneCycleLR stepped past its ``total_steps``).
     """
+    from nnx_es.errors import RecipeError
     from nnx_es.recipes import from_spec
     from nnx_es.recipes.runspec import build_model_and_optimizers
 
@@ -182,17 +185,22 @@ def lr_curve(spec: Any, allowed: Any) -> tuple[dict[str, list[float]], int]:
     schedulers = [from_spec(r, allowed=allowed, context=ctx, slot="scheduler") for r in spec.schedulers]
     per_epoch, _ = _updates_per_epoch(spec)
     curves: dict[str, list[float]] = {name: [] for name in ctx.optimizers}
-    for _epoch in range(min(max(spec.epochs, 0), math.ceil(MAX_PREVIEW_UPDATES / per_epoch))):
-        for _ in range(per_epoch):
-            for name, opt in ctx.optimizers.items():
-                curves[name].append(float(opt.param_groups[0]["lr"]))
-                opt.step()
+    try:
+        for _epoch in range(min(max(spec.epochs, 0), math.ceil(MAX_PREVIEW_UPDATES / per_epoch))):
+            for _ in range(per_epoch):
+                for name, opt in ctx.optimizers.items():
+                    curves[name].append(float(opt.param_groups[0]["lr"]))
+                    opt.step()
+                for s in schedulers:
+                    if getattr(s, "clock", "epoch") == "optimizer_update":
+                        s.scheduler.step()
             for s in schedulers:
-                if getattr(s, "clock", "epoch") == "optimizer_update":
+                if getattr(s, "clock", "epoch") == "epoch" and not getattr(s, "plateau", False):
                     s.scheduler.step()
-        for s in schedulers:
-            if getattr(s, "clock", "epoch") == "epoch" and not getattr(s, "plateau", False):
-                s.scheduler.step()
+    except Exception as exc:  # the spec's own optimizer or scheduler refusing its plan: the spec's fault, one line
+        done = sum(map(len, curves.values())) // max(len(curves), 1)
+        raise RecipeError(f"the learning-rate preview failed after {done} planned update(s): {type(exc).__name__}: "
+                          f"{exc}; fix that optimizer or scheduler recipe") from None
     return curves, per_epoch
 
 

@@ -92,6 +92,32 @@ def test_bad_input_exits_2_with_one_line_naming_it(tmp_path: Path) -> None:
         assert nnx_es(tmp_path, command, "--help").returncode == 0
 
 
+@pytest.mark.parametrize("case", ["lbfgs", "one_cycle_overstepped", "optimizer_base"])
+def test_report_of_an_optimizer_or_scheduler_that_fails_its_preview_step_exits_2_in_one_line(
+        tmp_path: Path, case: str) -> None:
+    """``report`` steps the spec's optimizers and schedulers to draw the learning rate: an LBFGS (its step needs
+    a closure), a OneCycleLR planned for fewer steps than the epochs, torch's Optimizer base (no step) ended in a
+    traceback, exit 1."""
+    assert nnx_es(tmp_path, "init", "--out", "s.json", "--epochs", "3").returncode == 0
+    spec = json.loads((tmp_path / "s.json").read_text())
+
+    def recipe(target: str, **kwargs: object) -> dict[str, object]:
+        return {"@type": "recipe", "target": target, "kwargs": kwargs}
+
+    if case == "lbfgs":
+        spec["optimizers"]["main"] = recipe("torch.optim.lbfgs:LBFGS", lr=0.1)
+    elif case == "optimizer_base":
+        spec["optimizers"]["main"] = recipe("torch.optim.optimizer:Optimizer", defaults={"lr": 0.1})
+    else:
+        spec["schedulers"] = [recipe("nnx_es.schedulers:Scheduler", clock="epoch", name="oc", scheduler=recipe(
+            "torch.optim.lr_scheduler:OneCycleLR", optimizer={"@optimizer": "main"}, max_lr=0.1, total_steps=1))]
+    (tmp_path / "s.json").write_text(json.dumps(spec))
+    out = nnx_es(tmp_path, "report", "s.json")
+    assert out.returncode == 2, (out.stdout, out.stderr)
+    assert "Traceback" not in out.stderr and len(out.stderr.strip().splitlines()) == 1, out.stderr
+    assert "the learning-rate preview failed" in out.stderr
+
+
 def test_report_warns_on_common_mistakes(tmp_path: Path) -> None:
     assert nnx_es(tmp_path, "init", "--out", "s.json", "--lr", "5", "--epochs", "1").returncode == 0
     spec = json.loads((tmp_path / "s.json").read_text())
