@@ -118,6 +118,22 @@ def test_report_of_an_optimizer_or_scheduler_that_fails_its_preview_step_exits_2
     assert "the learning-rate preview failed" in out.stderr
 
 
+@pytest.mark.parametrize("field", [("trainer", "keep_last"), ("trainer", "validate_every"), ("data", "batch_size")])
+def test_a_spec_int_past_64_bits_is_refused_before_the_run_directory_is_made(tmp_path: Path, field) -> None:
+    """``trainer.keep_last = 2**70`` (or another count past 64 bits) passed the checks and failed to encode
+    ``run_started``: exit 1 and a run directory whose log held ``run_failed`` alone (the audit failed it)."""
+    assert nnx_es(tmp_path, "init", "--out", "s.json", "--epochs", "1").returncode == 0
+    spec = json.loads((tmp_path / "s.json").read_text())
+    section, key = field
+    (spec[section] if section == "trainer" else spec[section]["kwargs"])[key] = 2**70
+    (tmp_path / "s.json").write_text(json.dumps(spec))
+    out = nnx_es(tmp_path, "run", "s.json", "--run-id", "r")
+    assert out.returncode == 2, (out.stdout, out.stderr)
+    assert "Traceback" not in out.stderr and len(out.stderr.strip().splitlines()) == 1, out.stderr
+    assert f"{key} = {2**70} cannot be recorded" in out.stderr
+    assert not (tmp_path / "runs" / "r").exists()
+
+
 def test_report_warns_on_common_mistakes(tmp_path: Path) -> None:
     assert nnx_es(tmp_path, "init", "--out", "s.json", "--lr", "5", "--epochs", "1").returncode == 0
     spec = json.loads((tmp_path / "s.json").read_text())
