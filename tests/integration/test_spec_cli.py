@@ -134,6 +134,25 @@ def test_a_spec_int_past_64_bits_is_refused_before_the_run_directory_is_made(tmp
     assert not (tmp_path / "runs" / "r").exists()
 
 
+def test_nnx_es_escapes_terminal_controls_of_a_spec_in_what_it_prints(tmp_path: Path) -> None:
+    """A spec's strings reach the terminal through ``report``'s plan (a scheduler's name) and through a
+    constructor's error (TransformerEncoderLayer echoes its ``activation``): printed raw, they set the
+    terminal's title and cleared its screen."""
+    hostile = "\x1b]0;PWNED\x07\x1b[2J\u202eevil"
+    assert nnx_es(tmp_path, "init", "--out", "s.json", "--epochs", "1").returncode == 0
+    spec = json.loads((tmp_path / "s.json").read_text())
+    spec["schedulers"][0]["kwargs"]["name"] = hostile
+    (tmp_path / "plan.json").write_text(json.dumps(spec))
+    spec["model"] = {"@type": "recipe", "target": "torch.nn.modules.transformer:TransformerEncoderLayer",
+                     "kwargs": {"d_model": 4, "nhead": 1, "activation": hostile}}
+    (tmp_path / "error.json").write_text(json.dumps(spec))
+    plan, error = nnx_es(tmp_path, "report", "plan.json"), nnx_es(tmp_path, "report", "error.json")
+    assert error.returncode == 2 and "not \\x1b]0;PWNED\\x07\\x1b[2J\\u202eevil" in error.stderr, error.stderr
+    assert "\\x1b]0;PWNED" in plan.stdout, plan.stdout
+    for out in (plan, error):
+        assert not any(c in out.stdout + out.stderr for c in "\x1b\x07\u202e")
+
+
 def test_report_warns_on_common_mistakes(tmp_path: Path) -> None:
     assert nnx_es(tmp_path, "init", "--out", "s.json", "--lr", "5", "--epochs", "1").returncode == 0
     spec = json.loads((tmp_path / "s.json").read_text())
