@@ -241,9 +241,11 @@ class BlobStore:
         if not _DIGEST.fullmatch(digest):
             self.path(digest)  # raises, naming it
         base = os.path.join(self.root, "sha256")  # strings: a commit asks this for every blob it stages
-        for p in (os.path.join(base, digest), os.path.join(base, digest[:2], digest)):
-            if check_entry(p, "file") is not None:  # a link or a FIFO there is refused, never taken for the blob
-                return Path(p)
+        if check_entry(os.path.join(base, digest), "file") is not None:  # a link or a FIFO: refused, never taken
+            return Path(base, digest)
+        shard = os.path.join(base, digest[:2])  # the sharded layout: its directory no more followed than the file
+        if check_entry(shard, "dir") is not None and check_entry(os.path.join(shard, digest), "file") is not None:
+            return Path(shard, digest)
         return None
 
     def put(self, data: bytes) -> str:
@@ -275,11 +277,22 @@ class BlobStore:
 
     def delete(self, digests: Sequence[str]) -> None:
         """Delete blobs: their files, and their values in the writer's log (retention, after the
-        synced write that recorded their ``checkpoint_pruned``); missing ones are ignored."""
+        synced write that recorded their ``checkpoint_pruned``); missing ones are ignored.
+
+        Raises:
+            UnsafePathError: a blob, or the directory holding it (a shard of the older layout), is a
+                symbolic link or of the wrong kind: nothing is deleted through it.
+        """
         for digest in digests:
             p = self._existing(digest)
-            if p is not None:
-                p.unlink(missing_ok=True)
+            if p is not None:  # unlinked in its directory, walked from the run without following a link
+                fd = open_dir(self.root.parent, p.parent.relative_to(self.root.parent).parts)
+                try:
+                    os.unlink(p.name, dir_fd=fd)
+                except FileNotFoundError:
+                    pass
+                finally:
+                    os.close(fd)
         if self.log is not None and not self.log.readonly:
             self.log.delete_blobs([d.encode() for d in digests])
 

@@ -22,13 +22,14 @@ from typing import Any
 
 import msgspec
 
-from events.errors import CorruptEventError, DamagedLogError, EventLogError
+from events.errors import CorruptEventError, DamagedLogError, EventLogError, UnsafePathError
 from events.log import LmdbLog
 from events.paths import check_entry
 from nnx_es.audit import NotARunError, log_damage, open_run_log
 from nnx_es.cli._common import EXIT_OK, EXIT_UNUSABLE, fail, reader_left, writer_alive
 from nnx_es.cli._format import json_line, printable
 from nnx_es.result import load_result
+from nnx_es.storage import check_run_dir
 from projections.status import UNFINISHED
 
 __all__ = ["RunRow", "diff_command", "first_difference", "is_empty_runs_root", "is_runs_root", "list_command",
@@ -168,7 +169,10 @@ def first_difference(a: Path, b: Path) -> dict[str, Any] | None:
         DamagedLogError: a log's keys or checksums do not verify (:func:`nnx_es.audit.log_damage`), named.
         CorruptEventError: a value does not decode (its seq named).
         EventLogError: a log cannot be opened or read.
+        UnsafePathError: a run's log (or a file of it) is a symbolic link or of the wrong kind: not read.
     """
+    for run in (a, b):  # before the paths are resolved: a link under a run is refused, never followed
+        check_run_dir(run)
     if (a / "events.lmdb").resolve() == (b / "events.lmdb").resolve():
         return None
     with LmdbLog(a / "events.lmdb", readonly=True) as la, LmdbLog(b / "events.lmdb", readonly=True) as lb:
@@ -248,7 +252,7 @@ def diff_command(argv: list[str], as_json: bool) -> int:
                         as_json=as_json)
     try:
         found = first_difference(a, b)
-    except (EventLogError, CorruptEventError) as exc:  # damage, not a difference: exit 2, never 1
+    except (EventLogError, CorruptEventError, UnsafePathError) as exc:  # damage or a link, not a difference: exit 2
         return fail("inspect", f"{exc}; nothing was compared; run tools/replay on each run to audit it",
                     error_type=type(exc).__name__, as_json=as_json, status=EXIT_UNUSABLE)
     if as_json:

@@ -23,6 +23,7 @@ from typing import Any
 import msgspec
 
 from nnx_es.cli._common import EXIT_OK, EXIT_UNUSABLE, EXIT_VIOLATIONS
+from nnx_es.cli._format import printable
 from nnx_es.errors import ConfigError, LeaseHeldError, NnxError, ResumeError, UnsafePathError
 
 __all__ = ["add_commands"]
@@ -36,7 +37,7 @@ class BadInput(Exception):
 
 
 def _say(command: str, exc: BaseException) -> None:
-    print(f"nnx-es {command}: {' '.join(str(exc).split())}", file=sys.stderr)
+    print(printable(f"nnx-es {command}: {' '.join(str(exc).split())}"), file=sys.stderr)  # a spec's text, escaped
 
 
 def _allowed(args: argparse.Namespace) -> Any:
@@ -186,8 +187,11 @@ def lr_curve(spec: Any, allowed: Any) -> tuple[dict[str, list[float]], int]:
     scheduler is drawn as if the monitor improved every epoch (it never reduces).
 
     Raises:
-        UnsafeRecipeError / RecipeError: see :func:`nnx_es.recipes.runspec.build_run`.
+        UnsafeRecipeError / RecipeError: see :func:`nnx_es.recipes.runspec.build_run`; RecipeError also when
+            an optimizer or scheduler the spec builds fails a step of the preview (an LBFGS, which needs a
+            closure; a OneCycleLR stepped past its ``total_steps``).
     """
+    from nnx_es.errors import RecipeError
     from nnx_es.recipes import from_spec
     from nnx_es.recipes.runspec import build_model_and_optimizers
 
@@ -195,18 +199,28 @@ def lr_curve(spec: Any, allowed: Any) -> tuple[dict[str, list[float]], int]:
     schedulers = [from_spec(r, allowed=allowed, context=ctx, slot="scheduler") for r in spec.schedulers]
     per_epoch, _ = _updates_per_epoch(spec)
     curves: dict[str, list[float]] = {name: [] for name in ctx.optimizers}
-    for _epoch in range(min(max(spec.epochs, 0), math.ceil(MAX_PREVIEW_UPDATES / per_epoch))):
-        for _ in range(per_epoch):
-            for name, opt in ctx.optimizers.items():
-                curves[name].append(float(opt.param_groups[0]["lr"]))
-                opt.step()
+    try:
+        for _epoch in range(min(max(spec.epochs, 0), math.ceil(MAX_PREVIEW_UPDATES / per_epoch))):
+            for _ in range(per_epoch):
+                for name, opt in ctx.optimizers.items():
+                    curves[name].append(float(opt.param_groups[0]["lr"]))
+                    opt.step()
+                for s in schedulers:
+                    if getattr(s, "clock", "epoch") == "optimizer_update":
+                        s.scheduler.step()
             for s in schedulers:
-                if getattr(s, "clock", "epoch") == "optimizer_update":
+                if getattr(s, "clock", "epoch") == "epoch" and not getattr(s, "plateau", False):
                     s.scheduler.step()
-        for s in schedulers:
-            if getattr(s, "clock", "epoch") == "epoch" and not getattr(s, "plateau", False):
-                s.scheduler.step()
+    except Exception as exc:  # the spec's own optimizer or scheduler refusing its plan: the spec's fault, one line
+        done = sum(map(len, curves.values())) // max(len(curves), 1)
+        raise RecipeError(f"the learning-rate preview failed after {done} planned update(s): {type(exc).__name__}: "
+                          f"{exc}; fix that optimizer or scheduler recipe") from None
     return curves, per_epoch
+
+
+def _out(line: str) -> None:
+    """Print one line of ``report``: a spec's strings (names, keywords) are someone else's text, escaped."""
+    print(printable(line))
 
 
 def _report(args: argparse.Namespace) -> int:
@@ -215,48 +229,48 @@ def _report(args: argparse.Namespace) -> int:
     from nnx_es.recipes.runspec import validate_spec
 
     validate_spec(spec, allowed)
-    print(f"spec {args.spec}: valid (imports allowed from {', '.join(allowed.prefixes)})")
-    print(f"model       {spec.model.target}  {_fmt(spec.model.kwargs)}")
+    _out(f"spec {args.spec}: valid (imports allowed from {', '.join(allowed.prefixes)})")
+    _out(f"model       {spec.model.target}  {_fmt(spec.model.kwargs)}")
     for name, o in spec.optimizers.items():
         listed = _groups(o)
         n = len(listed) if listed is not None else 1
-        print(f"optimizer   {name}: {_short(o.target)} lr={o.kwargs.get('lr', 'default')}, {n} parameter group(s)")
+        _out(f"optimizer   {name}: {_short(o.target)} lr={o.kwargs.get('lr', 'default')}, {n} parameter group(s)")
         if listed is not None and n > 1:  # layer-wise learning rates: each group's own
             base = o.kwargs.get("lr")
             for i, g in enumerate(listed):
                 names = [str(n) for n in g.get("names", [])] if isinstance(g.get("names", []), list) else []
-                print(f"  group {i}   lr={g.get('lr', base)}  {len(names)} parameter(s): {', '.join(names[:4])}"
+                _out(f"  group {i}   lr={g.get('lr', base)}  {len(names)} parameter(s): {', '.join(names[:4])}"
                       f"{', ...' if len(names) > 4 else ''}")
     for s in spec.schedulers:
         inner = s.kwargs.get("scheduler")
         inner_kw = {k: v for k, v in _at(inner, "kwargs", default={}).items() if k != "optimizer"} \
             if isinstance(_at(inner, "kwargs"), dict) else {}
         opt = _at(inner, "kwargs", "optimizer", "@optimizer", default="?")
-        print(f"scheduler   {s.kwargs.get('name')}: {_short(_at(inner, 'target', default='?'))} on {opt}, clock "
+        _out(f"scheduler   {s.kwargs.get('name')}: {_short(_at(inner, 'target', default='?'))} on {opt}, clock "
               f"{s.kwargs.get('clock', 'epoch')}  {_fmt(inner_kw)}")
-    print(f"loss        {_short(spec.loss.target)}  {_fmt(spec.loss.kwargs)}")
+    _out(f"loss        {_short(spec.loss.target)}  {_fmt(spec.loss.kwargs)}")
     for c in spec.callbacks:
-        print(f"callback    {_short(c.target)}  {_fmt(c.kwargs)}")
+        _out(f"callback    {_short(c.target)}  {_fmt(c.kwargs)}")
     for h in spec.hooks:
-        print(f"hook        {_short(h.target)}  {_fmt(h.kwargs)}")
+        _out(f"hook        {_short(h.target)}  {_fmt(h.kwargs)}")
     m = _kw(spec.monitor)
-    print(f"monitor     {m.get('name')} (mode {m.get('mode', 'min')}, min_delta {m.get('min_delta', 0.0)})"
+    _out(f"monitor     {m.get('name')} (mode {m.get('mode', 'min')}, min_delta {m.get('min_delta', 0.0)})"
           if spec.monitor else "monitor     none: no BEST, no plateau, no early stopping")
     t = spec.trainer
-    print(f"cadences    validate every {t.get('validate_every', 1)} epoch(s)"
+    _out(f"cadences    validate every {t.get('validate_every', 1)} epoch(s)"
           f"{', every %s updates' % t['validate_every_steps'] if t.get('validate_every_steps') else ''}; "
           f"phase every {t.get('phase_every')} epoch(s), keep {t.get('keep_phases')}; "
           f"checkpoint_lag {t.get('checkpoint_lag', 0)}")
-    print(f"run         {spec.epochs} epochs, seed {spec.seed}, metrics {spec.metrics}; data "
+    _out(f"run         {spec.epochs} epochs, seed {spec.seed}, metrics {spec.metrics}; data "
           f"{_short(spec.data.target) + ' ' + _fmt(spec.data.kwargs) if spec.data else 'none'}")
     for w in plan_warnings(spec):
-        print(f"warning: {w}")
+        _out(f"warning: {w}")
     png = Path(args.png) if args.png else Path(args.spec).with_suffix(".lr.png")
     curves, per_epoch = lr_curve(spec, allowed)
     known = _updates_per_epoch(spec)[1]
     _plot(curves, png, per_epoch, known)
     drawn = sum(map(len, curves.values())) // max(len(curves), 1)
-    print(f"learning-rate preview: {png} ({drawn} planned updates{'' if drawn < MAX_PREVIEW_UPDATES else ' drawn'}, "
+    _out(f"learning-rate preview: {png} ({drawn} planned updates{'' if drawn < MAX_PREVIEW_UPDATES else ' drawn'}, "
           f"{per_epoch} per epoch{'' if known else ' (unknown: one per epoch drawn)'})")
     return EXIT_OK
 

@@ -306,7 +306,25 @@ def record_spec(required: bool, given: RunSpec | Mapping[str, Any] | None, *, ne
         metrics=list(metrics), steps=step_paths, trainer={k: v for k, v in settings.items() if k in TRAINER_SETTINGS},
         data=given.data if given is not None else None, epochs=given.epochs if given is not None else 0, seed=seed,
     )
-    return msgspec.to_builtins(spec)  # type: ignore[no-any-return]
+    document = msgspec.to_builtins(spec)
+    _check_recordable(document, "spec")
+    return document  # type: ignore[no-any-return]
+
+
+def _check_recordable(value: Any, where: str) -> None:
+    """Refuse a spec value ``run_started`` cannot encode (an int past 64 bits), before anything is written.
+
+    Raises:
+        RecipeError: naming the innermost field that does not encode and its value.
+    """
+    try:
+        msgspec.msgpack.encode(value)
+    except (TypeError, OverflowError, msgspec.EncodeError) as exc:
+        items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+        for key, inner in items:
+            _check_recordable(inner, f"{where}.{key}" if isinstance(key, str) else f"{where}[{key}]")
+        raise RecipeError(f"{where} = {repr(value)[:80]} cannot be recorded in run_started ({exc}): an int must lie "
+                          "in [-2**63, 2**64)") from None
 
 
 #: the largest batch size or patience ``nnx-es init`` writes; the widest hidden layer it scaffolds

@@ -191,3 +191,61 @@ def test_a_fifo_or_dev_zero_in_place_of_a_blob_ends_at_once_with_a_clear_error(w
         pytest.fail(f"NNModel.load did not end within {BOUND_S} s")
     _refused(out, said)
     assert _tree(run) == before
+
+
+def test_a_resume_never_deletes_through_a_linked_blob_shard_outside_the_run(tmp_path: Path) -> None:
+    """A run handed over with ``blobs/sha256/<2 hex>`` (the older sharded layout) linked to a directory of
+    the user's holding a file named by a blob's digest (a content-addressed store names files so): the
+    resume's retention prunes that blob's checkpoint and used to unlink the user's file through the link."""
+    assert _cli(tmp_path, "init", "--out", "spec.json", "--epochs", "2").returncode == 0
+    spec = json.loads((tmp_path / "spec.json").read_text())
+    spec["model"]["kwargs"]["hidden"] = [1024]  # blob files
+    spec["trainer"] = {"phase_every": 1, "keep_phases": 2}  # epoch 0's phase: rotated out by the resume
+    (tmp_path / "spec.json").write_text(json.dumps(spec))
+    trained = _cli(tmp_path, "run", "spec.json", "--run-id", "r")
+    assert trained.returncode == 0, trained.stderr
+    run = tmp_path / "runs" / "r"
+    from nnx_es.checkpoint import read_manifest
+    from nnx_es.result import open_projections
+    from nnx_es.storage import BlobStore
+
+    kept = open_projections(run)[0].checkpoints
+    store = BlobStore(run / "blobs")
+
+    def files(manifest: str) -> set[str]:
+        return {c.blob for c in read_manifest(store, manifest).components.values() if c.data is None}
+
+    phase = min(kept.phases.values(), key=lambda p: p.epoch)
+    blobs, last = files(phase.manifest), files(kept.last.manifest)
+    doomed = sorted(blobs - last)
+    assert doomed, (kept, blobs, last)
+    store_dir = tmp_path / "victim"
+    store_dir.mkdir()
+    digest = doomed[0]
+    shutil.move(run / "blobs" / "sha256" / digest, store_dir / digest)
+    (run / "blobs" / "sha256" / digest[:2]).symlink_to(store_dir, target_is_directory=True)
+    before = _tree(store_dir)
+    out = _cli(tmp_path, "resume", "runs/r", "--epochs", "3")
+    assert "Traceback" not in out.stderr, out.stderr
+    assert f"sha256/{digest[:2]} is a symbolic link" in out.stderr, out.stderr  # said, never followed
+    assert _tree(store_dir) == before  # the user's file is still there
+
+
+@pytest.mark.parametrize("place", ["events.lmdb", "events.lmdb/data.mdb", "events.lmdb/lock.mdb"])
+def test_inspect_diff_against_a_run_with_a_linked_log_exits_2_naming_the_link_not_a_difference(
+        work: Path, place: str) -> None:
+    """``inspect diff runs/r runs/r2`` where ``r2``'s log (or a file of it) links elsewhere ended in a traceback,
+    exit 1 (= "differ"); a log linked to ``r``'s own read as "the same events"."""
+    runs = work / "runs"
+    shutil.copytree(runs / "r", runs / "r2", symlinks=True)
+    link = runs / "r2" / place
+    target = work / "victim" / Path(place).name
+    if place == "events.lmdb":
+        shutil.rmtree(link)
+        target = runs / "r" / "events.lmdb"
+    else:
+        shutil.move(link, target)
+    link.symlink_to(target, target_is_directory=target.is_dir())
+    before = _tree(work / "victim")
+    _refused(_cli(work, "inspect", "diff", "runs/r", "runs/r2"), f"runs/r2/{place} is a symbolic link")
+    assert _tree(work / "victim") == before

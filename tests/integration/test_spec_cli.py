@@ -100,6 +100,67 @@ def test_bad_input_exits_2_with_one_line_naming_it(tmp_path: Path) -> None:
         assert nnx_es(tmp_path, command, "--help").returncode == 0
 
 
+@pytest.mark.parametrize("case", ["lbfgs", "one_cycle_overstepped", "optimizer_base"])
+def test_report_of_an_optimizer_or_scheduler_that_fails_its_preview_step_exits_2_in_one_line(
+        tmp_path: Path, case: str) -> None:
+    """``report`` steps the spec's optimizers and schedulers to draw the learning rate: an LBFGS (its step needs
+    a closure), a OneCycleLR planned for fewer steps than the epochs, torch's Optimizer base (no step) ended in a
+    traceback, exit 1."""
+    assert nnx_es(tmp_path, "init", "--out", "s.json", "--epochs", "3").returncode == 0
+    spec = json.loads((tmp_path / "s.json").read_text())
+
+    def recipe(target: str, **kwargs: object) -> dict[str, object]:
+        return {"@type": "recipe", "target": target, "kwargs": kwargs}
+
+    if case == "lbfgs":
+        spec["optimizers"]["main"] = recipe("torch.optim.lbfgs:LBFGS", lr=0.1)
+    elif case == "optimizer_base":
+        spec["optimizers"]["main"] = recipe("torch.optim.optimizer:Optimizer", defaults={"lr": 0.1})
+    else:
+        spec["schedulers"] = [recipe("nnx_es.schedulers:Scheduler", clock="epoch", name="oc", scheduler=recipe(
+            "torch.optim.lr_scheduler:OneCycleLR", optimizer={"@optimizer": "main"}, max_lr=0.1, total_steps=1))]
+    (tmp_path / "s.json").write_text(json.dumps(spec))
+    out = nnx_es(tmp_path, "report", "s.json")
+    assert out.returncode == 2, (out.stdout, out.stderr)
+    assert "Traceback" not in out.stderr and len(out.stderr.strip().splitlines()) == 1, out.stderr
+    assert "the learning-rate preview failed" in out.stderr
+
+
+@pytest.mark.parametrize("field", [("trainer", "keep_last"), ("trainer", "validate_every"), ("data", "batch_size")])
+def test_a_spec_int_past_64_bits_is_refused_before_the_run_directory_is_made(tmp_path: Path, field) -> None:
+    """``trainer.keep_last = 2**70`` (or another count past 64 bits) passed the checks and failed to encode
+    ``run_started``: exit 1 and a run directory whose log held ``run_failed`` alone (the audit failed it)."""
+    assert nnx_es(tmp_path, "init", "--out", "s.json", "--epochs", "1").returncode == 0
+    spec = json.loads((tmp_path / "s.json").read_text())
+    section, key = field
+    (spec[section] if section == "trainer" else spec[section]["kwargs"])[key] = 2**70
+    (tmp_path / "s.json").write_text(json.dumps(spec))
+    out = nnx_es(tmp_path, "run", "s.json", "--run-id", "r")
+    assert out.returncode == 2, (out.stdout, out.stderr)
+    assert "Traceback" not in out.stderr and len(out.stderr.strip().splitlines()) == 1, out.stderr
+    assert f"{key} = {2**70} cannot be recorded" in out.stderr
+    assert not (tmp_path / "runs" / "r").exists()
+
+
+def test_nnx_es_escapes_terminal_controls_of_a_spec_in_what_it_prints(tmp_path: Path) -> None:
+    """A spec's strings reach the terminal through ``report``'s plan (a scheduler's name) and through a
+    constructor's error (TransformerEncoderLayer echoes its ``activation``): printed raw, they set the
+    terminal's title and cleared its screen."""
+    hostile = "\x1b]0;PWNED\x07\x1b[2J\u202eevil"
+    assert nnx_es(tmp_path, "init", "--out", "s.json", "--epochs", "1").returncode == 0
+    spec = json.loads((tmp_path / "s.json").read_text())
+    spec["schedulers"][0]["kwargs"]["name"] = hostile
+    (tmp_path / "plan.json").write_text(json.dumps(spec))
+    spec["model"] = {"@type": "recipe", "target": "torch.nn.modules.transformer:TransformerEncoderLayer",
+                     "kwargs": {"d_model": 4, "nhead": 1, "activation": hostile}}
+    (tmp_path / "error.json").write_text(json.dumps(spec))
+    plan, error = nnx_es(tmp_path, "report", "plan.json"), nnx_es(tmp_path, "report", "error.json")
+    assert error.returncode == 2 and "not \\x1b]0;PWNED\\x07\\x1b[2J\\u202eevil" in error.stderr, error.stderr
+    assert "\\x1b]0;PWNED" in plan.stdout, plan.stdout
+    for out in (plan, error):
+        assert not any(c in out.stdout + out.stderr for c in "\x1b\x07\u202e")
+
+
 def test_report_warns_on_common_mistakes(tmp_path: Path) -> None:
     assert nnx_es(tmp_path, "init", "--out", "s.json", "--lr", "5", "--epochs", "1").returncode == 0
     spec = json.loads((tmp_path / "s.json").read_text())
