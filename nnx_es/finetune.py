@@ -113,7 +113,8 @@ def load_weights(net: nn.Module, init: WeightsFrom) -> Lineage:
         shapes = [f"{k}: {tuple(state[k].shape)} in the source, {tuple(own[k].shape)} in the net"
                   for k in skipped if k in own]
         fits = fitting_models(state, own) if init.model is None and isinstance(init.source, (str, Path)) else []
-        what = (f"its model {fits[0]!r} has this net's keys: pass WeightsFrom(..., model={fits[0]!r})" if fits else
+        what = (f"its keys under {fits[0] + '.'!r} are this net's (a several-model run's {fits[0]!r}): "
+                f"pass WeightsFrom(..., model={fits[0]!r})" if fits else
                 "pass WeightsFrom(..., strict=False) to load the keys that match and keep the net's own for the "
                 "others (a new head)")
         raise ConfigError(

@@ -211,7 +211,8 @@ class NNModel:
         if misfits:
             names = model_names(state) if model is None else []
             fits = fitting_models(state, self.net.state_dict()) if model is None else []
-            hint = (f"; the run's model {fits[0]!r} has this net's keys: load it with model={fits[0]!r}" if fits
+            hint = (f"; its keys under {fits[0] + '.'!r} are this net's (a several-model run's {fits[0]!r}): "
+                    f"load them with model={fits[0]!r}" if fits
                     else f"; the run stores several models ({', '.join(names)}): load one with model=<name>"
                     if len(names) > 1 and not set(names) & {n for n, _ in self.net.named_children()} else "")
             raise ConfigError(f"the {which.upper()} checkpoint of run {result.run_id!r} (epoch {pointer.epoch}) "

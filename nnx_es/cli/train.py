@@ -367,7 +367,8 @@ def _from(text: str) -> str:
 def _where_allowed_is_looked_for(args: argparse.Namespace, exc: BaseException) -> str:
     """For an ``--allow``'d module that does not import: where :func:`_find_packages_beside` looked, and what to do
     (a resume without ``--spec`` has no spec file: the working directory alone)."""
-    missing = [p for p in getattr(args, "allow", None) or () if f"No module named '{p.split('.')[0]}'" in str(exc)]
+    missing = [p for p in getattr(args, "allow", None) or ()
+               if f"No module named '{p.split('.')[0]}'" in str(exc)]
     if not missing:
         return ""
     spec = getattr(args, "spec", None)

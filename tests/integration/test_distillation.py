@@ -194,10 +194,10 @@ def test_loading_a_distilled_student_without_model_names_the_stored_model_that_f
     from nnx_es.finetune import WeightsFrom, load_weights
 
     run = _trainer(tmp_path / "runs", "kd").fit(*loaders(batch_size=8, n_train=48), epochs=1)
-    with pytest.raises(ConfigError, match=r"model 'student' has this net's keys: load it with model='student'"):
+    with pytest.raises(ConfigError, match=r"keys under 'student\.' are this net's \(a several-model run's 'student'\): load them with model='student'"):
         NNModel(small_net(9)).load(run.run_dir, "best")
-    with pytest.raises(ConfigError, match=r"model 'student' has this net's keys: pass WeightsFrom\(\.\.\., model='student'\)"):
+    with pytest.raises(ConfigError, match=r"keys under 'student\.' are this net's .*: pass WeightsFrom\(\.\.\., model='student'\)"):
         load_weights(small_net(5), WeightsFrom(run.run_dir, "best"))
     with pytest.raises(ConfigError, match="does not fit this net") as info:  # another architecture: no model fits
         NNModel(nn.Linear(4, 3)).load(run.run_dir, "best")
-    assert "has this net's keys" not in str(info.value)
+    assert "are this net's" not in str(info.value)
