@@ -201,3 +201,11 @@ def test_loading_a_distilled_student_without_model_names_the_stored_model_that_f
     with pytest.raises(ConfigError, match="does not fit this net") as info:  # another architecture: no model fits
         NNModel(nn.Linear(4, 3)).load(run.run_dir, "best")
     assert "are this net's" not in str(info.value)
+
+
+def test_the_readme_says_how_to_load_one_model_of_a_distillation_run():
+    """The README's distillation paragraph names the keyword each loader takes (model=, weights_of=)."""
+    readme = " ".join((Path(__file__).resolve().parents[2] / "README.md").read_text().split())
+    assert ('loads into its own module by that name: `NNModel(student).load(run_dir, "best", model="student")` '
+            '(likewise `WeightsFrom(..., model="student")`, `FixedHeadProvider.from_run(..., weights_of="student")`') \
+        in readme
