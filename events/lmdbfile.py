@@ -77,17 +77,19 @@ def meta_damage(data: Path) -> str | None:
     metas = [first, _meta(head, psize)]
     if None in metas or all(meta[0] != _MAGIC for meta in metas):  # type: ignore[index]
         return None
+    a, b = metas
+    assert a is not None and b is not None
+    if a[0] == b[0] == _MAGIC and a[1] == b[1] != _DATA_VERSION:  # said once, not once per page
+        return (f"both meta pages read data format v{a[1]} (LMDB 0.9 writes v{_DATA_VERSION}): another LMDB's file, "
+                "or both damaged")
     problems = []
     for i, meta in enumerate(metas):
         assert meta is not None
         if meta[0] != _MAGIC:
             problems.append(f"meta page {i} has magic {meta[0]:#010x}, not LMDB's {_MAGIC:#010x}")
         elif meta[1] != _DATA_VERSION:
-            other = metas[1 - i]
-            agree = other is not None and other[0] == _MAGIC and other[1] == meta[1]
-            problems.append(f"meta page {i} reads data format v{meta[1]} (LMDB 0.9 writes v{_DATA_VERSION}"
-                            + ("; both meta pages say so: another LMDB's file, or both damaged)" if agree else
-                               ", and the other meta page does not agree)"))
+            problems.append(f"meta page {i} reads data format v{meta[1]} (LMDB 0.9 writes v{_DATA_VERSION}, and the "
+                            "other meta page does not agree)")
     return "; ".join(problems) or None
 
 

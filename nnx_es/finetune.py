@@ -38,7 +38,7 @@ from events.schema import Lineage
 from nnx_es.callbacks import Callback
 from nnx_es.errors import ConfigError, ResumeError
 from nnx_es.evaluation import state_fingerprint
-from nnx_es.weights import read_weights
+from nnx_es.weights import fitting_models, read_weights
 
 __all__ = ["NORM_STATS", "Freeze", "WeightsFrom", "group_names", "initial_weights", "load_weights", "param_groups"]
 
@@ -112,10 +112,14 @@ def load_weights(net: nn.Module, init: WeightsFrom) -> Lineage:
     if init.strict and (skipped or new):
         shapes = [f"{k}: {tuple(state[k].shape)} in the source, {tuple(own[k].shape)} in the net"
                   for k in skipped if k in own]
+        fits = fitting_models(state, own) if init.model is None and isinstance(init.source, (str, Path)) else []
+        what = (f"its keys under {fits[0] + '.'!r} are this net's (a several-model run's {fits[0]!r}): "
+                f"pass WeightsFrom(..., model={fits[0]!r})" if fits else
+                "pass WeightsFrom(..., strict=False) to load the keys that match and keep the net's own for the "
+                "others (a new head)")
         raise ConfigError(
             f"the initial weights do not fit the net (strict=True): only in the source {sorted(set(skipped) - set(own))}, "
-            f"only in the net {sorted(set(new) - set(state))}, other shapes {shapes}; pass WeightsFrom(..., "
-            "strict=False) to load the keys that match and keep the net's own for the others (a new head)")
+            f"only in the net {sorted(set(new) - set(state))}, other shapes {shapes}; {what}")
     loaded = {k: v for k, v in state.items() if k not in skipped}
     if not loaded:
         raise ConfigError(f"no key of the initial weights fits the net (source keys {sorted(state)[:6]}..., net keys "

@@ -30,7 +30,7 @@ from nnx_es.objective import Objective
 from nnx_es.result import RunResult
 from nnx_es.snapshot import weight_misfits
 from nnx_es.trainer import Trainer
-from nnx_es.weights import model_names, read_weights
+from nnx_es.weights import fitting_models, model_names, read_weights
 
 __all__ = ["NNModel", "WeightsSource"]
 
@@ -210,7 +210,10 @@ class NNModel:
         misfits = weight_misfits(self.net, state)
         if misfits:
             names = model_names(state) if model is None else []
-            hint = (f"; the run stores several models ({', '.join(names)}): load one with model=<name>"
+            fits = fitting_models(state, self.net.state_dict()) if model is None else []
+            hint = (f"; its keys under {fits[0] + '.'!r} are this net's (a several-model run's {fits[0]!r}): "
+                    f"load them with model={fits[0]!r}" if fits
+                    else f"; the run stores several models ({', '.join(names)}): load one with model=<name>"
                     if len(names) > 1 and not set(names) & {n for n, _ in self.net.named_children()} else "")
             raise ConfigError(f"the {which.upper()} checkpoint of run {result.run_id!r} (epoch {pointer.epoch}) "
                               f"does not fit this net (another architecture?): {misfits}{hint}")

@@ -23,7 +23,7 @@ from nnx_es.result import Pointer, RunResult, load_result, loadable
 from nnx_es.storage import BlobStore
 from nnx_es.update_hooks import EMA
 
-__all__ = ["WEIGHTS", "CheckpointWeights", "model_names", "read_weights"]
+__all__ = ["WEIGHTS", "CheckpointWeights", "fitting_models", "model_names", "read_weights"]
 
 #: which of a checkpoint's weights to read (see :func:`read_weights`)
 WEIGHTS = ("evaluated", "raw", "averaged")
@@ -51,6 +51,15 @@ def _averaged_state(store: BlobStore, manifest: Manifest) -> dict[str, Any] | No
 def model_names(state: dict[str, Any]) -> list[str]:
     """The first component of each key (a several-model run's model names), in key order."""
     return list(dict.fromkeys(str(key).split(".", 1)[0] for key in state))
+
+
+def fitting_models(state: dict[str, Any], net_keys: Any) -> list[str]:
+    """The stored models of a several-model checkpoint whose keys, without their ``"<model>."`` prefix,
+    are exactly ``net_keys`` (a net's ``state_dict()`` keys): the ``model=`` a load of ``state`` into
+    that net forgot. A one-model checkpoint (keys that fit as stored) gives none."""
+    want = set(net_keys)
+    return [name for name in model_names(state)
+            if {str(k).split(".", 1)[1] for k in state if str(k).startswith(name + ".")} == want]
 
 
 def read_weights(run_dir: str | Path, which: str = "best", weights: str = "evaluated", *,

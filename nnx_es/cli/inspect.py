@@ -13,7 +13,8 @@ commands:
                     it folds verify against their checksums, tail (--json: one
                     object, "writer_alive" among its keys); a run not finalized whose writer
                     lease no process on this machine holds is flagged: killed or crashed?
-                    resume it with fit(..., resume_from=RUN_DIR). It reads from the newest
+                    resume it with nnx-es resume RUN_DIR (a run nnx-es run started: its
+                    run_started holds a spec), else fit(..., resume_from=RUN_DIR). It reads from the newest
                     projection snapshot on (O(events since it)) and verifies what it folds:
                     the snapshot's own checksum, the keys and values after it
     --verify        verify the whole log instead (every key, every event value's checksum; not

@@ -378,12 +378,25 @@ def _from(text: str) -> str:
     raise argparse.ArgumentTypeError(f"--from takes 'last', 'best' or a LAST's seq, got {text!r}")
 
 
+def _where_allowed_is_looked_for(args: argparse.Namespace, exc: BaseException) -> str:
+    """For an ``--allow``'d module that does not import: where :func:`_find_packages_beside` looked, and what to do
+    (a resume without ``--spec`` has no spec file: the working directory alone)."""
+    missing = [p for p in getattr(args, "allow", None) or ()
+               if f"No module named '{p.split('.')[0]}'" in str(exc)]
+    if not missing:
+        return ""
+    spec = getattr(args, "spec", None)
+    where = list(dict.fromkeys([str(Path.cwd())] + ([str(Path(spec).resolve().parent)] if spec else [])))
+    return (f"; --allow {missing[0]!r} is looked for in the working directory" + (" and beside the spec file" if spec
+            else "") + f" ({', '.join(where)}): run from the directory holding it, or put it on PYTHONPATH or install it")
+
+
 def _guarded(command: str, fn: Any) -> Any:
     def run(args: argparse.Namespace) -> int:
         try:
             return int(fn(args))
         except (BadInput, NnxError, OSError) as exc:
-            _say(command, exc)
+            _say(command, BadInput(f"{exc}{_where_allowed_is_looked_for(args, exc)}"))
             return EXIT_UNUSABLE
     return run
 
@@ -427,7 +440,8 @@ def add_commands(sub: Any) -> None:
 
     p = sub.add_parser("resume", help="continue a run, or fork a new one from an older checkpoint",
                        description="--from last (default) continues RUN_DIR from its LAST; --from best or a LAST's "
-                       "seq starts a new run from that checkpoint's weights, recording its source (run id, LAST "
+                       "seq forks a new run from that checkpoint's whole state (weights, optimizers, schedulers, RNG "
+                       "streams, callback state; its epochs and counters from 0), recording its source (run id, LAST "
                        "seq, manifest hash); the source run is never written.")
     p.add_argument("run_dir", help="the run directory, runs/<id>")
     p.add_argument("--spec", default=None, help="the spec (default: the one the run recorded)")

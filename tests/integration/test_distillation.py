@@ -185,3 +185,27 @@ def test_one_model_of_a_several_model_run_loads_by_name_into_its_own_module(tmp_
 
     provider = FixedHeadProvider.from_run(small_net(7), run.run_dir, "best", n_features=4, weights_of="student")
     assert provider.source.run_id == "kd" and provider.source.manifest == run.best.manifest
+
+
+def test_loading_a_distilled_student_without_model_names_the_stored_model_that_fits(tmp_path):
+    """A distillation run stores the student alone (the teacher is frozen): a load into the student's
+    own module without ``model=`` says which stored model fits it, not a bare list of mismatched keys."""
+    from nnx_es import NNModel
+    from nnx_es.finetune import WeightsFrom, load_weights
+
+    run = _trainer(tmp_path / "runs", "kd").fit(*loaders(batch_size=8, n_train=48), epochs=1)
+    with pytest.raises(ConfigError, match=r"keys under 'student\.' are this net's \(a several-model run's 'student'\): load them with model='student'"):
+        NNModel(small_net(9)).load(run.run_dir, "best")
+    with pytest.raises(ConfigError, match=r"keys under 'student\.' are this net's .*: pass WeightsFrom\(\.\.\., model='student'\)"):
+        load_weights(small_net(5), WeightsFrom(run.run_dir, "best"))
+    with pytest.raises(ConfigError, match="does not fit this net") as info:  # another architecture: no model fits
+        NNModel(nn.Linear(4, 3)).load(run.run_dir, "best")
+    assert "are this net's" not in str(info.value)
+
+
+def test_the_readme_says_how_to_load_one_model_of_a_distillation_run():
+    """The README's distillation paragraph names the keyword each loader takes (model=, weights_of=)."""
+    readme = " ".join((Path(__file__).resolve().parents[2] / "README.md").read_text().split())
+    assert ('loads into its own module by that name: `NNModel(student).load(run_dir, "best", model="student")` '
+            '(likewise `WeightsFrom(..., model="student")`, `FixedHeadProvider.from_run(..., weights_of="student")`') \
+        in readme

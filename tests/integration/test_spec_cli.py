@@ -85,6 +85,14 @@ def test_resume_help_says_what_epochs_counts_for_a_resume_and_for_a_fork(tmp_pat
         "run's own epochs, counted from 0" in text, out.stdout
 
 
+def test_resume_help_says_a_fork_starts_from_the_checkpoints_whole_state_not_its_weights(tmp_path: Path) -> None:
+    """As the README says (resume_mode="fork": weights, optimizers, schedulers, RNG streams, callback state)."""
+    text = " ".join(nnx_es(tmp_path, "resume", "--help").stdout.split())
+    assert "forks a new run from that checkpoint's whole state (weights, optimizers, schedulers, RNG streams, " \
+        "callback state; its epochs and counters from 0)" in text, text
+    assert "from that checkpoint's weights" not in text, text
+
+
 def test_bad_input_exits_2_with_one_line_naming_it(tmp_path: Path) -> None:
     assert nnx_es(tmp_path, "init", "--out", "s.json", "--epochs", "1").returncode == 0
     spec = json.loads((tmp_path / "s.json").read_text())

@@ -95,3 +95,26 @@ def test_the_console_script_finds_an_allowed_module_beside_the_spec_and_in_the_w
                          env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr
     assert (project / "runs" / "mine" / "events.lmdb" / "data.mdb").exists()
+
+
+def test_an_allowed_module_found_neither_in_the_working_directory_nor_beside_the_spec_says_where_it_was_looked_for(
+        tmp_path) -> None:
+    """``--allow mymodels`` kept elsewhere (a resume run from another directory, a spec copied away from its
+    module): the one line names the directories searched and what to do, not "No module named" alone."""
+    (tmp_path / "project").mkdir()
+    (tmp_path / "project" / "mymodels.py").write_text(PACKAGE)
+    (tmp_path / "specs").mkdir()
+    (tmp_path / "elsewhere").mkdir()
+    spec = {"model": recipe("mymodels:Net", width=4), "optimizers": {"main": recipe("torch.optim.sgd:SGD", lr=0.1)},
+            "loss": recipe("torch.nn.modules.loss:CrossEntropyLoss"), "data": recipe("mymodels:loaders", width=4),
+            "epochs": 1}
+    (tmp_path / "specs" / "spec.json").write_text(json.dumps(spec))
+    found, stderr = drive(tmp_path / "elsewhere", [["run", "../specs/spec.json", "--allow", "mymodels", "--run-id", "x"]],
+                          [])
+    assert found["codes"] == [2], stderr
+    (line,) = stderr.strip().splitlines()
+    assert "No module named 'mymodels'" in line, line
+    assert (f"--allow 'mymodels' is looked for in the working directory and beside the spec file "
+            f"({(tmp_path / 'elsewhere').resolve()}, {(tmp_path / 'specs').resolve()}): run from the directory holding "
+            "it, or put it on PYTHONPATH or install it") in line, line
+    assert not (tmp_path / "elsewhere" / "runs" / "x").exists()

@@ -67,6 +67,16 @@ def test_a_changed_meta_page_is_named(tmp_path: Path, offset: int, value: int, n
     assert meta_damage(data) == named
 
 
+def test_both_meta_pages_reading_another_data_format_are_named_once(tmp_path: Path):
+    data = _log_file(tmp_path)
+    b = bytearray(data.read_bytes())
+    struct.pack_into("<I", b, 20, 254)
+    struct.pack_into("<I", b, 4096 + 20, 254)
+    data.write_bytes(bytes(b))
+    assert meta_damage(data) == ("both meta pages read data format v254 (LMDB 0.9 writes v1): another LMDB's file, "
+                                 "or both damaged")
+
+
 def test_a_file_that_is_not_lmdb_at_all_is_left_to_lmdb_to_name(tmp_path: Path):
     data = tmp_path / "data.mdb"
     data.write_bytes(b"not an LMDB environment\n" * 512)

@@ -384,3 +384,15 @@ def test_summary_says_whether_the_logs_values_verify_against_their_checksums(rea
     env.close()
     assert main([str(old), "summary", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["checksums"] == "not verified: the log was written before checksums existed"
+
+
+def test_the_readme_and_inspect_help_say_a_killed_cli_run_resumes_with_nnx_es_resume(capsys):
+    """What ``summary`` prints for a killed ``nnx-es run`` (``nnx-es resume``) is what its help and the
+    README's Tools section say, beside ``fit(..., resume_from=...)`` for a run started from Python."""
+    readme = " ".join((Path(__file__).resolve().parents[3] / "README.md").read_text().split())
+    assert ("killed or crashed? resume it with `nnx-es resume runs/<id>` when `nnx-es run` started it, "
+            "else `fit(..., resume_from=...)`") in readme
+    assert main(["--help"]) == 0
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert "resume it with nnx-es resume RUN_DIR (a run nnx-es run started" in help_text
+    assert "else fit(..., resume_from=RUN_DIR)" in help_text
