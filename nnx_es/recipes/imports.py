@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 from nnx_es.errors import RecipeError, UnsafeRecipeError
 from nnx_es.recipes.slots import registered
-from nnx_es.recipes.slots import under as _under
+from nnx_es.recipes.slots import under
 
 if TYPE_CHECKING:
     from nnx_es.recipes.slots import Slot
@@ -82,7 +82,7 @@ class Allowed:
         for p in (*defaults, *extra):
             if not isinstance(p, str) or not all(part.isidentifier() for part in p.split(".")):
                 raise RecipeError(f"an allowed module prefix must be a dotted name, got {p!r}")
-        inside = [p for p in extra if _under(p, DEFAULT_PREFIXES) or _under(p, DENIED_PREFIXES)]
+        inside = [p for p in extra if under(p, DEFAULT_PREFIXES) or under(p, DENIED_PREFIXES)]
         if inside:
             raise RecipeError(f"--allow {inside[0]!r}: torch and nnx_es are allowed already, by type (a class of the "
                               "slot's base, or a factory registered for it); --allow names your own package")
@@ -98,7 +98,7 @@ class Allowed:
         """These prefixes plus the top-level package that defined ``obj``'s class (trusted: the
         caller holds the object)."""
         module = type(obj).__module__.split(".")[0]
-        if module in ("builtins", "__main__") or _under(module, self.defaults) or _under(module, DEFAULT_PREFIXES):
+        if module in ("builtins", "__main__") or under(module, self.defaults) or under(module, DEFAULT_PREFIXES):
             return self
         return Allowed((*self.user, module), defaults=self.defaults)
 
@@ -119,10 +119,10 @@ class Allowed:
         if private:
             raise UnsafeRecipeError(f"recipe path {path!r} names the private name {private[0]!r}; refused, nothing imported")
         dotted = module + ("." + qualname if qualname else "")
-        if _under(dotted, DENIED_PREFIXES):
+        if under(dotted, DENIED_PREFIXES):
             raise UnsafeRecipeError(f"recipe path {path!r} is under a denied module (code loaders, process "
                                     "spawners); refused, nothing imported")
-        if not _under(dotted, self.prefixes) and not registered(dotted):
+        if not under(dotted, self.prefixes) and not registered(dotted):
             raise UnsafeRecipeError(
                 f"recipe path {path!r} is outside the allowed module prefixes {list(self.prefixes)}; refused, "
                 "nothing imported (trusted code may allow more, e.g. --allow PACKAGE; a recipe cannot)"
@@ -166,7 +166,7 @@ class Allowed:
         real_module = getattr(obj, "__module__", None) or ""
         real_qualname = getattr(obj, "__qualname__", None) or ""
         real = f"{real_module}.{real_qualname}"
-        if ((not _under(real_module, self.prefixes) and not registered(real)) or _under(real, DENIED_PREFIXES)
+        if ((not under(real_module, self.prefixes) and not registered(real)) or under(real, DENIED_PREFIXES)
                 or any(p.startswith(("_", "<")) for p in [*real_module.split("."), *real_qualname.split(".")])):
             raise UnsafeRecipeError(
                 f"recipe path {path!r} resolves to {real!r}, outside the allowed module prefixes "
