@@ -17,6 +17,7 @@ __all__ = [
     "SequenceGapError",
     "TruncatedLogError",
     "UnsafePathError",
+    "WriterAppearedError",
 ]
 
 
@@ -40,6 +41,12 @@ class DamagedLogError(EventLogError):
 class NewLogError(EventLogError):
     """A read-only open found the log's data file without its events database: its writer is creating it
     (a run starting at this moment), or the file is another LMDB environment."""
+
+
+class WriterAppearedError(EventLogError):
+    """A quiet reader (:func:`events.log.quiet_readers`: read without LMDB's lock file because no other
+    process had the log open) found that a process opened the log during its read: what it read may mix
+    two states of the file. Read again: a new handle takes LMDB's lock, as beside any live writer."""
 
 
 class LogClosedError(EventLogError):

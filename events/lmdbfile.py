@@ -13,6 +13,11 @@ as "data format v254 is not supported", which is damage, not a version. The meta
 layout is LMDB 0.9's on a 64-bit machine (``mdb.c``: a 16-byte page header, then
 ``MDB_meta``: magic, version, address, map size, two ``MDB_db``, last page, txnid).
 
+Who has it open: :func:`env_in_use` says whether another process holds the log's environment
+open (LMDB keeps a shared ``fcntl`` lock on ``lock.mdb`` while it does), read from the kernel's
+table of locks (:func:`held_lock`), so a reader can leave ``lock.mdb`` alone when nobody else is
+there (:func:`events.log.quiet_readers`).
+
 Keys: :func:`valid_key` says whether a stored key is a seq at all: 8 bytes (big-endian, as
 :func:`events.logbase.seq_key` writes them) below :data:`MAX_SEQ`, 2^62: a log's length, the
 last seq + 1, and the sums readers form from it stay below Python's ``sys.maxsize`` (2^63 - 1,
@@ -25,7 +30,8 @@ import os
 import struct
 from pathlib import Path
 
-__all__ = ["HEADROOM_MAX", "HEADROOM_MIN", "MAX_SEQ", "meta_damage", "reader_map_size", "valid_key"]
+__all__ = ["HEADROOM_MAX", "HEADROOM_MIN", "MAX_SEQ", "env_in_use", "held_lock", "meta_damage", "reader_map_size",
+           "valid_key"]
 
 #: bytes a read-only map holds past the file's size, at least / at most (the headroom is the file's own size
 #: between them: a live writer doubles its map as it grows, so a follower remaps O(log size) times)
@@ -52,6 +58,41 @@ def reader_map_size(data: Path) -> int:
     size = os.stat(data).st_size
     want = size + min(max(size, HEADROOM_MIN), HEADROOM_MAX)
     return -(-want // _ROUND) * _ROUND
+
+
+def held_lock(path: Path, kinds: frozenset[str]) -> bool | None:
+    """Whether the kernel's table of locks (``/proc/locks``, Linux) lists a held -- not a waiting -- lock
+    of one of ``kinds`` (``"FLOCK"``, ``"POSIX"``, ``"OFDLCK"``) on the file ``path``; False when ``path``
+    does not exist; None where the table cannot be read. Reading the table takes no lock itself.
+
+    A lock held in another PID namespace (a container sharing the volume) or on another machine is not
+    listed: the table shows the locks of this namespace.
+    """
+    try:
+        with open("/proc/locks") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    try:
+        st = os.stat(path)
+    except OSError:
+        return False
+    # "1: FLOCK  ADVISORY  WRITE 8531 fe:00:2146564 0 EOF"; a waiter reads "1: -> FLOCK ..."
+    where = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+    return any(len(fields) > 1 and fields[1] in kinds and where in fields for fields in map(str.split, lines))
+
+
+_LMDB_LOCKS = frozenset({"POSIX", "OFDLCK"})
+
+
+def env_in_use(env_dir: Path) -> bool:
+    """Whether a process holds the LMDB environment ``env_dir`` (a log's ``events.lmdb``) open with
+    LMDB's lock file: LMDB keeps a shared ``fcntl`` lock on ``lock.mdb`` for as long as an environment
+    is open (``mdb_env_setup_locks``), and its writer always opens it so. False when ``lock.mdb`` does
+    not exist (no process ever opened it in place) or nobody holds it; True where the table of locks
+    cannot be read (the safe side: take LMDB's lock as before)."""
+    held = held_lock(Path(env_dir) / "lock.mdb", _LMDB_LOCKS)
+    return True if held is None else held
 
 
 def valid_key(key: bytes) -> bool:

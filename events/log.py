@@ -31,6 +31,13 @@ seq they fold up to, in their own ``snapshots`` database. ``put_snapshot`` write
 a transaction of its own, unsynced (durable with the next synced commit): a snapshot is a
 cache that its reader verifies (:mod:`projections.snapshots`), never part of the record,
 so losing one to a crash costs a longer fold, nothing else.
+
+A reader takes LMDB's lock file (``lock.mdb``: a slot in its table of readers, created when
+missing) as LMDB prescribes beside a live writer. Inside :func:`quiet_readers` (a server that
+must leave what it reads untouched: ``nnx-es serve``), a read-only handle of a log that no other
+process has open (:func:`events.lmdbfile.env_in_use`) is opened without it (``MDB_NOLOCK``): it
+creates no ``lock.mdb`` and writes none, and raises :class:`~events.errors.WriterAppearedError`
+when a process opened the log during one of its reads (read again: the new handle takes the lock).
 """
 
 from __future__ import annotations
@@ -39,19 +46,27 @@ import itertools
 import os
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
+from contextvars import ContextVar
 from pathlib import Path
 
 import lmdb
 
 from events.chunks import RawChunk, StoredPairs, cursor_chunks, ends_read
-from events.errors import DamagedLogError, EventLogError, LogClosedError, NewLogError, TruncatedLogError
+from events.errors import (
+    DamagedLogError,
+    EventLogError,
+    LogClosedError,
+    NewLogError,
+    TruncatedLogError,
+    WriterAppearedError,
+)
 from events.keys import check_items, check_keys
-from events.lmdbfile import meta_damage, reader_map_size, valid_key
+from events.lmdbfile import env_in_use, meta_damage, reader_map_size, valid_key
 from events.paths import check_entry
 from events.logbase import EventLog, MemoryLog, LogBase, seq_key  # noqa: F401 (EventLog, MemoryLog: re-exported)
 from events.sums import SUMS_DB, SumProblem, SumRecord, batch_crc, pack_sum, unpack_sum, verify
 
-__all__ = ["EventLog", "LmdbLog", "MemoryLog", "seq_key"]
+__all__ = ["EventLog", "LmdbLog", "MemoryLog", "quiet_readers", "seq_key"]
 
 _EVENTS_DB = b"events"
 _SNAPSHOTS_DB = b"snapshots"
@@ -66,6 +81,24 @@ _DEFAULT_MAP_SIZE = 32 << 20  # bytes; doubled on demand
 #: returns. Benchmarks and the power-loss tests swap in the old flags to measure and to plant the bug.
 _DURABILITY: dict[str, bool] = {"sync": True, "metasync": False}
 _WRITERS: dict[str, LmdbLog] = {}  # resolved path -> the writable log this process has open there
+_QUIET: ContextVar[bool] = ContextVar("events_quiet_readers", default=False)
+
+
+@contextmanager
+def quiet_readers() -> Iterator[None]:
+    """Within it (in this thread or task), a read-only :class:`LmdbLog` of a log no other process has
+    open is opened without LMDB's lock file: nothing under the log is created or written (LMDB's
+    ``MDB_NOLOCK``). A log another process has open (a live writer) is read with LMDB's lock as
+    always. Such a quiet handle checks, as each of its reads ends, that no process opened the log
+    meanwhile, and raises :class:`~events.errors.WriterAppearedError` when one did (its pages may
+    have been reused under the read); a handle opened beside a writer never does.
+    """
+    token = _QUIET.set(True)
+    try:
+        yield
+    finally:
+        _QUIET.reset(token)
+
 
 
 class LmdbLog(LogBase):
@@ -105,6 +138,7 @@ class LmdbLog(LogBase):
             raise TruncatedLogError(f"event log at {self.path} is truncated: {data} is empty (0 bytes; a truncated "
                                     "write or copy?): not opened, nothing was written")
         self._shared = False
+        self._quiet = False  # opened without LMDB's lock file (quiet_readers)
         writer = _WRITERS.get(str(self.path.resolve())) if readonly else None
         if writer is not None:  # LMDB allows one handle an environment per process: read through the writer's
             self._env, self._shared = writer._env, True
@@ -115,6 +149,7 @@ class LmdbLog(LogBase):
         try:
             if not readonly:
                 self.path.mkdir(parents=True, exist_ok=True)
+            self._quiet = readonly and _QUIET.get() and not env_in_use(self.path)
             self._env = lmdb.open(
                 str(self.path),
                 # a reader maps the file and room to grow (events.lmdbfile), not more: it runs under a ulimit -v
@@ -123,7 +158,7 @@ class LmdbLog(LogBase):
                 readonly=readonly,
                 max_dbs=8,
                 **_DURABILITY,
-                lock=True,
+                lock=not self._quiet,
                 readahead=False,
             )
             self._check_size()
@@ -233,8 +268,18 @@ class LmdbLog(LogBase):
         try:
             with txn:
                 yield txn
+        except Exception as exc:  # garbage read from reused pages is said as the writer that reused them
+            if self._quiet and env_in_use(self.path):
+                raise self._writer_appeared() from exc
+            raise
         finally:
             self._reads -= 1
+        if self._quiet and env_in_use(self.path):
+            raise self._writer_appeared()
+
+    def _writer_appeared(self) -> WriterAppearedError:
+        return WriterAppearedError(f"a process opened the event log at {self.path} while this reader read it without "
+                                   "LMDB's lock file (no process had it open when it was opened): read again")
 
     def refresh(self) -> int:
         """Re-read the stored length (a reader following a live writer); return it."""

@@ -36,7 +36,8 @@ from events.schema import (
 from nnx_es.errors import MissingDirectoryError
 from projections.view import MicrobatchRequired, committed
 
-__all__ = ["PLOT_BUCKETS", "Envelope", "export_tensorboard", "missing_parent", "plot_run", "run_curves"]
+__all__ = ["PLOT_BUCKETS", "Envelope", "committed_curves", "export_tensorboard", "missing_parent", "plot_run",
+           "run_curves"]
 
 #: most buckets of steps the plot's per-update loss is drawn with (a min and a max each)
 PLOT_BUCKETS = 4096
@@ -66,7 +67,7 @@ def _marks_and_curves(log: LmdbLog) -> Iterator[tuple[int, Any]]:
         yield from itertools.compress(zip(itertools.count(first), events), codes.translate(_KEPT))
 
 
-def _committed_curves(log: LmdbLog, on_receipts: Callable[[list[Any]], None]) -> tuple[HistoryRecord, ...]:
+def committed_curves(log: LmdbLog, on_receipts: Callable[[list[Any]], None]) -> tuple[HistoryRecord, ...]:
     """Hand the committed receipts to ``on_receipts`` in batches, in log order; return the history projection.
 
     The committed view (:func:`projections.committed`) is taken over receipts,
@@ -169,7 +170,7 @@ def run_curves(run_dir: str | Path, buckets: int = PLOT_BUCKETS) -> tuple[tuple[
     """(history records, the training loss of each committed update of the first optimizer, as an :class:`Envelope`)."""
     envelope = Envelope(buckets)
     with _open(Path(run_dir)) as log:
-        history = _committed_curves(log, _loss_envelope(envelope))
+        history = committed_curves(log, _loss_envelope(envelope))
     return history, envelope
 
 
@@ -301,7 +302,7 @@ def export_tensorboard(run_dir: str | Path, out_dir: str | Path) -> int:
     """
     with _open(Path(run_dir)) as log, _Scalars(Path(out_dir)) as writer:
         receipts = _ReceiptScalars(writer)
-        history = _committed_curves(log, receipts)
+        history = committed_curves(log, receipts)
         series: dict[str, tuple[list[int], list[float]]] = {}
         for r in history:
             points = [(f"epoch/{key}", value) for key, value in (*r.train.items(), *r.val.items())]

@@ -42,7 +42,7 @@ from typing import Any, ClassVar
 
 from events.codec import TYPE_CODES, partial_decoder, skimming_decoder
 from events.errors import CorruptEventError, EventLogError, SequenceGapError
-from events.log import LmdbLog
+from events.log import LmdbLog, quiet_readers
 from events.schema import Event, MicrobatchDone, RunStarted, UpdateCommitted
 from events.sums import SumProblem
 from nnx_es.audit.committed import CommittedCheck
@@ -356,8 +356,8 @@ def _main(argv: list[str]) -> int:
     (:func:`keys_and_values_ok` of the keys below STOP and the values below SPLIT, default STOP)."""
     path, stop = Path(argv[0]), int(argv[1])
     split = int(argv[2]) if len(argv) > 2 else stop
-    try:
-        with LmdbLog(path, readonly=True) as log:
+    try:  # its parent reads this log: quiet when the parent is (no other process holds LMDB's lock)
+        with quiet_readers(), LmdbLog(path, readonly=True) as log:
             ok = keys_and_values_ok(log, stop, values=split)
     except EventLogError:
         ok = False

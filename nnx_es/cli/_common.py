@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from events.errors import NewLogError
+from events.lmdbfile import held_lock
 from events.log import LmdbLog
 from nnx_es.cli._format import json_line, printable
 
@@ -19,6 +20,7 @@ __all__ = ["EXIT_INTERRUPTED", "EXIT_OK", "EXIT_UNUSABLE", "EXIT_VIOLATIONS", "P
            "open_log", "reader_left", "wants_json", "writer_alive"]
 
 EXIT_OK, EXIT_VIOLATIONS, EXIT_UNUSABLE = 0, 1, 2
+_FLOCK = frozenset({"FLOCK"})
 #: Stopped by Ctrl-C (SIGINT): 128 + 2, as a shell reports it.
 EXIT_INTERRUPTED = 130
 
@@ -118,18 +120,7 @@ def writer_alive(run_dir: Path) -> bool:
 
 def _flocked(path: Path) -> bool | None:
     """Whether ``/proc/locks`` lists a held (not a waiting) ``flock`` on ``path``; None where it cannot tell."""
-    try:
-        with open("/proc/locks") as f:
-            lines = f.read().splitlines()
-    except OSError:
-        return None
-    try:
-        st = path.stat()
-    except OSError:  # no lease file: no writer ever held it here
-        return False
-    # "1: FLOCK  ADVISORY  WRITE 8531 fe:00:2146564 0 EOF"; a waiter reads "1: -> FLOCK ..."
-    where = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
-    return any(fields[1:2] == ["FLOCK"] and where in fields for fields in map(str.split, lines))
+    return held_lock(path, _FLOCK)
 
 
 def _pid_alive(path: Path) -> bool:

@@ -21,20 +21,22 @@ from events.schema import EvaluationRecorded, Event, HistoryAppended, RunFinaliz
 from nnx_es.cli._common import writer_alive
 from nnx_es.cli._format import fields, fmt, json_line, printable
 
-__all__ = ["list_events"]
+__all__ = ["compact", "event_epoch", "event_json", "list_events"]
 
 _UNDECODABLE = "<undecodable>"
 _BULKY = frozenset({"recipe", "library_versions", "traceback", "components", "columns"})  # columns: per-row records
 _VALUE_CHARS = 80
 
 
-def _event_epoch(event: Event) -> int | None:
+def event_epoch(event: Event) -> int | None:
+    """The 0-based epoch an event belongs to (a history record's for ``history_appended``), None for none."""
     if isinstance(event, HistoryAppended):
         return event.record.epoch
     return getattr(event, "epoch", None)
 
 
-def _compact(event: Event) -> str:
+def compact(event: Event) -> str:
+    """The event's non-default fields on one line (``name=value``, long values cut, bulky ones as ``<size>``)."""
     parts = []
     for name, value in fields(event):
         if name in _BULKY:
@@ -48,7 +50,8 @@ def _compact(event: Event) -> str:
     return " ".join(parts)
 
 
-def _as_json(seq: int, event: Event) -> dict[str, Any]:
+def event_json(seq: int, event: Event) -> dict[str, Any]:
+    """The event as ``--json`` prints it: ``{"seq", "kind", "version", every field}`` (JSON-ready builtins)."""
     fields = msgspec.to_builtins(event)
     fields.pop("kind", None)  # the tag carries the version; kind/version are given separately
     return {"seq": seq, "kind": event.KIND, "version": event.VERSION, **fields}
@@ -178,12 +181,12 @@ def _rows(log: LmdbLog, args: argparse.Namespace, kinds: frozenset[str] | None, 
         if args.rank is not None and getattr(event, "rank", state["writer_rank"]) != args.rank:
             continue
         if args.epoch is not None:
-            e = _event_epoch(event)
+            e = event_epoch(event)
             if e is None or not args.epoch[0] <= e <= args.epoch[1]:
                 continue
         if table is None:
-            out.write(json_line(_as_json(seq, event)) + "\n")
+            out.write(json_line(event_json(seq, event)) + "\n")
         else:
-            table.row(seq, event.KIND, _compact(event))
+            table.row(seq, event.KIND, compact(event))
         state["shown"] += 1
     return seq + 1

@@ -3,6 +3,7 @@
     nnx-es crashtest train.py [--points N|all] [--seed S] [--jobs J] [-- script arguments]
     nnx-es crashtest --power-loss train.py [--states N] [--seed S] [--jobs J] [-- script arguments]
     nnx-es init | report | run | resume ...   (training from a spec: nnx_es.cli.train)
+    nnx-es serve RUNS_ROOT [--host 127.0.0.1] [--port 8000]   (the read-only web app: nnx_es.web)
 
 ``crashtest`` runs a script that calls ``fit`` itself under crash injection
 (:mod:`nnx_es.testing.script`: each point in a process forked from the command's own, 20 points
@@ -19,6 +20,7 @@ from collections.abc import Sequence
 
 from nnx_es.cli._common import EXIT_OK, EXIT_UNUSABLE, EXIT_VIOLATIONS
 from nnx_es.cli.train import add_commands
+from nnx_es.web.serve import add_command as add_serve
 
 __all__ = ["main"]
 
@@ -87,6 +89,7 @@ def _parser() -> argparse.ArgumentParser:
                        help="with --power-loss: the budget of crash states (default 300)")
     crash.set_defaults(run=_crashtest)
     add_commands(sub)
+    add_serve(sub)
     return parser
 
 

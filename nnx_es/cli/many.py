@@ -33,7 +33,7 @@ from nnx_es.storage import check_run_dir
 from projections.status import UNFINISHED
 
 __all__ = ["RunRow", "diff_command", "first_difference", "is_empty_runs_root", "is_runs_root", "list_command",
-           "list_runs"]
+           "list_runs", "run_dirs"]
 
 #: fields that differ between any two runs, whatever they computed (``previous``: the journal
 #: manifest before, a hash of a blob naming its run, like ``manifest``)
@@ -62,7 +62,7 @@ class RunRow(msgspec.Struct, frozen=True, kw_only=True):
 
 def is_runs_root(path: Path) -> bool:
     """Whether ``path`` holds runs (``<id>/events.lmdb``) rather than being one."""
-    return path.is_dir() and not (path / "events.lmdb").is_dir() and any(_run_dirs(path))
+    return path.is_dir() and not (path / "events.lmdb").is_dir() and any(run_dirs(path))
 
 
 def is_empty_runs_root(path: Path) -> bool:
@@ -79,7 +79,9 @@ def is_empty_runs_root(path: Path) -> bool:
 _RUN_PARTS = ("events.lmdb", "blobs", "views")
 
 
-def _run_dirs(root: Path) -> Iterator[Path]:
+def run_dirs(root: Path) -> Iterator[Path]:
+    """The entries of ``root`` that hold a run's parts (:data:`_RUN_PARTS`), by name; hidden ones left out.
+    An entry may be a symbolic link (``is_dir`` follows it): its reader refuses it (:func:`events.paths.check_entry`)."""
     for p in sorted(root.iterdir()):
         if not p.name.startswith(".") and any((p / part).is_dir() for part in _RUN_PARTS):
             yield p
@@ -96,7 +98,7 @@ def list_runs(root: Path) -> list[RunRow]:
     (:func:`nnx_es.audit.log_damage`: every log read whole, ~0.3 s a million events) with status ``damaged``; so is
     an entry that is a symbolic link: never followed."""
     rows = []
-    for run_dir in _run_dirs(root):
+    for run_dir in run_dirs(root):
         try:
             check_entry(run_dir, "dir")  # a run found by id in a runs root is never a link (events.paths)
             with open_run_log(run_dir) as log:

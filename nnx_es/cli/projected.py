@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgspec
 
@@ -22,7 +22,7 @@ from nnx_es.views import summary as summary_of
 from projections import Projections
 from projections.status import UNFINISHED
 
-__all__ = ["at", "projected", "summary"]
+__all__ = ["Summary", "at", "at_doc", "projected", "summary", "summary_doc"]
 
 
 def projected(log: LmdbLog, stop: int, *, check_keys: bool = False) -> tuple[Projections, int, int]:
@@ -46,26 +46,40 @@ def projected(log: LmdbLog, stop: int, *, check_keys: bool = False) -> tuple[Pro
     return p, committed_tail(log, stop), start
 
 
-def at(log: LmdbLog, seq: int, as_json: bool) -> None:
-    """Every projection after folding the committed view of the log up to ``seq`` (time travel).
+def at_doc(log: LmdbLog, seq: int) -> dict[str, Any]:
+    """Every projection after folding the committed view of the log up to ``seq`` (time travel), as the
+    JSON-ready object ``inspect --at SEQ --json`` prints: ``at``, ``past_end``, ``events`` (read),
+    ``tail`` (uncommitted), ``checkpoint`` (LAST then) and ``projections``. A ``seq`` past the log's end
+    answers for the whole log (``past_end``: the state then is the end's, not one the run was in at ``seq``).
 
-    A ``seq`` past the log's end answers for the whole log, says so on stderr and in the JSON
-    (``past_end``): the state then is the end's, not a state the run was in at ``seq``."""
+    Raises:
+        SequenceGapError: a key folded (from the snapshot on, up to ``seq``) is out of place.
+    """
+    return _at(log, seq)[0]
+
+
+def _at(log: LmdbLog, seq: int) -> tuple[dict[str, Any], Projections]:
     stop = min(seq + 1, log.next_seq)
-    past_end = seq >= log.next_seq
-    if past_end:
-        sys.stderr.write(f"inspect: seq {seq} is past the log's end (its last event is seq {log.next_seq - 1}): "
-                         "answering for the whole log\n")
     p, tail, _ = projected(log, stop, check_keys=True)
     last = p.checkpoints.last
-    doc = {
+    return {
         "at": seq,
-        "past_end": past_end,
+        "past_end": seq >= log.next_seq,
         "events": stop,
         "tail": tail,
         "checkpoint": None if last is None else msgspec.to_builtins(last),
         "projections": msgspec.to_builtins(p),
-    }
+    }, p
+
+
+def at(log: LmdbLog, seq: int, as_json: bool) -> None:
+    """Print :func:`at_doc` (one JSON object, or text); a ``seq`` past the log's end is also said on stderr."""
+    if seq >= log.next_seq:
+        sys.stderr.write(f"inspect: seq {seq} is past the log's end (its last event is seq {log.next_seq - 1}): "
+                         "answering for the whole log\n")
+    doc, p = _at(log, seq)
+    stop, past_end, tail = doc["events"], doc["past_end"], doc["tail"]
+    last = p.checkpoints.last
     if as_json:
         sys.stdout.write(json_line(doc) + "\n")
         return
@@ -94,6 +108,33 @@ def summary(log: LmdbLog, run_dir: Path, as_json: bool, *, verify: bool = False)
     Raises:
         SequenceGapError: a key after the snapshot is out of place.
     """
+    doc, damaged, _ = summary_doc(log, run_dir, verify=verify)
+    # a run of the nnx-es CLI (its run_started holds a spec) resumes with nnx-es resume; one event read
+    first = next(iter(log.read(0, 1)), None) if doc["writer_alive"] is False else None
+    from_cli = first is not None and getattr(first[1], "spec", None) is not None
+    try:
+        _print_summary(doc, run_dir, as_json, from_cli=from_cli)
+        sys.stdout.flush()  # here: a closed pipe is met now, not above the verdict
+    except BrokenPipeError:  # the reader left early (`| head`): the verdict is returned all the same
+        reader_left()
+    return not damaged
+
+
+class Summary(NamedTuple):
+    """What :func:`summary_doc` returns: ``doc``, the JSON-ready object ``inspect summary --json`` prints;
+    ``damaged``: values it verified do not verify; ``projections``: the state ``doc`` was made from."""
+
+    doc: dict[str, Any]
+    damaged: bool
+    projections: Projections
+
+
+def summary_doc(log: LmdbLog, run_dir: Path, *, verify: bool = False) -> Summary:
+    """What :func:`summary` says of a run (:class:`Summary`), read and verified as :func:`summary` says.
+
+    Raises:
+        SequenceGapError: a key after the snapshot is out of place.
+    """
     alive = writer_alive(run_dir)  # before the log: a writer that finalizes meanwhile is not taken for dead
     stop = log.next_seq
     p, tail, start = projected(log, stop, check_keys=not verify)
@@ -105,15 +146,7 @@ def summary(log: LmdbLog, run_dir: Path, as_json: bool, *, verify: bool = False)
         doc["writer_alive"] = alive or writer_alive(run_dir)
     if p.history.records:
         doc["lrs"] = {opt: list(lrs) for opt, lrs in p.history.records[-1].lrs.items()}
-    # a run of the nnx-es CLI (its run_started holds a spec) resumes with nnx-es resume; one event read
-    first = next(iter(log.read(0, 1)), None) if doc["writer_alive"] is False else None
-    from_cli = first is not None and getattr(first[1], "spec", None) is not None
-    try:
-        _print_summary(doc, run_dir, as_json, from_cli=from_cli)
-        sys.stdout.flush()  # here: a closed pipe is met now, not above the verdict
-    except BrokenPipeError:  # the reader left early (`| head`): the verdict is returned all the same
-        reader_left()
-    return not damaged
+    return Summary(doc, damaged, p)
 
 
 def _print_summary(doc: dict[str, Any], run_dir: Path, as_json: bool, *, from_cli: bool = False) -> None:

@@ -13,7 +13,7 @@ from logkit import logs, memory_log
 
 from bench.logbench import long_run_log
 from events.schema import HistoryAppended, UpdateCommitted
-from nnx_es.plotting import Envelope, _committed_curves, export_tensorboard, run_curves
+from nnx_es.plotting import Envelope, committed_curves, export_tensorboard, run_curves
 from projections import committed, project
 
 
@@ -22,7 +22,7 @@ from projections import committed, project
 def test_curves_take_exactly_the_committed_receipts_and_history(pairs):
     log = memory_log(pairs)
     taken: list = []
-    history = _committed_curves(log, taken.extend)
+    history = committed_curves(log, taken.extend)
     view = [e for _, e in committed(log.read())]  # legacy receipts read back upcast
     assert [(r.step, r.loss, r.optimizer, r.grad_norm, r.lrs) for r in taken] == [
         (e.step, e.loss, e.optimizer, e.grad_norm, e.lrs) for e in view if type(e) is UpdateCommitted
