@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 BVENV  ?= .venv-bench
 BSTAMP := $(BVENV)/.installed
 
-.PHONY: demo test bench bench-ddp clean
+.PHONY: demo test browser bench bench-ddp clean
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -19,8 +19,22 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(PY) examples/digits.py
 
-test: $(STAMP)
+test: $(STAMP) browser
 	$(PY) -m pytest
+
+# the web app's browser tests drive Debian's chromium through its chromedriver (tests/integration/
+# test_web_browser.py): installed here when missing and this runs as root with apt (CI); elsewhere,
+# or when the install fails, those tests are skipped and say why
+browser:
+	@if [ ! -x /usr/bin/chromium ] || [ ! -x /usr/bin/chromedriver ]; then \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    echo "installing chromium and chromium-driver (Debian) for the browser tests"; \
+	    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver \
+	      >/dev/null) || echo "could not install chromium: the browser tests will be skipped"; \
+	  else \
+	    echo "no chromium, and not root with apt-get: the browser tests will be skipped"; \
+	  fi; \
+	fi
 
 $(BSTAMP): pyproject.toml
 	python3 -m venv $(BVENV)

@@ -277,6 +277,11 @@ class LmdbLog(LogBase):
         if self._quiet and env_in_use(self.path):
             raise self._writer_appeared()
 
+    @property
+    def quiet(self) -> bool:
+        """Whether this handle reads without LMDB's lock file (:func:`quiet_readers`, no other process there)."""
+        return self._quiet
+
     def _writer_appeared(self) -> WriterAppearedError:
         return WriterAppearedError(f"a process opened the event log at {self.path} while this reader read it without "
                                    "LMDB's lock file (no process had it open when it was opened): read again")

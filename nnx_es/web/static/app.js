@@ -40,7 +40,7 @@ async function api(path) {
   return doc;
 }
 
-function show(...nodes) { main.replaceChildren(...nodes); }
+function show(...nodes) { main.replaceChildren(...nodes.flat(2).filter((n) => n !== null && n !== undefined)); }
 function fail(err) { show(h("p", { class: "error", id: "error" }, String(err.message || err))); }
 function poll(fn, ms) { clearTimeout(timer); timer = setTimeout(fn, ms); }
 function liveNote(text) { document.getElementById("live").textContent = text || ""; }
