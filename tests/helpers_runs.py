@@ -70,7 +70,8 @@ from nnx_es.storage import BlobStore
 from nnx_es.views import write_views
 from projections import Projections, fold, project
 
-__all__ = ["RUN_ID", "Run", "RunBuilder", "build_clean_run", "clean_events", "copy_run", "find", "write_run"]
+__all__ = ["RUN_ID", "Run", "RunBuilder", "build_clean_run", "clean_events", "copy_run", "find", "resumed_events",
+           "write_run"]
 
 RUN_ID = "r1"
 
@@ -274,6 +275,18 @@ def clean_events(run_dir: Path) -> tuple[list[Event], BlobStore]:
     b.epoch(1, val_loss=0.9)
     b.finish()
     return b.events, b.store
+
+
+def resumed_events(run_dir: Path) -> list[Event]:
+    """A run that crashed in epoch 1, resumed from epoch 0's LAST (the tail discarded) and finished clean."""
+    b = RunBuilder(run_dir)
+    b.start()
+    b.epoch(0, val_loss=0.8)
+    b.crash_in_epoch(1)
+    b.resume()
+    b.epoch(1, val_loss=0.7)
+    b.finish()
+    return b.events
 
 
 def write_run(run_dir: Path, events: list[Event], *, views: bool = True) -> Run:

@@ -15,9 +15,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import socket
-import threading
-import time
 from pathlib import Path
 from typing import Any
 
@@ -25,11 +22,11 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from helpers_runs import RunBuilder, clean_events, write_run
+from helpers_runs import RunBuilder, clean_events, resumed_events, write_run
 from nnx_es import Trainer, with_row_ids
 from trainkit import blobs_data
 
-__all__ = ["RUN_IDS", "build_root", "serve_in_thread", "tree_state"]
+__all__ = ["RUN_IDS", "build_root", "tree_state"]
 
 RUN_IDS = ("base", "broken", "fork", "killed", "other", "resumed")
 _BUILT: dict[str, Path] = {}
@@ -60,14 +57,7 @@ def build_root(base: Path) -> Path:
     _trainer(root, "base", 0).fit(*_loaders(), epochs=6)
     _trainer(root, "other", 1).fit(*_loaders(), epochs=6)
     _trainer(root, "fork", 0).fit(*_loaders(), epochs=2, resume_from=root / "base", resume_mode="fork")
-    b = RunBuilder(root / "resumed")
-    b.start()
-    b.epoch(0, val_loss=0.8)
-    b.crash_in_epoch(1)
-    b.resume()
-    b.epoch(1, val_loss=0.7)
-    b.finish()
-    write_run(root / "resumed", b.events)
+    write_run(root / "resumed", resumed_events(root / "resumed"))
     events, _ = clean_events(root / "broken")
     drop = next(i for i, e in enumerate(events) if e.KIND == "scheduler_stepped")
     write_run(root / "broken", events[:drop] + events[drop + 1:])
@@ -94,22 +84,3 @@ def tree_state(root: Path) -> dict[str, Any]:
             else:
                 out[rel] = ("dir", st.st_mtime_ns)
     return out
-
-
-def serve_in_thread(app: Any) -> tuple[str, Any]:
-    """Serve ``app`` with uvicorn on a free loopback port in a daemon thread; return its base URL and the
-    server (``server.should_exit = True`` stops it)."""
-    import uvicorn
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", access_log=False))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 20
-    while not server.started:
-        if time.monotonic() > deadline or not thread.is_alive():
-            raise RuntimeError("uvicorn did not start")
-        time.sleep(0.02)
-    return f"http://127.0.0.1:{port}", server

@@ -10,6 +10,7 @@ escaped as ``\uXXXX`` (the same string once decoded).
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Iterator
 from typing import Any
@@ -78,14 +79,26 @@ def _shown(rendered: list[str], total: int) -> list[str]:
 
 def fields(struct: msgspec.Struct) -> Iterator[tuple[str, Any]]:
     """Non-default fields of ``struct``, in declaration order."""
-    for f in msgspec.structs.fields(struct):
-        value = getattr(struct, f.name)
+    for name, default in _defaults(type(struct)):
+        value = getattr(struct, name)
+        if default is _REQUIRED or value != default:
+            yield name, value
+
+
+_REQUIRED = object()
+
+
+@functools.lru_cache(maxsize=None)
+def _defaults(t: type) -> tuple[tuple[str, Any], ...]:
+    """``(name, default)`` of each field of struct type ``t`` (:data:`_REQUIRED` for a required one), computed
+    once per type: ``msgspec.structs.fields`` evaluates the annotations at each call (milliseconds)."""
+    out = []
+    for f in msgspec.structs.fields(t):
         if f.default is not msgspec.NODEFAULT:
             default = f.default
         elif f.default_factory is not msgspec.NODEFAULT:
             default = f.default_factory()
         else:
-            yield f.name, value  # required
-            continue
-        if value != default:
-            yield f.name, value
+            default = _REQUIRED
+        out.append((f.name, default))
+    return tuple(out)

@@ -44,6 +44,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from events.errors import CorruptEventError, EventLogError, SequenceGapError, UnsafePathError, WriterAppearedError
 from events.paths import check_entry
 from nnx_es.audit import NotARunError
+from nnx_es.cli._common import writer_alive
 from nnx_es.cli._format import json_line
 from nnx_es.errors import CorruptCheckpointError, InvalidRunIdError
 from nnx_es.web import api
@@ -82,10 +83,11 @@ def _error(exc: BaseException) -> Response:
 
 
 class _Cache:
-    """The answers of the slow readers (the audit, the curves), by run and the state of its log file: a run
-    that did not change since is answered again from memory. Keeps the :data:`SIZE` newest."""
+    """The answers that read much of a log (a run's summary and row, its curves, its audit, its data map), by
+    run and the state of its log file and writer: a run that did not change since is answered again from
+    memory. Keeps the :data:`SIZE` newest."""
 
-    SIZE = 32
+    SIZE = 64
 
     def __init__(self) -> None:
         self._items: OrderedDict[tuple[Any, ...], Any] = OrderedDict()
@@ -104,10 +106,11 @@ class _Cache:
         return value
 
 
-def _log_state(run_dir: Path) -> tuple[int, int, int] | None:
-    """What changes when a writer writes the log (size, modification time, inode), or None without one."""
+def _log_state(run_dir: Path) -> tuple[Any, ...] | None:
+    """What changes when a writer writes the log (size, modification time, inode) or its writer comes or
+    goes (whether a process holds the run's writer lease), or None without a log."""
     st = check_entry(run_dir / "events.lmdb" / "data.mdb", "file")
-    return None if st is None else (st.st_size, st.st_mtime_ns, st.st_ino)
+    return None if st is None else (st.st_size, st.st_mtime_ns, st.st_ino, writer_alive(run_dir))
 
 
 def _int(request: Request, name: str, default: int | None = None) -> int:
@@ -152,13 +155,13 @@ def create_app(runs_root: str | Path, *, allowed_hosts: tuple[str, ...] = LOOPBA
         rows = []
         for run_id in root.run_ids():
             try:
-                rows.append(root.read(api.run_row, run_id))
+                rows.append(root.read(cached("row", api.run_row), run_id))
             except Exception as exc:  # noqa: BLE001 - one unreadable run does not hide the others
                 rows.append(api.unreadable_row(run_id, exc))
         return {"root": str(root.path), **api.runs(rows)}
 
     def one(request: Request) -> Any:
-        return root.read(api.run, request.path_params["run_id"])
+        return root.read(cached("run", api.run), request.path_params["run_id"])
 
     def curves(request: Request) -> Any:
         return root.read(cached("curves", api.curves), request.path_params["run_id"])

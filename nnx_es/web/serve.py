@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import socket
 import sys
+import threading
+import time
 from pathlib import Path
+from typing import Any
 
-__all__ = ["add_command", "serve"]
+__all__ = ["add_command", "serve", "serve_in_thread"]
 
 
 def serve(runs_root: str | Path, *, host: str = "127.0.0.1", port: int = 8000) -> None:
@@ -32,6 +36,31 @@ def serve(runs_root: str | Path, *, host: str = "127.0.0.1", port: int = 8000) -
     shown = f"[{host}]" if ":" in host else host
     print(f"nnx-es serve: {Path(runs_root).resolve()} at http://{shown}:{port}/ (read-only; Ctrl-C stops)", flush=True)
     uvicorn.run(app, host=host, port=port, log_level="warning", access_log=False)
+
+
+def serve_in_thread(app: Any, host: str = "127.0.0.1", start_timeout_s: float = 20.0) -> tuple[str, Any]:
+    """Serve ``app`` (an ASGI app: :func:`nnx_es.web.create_app`) with uvicorn on a free port of ``host`` in a
+    daemon thread of this process (a notebook, a test, a benchmark); return its base URL and the server
+    (``server.should_exit = True`` stops it).
+
+    Raises:
+        RuntimeError: the server did not start within ``start_timeout_s`` seconds.
+    """
+    import uvicorn
+
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.bind((host, 0))
+        port = s.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False))
+    thread = threading.Thread(target=server.run, daemon=True, name="nnx-es-serve")
+    thread.start()
+    deadline = time.monotonic() + start_timeout_s
+    while not server.started:
+        if time.monotonic() > deadline or not thread.is_alive():
+            server.should_exit = True
+            raise RuntimeError(f"the web app did not start on {host}:{port} within {start_timeout_s} s")
+        time.sleep(0.02)
+    return f"http://{f'[{host}]' if ':' in host else host}:{port}", server
 
 
 def _port(text: str) -> int:

@@ -22,7 +22,8 @@ webdriver = pytest.importorskip("selenium.webdriver")
 
 from nnx_es.result import load_result  # noqa: E402
 from nnx_es.web.app import create_app  # noqa: E402
-from webkit import build_root, serve_in_thread, tree_state  # noqa: E402
+from nnx_es.web.serve import serve_in_thread  # noqa: E402
+from webkit import build_root, tree_state  # noqa: E402
 
 CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
 IMAGES = Path(__file__).resolve().parents[2] / "docs" / "images"

@@ -165,8 +165,8 @@ function historyTable(records) {
 
 async function pageRun(runId) {
   nav(runId, "overview");
-  let doc, c;
-  try { [doc, c] = await Promise.all([api("/api/runs/" + enc(runId)), api("/api/runs/" + enc(runId) + "/curves")]); } catch (e) { return fail(e); }
+  let doc;
+  try { doc = await api("/api/runs/" + enc(runId)); } catch (e) { return fail(e); }
   const d = doc.declared || {};
   const lin = [];
   if (doc.lineage.source) lin.push(["source", h("span", {}, h("a", { href: runHref(doc.lineage.source.run_id) }, doc.lineage.source.run_id), " LAST seq " + doc.lineage.source.last_seq + " (" + doc.lineage.source.state + ")")]);
@@ -181,11 +181,18 @@ async function pageRun(runId) {
     ["seed", d.seed], ["optimizers", (d.optimizers || []).join(", ")], ["callbacks", (d.callbacks || []).join(", ")],
     ["monitor", d.monitor ? d.monitor.name + " (" + d.monitor.mode + ")" : "–"], ["world size", d.world_size], ...lin,
   ]);
+  // the curves read the whole log: drawn when they arrive, the summary and the history first
+  const perEpoch = h("div", { class: "charts", id: "epoch-charts" }, h("p", { class: "muted" }, "reading the curves…"));
+  const perUpdate = h("div", { class: "charts", id: "update-charts" });
   show(h("h1", {}, "run ", h("code", { id: "run-id" }, runId)), summary,
-    h("h2", {}, "per epoch"), h("div", { class: "charts" }, epochCharts(c)),
-    h("h2", {}, "per committed update"), h("div", { class: "charts" }, updateCharts(c)),
+    h("h2", {}, "per epoch"), perEpoch, h("h2", {}, "per committed update"), perUpdate,
     h("h2", {}, "history (committed epochs)"), doc.history.length ? historyTable(doc.history) : h("p", { class: "muted" }, "no committed epoch yet"));
   liveNote(doc.live ? "training: refreshing every 2 s" : "");
+  try {
+    const c = await api("/api/runs/" + enc(runId) + "/curves");
+    perEpoch.replaceChildren(...epochCharts(c));
+    perUpdate.replaceChildren(...updateCharts(c));
+  } catch (e) { perEpoch.replaceChildren(h("p", { class: "error" }, String(e.message || e))); }
   if (doc.live) poll(() => pageRun(runId), 2000);
 }
 

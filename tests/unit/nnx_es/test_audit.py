@@ -7,7 +7,7 @@ from pathlib import Path
 
 import msgspec
 import pytest
-from helpers_runs import RUN_ID, Run, RunBuilder, clean, copy_run, find, template, write_run  # noqa: F401 (fixtures)
+from helpers_runs import RUN_ID, Run, RunBuilder, clean, copy_run, find, resumed_events, template, write_run  # noqa: F401 (fixtures)
 
 import nnx_es.audit.run as audit_run_module
 from events.schema import (
@@ -59,14 +59,7 @@ def test_clean_two_epoch_run_has_no_violation(clean: Run) -> None:
 
 def test_resumed_run_with_discarded_tail_is_clean(tmp_path: Path) -> None:
     run_dir = tmp_path / "runs" / RUN_ID
-    b = RunBuilder(run_dir)
-    b.start()
-    b.epoch(0, val_loss=0.8)
-    b.crash_in_epoch(1)
-    b.resume()
-    b.epoch(1, val_loss=0.7)
-    b.finish()
-    write_run(run_dir, b.events)
+    write_run(run_dir, resumed_events(run_dir))
     report = audit_run(run_dir)
     assert report.violations == []
     assert (report.committed_epoch, report.tail, report.status) == (1, 0, "completed")
