@@ -33,8 +33,8 @@ import numpy as np
 from events.codec import KINDS, decode, decode_many
 from events.errors import CorruptEventError
 from events.log import LmdbLog
-from events.schema import Event, LastCommitted, RunResumed, RunStarted
-from nnx_es.audit import INVARIANTS, audit_run, decoded, open_run_log
+from events.schema import Event, HistoryRecord, LastCommitted, RunResumed, RunStarted
+from nnx_es.audit import INVARIANTS, audit_run, decoded, open_run_log, project_log
 from nnx_es.audit.reading import restart_seq
 from nnx_es.cli.listing import compact, event_epoch, event_json
 from nnx_es.cli.many import first_difference
@@ -44,7 +44,7 @@ from projections import committed
 from projections.commits import CLOSING_KINDS, GROUP_KINDS
 from projections.status import UNFINISHED
 
-__all__ = ["MAX_LIMIT", "MAX_POINTS", "SCAN_BUDGET", "at", "audit", "curves", "diff", "event", "events", "rows",
+__all__ = ["CURVES", "MAX_LIMIT", "MAX_POINTS", "SCAN_BUDGET", "at", "audit", "curves", "diff", "event", "events", "rows",
            "run", "runs"]
 
 #: most events one page of :func:`events` holds
@@ -144,21 +144,32 @@ def run(run_dir: Path) -> dict[str, Any]:
 # --- curves --------------------------------------------------------------------------------------------------
 
 
-def _finite(values: Iterator[float] | list[float]) -> list[float | None]:
+def _finite(values: Any) -> list[float | None]:
     return [v if v is not None and math.isfinite(v) else None for v in values]
 
 
-def curves(run_dir: Path) -> dict[str, Any]:
-    """The run's curves, from its committed view.
+CURVES = ("epoch", "update")
+
+
+def curves(run_dir: Path, per: tuple[str, ...] = CURVES) -> dict[str, Any]:
+    """The run's curves, from its committed view; ``per`` names which (``"epoch"``, ``"update"``).
 
     ``epoch``: ``x`` (0-based epochs) and one list per series -- ``train/<key>`` and ``val/<key>`` of each
     history record (losses, loss terms, metrics), ``monitor``, ``lr/<optimizer>/<group>`` -- aligned on
-    ``x`` (``None`` where a record has no such value, or a value that is not finite).
+    ``x`` (``None`` where a record has no such value, or a value that is not finite); ``improved``: the
+    monitor's decision of each. From the history projection: folded from the newest snapshot when only
+    these are asked (O(events since it)).
     ``update``: per optimizer, ``loss/<opt>``, ``grad_norm/<opt>`` (when computed) and ``lr/<opt>`` (its
     first group's rate) of each committed update, as ``{"x": steps, "y": values}``: exact up to
     :data:`CURVE_BUCKETS` updates, beyond that each bucket's least and greatest value
-    (:class:`nnx_es.plotting.Envelope`; ``steps_per_bucket`` says how many steps a bucket holds).
+    (:class:`nnx_es.plotting.Envelope`; ``steps_per_bucket`` says how many steps a bucket holds). One pass
+    over the whole log (:func:`nnx_es.plotting.committed_curves`).
+
+    Raises:
+        ValueError: ``per`` names something else.
     """
+    if not per or set(per) - set(CURVES):
+        raise ValueError(f"per: expected some of {CURVES}, got {per!r}")
     envelopes: dict[str, Envelope] = {}
 
     def take(receipts: list[Any]) -> None:
@@ -175,26 +186,35 @@ def curves(run_dir: Path) -> dict[str, Any]:
                 envelopes.setdefault(name, Envelope(CURVE_BUCKETS)).add(steps, np.asarray(values, dtype=np.float64))
 
     with open_run_log(run_dir) as log:
-        history = committed_curves(log, take)
-    epochs = [r.epoch for r in history]
+        if "update" in per:
+            history = committed_curves(log, take)
+        else:
+            history = project_log(log, skip_undecodable=True).projections.history.records
+    out: dict[str, Any] = {}
+    if "epoch" in per:
+        out["epoch"] = _epoch_series(history)
+    if "update" in per:
+        update = {}
+        steps_per_bucket = 1
+        for name, env in sorted(envelopes.items()):
+            xs, ys = env.line()
+            update[name] = {"x": xs.tolist(), "y": _finite(ys.tolist())}
+            steps_per_bucket = max(steps_per_bucket, env.steps_per_bucket)
+        out["update"] = {"series": update, "steps_per_bucket": steps_per_bucket}
+    return out
+
+
+def _epoch_series(history: tuple[HistoryRecord, ...]) -> dict[str, Any]:
     series: dict[str, list[float | None]] = {}
-    for prefix, part in (("train", "train"), ("val", "val")):
+    for part in ("train", "val"):
         for key in sorted({k for r in history for k in getattr(r, part)}):
-            series[f"{prefix}/{key}"] = _finite(getattr(r, part).get(key, math.nan) for r in history)
+            series[f"{part}/{key}"] = _finite(getattr(r, part).get(key, math.nan) for r in history)
     if any(r.monitor_value is not None for r in history):
         series["monitor"] = _finite(r.monitor_value for r in history)
     for opt in sorted({o for r in history for o in r.lrs}):
         for g in range(max(len(r.lrs.get(opt, [])) for r in history)):
             series[f"lr/{opt}/{g}"] = _finite(r.lrs[opt][g] if g < len(r.lrs.get(opt, [])) else None for r in history)
-    update = {}
-    per = 1
-    for name, env in sorted(envelopes.items()):
-        xs, ys = env.line()
-        update[name] = {"x": xs.tolist(), "y": _finite(ys.tolist())}
-        per = max(per, env.steps_per_bucket)
-    return {"epoch": {"x": epochs, "series": series,
-                      "improved": [bool(r.improved) for r in history]},
-            "update": {"series": update, "steps_per_bucket": per}}
+    return {"x": [r.epoch for r in history], "series": series, "improved": [bool(r.improved) for r in history]}
 
 
 # --- events --------------------------------------------------------------------------------------------------

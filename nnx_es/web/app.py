@@ -5,7 +5,7 @@ Pages (one HTML shell; ``static/app.js`` draws each from the API, with uPlot, sh
 | page | API |
 |---|---|
 | ``/`` the runs | ``GET /api/runs`` |
-| ``/runs/{id}`` summary, history, curves | ``GET /api/runs/{id}``, ``GET /api/runs/{id}/curves`` |
+| ``/runs/{id}`` summary, history, curves | ``GET /api/runs/{id}``, ``GET /api/runs/{id}/curves?per=epoch|update`` |
 | ``/runs/{id}/events`` events, filtered and paged | ``GET /api/runs/{id}/events?from=&limit=&kind=&epoch=`` |
 | ``/runs/{id}/events/{seq}`` one event, its commit group | ``GET /api/runs/{id}/events/{seq}`` |
 | ``/runs/{id}/at`` time travel over seq | ``GET /api/runs/{id}/at?seq=`` |
@@ -164,7 +164,11 @@ def create_app(runs_root: str | Path, *, allowed_hosts: tuple[str, ...] = LOOPBA
         return root.read(cached("run", api.run), request.path_params["run_id"])
 
     def curves(request: Request) -> Any:
-        return root.read(cached("curves", api.curves), request.path_params["run_id"])
+        text = request.query_params.get("per")
+        per = api.CURVES if not text else tuple(p for p in api.CURVES if p in text.split(","))
+        if text and (not per or set(text.split(",")) - set(api.CURVES)):
+            raise ValueError(f"per: expected some of {', '.join(api.CURVES)} (comma-separated), got {text!r}")
+        return root.read(cached("curves/" + ",".join(per), lambda d: api.curves(d, per)), request.path_params["run_id"])
 
     def events(request: Request) -> Any:
         q = request.query_params

@@ -30,6 +30,8 @@ def serve(runs_root: str | Path, *, host: str = "127.0.0.1", port: int = 8000) -
     from nnx_es.web.app import create_app, hosts_for, is_loopback
 
     app = create_app(runs_root, allowed_hosts=hosts_for(host))
+    if port == 0:  # said in the URL printed below: pick the free port here
+        port = _free_port(host)
     if not is_loopback(host):
         print(f"nnx-es serve: listening on {host}, not loopback: anyone who reaches it reads every run under "
               f"{Path(runs_root).resolve()} (read-only, no log-in)", file=sys.stderr)
@@ -48,9 +50,7 @@ def serve_in_thread(app: Any, host: str = "127.0.0.1", start_timeout_s: float = 
     """
     import uvicorn
 
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
-        s.bind((host, 0))
-        port = s.getsockname()[1]
+    port = _free_port(host)
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False))
     thread = threading.Thread(target=server.run, daemon=True, name="nnx-es-serve")
     thread.start()
@@ -61,6 +61,12 @@ def serve_in_thread(app: Any, host: str = "127.0.0.1", start_timeout_s: float = 
             raise RuntimeError(f"the web app did not start on {host}:{port} within {start_timeout_s} s")
         time.sleep(0.02)
     return f"http://{f'[{host}]' if ':' in host else host}:{port}", server
+
+
+def _free_port(host: str) -> int:
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
 
 
 def _port(text: str) -> int:

@@ -90,6 +90,10 @@ def test_curves_equal_the_history_and_the_committed_receipts(client, root):
     loss = doc["update"]["series"]["loss/sgd"]
     assert loss["x"] == [float(r.step) for r in receipts] and loss["y"] == [r.loss for r in receipts]
     assert doc["update"]["series"]["lr/sgd"]["y"] == [r.lrs[0] for r in receipts]
+    epoch_only = _get(client, "/api/runs/base/curves?per=epoch")  # from the history projection alone
+    assert epoch_only == {"epoch": doc["epoch"]}
+    assert _get(client, "/api/runs/base/curves?per=update") == {"update": doc["update"]}
+    _get(client, "/api/runs/base/curves?per=step", 400)
 
 
 def test_event_pages_are_inspects_rows_filtered_and_chained(client, root, capsys):
@@ -195,6 +199,15 @@ def test_only_reads_from_this_machine_with_a_strict_policy(client, root):
     assert "script-src 'self'" in r.headers["content-security-policy"] and r.headers["x-frame-options"] == "DENY"
     assert hosts_for("127.0.0.1")[:2] == ("127.0.0.1", "localhost") and hosts_for("0.0.0.0") == ("*",)
     assert is_loopback("127.0.0.2") and is_loopback("::1") and not is_loopback("0.0.0.0")
+
+
+def test_nnx_es_serve_refuses_a_runs_root_that_is_not_a_directory(tmp_path, capsys):
+    from nnx_es.cli.main import main
+
+    assert main(["serve", str(tmp_path / "nope"), "--port", "0"]) == 2
+    assert "does not exist or is not a directory" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["serve", str(tmp_path), "--port", "70000"])
 
 
 def test_serving_every_page_changes_nothing_under_the_root_lock_files_included(client, root):

@@ -107,8 +107,9 @@ def test_the_run_page_shows_its_history_and_draws_its_curves(browser, server, ro
         row = browser.find_element(By.CSS_SELECTOR, f'#history tr[data-epoch="{r.epoch}"]')
         shown = [c.get_attribute("data-value") for c in row.find_elements(By.CSS_SELECTOR, "td.num")]
         assert float(shown[1]) == r.train["loss"] and float(shown[2]) == r.val["val_loss"]
-    charts = browser.find_elements(By.CSS_SELECTOR, ".chart canvas")
-    assert len(charts) >= 4  # loss and lr per epoch, loss and lr per update (uPlot draws on canvases)
+    # loss and lr per epoch, loss and lr per update: uPlot draws each on a canvas once its curves arrive
+    WebDriverWait(browser, 30).until(lambda b: len(b.find_elements(By.CSS_SELECTOR, "#update-charts .chart canvas")) >= 2)
+    assert len(browser.find_elements(By.CSS_SELECTOR, "#epoch-charts .chart canvas")) >= 2
     assert browser.find_element(By.ID, "events-count").text == str(load_result(root / "base").events)
     _no_errors(browser)
     _shot(browser, "run")

@@ -188,11 +188,11 @@ async function pageRun(runId) {
     h("h2", {}, "per epoch"), perEpoch, h("h2", {}, "per committed update"), perUpdate,
     h("h2", {}, "history (committed epochs)"), doc.history.length ? historyTable(doc.history) : h("p", { class: "muted" }, "no committed epoch yet"));
   liveNote(doc.live ? "training: refreshing every 2 s" : "");
-  try {
-    const c = await api("/api/runs/" + enc(runId) + "/curves");
-    perEpoch.replaceChildren(...epochCharts(c));
-    perUpdate.replaceChildren(...updateCharts(c));
-  } catch (e) { perEpoch.replaceChildren(h("p", { class: "error" }, String(e.message || e))); }
+  perUpdate.replaceChildren(h("p", { class: "muted" }, "reading every committed update…"));
+  try {  // per epoch: the history projection (from a snapshot); per update: a pass over the whole log
+    perEpoch.replaceChildren(...epochCharts(await api("/api/runs/" + enc(runId) + "/curves?per=epoch")));
+    perUpdate.replaceChildren(...updateCharts(await api("/api/runs/" + enc(runId) + "/curves?per=update")));
+  } catch (e) { perUpdate.replaceChildren(h("p", { class: "error" }, String(e.message || e))); }
   if (doc.live) poll(() => pageRun(runId), 2000);
 }
 
