@@ -3,7 +3,7 @@
 Runs under it:
 
 * ``base``: a real Trainer run (3-class blobs, per-row records, a StepLR, monitor ``val_loss``), 6 epochs;
-* ``other``: the same with another seed (the diff's second run);
+* ``other``: the same with another seed, 3 epochs (the diff's second run);
 * ``fork``: a fork of ``base`` from its LAST (lineage), 2 epochs;
 * ``resumed``: built event by event (:mod:`helpers_runs`): an epoch that crashed, a stateful resume that
   discards it, then a clean finish;
@@ -55,7 +55,7 @@ def build_root(base: Path) -> Path:
     root = base / "runs"
     root.mkdir(parents=True)
     _trainer(root, "base", 0).fit(*_loaders(), epochs=6)
-    _trainer(root, "other", 1).fit(*_loaders(), epochs=6)
+    _trainer(root, "other", 1).fit(*_loaders(), epochs=3)
     _trainer(root, "fork", 0).fit(*_loaders(), epochs=2, resume_from=root / "base", resume_mode="fork")
     write_run(root / "resumed", resumed_events(root / "resumed"))
     events, _ = clean_events(root / "broken")
