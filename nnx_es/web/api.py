@@ -31,7 +31,7 @@ import msgspec
 import numpy as np
 
 from events.codec import KINDS, decode, decode_many
-from events.errors import CorruptEventError
+from events.errors import CorruptEventError, NnxError
 from events.log import LmdbLog
 from events.schema import Event, HistoryRecord, LastCommitted, RunResumed, RunStarted
 from nnx_es.audit import INVARIANTS, audit_run, decoded, open_run_log, project_log
@@ -44,7 +44,7 @@ from projections import committed
 from projections.commits import CLOSING_KINDS, GROUP_KINDS
 from projections.status import UNFINISHED
 
-__all__ = ["CURVES", "MAX_LIMIT", "MAX_POINTS", "SCAN_BUDGET", "at", "audit", "curves", "diff", "event", "events", "rows",
+__all__ = ["CURVES", "MAX_LIMIT", "NoSuchEventError", "MAX_POINTS", "SCAN_BUDGET", "at", "audit", "curves", "diff", "event", "events", "rows",
            "run", "runs"]
 
 #: most events one page of :func:`events` holds
@@ -58,6 +58,10 @@ CURVE_BUCKETS = 2048
 MAX_POINTS = 20000
 #: events shown on each side of where two runs first differ
 DIFF_CONTEXT = 12
+
+
+class NoSuchEventError(NnxError, LookupError):
+    """The run's log holds no event at the seq asked for (its length named)."""
 
 
 # --- the runs ----------------------------------------------------------------------------------------------
@@ -355,14 +359,14 @@ def event(run_dir: Path, seq: int) -> dict[str, Any]:
     (``commit``: :func:`_commit_of`) and its neighbours' seqs (``previous``, ``next``; None at an end).
 
     Raises:
-        LookupError: no event ``seq`` (the log's length named).
+        NoSuchEventError: no event ``seq`` (the log's length named).
         CorruptEventError: its value does not decode.
     """
     with open_run_log(run_dir) as log:
         total = log.next_seq
         pair = next(iter(log.read_raw(seq, seq + 1)), None) if 0 <= seq < total else None
         if pair is None or pair[0] != seq:
-            raise LookupError(f"no event {seq} in {run_dir.name}: its log holds seqs 0..{total - 1}")
+            raise NoSuchEventError(f"no event {seq} in {run_dir.name}: its log holds seqs 0..{total - 1}")
         e = decode(pair[1], seq)
         commit = _commit_of(log, seq, e.KIND)
     return {"event": event_json(seq, e), "epoch": event_epoch(e), "commit": commit,

@@ -42,6 +42,7 @@ from starlette.staticfiles import StaticFiles
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from events.errors import CorruptEventError, EventLogError, SequenceGapError, UnsafePathError, WriterAppearedError
+from events.lmdbfile import MAX_SEQ
 from events.paths import check_entry
 from nnx_es.audit import NotARunError
 from nnx_es.cli._common import writer_alive
@@ -64,7 +65,7 @@ _STATUSES: tuple[tuple[tuple[type[BaseException], ...], int], ...] = (
     ((WriterAppearedError,), 503),
     ((InvalidRunIdError,), 400),
     ((UnsafePathError,), 403),
-    ((NotARunError, LookupError), 404),
+    ((NotARunError, api.NoSuchEventError), 404),
     ((EventLogError, SequenceGapError, CorruptEventError, CorruptCheckpointError), 422),
     ((ValueError,), 400),
 )
@@ -123,8 +124,8 @@ def _int(request: Request, name: str, default: int | None = None) -> int:
         value = int(text)
     except ValueError:
         raise ValueError(f"{name}: expected a non-negative integer, got {text!r}") from None
-    if value < 0:
-        raise ValueError(f"{name}: expected a non-negative integer, got {text!r}")
+    if not 0 <= value < MAX_SEQ:
+        raise ValueError(f"{name}: expected an integer in 0..{MAX_SEQ - 1}, got {text!r}")
     return value
 
 
@@ -179,6 +180,8 @@ def create_app(runs_root: str | Path, *, allowed_hosts: tuple[str, ...] = LOOPBA
 
     def event(request: Request) -> Any:
         seq = int(request.path_params["seq"])
+        if seq >= MAX_SEQ:
+            raise api.NoSuchEventError(f"no event {seq}: a seq is below {MAX_SEQ}")
         return root.read(lambda d: api.event(d, seq), request.path_params["run_id"])
 
     def at(request: Request) -> Any:

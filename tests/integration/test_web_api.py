@@ -189,6 +189,8 @@ def test_paths_stay_inside_the_runs_root(client, root, tmp_path):
     assert _get(client, "/api/runs/base/events?limit=0", 400)["error"]["type"] == "ValueError"
     assert _get(client, "/api/runs/base/events?kind=nope", 400)["error"]["message"].startswith("kind: unknown")
     assert _get(client, "/api/runs/base/at?seq=-1", 400)
+    assert _get(client, f"/api/runs/base/events?from={2**64}", 400)["error"]["message"].startswith("from:")
+    assert _get(client, f"/api/runs/base/events/{2**70}", 404)["error"]["type"] == "NoSuchEventError"
     assert client.get("/static/../webkit.py").status_code == 404
 
 
