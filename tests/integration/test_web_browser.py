@@ -116,10 +116,15 @@ def test_the_run_page_shows_its_history_and_draws_its_curves(browser, server, ro
 
 
 def test_a_click_on_an_event_row_reaches_the_event_and_its_commit_group(browser, server):
+    browser.get(server + "/runs/base/events?limit=50")
+    _wait(browser, "#events tr.event")
+    assert len(browser.find_elements(By.CSS_SELECTOR, "#events tr.event")) == 50
+    _shot(browser, "events")
+    browser.find_element(By.ID, "next").click()
+    WebDriverWait(browser, 10).until(lambda b: b.find_element(By.CSS_SELECTOR, "#events tr.event").get_attribute("data-seq") == "50")
     browser.get(server + "/runs/resumed/events?kind=best_committed")
     row = _wait(browser, "#events tr.event")
     seq = row.get_attribute("data-seq")
-    _shot(browser, "events")
     row.find_elements(By.TAG_NAME, "td")[2].click()  # the row, not its link
     _wait(browser, "#fields")
     assert browser.current_url.endswith(f"/runs/resumed/events/{seq}")
