@@ -20,7 +20,8 @@ demo: $(STAMP)
 	$(PY) examples/digits.py
 
 test: $(STAMP) browser
-	$(PY) -m pytest
+	# two workers, one a core (pytest-xdist); the torchrun tests share one worker (tests/conftest.py)
+	$(PY) -m pytest -n 2 --dist loadgroup
 
 # the web app's browser tests drive Debian's chromium through its chromedriver (tests/integration/
 # test_web_browser.py): installed here when missing and this runs as root with apt (CI); elsewhere,

@@ -64,3 +64,12 @@ def sample_events() -> dict[type, Any]:
     from events import EVENT_TYPES
 
     return {t: sample_instance(t) for t in EVENT_TYPES}
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under ``pytest -n 2 --dist loadgroup`` (``make test``) the torchrun tests run on one worker, one
+    launch at a time: two 2-rank launches side by side would put four ranks on the two cores and stretch
+    their process-group timeouts."""
+    for item in items:
+        if "distributed" in item.keywords or Path(str(item.fspath)).parent.name == "distributed":
+            item.add_marker(pytest.mark.xdist_group("torchrun"))
