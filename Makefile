@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 BVENV  ?= .venv-bench
 BSTAMP := $(BVENV)/.installed
 
-.PHONY: demo test bench bench-ddp clean
+.PHONY: demo test docs docs-serve bench bench-ddp clean
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -21,6 +21,13 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest
+
+# the documentation site, built in strict mode (a broken link or reference fails) into site/
+docs: $(STAMP)
+	DISABLE_MKDOCS_2_WARNING=true $(PY) -m mkdocs build --strict
+
+docs-serve: $(STAMP)
+	DISABLE_MKDOCS_2_WARNING=true $(PY) -m mkdocs serve
 
 $(BSTAMP): pyproject.toml
 	python3 -m venv $(BVENV)
@@ -37,4 +44,4 @@ bench-ddp: $(STAMP)
 	$(PY) -m bench.ddp
 
 clean:
-	rm -rf $(VENV) $(BVENV) runs .pytest_cache
+	rm -rf $(VENV) $(BVENV) runs site .pytest_cache
