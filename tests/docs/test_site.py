@@ -1,8 +1,9 @@
 """The documentation site builds in strict mode, with its generated reference and pictures.
 
 ``mkdocs build --strict`` fails on any warning: a broken link or anchor, a page missing from the
-nav, a docstring reference mkdocstrings cannot resolve. One build (about 15 s of CPU on 2 cores:
-a small real run for the pictures, mkdocstrings over the public API) serves every test here.
+nav, a docstring reference mkdocstrings cannot resolve. One build (about 25 s of CPU on a loaded
+2-core machine: a small real run for the pictures, mkdocstrings over the public API) serves every
+test here.
 """
 
 from __future__ import annotations
