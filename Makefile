@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 BVENV  ?= .venv-bench
 BSTAMP := $(BVENV)/.installed
 
-.PHONY: demo test browser bench bench-ddp clean
+.PHONY: demo test browser docs docs-serve bench bench-ddp clean
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -37,6 +37,13 @@ browser:
 	  fi; \
 	fi
 
+# the documentation site, built in strict mode (a broken link or reference fails) into site/
+docs: $(STAMP)
+	DISABLE_MKDOCS_2_WARNING=true $(PY) -m mkdocs build --strict
+
+docs-serve: $(STAMP)
+	DISABLE_MKDOCS_2_WARNING=true $(PY) -m mkdocs serve
+
 $(BSTAMP): pyproject.toml
 	python3 -m venv $(BVENV)
 	$(BVENV)/bin/python -m pip install --quiet torch==2.13.0
@@ -52,4 +59,4 @@ bench-ddp: $(STAMP)
 	$(PY) -m bench.ddp
 
 clean:
-	rm -rf $(VENV) $(BVENV) runs .pytest_cache
+	rm -rf $(VENV) $(BVENV) runs site .pytest_cache

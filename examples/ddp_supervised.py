@@ -9,7 +9,7 @@ Every rank runs this same script. ``train_loader`` deals each epoch's permutatio
 records and decisions (BEST, ReduceLROnPlateau, EarlyStopping) and every commit. Only the
 writer rank (rank 0) writes ``runs/<id>/``; every rank returns the same run. Across machines,
 the same script runs under ``torchrun --nnodes=2 --nproc-per-node=1 --rdzv-backend=c10d
---rdzv-endpoint=HOST:PORT`` (README, "Data parallelism"). CPU uses gloo; with CUDA each rank
+--rdzv-endpoint=HOST:PORT`` (docs/guides/multi-machine.md). CPU uses gloo; with CUDA each rank
 trains on ``cuda:LOCAL_RANK`` over nccl.
 """
 

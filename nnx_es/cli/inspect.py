@@ -89,7 +89,7 @@ from nnx_es.cli.many import diff_command, is_empty_runs_root, is_runs_root, list
 from nnx_es.cli.projected import at, summary
 from nnx_es.errors import CorruptCheckpointError
 
-__all__ = ["COMMANDS", "json_schema", "main"]
+__all__ = ["COMMANDS", "build_parser", "json_schema", "main"]
 
 COMMANDS: tuple[str, ...] = ("events", "summary", "plot", "export", "rows")
 #: what ``plot`` draws: the run's curves (default) or the per-row data map
@@ -99,7 +99,8 @@ PLOTS: tuple[str, ...] = ("curves", "cartography")
 # --- arguments -----------------------------------------------------------------------------
 
 
-def _parser() -> argparse.ArgumentParser:
+def build_parser() -> argparse.ArgumentParser:
+    """The ``tools/inspect`` (``nnx-inspect``) argument parser (the docs' CLI reference is generated from it)."""
     title, _, details = (__doc__ or "").partition("\n\n")  # the module docstring is the help
     parser = Parser(prog="inspect", description=title.partition(": ")[2], epilog=details,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -215,7 +216,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     as_json = wants_json(argv)
     if argv[:1] == ["diff"]:
         return diff_command(argv[1:], as_json)
-    parser = _parser()
+    parser = build_parser()
     try:
         args = parser.parse_intermixed_args(argv)
         _check_applicable(parser, args)

@@ -22,7 +22,7 @@ from nnx_es.cli._common import EXIT_OK, EXIT_UNUSABLE, EXIT_VIOLATIONS
 from nnx_es.cli.train import add_commands
 from nnx_es.web.serve import add_command as add_serve
 
-__all__ = ["main"]
+__all__ = ["build_parser", "main"]
 
 #: the points ``crashtest`` samples without ``--points`` (a 3-epoch toy has ~110 in all)
 DEFAULT_POINTS = 20
@@ -67,7 +67,8 @@ def _crashtest(args: argparse.Namespace) -> int:
     return EXIT_OK if report.ok else EXIT_VIOLATIONS
 
 
-def _parser() -> argparse.ArgumentParser:
+def build_parser() -> argparse.ArgumentParser:
+    """The ``nnx-es`` argument parser, sub-commands included (the docs' CLI reference is generated from it)."""
     parser = argparse.ArgumentParser(prog="nnx-es", description="nnx_es commands")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     crash = sub.add_parser(
@@ -96,7 +97,7 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     cut = argv.index("--") if "--" in argv else len(argv)  # the script's own arguments follow "--"
-    args = _parser().parse_args(argv[:cut])
+    args = build_parser().parse_args(argv[:cut])
     args.script_args = argv[cut + 1:]
     return int(args.run(args))
 

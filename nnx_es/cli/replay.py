@@ -28,11 +28,12 @@ from nnx_es.cli._common import (
 from nnx_es.cli._format import json_line, printable
 from nnx_es.audit import INVARIANTS, AuditReport, NotARunError, audit_run
 
-__all__ = ["main", "render"]
+__all__ = ["build_parser", "main", "render"]
 
 
 
-def _parser() -> argparse.ArgumentParser:
+def build_parser() -> argparse.ArgumentParser:
+    """The ``tools/replay`` (``nnx-replay``) argument parser (the docs' CLI reference is generated from it)."""
     parser = Parser(
         prog="replay",
         description="Replay a run's event log and check the invariants of docs/INVARIANTS.md "
@@ -66,7 +67,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     An error (a usage error, an unusable input) is said on stderr and, with ``--json``, also as
     one JSON object ``{"error": {"type", "message"}}`` on stdout (:func:`nnx_es.cli._common.fail`).
     """
-    parser = _parser()
+    parser = build_parser()
     as_json = wants_json(argv)
     try:
         args = parser.parse_args(argv)

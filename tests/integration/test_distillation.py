@@ -203,9 +203,9 @@ def test_loading_a_distilled_student_without_model_names_the_stored_model_that_f
     assert "are this net's" not in str(info.value)
 
 
-def test_the_readme_says_how_to_load_one_model_of_a_distillation_run():
-    """The README's distillation paragraph names the keyword each loader takes (model=, weights_of=)."""
-    readme = " ".join((Path(__file__).resolve().parents[2] / "README.md").read_text().split())
+def test_the_docs_say_how_to_load_one_model_of_a_distillation_run():
+    """The distillation guide's paragraph (once the README's) names the keyword each loader takes (model=, weights_of=)."""
+    readme = " ".join((Path(__file__).resolve().parents[2] / "docs" / "guides" / "finetune-distill.md").read_text().split())
     assert ('loads into its own module by that name: `NNModel(student).load(run_dir, "best", model="student")` '
             '(likewise `WeightsFrom(..., model="student")`, `FixedHeadProvider.from_run(..., weights_of="student")`') \
         in readme

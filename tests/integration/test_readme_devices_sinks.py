@@ -1,4 +1,5 @@
-"""The README's "Devices and live logging" snippet, run as written: its device choice, its sinks' files."""
+"""The live-logging guide's sinks snippet (once the README's "Devices and live logging"), run as written:
+its device choice, its sinks' files. (tests/docs runs every snippet; this checks what this one promises.)"""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from pathlib import Path
 
 from nnx_es import load_result
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+README = Path(__file__).resolve().parents[2] / "docs" / "guides" / "live-logging.md"
 
 
 def _snippet(section: str) -> str:
@@ -23,7 +24,7 @@ def _snippet(section: str) -> str:
 def test_the_readmes_devices_and_sinks_snippet_trains_and_its_sinks_write_what_the_log_committed(
         tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
-    exec(compile(_snippet("Devices and live logging"), str(README), "exec"), {})
+    exec(compile(_snippet("Live sinks"), str(README), "exec"), {})
     views = tmp_path / "runs" / "devices-demo" / "views"
     printed = capsys.readouterr().out
     assert {"epochs.csv", "updates.csv", "tensorboard"} <= set(os.listdir(views)), printed

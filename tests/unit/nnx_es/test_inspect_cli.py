@@ -386,10 +386,11 @@ def test_summary_says_whether_the_logs_values_verify_against_their_checksums(rea
     assert json.loads(capsys.readouterr().out)["checksums"] == "not verified: the log was written before checksums existed"
 
 
-def test_the_readme_and_inspect_help_say_a_killed_cli_run_resumes_with_nnx_es_resume(capsys):
+def test_the_docs_and_inspect_help_say_a_killed_cli_run_resumes_with_nnx_es_resume(capsys):
     """What ``summary`` prints for a killed ``nnx-es run`` (``nnx-es resume``) is what its help and the
-    README's Tools section say, beside ``fit(..., resume_from=...)`` for a run started from Python."""
-    readme = " ".join((Path(__file__).resolve().parents[3] / "README.md").read_text().split())
+    inspect guide (once the README's Tools section) say, beside ``fit(..., resume_from=...)`` for a run
+    started from Python."""
+    readme = " ".join((Path(__file__).resolve().parents[3] / "docs" / "guides" / "inspect.md").read_text().split())
     assert ("killed or crashed? resume it with `nnx-es resume runs/<id>` when `nnx-es run` started it, "
             "else `fit(..., resume_from=...)`") in readme
     assert main(["--help"]) == 0
