@@ -27,6 +27,7 @@ from nnx_es.rng import LoaderGenerators, capture_rng, generators_mismatch, resto
 from nnx_es.run_state import World
 from nnx_es.state_codec import encode_state
 from nnx_es.storage import BlobStore
+from nnx_es.transforms.core import apply_pending, pending, probe, recorded
 from nnx_es.update_hooks import EMA, UpdateHook
 
 if TYPE_CHECKING:
@@ -126,10 +127,13 @@ def capture(run: RunComponents, epoch: int, world_size: int = 1) -> dict[str, tu
         "data": {"next_epoch": epoch + 1},
         "topology": {
             "module": type(run.net).__qualname__,
-            "parameters": {k: list(v.shape) for k, v in weights.items()},
+            "parameters": {k: list(v.shape) for k, v in weights.items() if isinstance(v, Tensor)},
             "world_size": world_size,
         },
     }
+    transforms = recorded(run.net)
+    if transforms:  # the transforms applied to the net, rebuilt on a fresh net by a resume or a load
+        state["topology"]["transforms"] = transforms
     world = run.world
     if world.distributed:
         # every rank's RNG streams (global and its loaders' own), gathered on every rank: the writer's
@@ -234,13 +238,28 @@ def weight_misfits(net: nn.Module, weights: Any) -> str:
     own = net.state_dict()
     misfits = [f"{k} only in the checkpoint" for k in sorted(set(weights) - set(own), key=repr)] + [
         f"{k} only in this net" for k in sorted(set(own) - set(weights))] + [
-        f"{k}: a {type(weights[k]).__name__} in the checkpoint, not a tensor"
-        for k in own if k in weights and not isinstance(weights[k], torch.Tensor)] + [
+        f"{k}: a {type(weights[k]).__name__} in the checkpoint, not a {_kind(v)}"
+        for k, v in own.items() if k in weights and not _same_kind(weights[k], v)] + [
         f"{k}: {tuple(weights[k].shape)} in the checkpoint, {tuple(v.shape)} here"
         for k, v in own.items()
         if isinstance(weights.get(k), torch.Tensor) and tuple(weights[k].shape) != tuple(v.shape)
     ]
     return "; ".join(misfits[:6]) + (f"; and {len(misfits) - 6} more" if len(misfits) > 6 else "")
+
+
+def _kind(value: Any) -> str:
+    return "tensor" if isinstance(value, Tensor) else type(value).__name__
+
+
+def _same_kind(theirs: Any, own: Any) -> bool:
+    """A checkpoint's value where the net holds ``own``: a tensor for a tensor; for the few other values a
+    state dict holds (a dynamically quantized layer's packed weights, a tuple of tensors, and its dtype), the
+    same type, a tuple's items alike."""
+    if isinstance(own, Tensor):
+        return isinstance(theirs, Tensor)
+    if isinstance(own, tuple):
+        return isinstance(theirs, tuple) and len(theirs) == len(own) and all(map(_same_kind, theirs, own))
+    return type(theirs) is type(own)
 
 
 def apply_state(run: RunComponents, state: dict[str, Any], *, weights_only: bool = False) -> None:
@@ -252,10 +271,18 @@ def apply_state(run: RunComponents, state: dict[str, Any], *, weights_only: bool
     Raises:
         ResumeError: the checkpoint does not match the trainer (a missing
             optimizer, scheduler, callback state, a different model topology, or
-            loaders whose own generators differ from the run's).
+            loaders whose own generators differ from the run's), or the checkpoint's net was transformed
+            otherwise than this one and the difference cannot be rebuilt under the optimizers
+            (:func:`nnx_es.transforms.core.pending`: a transform that changes parameters, undeclared).
+        CorruptCheckpointError: a recorded transform cannot be rebuilt (named).
     """
-    # everything that can refuse is checked before anything is applied
-    misfits = weight_misfits(run.net, state["model"])
+    # everything that can refuse is checked before anything is applied; the transforms the checkpoint's net
+    # carried and this one does not yet are rebuilt on it last, once nothing refuses (nnx_es.transforms)
+    try:
+        todo = pending(run.net, state.get("topology"), where="the checkpoint", training=True)
+    except ConfigError as exc:
+        raise ResumeError(f"{exc}; nothing was restored") from None
+    misfits = weight_misfits(probe(run.net, todo), state["model"])
     if misfits:
         raise ResumeError(f"the checkpoint's model does not fit this net (another architecture?): {misfits}")
     rng = state.get("rng")
@@ -269,6 +296,7 @@ def apply_state(run: RunComponents, state: dict[str, Any], *, weights_only: bool
             if key not in state:
                 raise ResumeError(f"the checkpoint has no state for {what} {key.split('/', 1)[1]!r}; "
                                   f"it has {sorted(state)}")
+    apply_pending(run.net, todo)
     run.net.load_state_dict(state["model"])
     if weights_only:
         return
