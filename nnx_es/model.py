@@ -28,7 +28,7 @@ from nnx_es.metrics import check_accuracy, check_metric_names, validate_metrics
 from nnx_es.user_metrics import bind_activation
 from nnx_es.objective import Objective
 from nnx_es.result import RunResult
-from nnx_es.snapshot import weight_misfits
+from nnx_es.snapshot import load_weights, weight_misfits
 from nnx_es.trainer import Trainer
 from nnx_es.transforms.core import Transform, apply_pending, apply_transforms, extend, pending, probe
 from nnx_es.weights import fitting_models, model_names, read_topology, read_weights
@@ -229,7 +229,7 @@ class NNModel:
                               f"does not fit this net (another architecture?): {misfits}{hint}")
         apply_pending(self.net, todo)
         try:
-            self.net.load_state_dict(state)
+            load_weights(self.net, state)
         except (RuntimeError, TypeError, ValueError, AttributeError) as exc:  # keys and shapes fit: crafted contents
             raise CorruptCheckpointError(f"the {which.upper()} checkpoint of run {result.run_id!r} (epoch "
                                          f"{pointer.epoch}) does not load into this net: {type(exc).__name__}: "

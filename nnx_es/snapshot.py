@@ -12,6 +12,7 @@ puts them back. Components (see :mod:`nnx_es.checkpoint`)::
 
 from __future__ import annotations
 
+import collections
 import io
 import pickle
 from collections.abc import Mapping, Sequence
@@ -39,7 +40,7 @@ if TYPE_CHECKING:
     from nnx_es.schedulers import Scheduler
 
 __all__ = ["RunComponents", "apply_state", "capture", "check_world_size", "detached_copy", "encode_parts", "load_state",
-           "weight_misfits"]
+           "load_weights", "weight_misfits"]
 
 
 class RunComponents:
@@ -247,6 +248,18 @@ def weight_misfits(net: nn.Module, weights: Any) -> str:
     return "; ".join(misfits[:6]) + (f"; and {len(misfits) - 6} more" if len(misfits) > 6 else "")
 
 
+def load_weights(net: nn.Module, weights: dict[str, Any]) -> None:
+    """``net.load_state_dict(weights)``, with the module versions of ``net``'s own state dict when ``weights``
+    carries none (a checkpoint keeps the values, not the ``_metadata`` torch attaches to a state dict; a
+    dynamically quantized layer reads a state without its version as an older layout and fails)."""
+    if getattr(weights, "_metadata", None) is None:
+        metadata = getattr(net.state_dict(), "_metadata", None)
+        if metadata is not None:
+            weights = collections.OrderedDict(weights)
+            weights._metadata = metadata  # type: ignore[attr-defined]
+    net.load_state_dict(weights)
+
+
 def _kind(value: Any) -> str:
     return "tensor" if isinstance(value, Tensor) else type(value).__name__
 
@@ -297,7 +310,7 @@ def apply_state(run: RunComponents, state: dict[str, Any], *, weights_only: bool
                 raise ResumeError(f"the checkpoint has no state for {what} {key.split('/', 1)[1]!r}; "
                                   f"it has {sorted(state)}")
     apply_pending(run.net, todo)
-    run.net.load_state_dict(state["model"])
+    load_weights(run.net, state["model"])
     if weights_only:
         return
     for n, o in run.optimizers.items():
