@@ -159,20 +159,19 @@ def extend(net: nn.Module, transforms: Iterable[Transform], *, origin: str = "us
 
 def apply_transforms(net: nn.Module, transforms: Iterable[Transform], *, origin: str = "user",
                      epoch: int = -1) -> nn.Module:
-    """Make ``net`` carry ``transforms``, in order: the ones it already carries (a prefix, e.g. applied
-    before its optimizer was built) are kept, the rest applied in place. Returns ``net``.
+    """Make ``net`` carry ``transforms`` after what it carries: those of them it already carries last (applied
+    before its optimizer was built: the longest start of ``transforms`` that ends the net's list) are kept, the
+    rest applied in place, in order. Returns ``net``. (A net loaded from a transformed run carries that run's
+    transforms first; ``transforms`` come after them.)
 
     Raises:
-        ConfigError: ``net`` carries transforms that are not the first of ``transforms`` (both named), a
-            transform is not recordable (see :func:`document`), or a transform refuses ``net`` (named).
+        ConfigError: a transform is not recordable (see :func:`document`), or refuses ``net`` (named).
     """
     wanted = list(transforms)
     docs = [document(t) for t in wanted]
     have = [a.transform for a in applications(net)]
-    if docs[:len(have)] != have:
-        raise ConfigError(f"the net already carries the transforms [{', '.join(map(_name, have))}], which are not the "
-                          f"first of [{', '.join(map(_name, docs))}]: give the whole list, in the order applied")
-    extend(net, wanted[len(have):], origin=origin, epoch=epoch)
+    done = next(k for k in range(min(len(have), len(docs)), -1, -1) if k == 0 or have[-k:] == docs[:k])
+    extend(net, wanted[done:], origin=origin, epoch=epoch)
     return net
 
 
