@@ -28,7 +28,7 @@ from torch import Tensor, nn
 from torch.nn.utils import prune as torch_prune
 
 from nnx_es.errors import ConfigError
-from nnx_es.transforms.core import Transform, match_modules
+from nnx_es.transforms.core import Transform, clone, match_modules
 
 __all__ = ["LoRA", "LoRALinear", "Prune", "Quantize", "ReplaceHead"]
 
@@ -203,6 +203,18 @@ def _refuse_gradient_input(module: nn.Module, args: tuple[Any, ...]) -> None:
             "freeze them (requires_grad_(False)) or quantize after training")
 
 
+def _unpruned(layer: nn.Module) -> nn.Module:
+    """``layer`` with its pruning masks written into its weights (a copy when it has any): quantization copies
+    a layer's hooks, and a masked-pruned layer's hook reads a mask buffer the quantized layer does not have."""
+    hooks = [h for h in layer._forward_pre_hooks.values() if isinstance(h, torch_prune.BasePruningMethod)]
+    if not hooks:
+        return layer
+    layer = clone(layer)
+    for name in dict.fromkeys(h._tensor_name for h in hooks):
+        torch_prune.remove(layer, name)
+    return layer
+
+
 class Quantize(Transform):
     """Dynamic int8 quantization of the target ``nn.Linear`` layers, for inference.
 
@@ -226,6 +238,7 @@ class Quantize(Transform):
         layers = match_modules(net, self.targets, (nn.Linear,), "Quantize")
         for path, layer in layers:
             parent, leaf = _parent(net, path)
+            layer = _unpruned(layer)
             with warnings.catch_warnings():  # torch.ao's deprecation notices: the API works in torch 2.13
                 warnings.simplefilter("ignore")
                 quantized = quantize_dynamic(nn.Sequential(layer), {nn.Linear}, dtype=torch.qint8)[0]
