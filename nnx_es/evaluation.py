@@ -21,9 +21,10 @@ leaves it in the discarded range, in the log for the audit.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +38,7 @@ from nnx_es.errors import ConfigError, ResumeError
 from nnx_es.storage import Lease, validate_run_id
 from projections.commits import AFTER_RUN_KINDS
 
-__all__ = ["HEADS", "evaluation_event", "input_of", "predict_outputs", "record_after_run", "record_evaluation",
+__all__ = ["HEADS", "evaluation_event", "input_of", "finalized_log", "predict_outputs", "record_after_run", "record_evaluation",
            "state_fingerprint", "weights_fingerprint"]
 
 #: how a net's outputs are read (``NNModel(head=...)``)
@@ -135,6 +136,20 @@ def record_after_run(run_dir: str | Path, event: Event, what: str = "a record") 
     synced, to the finalized run at ``run_dir``; return its seq. ``what`` names it in errors.
 
     Raises:
+        see :func:`finalized_log`.
+    """
+    with finalized_log(run_dir, what) as log:
+        seq = log.append(event)
+        log.flush(sync=True)
+        return seq
+
+
+@contextlib.contextmanager
+def finalized_log(run_dir: str | Path, what: str = "a record") -> Iterator[LmdbLog]:
+    """The log of the finalized run at ``run_dir``, open for appending an after-run record, under the run's
+    writer lease (held until the block ends: nothing else writes the run meanwhile).
+
+    Raises:
         LeaseHeldError: another process writes the run (by this path or another: :mod:`nnx_es.lease`).
         UnsafePathError: its lease file or log is a symbolic link (or of the wrong kind): nothing written.
         ResumeError: the run has no event log, or it is not finalized (its last event is not
@@ -151,9 +166,7 @@ def record_after_run(run_dir: str | Path, event: Event, what: str = "a record") 
             raise ResumeError(
                 f"cannot record {what} in run {run_id!r}: it is not finalized (its last event is {kind!r}; "
                 "a running run, or one killed before its end: resume it to its end first)")
-        seq = log.append(event)
-        log.flush(sync=True)
-        return seq
+        yield log
 
 
 def evaluation_event(*, name: str, checkpoint: str, manifest: str, epoch: int, weights: str,

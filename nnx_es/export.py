@@ -325,7 +325,8 @@ def export_checkpoint(net: nn.Module, *, run_dir: str | os.PathLike[str], checkp
         ConfigError: no sample given and none can be rebuilt (say ``sample=`` / ``--sample FILE``), or see
             :func:`export_net`.
         ExportMismatchError: see :func:`export_net`.
-        ResumeError / LeaseHeldError: recording into a run that is not finalized / being written.
+        ResumeError / LeaseHeldError: recording into a run that is not finalized / being written (checked
+            before anything is exported; the run's lease is held until the record is appended).
     """
     source = "given"
     if sample is None:
@@ -334,15 +335,17 @@ def export_checkpoint(net: nn.Module, *, run_dir: str | os.PathLike[str], checkp
         if sample is None:
             raise ConfigError(f"run {Path(run_dir).name!r} recorded no data recipe with a validation split to "
                               "take a sample batch from: give one (sample= a tensor, --sample FILE.npy)")
-    report, _ = export_net(net, sample, fmt, out, atol=atol, rtol=rtol, run_dir=run_dir, sample_source=source)
     if not record:
-        return report
-    from nnx_es.evaluation import record_after_run
+        return export_net(net, sample, fmt, out, atol=atol, rtol=rtol, run_dir=run_dir, sample_source=source)[0]
+    from nnx_es.evaluation import finalized_log
 
-    event = ModelExported(format=report.format, path=report.path, sha256=report.sha256, size_bytes=report.size_bytes,
-                          checkpoint=str(checkpoint), manifest=manifest, epoch=epoch, transforms=recorded(net),
-                          rows=report.rows, sample=report.sample, atol=report.atol, rtol=report.rtol,
-                          max_abs_diff=report.max_abs_diff, max_rel_diff=report.max_rel_diff, wall_time_s=time.time())
-    seq = record_after_run(run_dir, event, f"the export of {report.path!r}")
+    with finalized_log(run_dir, f"an export to {str(out)!r}") as log:  # checked, and held, before anything is written
+        report, _ = export_net(net, sample, fmt, out, atol=atol, rtol=rtol, run_dir=run_dir, sample_source=source)
+        seq = log.append(ModelExported(
+            format=report.format, path=report.path, sha256=report.sha256, size_bytes=report.size_bytes,
+            checkpoint=str(checkpoint), manifest=manifest, epoch=epoch, transforms=recorded(net), rows=report.rows,
+            sample=report.sample, atol=report.atol, rtol=report.rtol, max_abs_diff=report.max_abs_diff,
+            max_rel_diff=report.max_rel_diff, wall_time_s=time.time()))
+        log.flush(sync=True)
     return msgspec.structs.replace(report, recorded_seq=seq)
 
