@@ -28,6 +28,8 @@ from events.schema import (
     JournalPublished,
     LastCommitted,
     MicrobatchDone,
+    ModelExported,
+    ModelTransformed,
     MonitorDecided,
     ParamsDigested,
     PhaseCommitted,
@@ -92,6 +94,9 @@ CURRENT_TYPES: tuple[type[Event], ...] = (
     # appended, not in lifecycle order: the epoch's history step writes them before history_appended
     RowsRecorded,
     JournalPublished,
+    # appended last, so every earlier type keeps its code: a transform at a boundary, an export after the run
+    ModelTransformed,
+    ModelExported,
 )
 
 

@@ -31,6 +31,7 @@ from events.values import (  # re-exported: the value types the events carry
     PlateauState,
     SchedulerDecl,
     SourceRef,
+    Topology,
     UpdateSpec,
 )
 
@@ -53,6 +54,8 @@ __all__ = [
     "Lineage",
     "LoaderGeometry",
     "MicrobatchDone",
+    "ModelExported",
+    "ModelTransformed",
     "ModelDecl",
     "MonitorDecided",
     "MonitorSpec",
@@ -69,6 +72,7 @@ __all__ = [
     "SchedulerStepped",
     "SourceRef",
     "StopRequested",
+    "Topology",
     "TrainBegan",
     "UpdateCommitted",
     "UpdateCommittedV1",
@@ -559,3 +563,62 @@ class EvaluationRecorded(Event, frozen=True, kw_only=True, tag="evaluation_recor
     metrics: dict[str, float] = {}
     examples: int = 0
     wall_time_s: float = 0.0
+
+
+class ModelExported(Event, frozen=True, kw_only=True, tag="model_exported"):
+    """One of the run's checkpoints was exported and the artifact verified, after the run was finalized.
+
+    Appended (synced) behind ``run_finalized`` like :class:`EvaluationRecorded`, under the run's
+    writer lease, by ``nnx-es export`` / ``NNModel.export(..., record=True)`` (``nnx_es.export``);
+    it belongs to no commit and changes no projection. ``tools/replay`` checks that ``manifest``
+    verifies and, when the file at ``path`` is present, that its SHA-256 is ``sha256``.
+
+    format: ``"onnx"``, ``"torch-export"`` or ``"safetensors"``. path: where the artifact was written
+    (as given, resolved). sha256: the artifact's SHA-256 (hex). size_bytes: its size.
+    checkpoint: ``"best"``, ``"last"`` or a LAST's seq (as text). manifest: that checkpoint's manifest
+    SHA-256; epoch: its 0-based epoch. transforms: the transforms applied to the exported net, as
+    recipe documents, in order. rows: rows of the sample batch the artifact was run on; sample: where
+    they came from (``"validation"``: the run's recipe rebuilt its validation data; ``"given"``).
+    atol / rtol: the tolerances (an output agrees when ``|a - b| <= atol + rtol * |b|``).
+    max_abs_diff / max_rel_diff: the largest differences measured (``rel``: ``|a - b| / max(|b|, tiny)``).
+    """
+
+    KIND: ClassVar[str] = "model_exported"
+    format: str
+    path: str
+    sha256: str
+    checkpoint: str
+    manifest: str
+    epoch: int
+    size_bytes: int = 0
+    transforms: list[dict[str, Any]] = []
+    rows: int = 0
+    sample: str = "given"
+    atol: float = 0.0
+    rtol: float = 0.0
+    max_abs_diff: float = 0.0
+    max_rel_diff: float = 0.0
+    wall_time_s: float = 0.0
+
+
+class ModelTransformed(Event, frozen=True, kw_only=True, tag="model_transformed"):
+    """A model transform (``nnx_es.transforms``: pruning, low-rank adapters, a new head, dynamic
+    quantization) was applied to the run's net.
+
+    transform: the transform's recipe (``{"@type": "recipe", "target", "kwargs"}``). index: its
+    0-based position in the net's list of applied transforms (the checkpoint's
+    ``topology.transforms``). epoch: the 0-based epoch at whose boundary it was applied (-1:
+    before training). origin: ``"trainer"`` (``Trainer(transforms=...)``), ``"callback"`` (a
+    callback at an epoch boundary: ``TransformAt``) or ``"checkpoint"`` (rebuilt on a fresh net
+    from the topology of the checkpoint a resume restored). before / after: the net's topology.
+    Emitted after the session's opening event for the first two kinds' rebuilds, or where the
+    callback applied it.
+    """
+
+    KIND: ClassVar[str] = "model_transformed"
+    transform: dict[str, Any]
+    index: int
+    epoch: int
+    origin: str
+    before: Topology
+    after: Topology

@@ -22,6 +22,7 @@ __all__ = [
     "PlateauState",
     "SchedulerDecl",
     "SourceRef",
+    "Topology",
     "UpdateSpec",
 ]
 
@@ -167,3 +168,18 @@ class HistoryRecord(msgspec.Struct, frozen=True, kw_only=True):
     lrs: dict[str, list[float]] = {}
     counters: Counters = Counters()
     wall_time_s: float = 0.0
+
+
+class Topology(msgspec.Struct, frozen=True, kw_only=True):
+    """A net's structure as a digest (``nnx_es.transforms.topology``): what a transform changed.
+
+    sha256: hex SHA-256 over every module's dotted path and type, and every parameter's and
+    buffer's name, shape and dtype, in registration order (weights' values are not hashed).
+    modules: module count (the root included). parameters: parameter elements (count).
+    trainable: elements of the parameters that require a gradient (count).
+    """
+
+    sha256: str
+    modules: int = 0
+    parameters: int = 0
+    trainable: int = 0

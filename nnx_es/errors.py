@@ -12,6 +12,7 @@ __all__ = [
     "CorruptEventError",
     "DivergenceError",
     "EventLogError",
+    "ExportMismatchError",
     "InvalidRunIdError",
     "LeaseHeldError",
     "MissingDirectoryError",
@@ -89,3 +90,8 @@ class RecipeError(ConfigError):
 class UnsafeRecipeError(RecipeError):
     """A recipe names something outside the allowed module prefixes, a private name, or an
     alias that resolves elsewhere; nothing it names was imported."""
+
+
+class ExportMismatchError(NnxError, ValueError):
+    """An exported artifact, run on the sample batch, does not compute what the PyTorch model computes
+    within the stated tolerances (the numbers are named); nothing was written or recorded."""

@@ -21,9 +21,10 @@ leaves it in the discarded range, in the log for the audit.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -31,12 +32,13 @@ import torch
 from torch import Tensor, nn
 
 from events.log import LmdbLog
-from events.schema import EvaluationRecorded
+from events.schema import EvaluationRecorded, Event
 from nnx_es.data import iterate_batches
 from nnx_es.errors import ConfigError, ResumeError
 from nnx_es.storage import Lease, validate_run_id
+from projections.commits import AFTER_RUN_KINDS
 
-__all__ = ["HEADS", "evaluation_event", "input_of", "predict_outputs", "record_evaluation",
+__all__ = ["HEADS", "evaluation_event", "input_of", "finalized_log", "predict_outputs", "record_after_run", "record_evaluation",
            "state_fingerprint", "weights_fingerprint"]
 
 #: how a net's outputs are read (``NNModel(head=...)``)
@@ -100,38 +102,71 @@ def state_fingerprint(state: Mapping[str, Any]) -> str:
     h = hashlib.sha256()
     for key, value in state.items():
         h.update(key.encode())
-        if isinstance(value, Tensor):
-            t = value.detach().cpu().contiguous()
-            h.update(f"{t.dtype}{tuple(t.shape)}".encode())
-            h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
-        else:
-            h.update(repr(value).encode())
+        _hash_value(h, value)
     return h.hexdigest()
 
 
+def _hash_value(h: Any, value: Any) -> None:
+    """Feed one state value to ``h``: a tensor's dtype, shape and bytes (a quantized one's integers, scale
+    and zero point), a tuple's items in turn (a quantized layer's packed weights), else its ``repr``."""
+    if isinstance(value, Tensor):
+        t = value.detach().cpu()
+        h.update(f"{t.dtype}{tuple(t.shape)}".encode())
+        if t.is_quantized:
+            h.update(f"{t.q_scale()} {t.q_zero_point()}".encode() if t.qscheme() == torch.per_tensor_affine
+                     else repr((t.q_per_channel_scales().tolist(), t.q_per_channel_zero_points().tolist())).encode())
+            t = t.int_repr()
+        t = t.contiguous()
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    elif isinstance(value, tuple):
+        h.update(f"tuple{len(value)}".encode())
+        for item in value:
+            _hash_value(h, item)
+    else:
+        h.update(repr(value).encode())
+
+
 def record_evaluation(run_dir: str | Path, event: EvaluationRecorded) -> int:
-    """Append ``event`` (synced) to the finalized run at ``run_dir``; return its seq.
+    """Append ``event`` (synced) to the finalized run at ``run_dir``; return its seq (:func:`record_after_run`)."""
+    return record_after_run(run_dir, event, "an evaluation")
+
+
+def record_after_run(run_dir: str | Path, event: Event, what: str = "a record") -> int:
+    """Append ``event`` (one of :data:`~projections.commits.AFTER_RUN_KINDS`: an evaluation, an export),
+    synced, to the finalized run at ``run_dir``; return its seq. ``what`` names it in errors.
+
+    Raises:
+        see :func:`finalized_log`.
+    """
+    with finalized_log(run_dir, what) as log:
+        seq = log.append(event)
+        log.flush(sync=True)
+        return seq
+
+
+@contextlib.contextmanager
+def finalized_log(run_dir: str | Path, what: str = "a record") -> Iterator[LmdbLog]:
+    """The log of the finalized run at ``run_dir``, open for appending an after-run record, under the run's
+    writer lease (held until the block ends: nothing else writes the run meanwhile).
 
     Raises:
         LeaseHeldError: another process writes the run (by this path or another: :mod:`nnx_es.lease`).
         UnsafePathError: its lease file or log is a symbolic link (or of the wrong kind): nothing written.
         ResumeError: the run has no event log, or it is not finalized (its last event is not
-            ``run_finalized`` or an earlier evaluation: it is running, or was killed before its end).
+            ``run_finalized`` or an earlier after-run record: it is running, or was killed before its end).
     """
     run_dir = Path(run_dir).resolve()
     run_id = validate_run_id(run_dir.name)
     if not (run_dir / "events.lmdb" / "data.mdb").exists():
-        raise ResumeError(f"cannot record an evaluation in {run_dir}: it has no event log")
+        raise ResumeError(f"cannot record {what} in {run_dir}: it has no event log")
     with Lease(run_dir.parent, run_id), LmdbLog(run_dir / "events.lmdb") as log:
         last = next(iter(log.read(log.next_seq - 1)), None) if log.next_seq else None
         kind = last[1].KIND if last is not None else None
-        if kind not in ("run_finalized", "evaluation_recorded"):
+        if kind != "run_finalized" and kind not in AFTER_RUN_KINDS:
             raise ResumeError(
-                f"cannot record an evaluation in run {run_id!r}: it is not finalized (its last event is {kind!r}; "
+                f"cannot record {what} in run {run_id!r}: it is not finalized (its last event is {kind!r}; "
                 "a running run, or one killed before its end: resume it to its end first)")
-        seq = log.append(event)
-        log.flush(sync=True)
-        return seq
+        yield log
 
 
 def evaluation_event(*, name: str, checkpoint: str, manifest: str, epoch: int, weights: str,

@@ -27,7 +27,9 @@ agree on every (state, kind) pair. Order of one run (spec 000 "Lifecycle order")
     stop at an update boundary:  ... update_committed  stop_requested  params_digested(final)?  callback_finalized*
       run_finalized
     resume:  run_resumed  callback_began*  train_began  ...
-    after the run:  run_finalized  evaluation_recorded*
+    after the run:  run_finalized  (evaluation_recorded | model_exported)*
+    transforms:  model_transformed after the opening (before callback_began), after epoch_began, or at the
+      epoch's end before its history (nnx_es.transforms)
 """
 
 from __future__ import annotations
@@ -126,6 +128,11 @@ _BASE: tuple[dict[str, Any], ...] = (
     _t("run_finalized", "failed", "finalized"),
     # an evaluation of one of the run's checkpoints, recorded after the run (NNModel.evaluate)
     _t("evaluation_recorded", "finalized", "finalized"),
+    # a model transform (nnx_es.transforms): the ones a session applied before training, after its opening;
+    # a callback's at an epoch boundary (on_epoch_begin, or on_epoch_end before the epoch's history)
+    _t("model_transformed", ["started", "in_epoch", *_EPOCH_END], "="),
+    # an export of one of the run's checkpoints, verified and recorded after the run (nnx_es.export)
+    _t("model_exported", "finalized", "finalized"),
 )
 
 #: States of the epoch body in which the previous epoch's LAST may still be in flight.

@@ -137,6 +137,8 @@ class TrainingLoop:
                 rec.commit(opening)  # the discarded range is durable before anything new is written
             else:
                 rec.emit(opening)
+            for event in state.after_opening:  # model_transformed: the transforms the net carries (nnx_es.transforms)
+                rec.emit(event)
             ctx.epoch = start_epoch
             self._epochs = epochs
             self._validated_at = ctx.step_count

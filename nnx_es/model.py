@@ -28,9 +28,11 @@ from nnx_es.metrics import check_accuracy, check_metric_names, validate_metrics
 from nnx_es.user_metrics import bind_activation
 from nnx_es.objective import Objective
 from nnx_es.result import RunResult
-from nnx_es.snapshot import weight_misfits
+from nnx_es.snapshot import load_weights, weight_misfits
 from nnx_es.trainer import Trainer
-from nnx_es.weights import fitting_models, model_names, read_weights
+from nnx_es.transforms.core import Transform, apply_pending, apply_transforms, extend, pending, probe
+from nnx_es.weights import fitting_models, model_names, read_topology, read_weights
+from nnx_es.export import ExportReport, export_checkpoint, export_net
 
 __all__ = ["NNModel", "WeightsSource"]
 
@@ -158,6 +160,8 @@ class NNModel:
         if val_loader is not None:
             trainer_kwargs.setdefault("monitor", "val_loss")
         trainer_kwargs.setdefault("metrics", ("accuracy",))
+        if trainer_kwargs.get("transforms"):  # applied first: the optimizer is built over the transformed net
+            apply_transforms(self.net, trainer_kwargs["transforms"], origin="trainer")
         if optimizer is None:
             optimizer = torch.optim.Adam(self.net.parameters(), lr=1e-3)
         elif not isinstance(optimizer, Optimizer):
@@ -176,8 +180,12 @@ class NNModel:
              model: str | None = None) -> int:
         """Load the weights of the run's BEST or LAST checkpoint (hash-verified); return its 0-based epoch.
 
+        The transforms the checkpoint's net carried (:mod:`nnx_es.transforms`, its topology lists them) are
+        rebuilt on ``self.net`` first, in order, unless it carries them already; ``self.net`` is then the
+        transformed net (a pruned, adapted, re-headed or quantized one predicts as it did in training).
+
         Args:
-            which: ``"best"`` or ``"last"``.
+            which: ``"best"``, ``"last"`` or the seq of one of the run's committed LASTs (an int).
             weights: which of the checkpoint's weights go into ``self.net``:
                 ``"evaluated"`` (default): the ones validation scored -- the averaged
                 weights when the run had an averaging update hook
@@ -192,14 +200,14 @@ class NNModel:
                 None (default): the checkpoint's keys as stored (:mod:`nnx_es.weights`).
 
         Raises:
-            ConfigError: ``which`` or ``weights`` is not one of the values above, or the
-                checkpoint's weights do not fit ``self.net`` (another architecture; the
+            ConfigError: ``which`` or ``weights`` is not one of the values above, ``self.net`` carries
+                transforms the checkpoint's net did not (named), or the checkpoint's weights do not fit ``self.net`` (another architecture; the
                 message names the keys only one side has and the shapes that differ).
             CheckpointUnavailableError: the run has no such checkpoint, retention pruned it, or
                 ``weights="averaged"`` and the checkpoint holds no averaged weights (was
                 ``ResumeError``: nothing is resumed here).
-            CorruptCheckpointError: a manifest or blob does not verify, the manifest belongs to another
-                run (mixed: its ``run_id`` is not the run's, as ``tools/replay`` and a resume refuse it),
+            CorruptCheckpointError: a recorded transform cannot be re-applied (named); a manifest or blob does
+                not verify, the manifest belongs to another run (mixed: its ``run_id`` is not the run's, as ``tools/replay`` and a resume refuse it),
                 or a component does not decode (:mod:`nnx_es.state_codec`).
                 Also a blob holding more bytes than its manifest records (read no further).
             EventLogError: the run's log cannot be read (damaged: named).
@@ -207,7 +215,9 @@ class NNModel:
                 a device, ...: refused, never followed or read (:mod:`events.paths`).
         """
         state, result, pointer = read_weights(run_dir, which, weights, model=model)
-        misfits = weight_misfits(self.net, state)
+        todo = pending(self.net, read_topology(run_dir, pointer.manifest, result.run_id),
+                       where=f"the {str(which).upper()} checkpoint of run {result.run_id!r}", training=False)
+        misfits = weight_misfits(probe(self.net, todo), state)
         if misfits:
             names = model_names(state) if model is None else []
             fits = fitting_models(state, self.net.state_dict()) if model is None else []
@@ -217,16 +227,67 @@ class NNModel:
                     if len(names) > 1 and not set(names) & {n for n, _ in self.net.named_children()} else "")
             raise ConfigError(f"the {which.upper()} checkpoint of run {result.run_id!r} (epoch {pointer.epoch}) "
                               f"does not fit this net (another architecture?): {misfits}{hint}")
+        apply_pending(self.net, todo)
         try:
-            self.net.load_state_dict(state)
+            load_weights(self.net, state)
         except (RuntimeError, TypeError, ValueError, AttributeError) as exc:  # keys and shapes fit: crafted contents
             raise CorruptCheckpointError(f"the {which.upper()} checkpoint of run {result.run_id!r} (epoch "
                                          f"{pointer.epoch}) does not load into this net: {type(exc).__name__}: "
                                          f"{exc}") from None
-        self.source = WeightsSource(run_dir=str(Path(run_dir)), checkpoint=which, manifest=pointer.manifest,
+        self.source = WeightsSource(run_dir=str(Path(run_dir)), checkpoint=str(which), manifest=pointer.manifest,
                                     epoch=pointer.epoch, weights=weights, fingerprint=weights_fingerprint(self.net),
                                     model=model)
         return pointer.epoch
+
+    def transform(self, *transforms: Transform) -> NNModel:
+        """Apply ``transforms`` (:mod:`nnx_es.transforms`) to ``self.net`` in place, in order; return ``self``.
+
+        For inference (``Quantize()`` after :meth:`load`) or before :meth:`train` (which also takes
+        ``transforms=``). The weights change, so an evaluation can no longer be recorded against the
+        checkpoint they came from.
+
+        Raises:
+            ConfigError: a transform refuses the net, or is not recordable (named).
+        """
+        extend(self.net, transforms, origin="user")
+        return self
+
+    def export(self, out: str | Path, format: str = "onnx", *, sample: Any = None, rows: int = 64,
+               atol: float | None = None, rtol: float | None = None, record: bool = True) -> ExportReport:
+        """Export the net to ``out`` as ``format`` (``"onnx"``, ``"torch-export"`` or ``"safetensors"``), verified
+        first: the artifact is run on a sample batch and compared with the net (:mod:`nnx_es.export`).
+
+        Args:
+            sample: the batch ``(N, *features)`` to verify on (a tensor or array); default: the first ``rows``
+                rows of the validation data of the run the weights came from (its recorded data recipe rebuilt).
+            atol / rtol: the tolerances (default per format: :data:`nnx_es.export.TOLERANCES`).
+            record: append ``model_exported`` to the run the weights came from (:attr:`source`, after its
+                ``run_finalized``); needs weights unchanged since :meth:`load` / :meth:`train`.
+
+        Returns:
+            the :class:`~nnx_es.export.ExportReport` (path, SHA-256, the differences measured).
+
+        Raises:
+            ConfigError: a bad format, path or tolerance, a missing optional package (``nnx_es[export]``), a
+                quantized net, no sample to verify on, ``record`` without a source or with changed weights.
+            ExportMismatchError: the artifact computes something else; nothing was written or recorded.
+        """
+        if sample is not None and not isinstance(sample, Tensor):
+            sample = torch.as_tensor(sample, dtype=torch.float32)
+        src = self.source
+        if src is None:
+            if record or sample is None:
+                raise ConfigError("export: these weights name no checkpoint (train() or load() a run first), so "
+                                  "there is no run to record into or to take a sample from: pass record=False and "
+                                  "sample=")
+            return export_net(self.net, sample, format, out, atol=atol, rtol=rtol)[0]
+        if record and weights_fingerprint(self.net) != src.fingerprint:
+            raise ConfigError(f"export(record=True): the net's weights changed since they were taken from the "
+                              f"{src.checkpoint.upper()} of {src.run_dir}; the record would name a checkpoint that "
+                              "is not what was exported (load() it again, or record=False)")
+        return export_checkpoint(self.net, run_dir=src.run_dir, checkpoint=src.checkpoint, manifest=src.manifest,
+                                 epoch=src.epoch, fmt=format, out=out, sample=sample, rows=rows, atol=atol,
+                                 rtol=rtol, record=record)
 
     def outputs(self, data: Any) -> Tensor:
         """The net's raw outputs: ``data`` a tensor ``(N, *features)`` or a loader (every batch, in

@@ -12,6 +12,7 @@ puts them back. Components (see :mod:`nnx_es.checkpoint`)::
 
 from __future__ import annotations
 
+import collections
 import io
 import pickle
 from collections.abc import Mapping, Sequence
@@ -27,6 +28,7 @@ from nnx_es.rng import LoaderGenerators, capture_rng, generators_mismatch, resto
 from nnx_es.run_state import World
 from nnx_es.state_codec import encode_state
 from nnx_es.storage import BlobStore
+from nnx_es.transforms.core import apply_pending, pending, probe, recorded
 from nnx_es.update_hooks import EMA, UpdateHook
 
 if TYPE_CHECKING:
@@ -38,7 +40,7 @@ if TYPE_CHECKING:
     from nnx_es.schedulers import Scheduler
 
 __all__ = ["RunComponents", "apply_state", "capture", "check_world_size", "detached_copy", "encode_parts", "load_state",
-           "weight_misfits"]
+           "load_weights", "weight_misfits"]
 
 
 class RunComponents:
@@ -126,10 +128,13 @@ def capture(run: RunComponents, epoch: int, world_size: int = 1) -> dict[str, tu
         "data": {"next_epoch": epoch + 1},
         "topology": {
             "module": type(run.net).__qualname__,
-            "parameters": {k: list(v.shape) for k, v in weights.items()},
+            "parameters": {k: list(v.shape) for k, v in weights.items() if isinstance(v, Tensor)},
             "world_size": world_size,
         },
     }
+    transforms = recorded(run.net)
+    if transforms:  # the transforms applied to the net, rebuilt on a fresh net by a resume or a load
+        state["topology"]["transforms"] = transforms
     world = run.world
     if world.distributed:
         # every rank's RNG streams (global and its loaders' own), gathered on every rank: the writer's
@@ -234,13 +239,40 @@ def weight_misfits(net: nn.Module, weights: Any) -> str:
     own = net.state_dict()
     misfits = [f"{k} only in the checkpoint" for k in sorted(set(weights) - set(own), key=repr)] + [
         f"{k} only in this net" for k in sorted(set(own) - set(weights))] + [
-        f"{k}: a {type(weights[k]).__name__} in the checkpoint, not a tensor"
-        for k in own if k in weights and not isinstance(weights[k], torch.Tensor)] + [
+        f"{k}: a {type(weights[k]).__name__} in the checkpoint, not a {_kind(v)}"
+        for k, v in own.items() if k in weights and not _same_kind(weights[k], v)] + [
         f"{k}: {tuple(weights[k].shape)} in the checkpoint, {tuple(v.shape)} here"
         for k, v in own.items()
         if isinstance(weights.get(k), torch.Tensor) and tuple(weights[k].shape) != tuple(v.shape)
     ]
     return "; ".join(misfits[:6]) + (f"; and {len(misfits) - 6} more" if len(misfits) > 6 else "")
+
+
+def load_weights(net: nn.Module, weights: dict[str, Any]) -> None:
+    """``net.load_state_dict(weights)``, with the module versions of ``net``'s own state dict when ``weights``
+    carries none (a checkpoint keeps the values, not the ``_metadata`` torch attaches to a state dict; a
+    dynamically quantized layer reads a state without its version as an older layout and fails)."""
+    if getattr(weights, "_metadata", None) is None:
+        metadata = getattr(net.state_dict(), "_metadata", None)
+        if metadata is not None:
+            weights = collections.OrderedDict(weights)
+            weights._metadata = metadata  # type: ignore[attr-defined]
+    net.load_state_dict(weights)
+
+
+def _kind(value: Any) -> str:
+    return "tensor" if isinstance(value, Tensor) else type(value).__name__
+
+
+def _same_kind(theirs: Any, own: Any) -> bool:
+    """A checkpoint's value where the net holds ``own``: a tensor for a tensor; for the few other values a
+    state dict holds (a dynamically quantized layer's packed weights, a tuple of tensors, and its dtype), the
+    same type, a tuple's items alike."""
+    if isinstance(own, Tensor):
+        return isinstance(theirs, Tensor)
+    if isinstance(own, tuple):
+        return isinstance(theirs, tuple) and len(theirs) == len(own) and all(map(_same_kind, theirs, own))
+    return type(theirs) is type(own)
 
 
 def apply_state(run: RunComponents, state: dict[str, Any], *, weights_only: bool = False) -> None:
@@ -252,10 +284,18 @@ def apply_state(run: RunComponents, state: dict[str, Any], *, weights_only: bool
     Raises:
         ResumeError: the checkpoint does not match the trainer (a missing
             optimizer, scheduler, callback state, a different model topology, or
-            loaders whose own generators differ from the run's).
+            loaders whose own generators differ from the run's), or the checkpoint's net was transformed
+            otherwise than this one and the difference cannot be rebuilt under the optimizers
+            (:func:`nnx_es.transforms.core.pending`: a transform that changes parameters, undeclared).
+        CorruptCheckpointError: a recorded transform cannot be rebuilt (named).
     """
-    # everything that can refuse is checked before anything is applied
-    misfits = weight_misfits(run.net, state["model"])
+    # everything that can refuse is checked before anything is applied; the transforms the checkpoint's net
+    # carried and this one does not yet are rebuilt on it last, once nothing refuses (nnx_es.transforms)
+    try:
+        todo = pending(run.net, state.get("topology"), where="the checkpoint", training=True)
+    except ConfigError as exc:
+        raise ResumeError(f"{exc}; nothing was restored") from None
+    misfits = weight_misfits(probe(run.net, todo), state["model"])
     if misfits:
         raise ResumeError(f"the checkpoint's model does not fit this net (another architecture?): {misfits}")
     rng = state.get("rng")
@@ -269,7 +309,8 @@ def apply_state(run: RunComponents, state: dict[str, Any], *, weights_only: bool
             if key not in state:
                 raise ResumeError(f"the checkpoint has no state for {what} {key.split('/', 1)[1]!r}; "
                                   f"it has {sorted(state)}")
-    run.net.load_state_dict(state["model"])
+    apply_pending(run.net, todo)
+    load_weights(run.net, state["model"])
     if weights_only:
         return
     for n, o in run.optimizers.items():

@@ -80,6 +80,8 @@ from nnx_es.sinks import LiveSinks
 from nnx_es.snapshot import RunComponents
 from nnx_es.schedulers import wrap_schedulers
 from nnx_es.storage import BlobStore, validate_run_id
+from nnx_es.transforms.callback import check_trained, opening_events, prepare
+from nnx_es.transforms.core import Transform
 from nnx_es.update_hooks import GradientAccumulation, GradientClipping, MixedPrecision, collect
 from nnx_es.user_metrics import UserMetric, bind_activation, higher_is_better, metric_names
 
@@ -207,6 +209,12 @@ class Trainer:
             from the batch (a teacher's outputs); without it each target key is read from a mapping batch
             or is the ``y`` of ``(x, y)``. Loss terms name their keys (:class:`~nnx_es.models.Keyed`).
         target_keys: the target keys handed to the assembler (default: those the ``Keyed`` terms read).
+        transforms: model transforms (:mod:`nnx_es.transforms`: ``Prune``, ``LoRA``, ``ReplaceHead``, ``Quantize``)
+            applied to ``net`` now, in order (those it already carries, applied before its optimizer was
+            built, are kept); every trainable parameter of the transformed net must be in an optimizer.
+            Each is reported as a ``model_transformed`` event after the run's opening, recorded in every
+            checkpoint's topology, and rebuilt by a resume or ``NNModel.load`` on a fresh net. A stateful
+            resume declares them again.
 
     Raises:
         ConfigError: a bad argument (named with the value received).
@@ -257,8 +265,10 @@ class Trainer:
         loss_target_assembler: Callable[..., Any] | None = None,
         target_keys: Sequence[str] | None = None,
         history: HistoryJournal | None = None,
+        transforms: Sequence[Transform] = (),
     ) -> None:
         self.custom_step = trainer_step_fn is not None
+        self.transforms = prepare(net, transforms)  # before the optimizers are checked against the net's parameters
         several = isinstance(net, Mapping)
         if several:  # several models (distillation): nnx_es.models
             self.optimizers: dict[str, Optimizer] = optimizers_of(nn.ModuleDict(dict(net)), optimizer,
@@ -270,6 +280,7 @@ class Trainer:
         self.net = net
         if not several:
             self.optimizers = optimizers_of(net, optimizer, custom_step=self.custom_step)
+        check_trained(net, self.optimizers)
         #: where the initial weights came from (``init_from``), recorded in ``run_started``
         self.lineage = initial_weights(net, init_from)
         self.device = resolve_device(device, net)
@@ -517,6 +528,7 @@ class Trainer:
                           components=self.components, world=world,
                           declare=self._declare) as session:
             state = self.state = self.ctx.state = session.state
+            state.after_opening = opening_events(self.net)
             self.run_id, self.runs_root, self.run_dir = state.run_id, state.runs_root, state.run_dir
             self.engine.begin_run(state, callbacks)
             self.rows.begin_run(state.recorder.log, state.store, state.run_id, world=state.world)

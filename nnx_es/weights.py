@@ -23,7 +23,7 @@ from nnx_es.result import Pointer, RunResult, load_result, loadable
 from nnx_es.storage import BlobStore
 from nnx_es.update_hooks import EMA
 
-__all__ = ["WEIGHTS", "CheckpointWeights", "fitting_models", "model_names", "read_weights"]
+__all__ = ["WEIGHTS", "CheckpointWeights", "fitting_models", "model_names", "read_topology", "read_weights"]
 
 #: which of a checkpoint's weights to read (see :func:`read_weights`)
 WEIGHTS = ("evaluated", "raw", "averaged")
@@ -62,9 +62,10 @@ def fitting_models(state: dict[str, Any], net_keys: Any) -> list[str]:
             if {str(k).split(".", 1)[1] for k in state if str(k).startswith(name + ".")} == want]
 
 
-def read_weights(run_dir: str | Path, which: str = "best", weights: str = "evaluated", *,
+def read_weights(run_dir: str | Path, which: str | int = "best", weights: str = "evaluated", *,
                  model: str | None = None) -> CheckpointWeights:
-    """Read the weights of ``run_dir``'s ``which`` checkpoint (``"best"`` or ``"last"``), verified.
+    """Read the weights of ``run_dir``'s ``which`` checkpoint (``"best"``, ``"last"`` or the seq of one of its
+    committed LASTs, as ``fit(resume_at=)`` names them), verified.
 
     Args:
         weights: ``"evaluated"``: the ones validation scored (the averaged weights when the run
@@ -81,14 +82,14 @@ def read_weights(run_dir: str | Path, which: str = "best", weights: str = "evalu
         CorruptCheckpointError: a manifest or blob does not verify, or the manifest is another run's.
         EventLogError: the run's log cannot be read (damaged: named).
     """
-    if which not in ("best", "last"):
-        raise ConfigError(f"which must be 'best' or 'last', got {which!r}")
+    if which not in ("best", "last") and not (isinstance(which, int) and not isinstance(which, bool)):
+        raise ConfigError(f"which must be 'best', 'last' or a LAST's seq (an int), got {which!r}")
     if weights not in WEIGHTS:
         raise ConfigError(f"weights must be one of {', '.join(map(repr, WEIGHTS))}, got {weights!r}")
     if model is not None and not (isinstance(model, str) and model.isidentifier()):
         raise ConfigError(f"model must be a model's name (an identifier) or None, got {model!r}")
     result = load_result(run_dir)
-    pointer = loadable(result, which)
+    pointer = loadable(result, which) if isinstance(which, str) else _last_at(Path(run_dir), which)
     store = BlobStore(Path(run_dir) / "blobs")  # reads manifests from the run's log, opened read-only
     # the manifest must name this run, as replay and resume check: another run's checkpoint is refused
     manifest = verify_checkpoint(store, pointer.manifest, run_id=result.run_id)
@@ -108,3 +109,34 @@ def read_weights(run_dir: str | Path, which: str = "best", weights: str = "evalu
                               "by its hash, not stored; model=None reads every key as stored)")
         state = picked
     return CheckpointWeights(state, result, pointer)
+
+
+def _last_at(run_dir: Path, seq: int) -> Pointer:
+    """The pointer of the committed LAST at ``seq`` (its manifest verified by :func:`~nnx_es.resume.find_resume_point`).
+
+    Raises:
+        CheckpointUnavailableError: no committed LAST at ``seq`` (the committed ones named), or it does not verify.
+    """
+    from events.log import LmdbLog
+    from nnx_es.errors import ResumeError
+    from nnx_es.resume import find_resume_point
+
+    try:
+        with LmdbLog(run_dir / "events.lmdb", readonly=True) as log:
+            point = find_resume_point(run_dir, log, at=seq)
+    except ResumeError as exc:
+        raise CheckpointUnavailableError(str(exc)) from None
+    return Pointer(manifest=point.manifest_hash, epoch=point.manifest.epoch, step=point.manifest.counters.step)
+
+
+def read_topology(run_dir: str | Path, manifest: str, run_id: str) -> dict[str, Any]:
+    """The ``topology`` component of the checkpoint ``manifest`` of run ``run_id`` at ``run_dir``, verified:
+    the net's structure and the transforms applied to it (:mod:`nnx_es.transforms`); ``{}`` when it has none.
+
+    Raises:
+        CorruptCheckpointError: the manifest or the component does not verify or decode.
+    """
+    store = BlobStore(Path(run_dir) / "blobs")
+    checked = verify_checkpoint(store, manifest, run_id=run_id)
+    topology = load_component(store, checked, "topology") if "topology" in checked.components else {}
+    return topology if isinstance(topology, dict) else {}

@@ -14,8 +14,8 @@ Every reader of the log's commit structure imports these names: the lifecycle ma
   the next epoch already runs) commits the events up to seq ``covers`` and every
   ``checkpoint_stored`` (its own), leaving the next epoch's events pending.
 * A durable ``run_finalized`` also commits the :data:`CLOSING_KINDS` of its tail (how the
-  run ended), nothing else of it; the ``evaluation_recorded`` events appended (synced) after
-  it are closing kinds too (:data:`AFTER_RUN_KINDS`: they belong to no commit).
+  run ended), nothing else of it; the ``evaluation_recorded`` and ``model_exported`` events
+  appended (synced) after it are closing kinds too (:data:`AFTER_RUN_KINDS`: they belong to no commit).
 """
 
 from __future__ import annotations
@@ -29,11 +29,11 @@ GROUP_KINDS: frozenset[str] = frozenset(
 
 #: Kinds folded from a tail that ends in a durable ``run_finalized``.
 CLOSING_KINDS: frozenset[str] = frozenset(
-    {"stop_requested", "run_failed", "callback_finalized", "run_finalized", "evaluation_recorded"}
+    {"stop_requested", "run_failed", "callback_finalized", "run_finalized", "evaluation_recorded", "model_exported"}
 )
 
 #: Kinds a finalized run may append after its ``run_finalized`` (the tail still ends the run).
-AFTER_RUN_KINDS: frozenset[str] = frozenset({"evaluation_recorded"})
+AFTER_RUN_KINDS: frozenset[str] = frozenset({"evaluation_recorded", "model_exported"})
 
 
 def commits_all(covers: int) -> bool:

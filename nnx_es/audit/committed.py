@@ -8,6 +8,7 @@
 * invariant 7: at most one decision per epoch, exactly one per validated epoch
   when the monitor is a ``val_`` metric; the decision is coherent with the
   metric and the previous decision; BEST iff improved; plateau agrees;
+* invariant 4 also: an exported artifact (``model_exported``) still at its path has its recorded SHA-256;
 * invariant 10: counters and the ``schedulers`` component in each committed
   LAST's manifest equal the projections at that LAST.
 """
@@ -28,6 +29,7 @@ from events.schema import (
     HistoryAppended,
     JournalPublished,
     LastCommitted,
+    ModelExported,
     MonitorDecided,
     MonitorSpec,
     PhaseCommitted,
@@ -40,6 +42,8 @@ from events.schema import (
     SchedulerStepped,
     ValidationDone,
 )
+from events.errors import UnsafePathError
+from nnx_es.artifacts import file_sha256
 from nnx_es.audit.report import Sink
 from nnx_es.checkpoint import Manifest, load_component, verify_checkpoint
 from nnx_es.errors import CorruptCheckpointError
@@ -185,6 +189,9 @@ class CommittedCheck:
                 self._missing_best()
             case EvaluationRecorded(manifest=m):  # the checkpoint it scored must verify
                 self._manifest(seq, "evaluation_recorded", m)
+            case ModelExported(manifest=m):  # the checkpoint it exported must verify, and the artifact where present
+                self._manifest(seq, "model_exported", m)
+                self._artifact(seq, event)
             case _:
                 pass
         self.prev_kind = kind
@@ -215,6 +222,18 @@ class CommittedCheck:
                 self.unverified[digest] = (seq, kind, str(exc))  # decided at finish(): pruned later, or missing
                 return None
         return self.manifests[digest]
+
+    def _artifact(self, seq: int, event: ModelExported) -> None:
+        """An exported artifact still at its recorded path has the SHA-256 recorded (absent: not checked)."""
+        try:
+            found = file_sha256(event.path)
+        except (OSError, UnsafePathError) as exc:
+            self.sink.add(seq, 4, f"the {event.format} artifact {event.path!r} cannot be read to verify its digest",
+                          expected=f"a regular file with SHA-256 {event.sha256}", found=str(exc))
+            return
+        if found is not None and found != event.sha256:
+            self.sink.add(seq, 4, f"the {event.format} artifact {event.path!r} is not the file that was exported",
+                          expected=f"SHA-256 {event.sha256}", found=f"SHA-256 {found}")
 
     def _pruned(self, seq: int, digest: str, p: Projections) -> None:
         """A ``checkpoint_pruned`` never names a checkpoint a pointer still needs (LAST, BEST, a kept phase)."""

@@ -17,7 +17,7 @@ import msgspec
 from events.codec import KINDS, decode
 from events.errors import CorruptEventError, EventLogError
 from events.log import LmdbLog
-from events.schema import EvaluationRecorded, Event, HistoryAppended, RunFinalized, RunStarted
+from events.schema import EvaluationRecorded, Event, HistoryAppended, ModelExported, RunFinalized, RunStarted
 from nnx_es.cli._common import writer_alive
 from nnx_es.cli._format import fields, fmt, json_line, printable
 
@@ -175,7 +175,7 @@ def _rows(log: LmdbLog, args: argparse.Namespace, kinds: frozenset[str] | None, 
             continue
         if isinstance(event, RunStarted):
             state["writer_rank"] = event.writer_rank
-        state["finalized"] = isinstance(event, (RunFinalized, EvaluationRecorded))
+        state["finalized"] = isinstance(event, (RunFinalized, EvaluationRecorded, ModelExported))
         if kinds is not None and event.KIND not in kinds:
             continue
         if args.rank is not None and getattr(event, "rank", state["writer_rank"]) != args.rank:

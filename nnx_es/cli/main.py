@@ -4,6 +4,7 @@
     nnx-es crashtest --power-loss train.py [--states N] [--seed S] [--jobs J] [-- script arguments]
     nnx-es init | report | run | resume ...   (training from a spec: nnx_es.cli.train)
     nnx-es serve RUNS_ROOT [--host 127.0.0.1] [--port 8000]   (the read-only web app: nnx_es.web)
+    nnx-es export | predict ...               (a run's model, verified / its predictions: nnx_es.cli.exports)
 
 ``crashtest`` runs a script that calls ``fit`` itself under crash injection
 (:mod:`nnx_es.testing.script`: each point in a process forked from the command's own, 20 points
@@ -19,6 +20,7 @@ import sys
 from collections.abc import Sequence
 
 from nnx_es.cli._common import EXIT_OK, EXIT_UNUSABLE, EXIT_VIOLATIONS
+from nnx_es.cli.exports import add_commands as add_export_commands
 from nnx_es.cli.train import add_commands
 from nnx_es.web.serve import add_command as add_serve
 
@@ -91,6 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
     crash.set_defaults(run=_crashtest)
     add_commands(sub)
     add_serve(sub)
+    add_export_commands(sub)  # export, predict
     return parser
 
 

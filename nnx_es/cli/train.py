@@ -26,7 +26,7 @@ from nnx_es.cli._common import EXIT_OK, EXIT_UNUSABLE, EXIT_VIOLATIONS
 from nnx_es.cli._format import printable
 from nnx_es.errors import ConfigError, LeaseHeldError, NnxError, ResumeError, UnsafePathError
 
-__all__ = ["add_commands"]
+__all__ = ["BadInput", "add_commands", "allowed_of", "guarded", "read_spec_file", "stored_spec"]
 
 #: a learning rate outside this range is reported as unusual
 LR_RANGE = (1e-6, 1.0)
@@ -453,3 +453,7 @@ def add_commands(sub: Any) -> None:
                         "own epochs, counted from 0 (its epoch 0 trains as the source's next epoch did)")
     p.add_argument("--allow", **allow)
     p.set_defaults(run=_guarded("resume", _resume))
+
+
+#: for the other sub-command modules (:mod:`nnx_es.cli.exports`): the same error guard, ``--allow`` and spec file reading
+guarded, allowed_of, read_spec_file = _guarded, _allowed, _load

@@ -65,7 +65,7 @@ def test_load_refuses_unknown_choices_naming_them(tmp_path):
     model = NNModel(small_net(0))
     with pytest.raises(ConfigError, match="weights must be one of 'evaluated', 'raw', 'averaged', got 'ema'"):
         model.load(run.run_dir, "best", weights="ema")
-    with pytest.raises(ConfigError, match="which must be 'best' or 'last', got 'first'"):
+    with pytest.raises(ConfigError, match=r"which must be 'best', 'last' or a LAST's seq \(an int\), got 'first'"):
         model.load(run.run_dir, "first")
 
 
