@@ -143,7 +143,7 @@ SLOTS: dict[str, Slot] = {s.name: s for s in (
     Slot("loss", (_OBJECTIVE, _TERM, _MODULE), ("torch.nn", "nnx_es.objective.Objective", "nnx_es.objective.Term",
                                                  "nnx_es.models.Keyed")),
     Slot("loss_weight", ("nnx_es.loss_weights:WeightSchedule",), ("nnx_es.loss_weights",)),
-    Slot("callback", (_CALLBACK,), ("nnx_es.callbacks", "nnx_es.finetune.Freeze")),
+    Slot("callback", (_CALLBACK,), ("nnx_es.callbacks", "nnx_es.finetune.Freeze", "nnx_es.search.pruning.TrialPruning")),
     Slot("hook", ("nnx_es.update_hooks:UpdateHook",), ("nnx_es.update_hooks",)),
     Slot("monitor", ("nnx_es.monitor:Monitor",), ("nnx_es.monitor.Monitor",)),
     Slot("data", (), (), ("nnx_es.recipes.data.tabular",)),
