@@ -41,7 +41,7 @@ from nnx_es.errors import ConfigError, RecipeError
 from nnx_es.lease import validate_run_id
 from nnx_es.plan_log import PLANS_DIR, PlanLog, read_plan
 from nnx_es.recipes.imports import Allowed
-from nnx_es.recipes.overrides import apply_overrides, check_path, check_value
+from nnx_es.recipes.overrides import apply_overrides, check_path, check_value, label
 from nnx_es.recipes.runspec import RunSpec, decode_spec, load_spec, read_document, validate_spec
 from nnx_es.trial_runs import RunOutcome, better, run_outcome, train_trial
 
@@ -88,9 +88,8 @@ class PlanTrial:
     spec: RunSpec
 
     def label(self) -> str:
-        """``path=value ... seed=S``, the paths shortened to their last part."""
-        parts = [f"{p.rsplit('.', 1)[-1]}={v}" for p, v in self.overrides.items()]
-        return " ".join([*parts, f"seed={self.seed}"])
+        """``name=value ... seed=S`` (:func:`~nnx_es.recipes.overrides.label`)."""
+        return " ".join(filter(None, [label(self.overrides), f"seed={self.seed}"]))
 
 
 class _PlanFile(msgspec.Struct, forbid_unknown_fields=True):

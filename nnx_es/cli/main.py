@@ -3,6 +3,8 @@
     nnx-es crashtest train.py [--points N|all] [--seed S] [--jobs J] [-- script arguments]
     nnx-es crashtest --power-loss train.py [--states N] [--seed S] [--jobs J] [-- script arguments]
     nnx-es init | report | run | resume ...   (training from a spec: nnx_es.cli.train)
+    nnx-es plan PLAN.json ...                 (an experiment plan: nnx_es.cli.plan)
+    nnx-es search SPEC --space S --trials N   (a search on Optuna, or --audit STUDY: nnx_es.cli.search)
 
 ``crashtest`` runs a script that calls ``fit`` itself under crash injection
 (:mod:`nnx_es.testing.script`: each point in a process forked from the command's own, 20 points
@@ -18,6 +20,8 @@ import sys
 from collections.abc import Sequence
 
 from nnx_es.cli._common import EXIT_OK, EXIT_UNUSABLE, EXIT_VIOLATIONS
+from nnx_es.cli.plan import add_plan_command
+from nnx_es.cli.search import add_search_command
 from nnx_es.cli.train import add_commands
 
 __all__ = ["main"]
@@ -87,6 +91,8 @@ def _parser() -> argparse.ArgumentParser:
                        help="with --power-loss: the budget of crash states (default 300)")
     crash.set_defaults(run=_crashtest)
     add_commands(sub)
+    add_plan_command(sub)
+    add_search_command(sub)
     return parser
 
 

@@ -36,7 +36,7 @@ from nnx_es.recipes.imports import Allowed
 from nnx_es.recipes.runspec import FIELD_SLOTS, TRAINER_SETTINGS, RunSpec, decode_spec, validate_spec
 from nnx_es.recipes.slots import Slot, parameter_slot, slot
 
-__all__ = ["MAX_PATH_PARTS", "apply_overrides", "check_path", "check_value", "value_at"]
+__all__ = ["MAX_PATH_PARTS", "apply_overrides", "check_path", "check_value", "label", "value_at"]
 
 #: the most dotted parts a path may have (a spec nests recipes a few levels deep)
 MAX_PATH_PARTS = 16
@@ -53,6 +53,17 @@ def _parts(path: Any) -> list[str]:
         raise RecipeError(f"override path {path!r}: each dotted part is a name or an index (letters, digits, '_', "
                           f"'-'; never '@'), at most {MAX_PATH_PARTS} parts")
     return parts
+
+
+def label(overrides: Mapping[str, Any]) -> str:
+    """``overrides`` in a few words: each path by its last name (``lr``, ``hidden.0``) ``=`` its value
+    (a float to 4 significant digits)."""
+    words = []
+    for path, value in overrides.items():
+        parts = path.split(".")
+        short = ".".join(parts[-2:]) if parts[-1].isdigit() and len(parts) > 1 else parts[-1]
+        words.append(f"{short}={value:.4g}" if isinstance(value, float) else f"{short}={value}")
+    return " ".join(words)
 
 
 def check_value(path: str, value: Any, depth: int = 0) -> None:

@@ -15,6 +15,7 @@ from typing import Any
 
 from optuna.trial import TrialState
 
+from nnx_es.recipes.overrides import label
 from nnx_es.trial_runs import RunOutcome, run_outcome
 
 __all__ = ["SearchResult", "SearchRow", "expected_state", "study_result"]
@@ -81,8 +82,7 @@ class SearchResult:
         for r in self.ranked():
             o = r.outcome
             status = (o.status + (f" ({o.stop_reason})" if o.stop_reason else "")) if o is not None else "-"
-            params = " ".join(f"{p.rsplit('.', 1)[-1]}={v:.4g}" if isinstance(v, float) else f"{p.rsplit('.', 1)[-1]}={v}"
-                              for p, v in r.params.items())
+            params = label(r.params)
             rows.append((str(r.number), r.state, f"{r.value:.6g}" if r.value is not None else "-",
                          f"{o.best:.6g}" if o is not None and o.best is not None else "-", status, r.run_id or "-",
                          params))

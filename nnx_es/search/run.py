@@ -39,7 +39,7 @@ from nnx_es.lease import Lease, validate_run_id
 from nnx_es.plan import MAX_NAME, as_spec, single_process
 from nnx_es.recipes.core import Recipe, from_spec
 from nnx_es.recipes.imports import Allowed
-from nnx_es.recipes.overrides import apply_overrides, check_path
+from nnx_es.recipes.overrides import apply_overrides, check_path, label
 from nnx_es.recipes.runspec import RunSpec, validate_spec
 from nnx_es.search.pruning import TrialPruning
 from nnx_es.search.report import SearchResult, expected_state, study_result
@@ -211,8 +211,7 @@ class _Worker:
             trial.set_user_attr("run_id", run_id)
         elif recorded != run_id:
             raise ConfigError(f"trial {trial.number} records run {recorded!r}, not {run_id!r}: refused")
-        shown = " ".join(f"{p.rsplit('.', 1)[-1]}={v:.4g}" if isinstance(v, float) else f"{p.rsplit('.', 1)[-1]}={v}"
-                         for p, v in params.items())
+        shown = label(params)
         head = f"trial {trial.number + 1}/{self.n_trials} (#{trial.number}, run {run_id})"
         self.say(f"{head} {shown}: {'resuming' if resumed else 'starting'}")
         try:
