@@ -133,7 +133,7 @@ def _recipe(recipe: Any, parts: list[str], where: list[str], path: str, want: Sl
     if len(parts) < 2 or parts[0] != "kwargs":
         said = "names the recipe's import path (code)" if parts and parts[0] == "target" else "does not go through kwargs"
         raise UnsafeRecipeError(f"override path {path!r} {said}: a path into a recipe names one of its keywords, "
-                                f"{'.'.join(where)}.kwargs.<keyword>; a space or a plan sets plain data only")
+                                f"{'.'.join(where)}.kwargs.<keyword>; a space or a plan sets plain data only: refused")
     keyword, rest = parts[1], parts[2:]
     if want.name == "optimizer" and keyword == "params":
         raise UnsafeRecipeError(f"override path {path!r}: an optimizer's params are the net's parameters (the runtime's "
@@ -178,7 +178,8 @@ def _walk(document: dict[str, Any], path: str, value: Any, allowed: Allowed, *, 
     where = [top]
     if isinstance(field, (list, dict)) and not _is_recipe(field):  # optimizers by name, schedulers/callbacks/hooks by index
         if not rest:
-            raise UnsafeRecipeError(f"override path {path!r}: {top!r} holds recipes; name one and a keyword of it")
+            raise UnsafeRecipeError(f"override path {path!r}: {top!r} holds recipes; name one and a keyword of it: "
+                                    "refused")
         key = _index(field, rest[0], path)
         if isinstance(field, dict) and key not in field:
             raise RecipeError(f"override path {path!r}: the spec has no {top} entry {rest[0]!r} (it has "
