@@ -25,7 +25,7 @@ from typing import Any
 
 from nnx_es.errors import ConfigError, NnxError
 from nnx_es.recipes.overrides import value_at
-from nnx_es.search.report import expected_state
+from nnx_es.search.report import expected_state, valid_run_id
 from nnx_es.search.study import STUDIES_DIR, default_storage
 from nnx_es.trial_runs import run_outcome
 
@@ -90,6 +90,9 @@ def audit_study(study_name: str, *, storage: Any = None, runs_root: str | Path =
         if not isinstance(run_id, str):
             if t.state.name != "FAIL":
                 findings.append(f"{where}: records no run (user attr run_id)")
+            continue
+        if not valid_run_id(run_id):
+            findings.append(f"{where}: records {run_id!r}, which is no run id: not read")
             continue
         run_dir = Path(runs_root) / run_id
         try:

@@ -15,10 +15,21 @@ from typing import Any
 
 from optuna.trial import TrialState
 
+from nnx_es.errors import InvalidRunIdError
+from nnx_es.lease import validate_run_id
 from nnx_es.recipes.overrides import label
 from nnx_es.trial_runs import RunOutcome, run_outcome
 
-__all__ = ["SearchResult", "SearchRow", "expected_state", "study_result"]
+__all__ = ["SearchResult", "SearchRow", "expected_state", "study_result", "valid_run_id"]
+
+
+def valid_run_id(run_id: Any) -> bool:
+    """Whether ``run_id`` (a study's user attribute) is a run id (:func:`nnx_es.lease.validate_run_id`)."""
+    try:
+        validate_run_id(run_id)
+    except InvalidRunIdError:
+        return False
+    return True
 
 
 def expected_state(outcome: RunOutcome | None) -> TrialState:
@@ -135,7 +146,8 @@ def study_result(study: Any, runs_root: str | Path) -> SearchResult:
     rows = []
     for t in study.get_trials(deepcopy=False):
         run_id = t.user_attrs.get("run_id")
-        outcome = run_outcome(Path(runs_root) / run_id) if isinstance(run_id, str) else None
+        run_id = run_id if valid_run_id(run_id) else None  # the study is input too: never a path out of the root
+        outcome = run_outcome(Path(runs_root) / run_id) if run_id is not None else None
         rows.append(SearchRow(number=t.number, state=t.state.name, params=dict(t.params), value=t.value,
                               run_id=run_id, outcome=outcome, error=t.user_attrs.get("error")))
     return SearchResult(study_name=study.study_name, direction=study.direction.name.lower(), rows=tuple(rows),
