@@ -89,7 +89,8 @@ class PlanTrial:
 
     def label(self) -> str:
         """``name=value ... seed=S`` (:func:`~nnx_es.recipes.overrides.label`)."""
-        return " ".join(filter(None, [label(self.overrides), f"seed={self.seed}"]))
+        return " ".join(filter(None, [label({p: v for p, v in self.overrides.items() if p != "seed"}),
+                                      f"seed={self.seed}"]))
 
 
 class _PlanFile(msgspec.Struct, forbid_unknown_fields=True):

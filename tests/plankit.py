@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import os
 import signal
-from collections.abc import Callable
+import tempfile
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +22,15 @@ from events.log import LmdbLog
 from nnx_es.injection import install_sync_hook
 from nnx_es.recipes.runspec import RunSpec, scaffold
 from nnx_es.testing.reference import Reference, read_log
+
+
+@contextmanager
+def scratch(prefix: str) -> Iterator[Path]:
+    """A temporary directory on tmpfs when the machine has one (``NNX_ES_CRASH_DIR`` overrides): a SIGKILL keeps
+    the page cache, so what survives a kill there is what survives on disk, without the fsyncs' cost."""
+    base = os.environ.get("NNX_ES_CRASH_DIR") or ("/dev/shm" if os.path.isdir("/dev/shm") else None)
+    with tempfile.TemporaryDirectory(prefix=prefix, dir=base) as d:
+        yield Path(d)
 
 
 def spec(epochs: int = 2, **kw: Any) -> RunSpec:

@@ -10,8 +10,6 @@ is one (a SIGKILL keeps the page cache: what survives is what survives on disk).
 
 from __future__ import annotations
 
-import os
-import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -22,7 +20,7 @@ from crashkit import run_killed
 from nnx_es.plan import ExperimentPlan
 from nnx_es.plan_log import read_plan
 from nnx_es.testing.reference import read_log
-from plankit import check_same_runs, kill_at_sync, kill_in_run, kinds, spec
+from plankit import scratch, check_same_runs, kill_at_sync, kill_in_run, kinds, spec
 
 torch.set_num_threads(1)  # fork-safe parent
 
@@ -36,9 +34,8 @@ def make_plan() -> ExperimentPlan:
 
 @pytest.fixture(scope="module")
 def tmp_base() -> Iterator[Path]:
-    base = os.environ.get("NNX_ES_CRASH_DIR") or ("/dev/shm" if os.path.isdir("/dev/shm") else None)
-    with tempfile.TemporaryDirectory(prefix="nnx_es_plan_", dir=base) as d:
-        yield Path(d)
+    with scratch("nnx_es_plan_") as d:
+        yield d
 
 
 @pytest.fixture(scope="module")

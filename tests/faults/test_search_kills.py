@@ -10,7 +10,6 @@ Killed attempts and workers are processes forked from this warm one (:func:`cras
 from __future__ import annotations
 
 import os
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -21,7 +20,7 @@ import torch
 from crashkit import kill_at_call, run_killed
 from nnx_es.search import audit_study, search
 from nnx_es.search.audit import load_study
-from plankit import check_same_runs, kill_in_run, kinds, spec
+from plankit import scratch, check_same_runs, kill_in_run, kinds, spec
 
 torch.set_num_threads(1)  # fork-safe parent
 
@@ -36,9 +35,8 @@ def run_search(root: Path, name: str = "s", n: int = TRIALS):
 
 @pytest.fixture(scope="module")
 def tmp_base() -> Iterator[Path]:
-    base = os.environ.get("NNX_ES_CRASH_DIR") or ("/dev/shm" if os.path.isdir("/dev/shm") else None)
-    with tempfile.TemporaryDirectory(prefix="nnx_es_searchkill_", dir=base) as d:
-        yield Path(d)
+    with scratch("nnx_es_searchkill_") as d:
+        yield d
 
 
 @pytest.fixture(scope="module")

@@ -7,9 +7,7 @@ edited in the study's journal to disagree with its run. A search on an RDB URL (
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -22,7 +20,7 @@ from nnx_es.audit import audit_run
 from nnx_es.cli.main import main
 from nnx_es.search import audit_study, search
 from nnx_es.trial_runs import run_outcome
-from plankit import spec
+from plankit import scratch, spec
 
 torch.set_num_threads(1)
 
@@ -31,9 +29,8 @@ SPACE = {"optimizers.main.kwargs.lr": {"float": [1e-4, 0.3], "log": True}}
 
 @pytest.fixture(scope="module")
 def root() -> Iterator[Path]:
-    base = "/dev/shm" if os.path.isdir("/dev/shm") else None
-    with tempfile.TemporaryDirectory(prefix="nnx_es_search_", dir=base) as d:
-        yield Path(d)
+    with scratch("nnx_es_search_") as d:
+        yield d
 
 
 @pytest.fixture(scope="module")
