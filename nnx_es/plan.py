@@ -37,7 +37,7 @@ import msgspec
 
 from events.plans import PlanFinished, PlanResumed, PlanStarted, TrialEnded, TrialStarted
 from events.specs import canonical_hash
-from nnx_es.errors import ConfigError, RecipeError
+from nnx_es.errors import ConfigError, InvalidRunIdError, RecipeError
 from nnx_es.lease import validate_run_id
 from nnx_es.plan_log import PLANS_DIR, PlanLog, read_plan
 from nnx_es.recipes.imports import Allowed
@@ -45,10 +45,26 @@ from nnx_es.recipes.overrides import apply_overrides, check_path, check_value, l
 from nnx_es.recipes.runspec import RunSpec, decode_spec, load_spec, read_document, validate_spec
 from nnx_es.trial_runs import RunOutcome, better, run_outcome, train_trial
 
-__all__ = ["ExperimentPlan", "PlanReport", "PlanRow", "PlanTrial", "single_process"]
+__all__ = ["ExperimentPlan", "PlanReport", "PlanRow", "PlanTrial", "check_name", "single_process"]
 
 #: the longest plan name (its runs' ids add ``-NNN`` and must stay within 128 characters)
 MAX_NAME = 100
+
+
+def check_name(name: Any, what: str) -> str:
+    """``name`` when it can name a plan or a study: ``[A-Za-z0-9._-]``, at most :data:`MAX_NAME` characters
+    (its runs' ids add a suffix; :func:`nnx_es.lease.validate_run_id`'s rule otherwise).
+
+    Raises:
+        InvalidRunIdError: naming ``what`` and the value.
+    """
+    try:
+        if not isinstance(name, str) or len(name) > MAX_NAME:
+            raise InvalidRunIdError("too long")
+        return validate_run_id(name)
+    except InvalidRunIdError:
+        raise InvalidRunIdError(f"{what} must be 1-{MAX_NAME} characters of [A-Za-z0-9._-], not '.' or '..', got "
+                                f"{name!r}") from None
 
 
 def single_process(entry: str) -> None:
@@ -126,9 +142,7 @@ class ExperimentPlan:
                  grid: Mapping[str, Sequence[Any]] | None = None,
                  overrides: Sequence[Mapping[str, Any]] | None = None, seeds: Sequence[int] | None = None,
                  allow: Sequence[str] = ()) -> None:
-        if not isinstance(name, str) or len(name) > MAX_NAME:
-            raise ConfigError(f"plan name must be a string of at most {MAX_NAME} characters, got {name!r}")
-        self.name = validate_run_id(name)
+        self.name = check_name(name, "plan name")
         self.spec = as_spec(spec)
         self.allowed = Allowed(allow)
         validate_spec(self.spec, self.allowed)
@@ -183,6 +197,8 @@ class ExperimentPlan:
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             raise RecipeError(f"plan {str(path)!r}: {exc} (a plan is {{'name', 'spec', 'grid' or 'overrides', "
                               "'seeds'}})") from None
+        except RecursionError:
+            raise RecipeError(f"plan {str(path)!r}: nested too deep to decode") from None
         spec = as_spec(Path(path).parent / doc.spec) if isinstance(doc.spec, str) else as_spec(doc.spec)
         return cls(spec, name=doc.name, grid=doc.grid, overrides=doc.overrides, seeds=doc.seeds, allow=allow)
 

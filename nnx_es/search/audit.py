@@ -25,6 +25,7 @@ from typing import Any
 
 from nnx_es.errors import ConfigError, NnxError
 from nnx_es.recipes.overrides import value_at
+from nnx_es.plan import check_name
 from nnx_es.search.report import expected_state, valid_run_id
 from nnx_es.search.study import STUDIES_DIR, default_storage
 from nnx_es.trial_runs import run_outcome
@@ -50,11 +51,13 @@ def load_study(study_name: str, *, storage: Any = None, runs_root: str | Path = 
 
     Raises:
         ConfigError: no such study (no study directory, or the storage does not hold it).
+        InvalidRunIdError: ``study_name`` is no safe directory name (with the default storage).
+        UnsafePathError: the study's journal is a link.
     """
     import optuna
 
     if storage is None:
-        directory = Path(runs_root) / STUDIES_DIR / study_name
+        directory = Path(runs_root) / STUDIES_DIR / check_name(study_name, "study name")
         if not (directory / "journal.log").is_file():
             raise ConfigError(f"no study {study_name!r} under {str(runs_root)!r} (no {directory / 'journal.log'}); "
                               "give --storage URL for a study in another storage")

@@ -8,6 +8,7 @@ parameter importances (``pip install 'nnx_es[plots]'`` for matplotlib).
 
 from __future__ import annotations
 
+import io
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,6 +19,7 @@ from optuna.trial import TrialState
 from nnx_es.errors import InvalidRunIdError
 from nnx_es.lease import validate_run_id
 from nnx_es.recipes.overrides import label
+from nnx_es.storage import atomic_write
 from nnx_es.trial_runs import RunOutcome, run_outcome
 
 __all__ = ["SearchResult", "SearchRow", "expected_state", "study_result", "valid_run_id"]
@@ -119,21 +121,21 @@ class SearchResult:
 
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
+        figures = {"history.png": plot_optimization_history}
+        complete = [r for r in self.rows if r.state == "COMPLETE"]
+        if len(complete) >= 2 and any(r.params for r in complete):
+            figures["importances.png"] = plot_param_importances
         written = []
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # the matplotlib backend is marked experimental
-            ax = plot_optimization_history(self.study)
+        for name, plot in figures.items():
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # the matplotlib backend is marked experimental
+                ax = plot(self.study)
             ax.figure.tight_layout()
-            ax.figure.savefig(directory / "history.png")
+            png = io.BytesIO()
+            ax.figure.savefig(png, format="png")
             plt.close(ax.figure)
-            written.append(directory / "history.png")
-            complete = [r for r in self.rows if r.state == "COMPLETE"]
-            if len(complete) >= 2 and any(r.params for r in complete):
-                ax = plot_param_importances(self.study)
-                ax.figure.tight_layout()
-                ax.figure.savefig(directory / "importances.png")
-                plt.close(ax.figure)
-                written.append(directory / "importances.png")
+            atomic_write(directory / name, png.getvalue(), root=directory)  # a link there is replaced, never written
+            written.append(directory / name)
         return written
 
 

@@ -35,8 +35,8 @@ from optuna.trial import TrialState
 
 from events.specs import canonical_hash
 from nnx_es.errors import ConfigError, NnxError
-from nnx_es.lease import Lease, validate_run_id
-from nnx_es.plan import MAX_NAME, as_spec, single_process
+from nnx_es.lease import Lease
+from nnx_es.plan import as_spec, check_name, single_process
 from nnx_es.recipes.core import Recipe, from_spec
 from nnx_es.recipes.imports import Allowed
 from nnx_es.recipes.overrides import apply_overrides, check_path, label
@@ -134,9 +134,7 @@ def search(spec: RunSpec | Mapping[str, Any] | str | Path, space: Mapping[str, A
     declared = {"format": 1, "spec_hash": canonical_hash(msgspec.to_builtins(base)), "space": space_json(dists),
                 "monitor": monitor.name, "mode": monitor.mode}
     name = study_name if study_name is not None else f"search-{canonical_hash(declared)[:10]}"
-    if not isinstance(name, str) or len(name) > MAX_NAME:
-        raise ConfigError(f"study_name must be a string of at most {MAX_NAME} characters, got {name!r}")
-    validate_run_id(name)
+    check_name(name, "study_name")
     runs_root = Path(runs_root)
     directory = study_dir(runs_root, name)
     claims = Claims(directory)
@@ -164,9 +162,10 @@ def _check_study(study: Any, declared: dict[str, Any], direction: str) -> None:
     if have is None:
         study.set_user_attr(STUDY_ATTR, declared)
     elif have != declared:
-        differs = [k for k in declared if have.get(k) != declared[k]] if isinstance(have, dict) else ["all"]
-        raise ConfigError(f"study {study.study_name!r} searches another {', '.join(differs)} than this search: refused; "
-                          "give this search another --study name")
+        words = {"spec_hash": "spec", "space": "space", "monitor": "monitor", "mode": "monitor mode"}
+        differs = [words.get(k, k) for k in declared if have.get(k) != declared[k]] if isinstance(have, dict) else []
+        raise ConfigError(f"study {study.study_name!r} searches another {' and '.join(differs) or 'declaration'} than "
+                          "this search: refused; give this search another study name (--study)")
     if study.direction.name.lower() != direction:
         raise ConfigError(f"study {study.study_name!r} is set to {study.direction.name.lower()}, this search would "
                           f"{direction} (its monitor's mode): refused")

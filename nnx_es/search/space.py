@@ -114,6 +114,8 @@ def parse_space(space: Mapping[str, Any] | str | Path) -> dict[str, Dist]:
             space = msgspec.json.decode(read_document(space, "space"))
         except msgspec.DecodeError as exc:
             raise RecipeError(f"space {str(space)!r} is not JSON: {exc}") from None
+        except RecursionError:
+            raise RecipeError(f"space {str(space)!r}: nested too deep to decode; a space is a flat object") from None
     if not isinstance(space, Mapping) or not space or len(space) > MAX_PARAMS:
         raise ConfigError(f"a search space maps 1 to {MAX_PARAMS} dotted spec paths to distributions, got "
                           f"{str(space)[:80]!r}")

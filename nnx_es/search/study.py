@@ -27,7 +27,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from events.paths import open_dir
+from events.paths import check_entry, open_dir
 from nnx_es.errors import LeaseHeldError
 from nnx_es.lease import Lease, validate_run_id
 
@@ -52,10 +52,15 @@ def study_dir(runs_root: Path, name: str) -> Path:
 
 
 def default_storage(directory: Path) -> Any:
-    """Optuna's journal file storage in ``directory/journal.log``."""
+    """Optuna's journal file storage in ``directory/journal.log``.
+
+    Raises:
+        UnsafePathError: ``journal.log`` is a link or not a regular file (Optuna would append through it).
+    """
     from optuna.storages import JournalStorage
     from optuna.storages.journal import JournalFileBackend
 
+    check_entry(directory / "journal.log", "file")
     return JournalStorage(JournalFileBackend(str(directory / "journal.log")))
 
 

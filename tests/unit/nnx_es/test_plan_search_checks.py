@@ -103,3 +103,30 @@ def test_a_study_name_searching_another_space_is_refused(tmp_path: Path) -> None
     with pytest.raises(ConfigError, match="searches another"):
         search(BASE, {LR: {"float": [1e-3, 1e-1], "log": True}}, 1, runs_root=tmp_path, study_name="s")
     assert not any(p.name.startswith("s-t") for p in tmp_path.iterdir())
+
+
+def test_hostile_inputs_beside_a_search_are_refused_or_not_followed(tmp_path: Path) -> None:
+    import optuna
+
+    from nnx_es.errors import InvalidRunIdError, UnsafePathError
+    from nnx_es.search import audit_study
+    from nnx_es.search.report import study_result
+    from nnx_es.search.study import default_storage, study_dir
+
+    deep = tmp_path / "deep.json"
+    deep.write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(RecipeError, match="nested too deep"):
+        parse_space(deep)
+    with pytest.raises(InvalidRunIdError, match="study name"):
+        audit_study("../x", runs_root=tmp_path)
+    (study_dir(tmp_path, "j") / "journal.log").symlink_to(tmp_path / "victim")
+    with pytest.raises(UnsafePathError):
+        search(BASE, {LR: {"float": [1e-3, 1e-1]}}, 1, runs_root=tmp_path, study_name="j")
+    assert not (tmp_path / "victim").exists()
+    # a study whose trial names a run outside the runs root: never read through
+    study = optuna.create_study(storage=default_storage(study_dir(tmp_path, "h")), study_name="h")
+    trial = study.ask()
+    trial.set_user_attr("run_id", "../../etc")
+    study.tell(trial, 1.0)
+    assert study_result(study, tmp_path).rows[0].run_id is None
+    assert any("no run id" in f for f in audit_study("h", runs_root=tmp_path).findings)
