@@ -37,6 +37,7 @@ if TYPE_CHECKING:
     from nnx_es.models import Keyed
     from nnx_es.monitor import Monitor
     from nnx_es.objective import Objective, Term
+    from nnx_es.plan import ExperimentPlan
     from nnx_es.result import RunResult, load_result
     from nnx_es.rows import HistoryJournal, read_rows, with_row_ids
     from nnx_es.schedulers import Scheduler
@@ -51,7 +52,8 @@ _LAZY = {
     "Callback": "nnx_es.callbacks", "EarlyStopping": "nnx_es.callbacks", "LambdaCallback": "nnx_es.callbacks",
     "TrainContext": "nnx_es.context",
     "default_forward": "nnx_es.engine", "default_train_step": "nnx_es.engine", "finalize_step": "nnx_es.engine",
-    "NNModel": "nnx_es.model", "Monitor": "nnx_es.monitor", "Objective": "nnx_es.objective",
+    "NNModel": "nnx_es.model", "ExperimentPlan": "nnx_es.plan", "Monitor": "nnx_es.monitor",
+    "Objective": "nnx_es.objective",
     "Term": "nnx_es.objective", "RunResult": "nnx_es.result", "load_result": "nnx_es.result",
     "Scheduler": "nnx_es.schedulers", "TrainingStage": "nnx_es.stages", "Trainer": "nnx_es.trainer",
     "EMA": "nnx_es.update_hooks", "GradientAccumulation": "nnx_es.update_hooks",
@@ -95,6 +97,7 @@ __all__ = [
     "EMA",
     "EarlyStopping",
     "EventLogError",
+    "ExperimentPlan",
     "Freeze",
     "GradientAccumulation",
     "GradientClipping",

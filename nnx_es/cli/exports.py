@@ -25,7 +25,7 @@ import torch
 
 from nnx_es.cli._common import EXIT_OK, EXIT_VIOLATIONS
 from nnx_es.cli._format import printable
-from nnx_es.cli.train import BadInput, allowed_of, guarded, read_spec_file, stored_spec
+from nnx_es.cli.train import BadInput, allowed_packages, guarded, read_spec_file, stored_spec
 
 __all__ = ["add_commands", "read_rows", "write_rows"]
 
@@ -97,7 +97,7 @@ def _model(args: argparse.Namespace) -> Any:
     if spec is None:
         raise BadInput(f"run {run_dir.name!r} recorded no spec (it was not run with recipe_required=True): pass "
                        "--spec FILE, or export from Python with NNModel(net).load(...).export(...)")
-    allowed = allowed_of(args)
+    allowed = allowed_packages(args)
     validate_spec(spec, allowed)
     net = from_spec(spec.model, allowed=allowed, slot="model")
     model = NNModel(net)

@@ -5,6 +5,8 @@
     nnx-es init | report | run | resume ...   (training from a spec: nnx_es.cli.train)
     nnx-es serve RUNS_ROOT [--host 127.0.0.1] [--port 8000]   (the read-only web app: nnx_es.web)
     nnx-es export | predict ...               (a run's model, verified / its predictions: nnx_es.cli.exports)
+    nnx-es plan PLAN.json ...                 (an experiment plan: nnx_es.cli.plan)
+    nnx-es search SPEC --space S --trials N   (a search on Optuna, or --audit STUDY: nnx_es.cli.search)
 
 ``crashtest`` runs a script that calls ``fit`` itself under crash injection
 (:mod:`nnx_es.testing.script`: each point in a process forked from the command's own, 20 points
@@ -21,6 +23,8 @@ from collections.abc import Sequence
 
 from nnx_es.cli._common import EXIT_OK, EXIT_UNUSABLE, EXIT_VIOLATIONS
 from nnx_es.cli.exports import add_commands as add_export_commands
+from nnx_es.cli.plan import add_plan_command
+from nnx_es.cli.search import add_search_command
 from nnx_es.cli.train import add_commands
 from nnx_es.web.serve import add_command as add_serve
 
@@ -94,6 +98,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_commands(sub)
     add_serve(sub)
     add_export_commands(sub)  # export, predict
+    add_plan_command(sub)
+    add_search_command(sub)
     return parser
 
 

@@ -26,7 +26,7 @@ from nnx_es.cli._common import EXIT_OK, EXIT_UNUSABLE, EXIT_VIOLATIONS
 from nnx_es.cli._format import printable
 from nnx_es.errors import ConfigError, LeaseHeldError, NnxError, ResumeError, UnsafePathError
 
-__all__ = ["BadInput", "add_commands", "allowed_of", "guarded", "read_spec_file", "stored_spec"]
+__all__ = ["BadInput", "add_commands", "allowed_packages", "guarded", "read_spec_file", "stored_spec"]
 
 #: a learning rate outside this range is reported as unusual
 LR_RANGE = (1e-6, 1.0)
@@ -40,9 +40,13 @@ def _say(command: str, exc: BaseException) -> None:
     print(printable(f"nnx-es {command}: {' '.join(str(exc).split())}"), file=sys.stderr)  # a spec's text, escaped
 
 
-def _allowed(args: argparse.Namespace) -> Any:
+def allowed_packages(args: argparse.Namespace) -> Any:
     """The guard for ``--allow``: the user's own packages (never the standard library: ``--allow os`` would make
-    ``os.popen`` a data factory; never torch or nnx_es, see :class:`~nnx_es.recipes.Allowed`)."""
+    ``os.popen`` a data factory; never torch or nnx_es, see :class:`~nnx_es.recipes.Allowed`).
+
+    Raises:
+        BadInput: ``--allow`` names the standard library.
+    """
     from nnx_es.recipes import Allowed
 
     stdlib = [p for p in args.allow or () if p.split(".")[0] in sys.stdlib_module_names]
@@ -65,7 +69,10 @@ def _find_packages_beside(spec: str | None) -> None:
             sys.path.append(str(d))
 
 
-def _load(path: str) -> Any:
+def read_spec_file(path: str) -> Any:
+    """The spec at ``path`` (:func:`nnx_es.recipes.runspec.load_spec`: a regular JSON file of at most 16 MiB).
+
+    Raises RecipeError naming the path when it is missing, not a regular file, too large or not a spec."""
     from nnx_es.recipes.runspec import load_spec
 
     return load_spec(path)
@@ -224,8 +231,8 @@ def _out(line: str) -> None:
 
 
 def _report(args: argparse.Namespace) -> int:
-    spec = _load(args.spec)
-    allowed = _allowed(args)
+    spec = read_spec_file(args.spec)
+    allowed = allowed_packages(args)
     from nnx_es.recipes.runspec import validate_spec
 
     validate_spec(spec, allowed)
@@ -321,8 +328,8 @@ def _train(built: Any, command: str, **fit: Any) -> int:
 def _run(args: argparse.Namespace) -> int:
     from nnx_es.recipes.runspec import build_run
 
-    spec = _load(args.spec)
-    built = build_run(spec, allowed=_allowed(args), runs_root=args.runs_dir, run_id=args.run_id)
+    spec = read_spec_file(args.spec)
+    built = build_run(spec, allowed=allowed_packages(args), runs_root=args.runs_dir, run_id=args.run_id)
     return _train(built, "run")
 
 
@@ -355,11 +362,11 @@ def _resume(args: argparse.Namespace) -> int:
     if args.epochs is not None:
         check_epochs(args.epochs, "--epochs")
     run_dir = Path(args.run_dir).resolve()
-    spec = _load(args.spec) if args.spec else stored_spec(run_dir)
+    spec = read_spec_file(args.spec) if args.spec else stored_spec(run_dir)
     if spec is None:
         raise BadInput(f"run {run_dir.name!r} recorded no spec (it was not run with recipe_required): pass --spec")
     epochs = args.epochs if args.epochs is not None else spec.epochs
-    allowed = _allowed(args)
+    allowed = allowed_packages(args)
     if args.from_ == "last":
         if args.run_id not in (None, run_dir.name):
             raise BadInput(f"--run-id {args.run_id!r}: resuming from LAST continues run {run_dir.name!r}; "
@@ -391,7 +398,9 @@ def _where_allowed_is_looked_for(args: argparse.Namespace, exc: BaseException) -
             else "") + f" ({', '.join(where)}): run from the directory holding it, or put it on PYTHONPATH or install it")
 
 
-def _guarded(command: str, fn: Any) -> Any:
+def guarded(command: str, fn: Any) -> Any:
+    """``fn(args)`` as a sub-command's ``run``: bad input (:class:`BadInput`, an ``NnxError``, an ``OSError``)
+    is said in one line on stderr, exit 2."""
     def run(args: argparse.Namespace) -> int:
         try:
             return int(fn(args))
@@ -418,7 +427,7 @@ def add_commands(sub: Any) -> None:
     p.add_argument("--val-fraction", type=float, default=0.2, help="rows held out for validation (default 0.2)")
     p.add_argument("--seed", type=int, default=0, help="seed of the run and the split (default 0)")
     p.add_argument("--force", action="store_true", help="overwrite --out")
-    p.set_defaults(run=_guarded("init", _init))
+    p.set_defaults(run=guarded("init", _init))
 
     p = sub.add_parser("report", help="validate a spec, print its plan and warnings, preview its learning rate",
                        description="Validate SPEC without loading data: print optimizers, schedulers and their "
@@ -427,7 +436,7 @@ def add_commands(sub: Any) -> None:
     p.add_argument("spec", help="the spec file")
     p.add_argument("--png", default=None, help="where the preview goes (default: SPEC with .lr.png)")
     p.add_argument("--allow", **allow)
-    p.set_defaults(run=_guarded("report", _report))
+    p.set_defaults(run=guarded("report", _report))
 
     p = sub.add_parser("run", help="train the run a spec describes",
                        description="Build everything SPEC names (imports checked) and train; exit 0 when the run "
@@ -436,7 +445,7 @@ def add_commands(sub: Any) -> None:
     p.add_argument("--runs-dir", default="runs", help="the runs root (default runs/)")
     p.add_argument("--run-id", default=None, help="the run id (default: a timestamp and a random suffix)")
     p.add_argument("--allow", **allow)
-    p.set_defaults(run=_guarded("run", _run))
+    p.set_defaults(run=guarded("run", _run))
 
     p = sub.add_parser("resume", help="continue a run, or fork a new one from an older checkpoint",
                        description="--from last (default) continues RUN_DIR from its LAST; --from best or a LAST's "
@@ -452,8 +461,4 @@ def add_commands(sub: Any) -> None:
                         "so --epochs 30 on a 20-epoch run trains 10 more. A fork (--from best|SEQ): the new run's "
                         "own epochs, counted from 0 (its epoch 0 trains as the source's next epoch did)")
     p.add_argument("--allow", **allow)
-    p.set_defaults(run=_guarded("resume", _resume))
-
-
-#: for the other sub-command modules (:mod:`nnx_es.cli.exports`): the same error guard, ``--allow`` and spec file reading
-guarded, allowed_of, read_spec_file = _guarded, _allowed, _load
+    p.set_defaults(run=guarded("resume", _resume))

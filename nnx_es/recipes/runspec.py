@@ -33,7 +33,7 @@ from nnx_es.rng import seed_everything
 
 __all__ = ["FIELD_SLOTS", "STEP_FUNCTIONS", "TRAINER_SETTINGS", "BuiltRun", "RunSpec", "build_model_and_optimizers",
            "build_run", "decode_spec",
-           "load_spec", "record_spec", "scaffold", "spec_hash", "spec_of_run", "validate_spec"]
+           "load_spec", "read_document", "record_spec", "scaffold", "spec_hash", "spec_of_run", "validate_spec"]
 
 #: Trainer keywords a spec's ``trainer`` section may set
 TRAINER_SETTINGS = ("validate_every", "validate_every_steps", "phase_every", "keep_phases", "checkpoint_lag",
@@ -95,27 +95,38 @@ def decode_spec(document: Any) -> RunSpec:
 MAX_SPEC_BYTES = 16 * 2**20
 
 
-def load_spec(path: str | Path) -> RunSpec:
-    """Read and decode the spec file at ``path``: a regular file of at most :data:`MAX_SPEC_BYTES` (a FIFO or
-    a device is refused, never read: it could block or never end).
+def read_document(path: str | Path, what: str = "spec") -> bytes:
+    """The bytes of the JSON file at ``path``: a regular file of at most :data:`MAX_SPEC_BYTES` (a FIFO or
+    a device is refused, never read: it could block or never end). ``what`` names it in errors.
 
     Raises:
-        RecipeError: the file cannot be read, is no regular file or is too big, or see :func:`decode_spec`
-            (the file named).
+        RecipeError: the file cannot be read, is no regular file or is too big.
     """
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
         with os.fdopen(fd, "rb") as f:
             st = os.fstat(f.fileno())
             if not stat.S_ISREG(st.st_mode):
-                raise RecipeError(f"spec {str(path)!r} is not a regular file; give a JSON file")
+                raise RecipeError(f"{what} {str(path)!r} is not a regular file; give a JSON file")
             if st.st_size > MAX_SPEC_BYTES:
-                raise RecipeError(f"spec {str(path)!r} is {st.st_size} bytes, more than {MAX_SPEC_BYTES}: not a spec")
+                raise RecipeError(f"{what} {str(path)!r} is {st.st_size} bytes, more than {MAX_SPEC_BYTES}: not a "
+                                  f"{what}")
             data = f.read(MAX_SPEC_BYTES + 1)
     except OSError as exc:
-        raise RecipeError(f"cannot read spec {str(path)!r}: {exc.strerror or exc}") from None
+        raise RecipeError(f"cannot read {what} {str(path)!r}: {exc.strerror or exc}") from None
     if len(data) > MAX_SPEC_BYTES:
-        raise RecipeError(f"spec {str(path)!r} is more than {MAX_SPEC_BYTES} bytes: not a spec")
+        raise RecipeError(f"{what} {str(path)!r} is more than {MAX_SPEC_BYTES} bytes: not a {what}")
+    return data
+
+
+def load_spec(path: str | Path) -> RunSpec:
+    """Read and decode the spec file at ``path`` (:func:`read_document`).
+
+    Raises:
+        RecipeError: the file cannot be read, is no regular file or is too big, or see :func:`decode_spec`
+            (the file named).
+    """
+    data = read_document(path)
     try:
         spec = decode_spec(data)
     except RecipeError as exc:
