@@ -43,6 +43,7 @@ from events.schema import (
     UpdateCommittedV1,
     UpdateSkipped,
     ValidationDone,
+    WorldChanged,
 )
 
 __all__ = [
@@ -92,6 +93,8 @@ CURRENT_TYPES: tuple[type[Event], ...] = (
     # appended, not in lifecycle order: the epoch's history step writes them before history_appended
     RowsRecorded,
     JournalPublished,
+    # appended: an elastic run's new deal of its global batch, after run_resumed (or a fork's run_started)
+    WorldChanged,
 )
 
 
