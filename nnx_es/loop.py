@@ -137,6 +137,8 @@ class TrainingLoop:
                 rec.commit(opening)  # the discarded range is durable before anything new is written
             else:
                 rec.emit(opening)
+            for note in state.notes:  # world_changed: an elastic run on another deal (nnx_es.distributed.resize)
+                rec.emit(note)
             ctx.epoch = start_epoch
             self._epochs = epochs
             self._validated_at = ctx.step_count

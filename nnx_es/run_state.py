@@ -186,6 +186,8 @@ class RunState:
         self.outcome = StepOutcome()
         self.stop_at_update_requested = False
         self._stop: tuple[str, str] | None = None
+        #: events to record right after the run's opening event (an elastic run's ``world_changed``)
+        self.notes: list[Any] = []
 
     # --- the stop request ---------------------------------------------------------------
 

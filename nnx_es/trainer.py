@@ -517,6 +517,7 @@ class Trainer:
                           components=self.components, world=world,
                           declare=self._declare) as session:
             state = self.state = self.ctx.state = session.state
+            state.notes = self.components.take_notes()  # what the restore asks to record (world_changed)
             self.run_id, self.runs_root, self.run_dir = state.run_id, state.runs_root, state.run_dir
             self.engine.begin_run(state, callbacks)
             self.rows.begin_run(state.recorder.log, state.store, state.run_id, world=state.world)
