@@ -45,6 +45,7 @@ from events.schema import (
     UpdateCommittedV1,
     UpdateSkipped,
     ValidationDone,
+    WorldChanged,
 )
 
 __all__ = [
@@ -97,6 +98,8 @@ CURRENT_TYPES: tuple[type[Event], ...] = (
     # appended last, so every earlier type keeps its code: a transform at a boundary, an export after the run
     ModelTransformed,
     ModelExported,
+    # appended: an elastic run's new deal of its global batch, after run_resumed (or a fork's run_started)
+    WorldChanged,
 )
 
 

@@ -79,6 +79,7 @@ __all__ = [
     "UpdateSkipped",
     "UpdateSpec",
     "ValidationDone",
+    "WorldChanged",
 ]
 
 
@@ -163,6 +164,31 @@ class RunResumed(Event, frozen=True, kw_only=True, tag="run_resumed"):
     wall_time_s: float = 0.0
     #: the resumed session's digest cadence (``RunStarted.digests``; it may differ from the run's start)
     digests: DigestCadence | None = None
+
+
+class WorldChanged(Event, frozen=True, kw_only=True, tag="world_changed"):
+    """An elastic run (``nnx_es.distributed.elastic_loader``) goes on with another deal of its global
+    batch: a resume (or a fork) on ``new`` ranks of a checkpoint trained on ``old`` ranks, or with
+    another microbatch split. Right after ``run_resumed`` (or a fork's ``run_started``); committed
+    by the resume's opening LAST (``nnx_es.distributed.resize``).
+
+    global_batch: rows per committed update (G), the same on both sides. epoch: the 0-based epoch
+    trained first on the new deal. rows_per_rank: G / new. microbatch_rows / accumulation: the new
+    split of a rank's rows (microbatch_rows * accumulation = rows_per_rank). global_batches: updates
+    per epoch (rows // G, on any world size). streams_kept: ranks that go on with their own RNG
+    streams (min(old, new)); a rank >= old starts streams derived from the checkpoint.
+    """
+
+    KIND: ClassVar[str] = "world_changed"
+    old: int
+    new: int
+    global_batch: int
+    epoch: int
+    rows_per_rank: int
+    microbatch_rows: int
+    accumulation: int
+    global_batches: int
+    streams_kept: int
 
 
 class CallbackBegan(Event, frozen=True, kw_only=True, tag="callback_began"):

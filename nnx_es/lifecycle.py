@@ -26,10 +26,10 @@ agree on every (state, kind) pair. Order of one run (spec 000 "Lifecycle order")
     failure anywhere:  run_failed  callback_finalized*  run_finalized
     stop at an update boundary:  ... update_committed  stop_requested  params_digested(final)?  callback_finalized*
       run_finalized
-    resume:  run_resumed  callback_began*  train_began  ...
+    resume:  run_resumed  world_changed?  callback_began*  train_began  ...
     after the run:  run_finalized  (evaluation_recorded | model_exported)*
-    transforms:  model_transformed after the opening (before callback_began), after epoch_began, or at the
-      epoch's end before its history (nnx_es.transforms)
+    transforms:  model_transformed after the opening (after world_changed, before callback_began), after
+      epoch_began, or at the epoch's end before its history (nnx_es.transforms)
 """
 
 from __future__ import annotations
@@ -90,6 +90,8 @@ def _t(trigger: str, source: str | list[str], dest: str) -> dict[str, Any]:
 _BASE: tuple[dict[str, Any], ...] = (
     _t("run_started", "new", "started"),
     _t("callback_began", "started", "started"),
+    # an elastic run's new deal of its global batch (nnx_es.distributed.resize), before callbacks begin
+    _t("world_changed", "started", "started"),
     _t("train_began", "started", "training"),
     _t("epoch_began", "committed", "in_epoch"),
     _t("microbatch_done", ["in_epoch", "in_window", "updated", "validated"], "in_window"),

@@ -51,13 +51,14 @@ def loader_geometries(loaders: Mapping[str, Any]) -> dict[str, LoaderGeometry]:
     return {role: loader_geometry(loader) for role, loader in loaders.items() if loader is not None}
 
 
-def geometry_mismatch(old: Mapping[str, LoaderGeometry], new: Mapping[str, LoaderGeometry]) -> str | None:
+def geometry_mismatch(old: Mapping[str, LoaderGeometry], new: Mapping[str, LoaderGeometry], *,
+                      fields: tuple[str, ...] = _FIELDS) -> str | None:
     """How ``new`` differs from ``old`` (role -> geometry): the first role both hold whose
-    geometry differs, each differing field named with its old and new value; None when alike.
+    geometry differs in ``fields``, each differing field named with its old and new value; None when alike.
     A role only one side holds (a validation loader added or left out) is not compared."""
     for role in old.keys() & new.keys():
         before, after = old[role], new[role]
-        changed = [f"{f} {getattr(before, f)!r} -> {getattr(after, f)!r}" for f in _FIELDS
+        changed = [f"{f} {getattr(before, f)!r} -> {getattr(after, f)!r}" for f in fields
                    if getattr(before, f) != getattr(after, f)]
         if changed:
             return f"the {_ROLES.get(role, role)}'s geometry differs from the run's: {', '.join(changed)}"
@@ -69,13 +70,22 @@ def check_same_loaders(run_id: str, recorded: Mapping[str, LoaderGeometry] | Non
     that would not continue it exactly. ``recorded``: the run's ``run_started.loaders``
     (None: a run recorded before they were, whose geometry is not checked).
 
+    An elastic run (its train loader an ``elastic_loader``) may resume on another world size, where
+    every loader's share of the rows differs: its loaders must then hold the run's data sets
+    (``dataset_length``); the deal itself is checked against the checkpoint's
+    (:func:`nnx_es.distributed.resize.resume_streams`).
+
     Raises:
         ResumeError: a loader's geometry differs from the run's (:func:`geometry_mismatch`),
             or a ``persistent_workers=True`` loader's workers cannot be re-seeded per epoch.
     """
+    from nnx_es.distributed.resize import global_batch_sampler
+
     why = worker_seeding_refusal(dict(loaders))
     if why is None and recorded is not None:
-        why = geometry_mismatch(recorded, loader_geometries(loaders))
+        elastic = global_batch_sampler(loaders.get("train")) is not None
+        why = geometry_mismatch(recorded, loader_geometries(loaders),
+                                fields=("dataset_length",) if elastic else _FIELDS)
         if why is not None:
             why += ("; the steps per epoch, and every schedule counted in them, would change mid-run: build the "
                     "loaders as the run did, or use resume_mode='weights_only' to start a new run")

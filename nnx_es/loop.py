@@ -137,7 +137,7 @@ class TrainingLoop:
                 rec.commit(opening)  # the discarded range is durable before anything new is written
             else:
                 rec.emit(opening)
-            for event in state.after_opening:  # model_transformed: the transforms the net carries (nnx_es.transforms)
+            for event in state.after_opening:  # world_changed (nnx_es.distributed.resize), model_transformed (transforms)
                 rec.emit(event)
             ctx.epoch = start_epoch
             self._epochs = epochs

@@ -186,7 +186,8 @@ def open_session(
             checkpoints = CheckpointsState()
             if stateful:
                 point = find_resume_point(run_dir, event_log, expect_run_id=run_id)
-                check_world_size(point.manifest.world_size, components.world.size)  # before the recipe's details
+                check_world_size(point.manifest.world_size, components.world.size,  # before the recipe's details
+                                 resizable=components.resizable)  # elastic mode: nnx_es.distributed.resize
                 declared = declare(run_id, None)
                 _check_same_recipe(components, declared, point.started, point.manifest)
                 check_epochs(epochs, point.manifest.epoch + 1)
@@ -332,8 +333,8 @@ def _check_same_recipe(components: RunComponents, mine: RunStarted, started: Run
                          ("objective", "loss"), ("models", "models (a frozen model's weights, by hash)"),
                          ("history", "history journal (history=: its records would be split between the log and "
                                      "the journal, or chunked otherwise)")):
-        if field == "history" and fork:
-            continue
+        if (field == "history" and fork) or (field == "accumulation" and components.resizable):
+            continue  # elastic mode: the window follows the world size (nnx_es.distributed.resize)
         theirs, ours = getattr(started, field), getattr(mine, field)
         if theirs != ours and not (field in ("update", "objective", "models", "history") and theirs is None):  # None: an older run declared none
             raise ResumeError(

@@ -23,6 +23,8 @@ import torch
 from torch import Tensor, nn
 
 from nnx_es.checkpoint import Manifest, load_component, torch_bytes
+from nnx_es.distributed.resize import (elastic_topology, global_batch_sampler, refuse_elastic_checkpoint,
+                                       resume_streams)
 from nnx_es.errors import ConfigError, ResumeError
 from nnx_es.rng import LoaderGenerators, capture_rng, generators_mismatch, restore_rng
 from nnx_es.run_state import World
@@ -62,11 +64,34 @@ class RunComponents:
         self.monitor = monitor
         self.callbacks = callbacks
         self.generators: dict[str, LoaderGenerators] = {}
-        #: the train and validation loaders themselves (``None`` when absent), set by each ``fit``
-        self.loaders: dict[str, Any] = {}
+        self._loaders: dict[str, Any] = {}
         #: the process group of the current ``fit`` (data parallelism: every rank's RNG streams are
         #: gathered into each checkpoint, and each rank restores its own)
         self.world: World = World()
+        #: events a restore asks the run to record after its opening (an elastic run's ``world_changed``)
+        self.notes: list[Any] = []
+
+    @property
+    def loaders(self) -> dict[str, Any]:
+        """The train and validation loaders themselves (``None`` when absent), set by each ``fit``;
+        setting them starts a fit afresh: the :attr:`notes` of an earlier restore are dropped."""
+        return self._loaders
+
+    @loaders.setter
+    def loaders(self, loaders: dict[str, Any]) -> None:
+        self._loaders = loaders
+        self.notes = []
+
+    @property
+    def resizable(self) -> bool:
+        """Elastic mode: the train loader deals a declared global batch (``nnx_es.distributed.elastic_loader``),
+        so a full-state resume may run on another world size (:mod:`nnx_es.distributed.resize`)."""
+        return global_batch_sampler(self.loaders.get("train")) is not None
+
+    def take_notes(self) -> list[Any]:
+        """The events the latest restore asked for (see :attr:`notes`), once: the list is emptied."""
+        notes, self.notes = self.notes, []
+        return notes
 
     def partitions(self) -> dict[str, Any]:
         """How the loaders deal the rows to the ranks (``describe()`` of a partition sampler), by role."""
@@ -135,6 +160,9 @@ def capture(run: RunComponents, epoch: int, world_size: int = 1) -> dict[str, tu
     transforms = recorded(run.net)
     if transforms:  # the transforms applied to the net, rebuilt on a fresh net by a resume or a load
         state["topology"]["transforms"] = transforms
+    elastic = elastic_topology(run.loaders)
+    if elastic is not None:  # an elastic run's deal (only then: other checkpoints keep their bytes)
+        state["topology"]["elastic"] = elastic
     world = run.world
     if world.distributed:
         # every rank's RNG streams (global and its loaders' own), gathered on every rank: the writer's
@@ -299,6 +327,7 @@ def apply_state(run: RunComponents, state: dict[str, Any], *, weights_only: bool
     if misfits:
         raise ResumeError(f"the checkpoint's model does not fit this net (another architecture?): {misfits}")
     rng = state.get("rng")
+    run.notes = []
     if not weights_only:
         rng = _rank_rng(run, state)
         _check_same_generators(run, rng)
@@ -333,14 +362,19 @@ def apply_state(run: RunComponents, state: dict[str, Any], *, weights_only: bool
 
 def _rank_rng(run: RunComponents, state: dict[str, Any]) -> dict[str, Any]:
     """This rank's RNG streams in a checkpoint, after checking that the checkpoint was trained on the
-    same world size and partitions (spec 000 §3 "One writer": any other full-state resume is refused).
+    same world size and partitions (spec 000 §3 "One writer": any other full-state resume is refused)
+    -- or, in elastic mode, by :func:`nnx_es.distributed.resize.resume_streams` (any world size dividing
+    the run's global batch; the checkpoint of an elastic run is refused to any other loader).
 
     Raises:
         ResumeError: another world size (a distributed checkpoint resumed by one process included),
             or loaders that partition the rows otherwise; ``resume_mode="weights_only"`` is the way out.
     """
+    if run.resizable:  # elastic mode: any world size dividing the global batch (nnx_es.distributed.resize)
+        return resume_streams(run, state)
     topology = state.get("topology") or {}
     check_world_size(int(topology.get("world_size", 1) or 1), run.world.size)
+    refuse_elastic_checkpoint(topology)
     ours = run.world.size
     if ours == 1:
         return state["rng"]  # type: ignore[no-any-return]
@@ -353,13 +387,15 @@ def _rank_rng(run: RunComponents, state: dict[str, Any]) -> dict[str, Any]:
     return ranks["rng"][run.world.rank]  # type: ignore[no-any-return]
 
 
-def check_world_size(theirs: int, ours: int) -> None:
-    """Refuse a full-state restore of a checkpoint trained on ``theirs`` ranks into ``ours``.
+def check_world_size(theirs: int, ours: int, *, resizable: bool = False) -> None:
+    """Refuse a full-state restore of a checkpoint trained on ``theirs`` ranks into ``ours``, unless
+    the run is ``resizable`` (elastic mode: its checks come with the checkpoint's state,
+    :func:`nnx_es.distributed.resize.resume_streams`).
 
     Raises:
         ResumeError: the sizes differ (named, with the way out: the same size, or ``weights_only``).
     """
-    if theirs != ours:
+    if theirs != ours and not resizable:
         raise ResumeError(
             f"the checkpoint was trained on {theirs} rank(s) and this run has {ours}: its RNG streams and data "
             f"partitions are per rank, so a full-state resume needs the same world size (start it with "

@@ -528,7 +528,7 @@ class Trainer:
                           components=self.components, world=world,
                           declare=self._declare) as session:
             state = self.state = self.ctx.state = session.state
-            state.after_opening = opening_events(self.net)
+            state.after_opening = [*self.components.take_notes(), *opening_events(self.net)]
             self.run_id, self.runs_root, self.run_dir = state.run_id, state.runs_root, state.run_dir
             self.engine.begin_run(state, callbacks)
             self.rows.begin_run(state.recorder.log, state.store, state.run_id, world=state.world)

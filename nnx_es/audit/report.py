@@ -23,7 +23,8 @@ INVARIANTS: dict[int, str] = {
     8: "finalization in reverse callback order, for every begun callback; LAST refreshed after it",
     9: "materialized views equal the projections",
     10: "counters and scheduler state in LAST's checkpoint equal the projections",
-    11: "the ranks of a data-parallel run agree on every recorded parameter digest",
+    11: "the ranks of a data-parallel run agree on every recorded parameter digest; an elastic run's world "
+        "changes keep its global batch",
 }
 
 

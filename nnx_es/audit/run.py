@@ -51,6 +51,7 @@ from nnx_es.audit.segments import run_segments
 from nnx_es.audit.sequence import CommitOrderCheck, DigestCheck, FinalizationCheck, LifecycleCheck
 from nnx_es.audit.snapshots import SnapshotCheck
 from nnx_es.audit.spec import SpecHashCheck
+from nnx_es.audit.world import WorldCheck
 from nnx_es.storage import BlobStore
 from nnx_es.views import expected_views, read_views
 from projections import Projections, project, tail_length
@@ -68,7 +69,7 @@ class _Source:
         self.events = 0
         self.run_started: RunStarted | None = None
         self.checks = (LifecycleCheck(sink), CommitOrderCheck(sink), FinalizationCheck(sink), DigestCheck(sink),
-                       SpecHashCheck(sink))
+                       SpecHashCheck(sink), WorldCheck(sink))
 
     def __iter__(self) -> Iterator[tuple[int, Event]]:
         expected, previous = 0, None  # the seq due next, the key before

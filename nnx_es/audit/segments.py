@@ -50,6 +50,7 @@ from nnx_es.audit.report import Sink
 from nnx_es.audit.sequence import CommitOrderCheck, DigestCheck, FinalizationCheck, LifecycleCheck
 from nnx_es.audit.snapshots import SnapshotCheck
 from nnx_es.audit.spec import SpecHashCheck
+from nnx_es.audit.world import WorldCheck
 from projections import Projections
 from projections.history import HistoryState
 from projections.view import FOLDED_BEYOND_COUNTERS, Projector
@@ -58,7 +59,8 @@ __all__ = ["HOT_KINDS", "PARALLEL_FROM", "AuditProjector", "keys_and_values_ok",
 
 #: kinds taken a run at once (they are only counted by the folds and read by the lifecycle machine)
 HOT_KINDS = frozenset({MicrobatchDone.KIND, UpdateCommitted.KIND})
-for _check in (CommitOrderCheck, FinalizationCheck, DigestCheck, SpecHashCheck):  # what taking a run at once relies on
+# what taking a run at once relies on
+for _check in (CommitOrderCheck, FinalizationCheck, DigestCheck, SpecHashCheck, WorldCheck):
     if not HOT_KINDS.isdisjoint(_check.KINDS):
         raise ImportError(f"{_check.__name__} reads a hot kind: nnx_es.audit.segments must feed it event by event")
 if {MicrobatchDone, UpdateCommitted} & FOLDED_BEYOND_COUNTERS:
@@ -237,7 +239,7 @@ class _Sequence:
     def __init__(self, sink: Sink) -> None:
         self.lifecycle = LifecycleCheck(sink)
         checks = (self.lifecycle, CommitOrderCheck(sink), FinalizationCheck(sink), DigestCheck(sink),
-                  SpecHashCheck(sink))
+                  SpecHashCheck(sink), WorldCheck(sink))
         self.routes = {kind: [c.feed for c in checks if kind in c.KINDS] for kind in LifecycleCheck.KINDS}
         self.run_started: tuple[int, RunStarted] | None = None  # the first, and its seq
 

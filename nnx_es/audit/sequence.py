@@ -7,7 +7,7 @@
 * invariant 8: finalization in reverse ``callback_began`` order, every begun
   callback finalized, LAST refreshed (``final=True``) after the last finalization.
 * invariant 11 (data parallelism): every ``params_digested`` holds one digest per rank
-  of the run (``run_started.world_size``), all equal, and says so; a step never goes back;
+  of the run (``run_started.world_size``, or an elastic run's ``world_changed.new``), all equal, and says so; a step never goes back;
   and one was recorded at every point of the declared cadence (``run_started.digests``:
   every K committed updates, or each epoch's end) the run reached, and one of the final
   step of a completed or stopped run.
@@ -41,6 +41,7 @@ from events.schema import (
     SchedulerStepped,
     StopRequested,
     TrainBegan,
+    WorldChanged,
 )
 from nnx_es.audit.report import Sink
 from nnx_es.lifecycle import INITIAL, STATES, TRANSITIONS, compiled_table
@@ -426,7 +427,7 @@ class DigestCheck:
     """
 
     KINDS = frozenset({"run_started", "run_resumed", "params_digested", "epoch_summarized", "history_appended",
-                       "last_committed", "run_finalized"})
+                       "last_committed", "run_finalized", "world_changed"})
 
     def __init__(self, sink: Sink) -> None:
         self.sink = sink
@@ -438,6 +439,7 @@ class DigestCheck:
         self.digested_epoch: int | None = None  # the epoch of the latest digest (per epoch)
         self.missing_epoch: int | None = None  # an epoch reported without its digest, none since
         self.last: tuple[int, int] | None = None  # the latest LAST's (seq, step): where a resume counts from
+        self.last_size = 1  # the world size the latest LAST was committed at (an elastic run's changes)
 
     def _cadence(self, digests: DigestCadence | None, step: int) -> None:
         self.every = digests.every if digests is not None else None
@@ -465,8 +467,13 @@ class DigestCheck:
                 # a resume continues from the latest LAST (a deferred one included); another: agreement only
                 step = self.last[1] if self.last is not None and self.last[0] == last_seq else None
                 self._cadence(digests if step is not None else None, step or 0)
+                if step is not None:  # the resumed checkpoint's world size, until a world_changed says otherwise
+                    self.size = self.last_size
+            case WorldChanged(new=new):  # an elastic run's new world size (nnx_es.distributed.resize)
+                self.size = new
             case LastCommitted(counters=counters):
                 self.last = (seq, counters.step)
+                self.last_size = self.size
             case HistoryAppended(record=record):
                 self._reached(seq, record.counters.step, f"history_appended(epoch={record.epoch})")
             case RunFinalized(status=status, steps=steps) if status in ("completed", "stopped"):

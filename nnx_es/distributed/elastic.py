@@ -8,9 +8,14 @@ fail with ``Gloo connectFullMesh failed ... Connection refused`` (seen with torc
 loopback, about one restart in two; pytorch/pytorch#167288 reports the same for NCCL).
 
 :func:`rendezvous_store` gives each generation its own namespace of that store
-(``nnx_es/restart_<TORCHELASTIC_RESTART_COUNT>/``), so a generation only ever reads its own
-ranks' addresses. Outside an agent store (plain ``env://``, a first start, other launchers)
-it returns ``None`` and the group starts as it always did.
+(``nnx_es/restart_<TORCHELASTIC_RESTART_COUNT>/world_<WORLD_SIZE>/``), so a generation only ever
+reads its own ranks' addresses. The world size is part of it because torchrun restarts the group
+on a membership change (``--nnodes=MIN:MAX``, a node joining) without counting a restart
+(``torch/distributed/elastic/agent/server/api.py``: ``num_nodes_waiting > 0`` restarts the workers
+and leaves ``TORCHELASTIC_RESTART_COUNT`` as it was); such a restart only grows the group (a
+failure, a node leaving included, counts as a restart), so no two generations share both values.
+Outside an agent store (plain ``env://``, a first start, other launchers) it returns ``None`` and
+the group starts as it always did.
 """
 
 from __future__ import annotations
@@ -35,8 +40,8 @@ def rendezvous_store(timeout: datetime.timedelta, world_size: int) -> Any:
     """A store for ``init_process_group`` that no other generation of workers shares, or ``None``.
 
     Under torchrun's agent store: a client of the agent's TCPStore (``MASTER_ADDR`` /
-    ``MASTER_PORT``) behind a ``PrefixStore`` named by the restart count. Otherwise ``None``
-    (``init_process_group`` then reads ``env://`` itself).
+    ``MASTER_PORT``) behind a ``PrefixStore`` named by the restart count and ``world_size``. Otherwise
+    ``None`` (``init_process_group`` then reads ``env://`` itself).
     """
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return None
@@ -46,7 +51,7 @@ def rendezvous_store(timeout: datetime.timedelta, world_size: int) -> Any:
     import torch.distributed as dist
 
     client = dist.TCPStore(addr, int(port), world_size, is_master=False, timeout=timeout)
-    return dist.PrefixStore(f"nnx_es/restart_{restart_count()}", client)
+    return dist.PrefixStore(f"nnx_es/restart_{restart_count()}/world_{int(world_size)}", client)
 
 
 def init_process_group(backend: str, *, rank: int, world_size: int, timeout: datetime.timedelta) -> None:

@@ -29,14 +29,20 @@ from torch.utils.data import DataLoader, Sampler
 
 from nnx_es.errors import ConfigError
 
-__all__ = ["POLICIES", "PartitionSampler", "ShardSampler", "partition_indices", "shard_indices", "train_loader",
-           "validation_loader"]
+__all__ = ["POLICIES", "PartitionSampler", "ShardSampler", "dataset_length", "partition_indices", "rank_and_size",
+           "shard_indices", "train_loader", "validation_loader"]
 
 #: how a training partition evens the ranks' rows: repeat leading rows, or drop the tail
 POLICIES = ("pad", "drop")
 
 
-def _rank_and_size(rank: int | None, world_size: int | None) -> tuple[int, int]:
+def rank_and_size(rank: int | None, world_size: int | None) -> tuple[int, int]:
+    """``(rank, world_size)``: each given value, else the initialized process group's, else ``RANK`` /
+    ``WORLD_SIZE`` (default 0 of 1).
+
+    Raises:
+        ConfigError: a value that is not an int, or a rank outside ``0 .. world_size - 1``.
+    """
     if rank is None or world_size is None:
         import torch.distributed as dist
 
@@ -139,7 +145,12 @@ class ShardSampler(Sampler[int]):
         return {"kind": "validation", "rows": self.n, "world_size": self.world_size}
 
 
-def _length(dataset: Any) -> int:
+def dataset_length(dataset: Any) -> int:
+    """``len(dataset)`` (rows) of a map-style data set.
+
+    Raises:
+        ConfigError: the data set has no length.
+    """
     if not isinstance(dataset, Sized):
         raise ConfigError(f"dataset must have a length (a map-style Dataset), got {type(dataset).__name__}")
     return len(dataset)
@@ -169,8 +180,8 @@ def train_loader(dataset: Any, batch_size: int, policy: str = "pad", seed: int =
     for key in ("sampler", "batch_sampler"):
         if key in loader_kwargs:
             raise ConfigError(f"train_loader deals the rows itself: drop {key}= (got {loader_kwargs[key]!r})")
-    rank, world_size = _rank_and_size(rank, world_size)
-    sampler = PartitionSampler(_length(dataset), rank=rank, world_size=world_size, seed=seed, policy=policy,
+    rank, world_size = rank_and_size(rank, world_size)
+    sampler = PartitionSampler(dataset_length(dataset), rank=rank, world_size=world_size, seed=seed, policy=policy,
                                shuffle=shuffle)
     return DataLoader(dataset, batch_size=batch_size, sampler=sampler, **loader_kwargs)
 
@@ -187,6 +198,6 @@ def validation_loader(dataset: Any, batch_size: int, *, rank: int | None = None,
     for key in ("sampler", "batch_sampler", "shuffle"):
         if key in loader_kwargs:
             raise ConfigError(f"validation_loader shards the rows itself: drop {key}= (got {loader_kwargs[key]!r})")
-    rank, world_size = _rank_and_size(rank, world_size)
-    sampler = ShardSampler(_length(dataset), rank=rank, world_size=world_size)
+    rank, world_size = rank_and_size(rank, world_size)
+    sampler = ShardSampler(dataset_length(dataset), rank=rank, world_size=world_size)
     return DataLoader(dataset, batch_size=batch_size, sampler=sampler, **loader_kwargs)

@@ -9,7 +9,10 @@
 * the precisions ``distributed=DDP()`` runs: ``fp32`` and ``bf16`` (``fp16`` is refused before
   training: its GradScaler would skip backward per rank, see ``nnx_es.distributed.wrap``);
 * no distributed optimizer (optimizer state is replicated), no resharding: a checkpoint resumes
-  on the same world size and partition only;
+  on the same world size and partition only -- but an elastic run's (an ``elastic_loader``), whose
+  replicated state needs no resharding and whose global batches are dealt again on any world size
+  dividing them (:mod:`nnx_es.distributed.resize`; ``reshardable_checkpoint`` stays False: it is
+  the loader's property, not every checkpoint's);
 * elastic restarts: a group ``torchrun --max-restarts`` restarts continues from LAST with
   ``resume="auto"``.
 

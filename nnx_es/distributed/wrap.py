@@ -19,6 +19,7 @@ from torch import nn
 
 from nnx_es.distributed.digest import params_digest, ranks_apart
 from nnx_es.distributed.group import DDP, refuse_group
+from nnx_es.distributed.resize import global_batch_window
 from nnx_es.errors import ConfigError, DivergenceError
 from nnx_es.loaders import length_of
 from nnx_es.run_state import World
@@ -101,7 +102,8 @@ def data_parallel(ddp: DDP | None, net: nn.Module, engine: Any, train_loader: An
     """
     if ddp is None:
         refuse_group(entry)
-        yield World()
+        with global_batch_window(engine, World(), train_loader):  # elastic mode in one process
+            yield World()
         return
     import torch
     from torch.nn.parallel import DistributedDataParallel
@@ -126,7 +128,8 @@ def data_parallel(ddp: DDP | None, net: nn.Module, engine: Any, train_loader: An
         wrapper = DistributedDataParallel(net, device_ids=device_ids, broadcast_buffers=False)
     engine.use_ddp(wrapper)
     try:
-        yield world
+        with global_batch_window(engine, world, train_loader):  # elastic mode: the window G / world gives
+            yield world
     finally:
         engine.use_ddp(None)
 
@@ -153,6 +156,7 @@ def _validation_problem(world: World, loader: Any, *, own_partition: bool = Fals
     a shard built for another rank or world size, or no shard at all (a plain ``DataLoader``, a
     list of batches: every rank would score every row) unless ``own_partition`` says the loader
     deals this rank's rows by means of its own."""
+    from nnx_es.distributed.global_batch import GlobalBatchSampler
     from nnx_es.distributed.partitions import PartitionSampler, ShardSampler
 
     if loader is None:
@@ -165,6 +169,8 @@ def _validation_problem(world: World, loader: Any, *, own_partition: bool = Fals
     if isinstance(sampler, PartitionSampler):
         return (f"rank {world.rank}'s validation loader deals a training partition (policy={sampler.policy!r}: "
                 "rows repeated or left out)")
+    if isinstance(sampler, GlobalBatchSampler):
+        return f"rank {world.rank}'s validation loader deals training global batches (an epoch's tail left out)"
     if isinstance(sampler, ShardSampler) and (sampler.rank, sampler.world_size) != (world.rank, world.size):
         return (f"rank {world.rank}'s validation loader is built for rank {sampler.rank} of "
                 f"world_size={sampler.world_size}")

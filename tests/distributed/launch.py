@@ -45,20 +45,23 @@ def env_for_ranks(extra: dict[str, str] | None = None) -> dict[str, str]:
     return env
 
 
-def torchrun(script: str | Path, *args: str, nproc: int = 2, nnodes: int = 1, node_rank: int | None = None,
+def torchrun(script: str | Path, *args: str, nproc: int = 2, nnodes: int | str = 1, node_rank: int | None = None,
              port: int | None = None, max_restarts: int = 0, timeout_s: float = DEFAULT_TIMEOUT_S,
-             env: dict[str, str] | None = None, wait: bool = True) -> subprocess.CompletedProcess | subprocess.Popen:
+             env: dict[str, str] | None = None, wait: bool = True,
+             options: tuple[str, ...] = ()) -> subprocess.CompletedProcess | subprocess.Popen:
     """Run ``script args`` under ``python -m torch.distributed.run`` with a c10d rendezvous on 127.0.0.1.
 
     ``nnodes`` > 1 with ``node_rank``: one agent of a multi-node launch (start one per node with
-    the same ``port``). ``wait=False`` returns the ``Popen`` (its own session: kill it with
-    :func:`kill`). On timeout the whole launch is killed and ``subprocess.TimeoutExpired`` raised.
+    the same ``port``); ``"MIN:MAX"``: one agent of an elastic membership (torchrun's own syntax).
+    ``options``: more torchrun options (``--rdzv-conf=...``). ``wait=False`` returns the ``Popen``
+    (its own session: kill it with :func:`kill`). On timeout the whole launch is killed and
+    ``subprocess.TimeoutExpired`` raised.
     """
     port = port or free_port()
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes}", f"--nproc-per-node={nproc}",
            "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", f"--max-restarts={max_restarts}",
-           "--monitor-interval=0.5"]
-    if nnodes > 1 and node_rank is not None:
+           "--monitor-interval=0.5", *options]
+    if isinstance(nnodes, int) and nnodes > 1 and node_rank is not None:
         cmd.append(f"--node-rank={node_rank}")
     cmd += [str(script), *args]
     proc = subprocess.Popen(cmd, cwd=str(REPO), env=env_for_ranks(env), stdout=subprocess.PIPE,
