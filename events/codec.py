@@ -20,6 +20,7 @@ from events.schema import (
     CallbackFinalized,
     CheckpointPruned,
     CheckpointStored,
+    DiagnosticsRecorded,
     EpochBegan,
     EpochSummarized,
     EvaluationRecorded,
@@ -92,6 +93,7 @@ CURRENT_TYPES: tuple[type[Event], ...] = (
     # appended, not in lifecycle order: the epoch's history step writes them before history_appended
     RowsRecorded,
     JournalPublished,
+    DiagnosticsRecorded,
 )
 
 

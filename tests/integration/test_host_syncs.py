@@ -283,3 +283,28 @@ def test_the_cpu_reads_value_by_value_write_the_log_the_stacked_read_writes(tmp_
     done = of_kind(each.run_dir, "microbatch_done")
     assert math.isnan(done[3].loss) and done[1].examples == 3.0 and len(done) == 2 * len(sizes)
     assert math.isnan(done[5].loss) if weighted else done[5].examples == 1.0
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("accumulation", [1, 4])
+def test_diagnostics_add_no_host_read_inside_an_epoch_and_one_at_its_end(tmp_path, host_reads, device, accumulation):
+    """Diagnostics(every=1) records every update (gradients, weights, the update's size, activations: a Tanh) on
+    the device; the epoch's records are read at its end in one transfer, before the epoch's commit."""
+    from nnx_es.diagnostics import Diagnostics
+
+    train = batches([5] * 9 + [2])
+    net = small_net(0)
+    watch = ReadsPerBatch(host_reads)
+    trainer = Trainer(net, torch.optim.SGD(net.parameters(), lr=0.1), nn.CrossEntropyLoss(), runs_root=tmp_path,
+                      run_id="r", progress=False, accumulation=accumulation, device=device,
+                      callbacks=[Diagnostics(every=1), watch])  # its epoch-end read lands in watch.trailing
+    host_reads.counting = False
+    with host_reads:
+        run = trainer.fit(train, epochs=2)
+    for i, (reads, updates) in enumerate(watch.per_batch):
+        closes_window = (i % 10 + 1) % accumulation == 0
+        assert (reads, updates) == ((1, 1) if closes_window else (0, 0)), f"microbatch {i}"
+    assert watch.trailing == [(0 if 10 % accumulation == 0 else 1) + 1] * 2  # + the diagnostics' one read
+    records = of_kind(run.run_dir, "diagnostics_recorded")
+    assert [r.step for r in records] == list(range(1, run.counters.step + 1))
+    assert all(r.activation_mean.keys() == {"1"} and r.grad_norm.keys() == {"0", "2"} for r in records)
