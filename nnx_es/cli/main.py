@@ -3,6 +3,7 @@
     nnx-es crashtest train.py [--points N|all] [--seed S] [--jobs J] [-- script arguments]
     nnx-es crashtest --power-loss train.py [--states N] [--seed S] [--jobs J] [-- script arguments]
     nnx-es init | report | run | resume ...   (training from a spec: nnx_es.cli.train)
+    nnx-es diagnose RUN [--plot PATH] [--json]   (a run's training problems: nnx_es.cli.diagnose)
 
 ``crashtest`` runs a script that calls ``fit`` itself under crash injection
 (:mod:`nnx_es.testing.script`: each point in a process forked from the command's own, 20 points
@@ -18,6 +19,7 @@ import sys
 from collections.abc import Sequence
 
 from nnx_es.cli._common import EXIT_OK, EXIT_UNUSABLE, EXIT_VIOLATIONS
+from nnx_es.cli.diagnose import add_command as add_diagnose
 from nnx_es.cli.train import add_commands
 
 __all__ = ["main"]
@@ -87,6 +89,7 @@ def _parser() -> argparse.ArgumentParser:
                        help="with --power-loss: the budget of crash states (default 300)")
     crash.set_defaults(run=_crashtest)
     add_commands(sub)
+    add_diagnose(sub)
     return parser
 
 
