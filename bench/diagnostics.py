@@ -31,7 +31,7 @@ def main(argv: list[str] | None = None) -> None:
     from torch.utils.data import DataLoader, TensorDataset
 
     from nnx_es import Trainer
-    from nnx_es.diagnostics import Diagnostics
+    from nnx_es import Diagnostics
     from nnx_es.diagnostics.lr_range import lr_find
 
     torch.set_num_threads(1)

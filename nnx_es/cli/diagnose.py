@@ -1,6 +1,6 @@
 """``nnx-es diagnose RUN [--plot PATH] [--json]``: a run's training problems, each with its evidence.
 
-Reads the run's committed view only (:func:`nnx_es.diagnostics.diagnose`): never writes into the
+Reads the run's committed view only (:func:`nnx_es.diagnose`): never writes into the
 run, which may be someone else's (``--plot`` inside it is refused). Exit status: 0 no findings,
 1 findings, 2 unusable input (not a run, an unreadable log, a link under the run, a bad ``--plot``
 path); with ``--json`` such an error is also printed on stdout as ``{"error": {"type", "message"}}``.
@@ -60,7 +60,7 @@ def add_command(sub: Any) -> None:
         description="Read RUN's committed events and report exploding or vanishing gradients, dead units, an "
         "update/weight ratio far from ~1e-3, a widening train/validation gap, skipped non-finite updates and a "
         "plateau, each with its evidence and threshold (per-layer checks need the run to have been trained with "
-        "nnx_es.diagnostics.Diagnostics(every=N)). Exit 0: no findings, 1: findings, 2: unusable input.",
+        "nnx_es.Diagnostics(every=N)). Exit 0: no findings, 1: findings, 2: unusable input.",
     )
     p.add_argument("run_dir", type=Path, metavar="RUN", help="the run directory, runs/<id>")
     p.add_argument("--plot", type=Path, default=None, metavar="PATH",

@@ -279,7 +279,7 @@ def _report(args: argparse.Namespace) -> int:
 
 
 def _lr_find(spec: Any, allowed: Any, png: Path, steps: int) -> None:
-    """``report --lr-find``: the learning-rate range test (:func:`nnx_es.diagnostics.lr_find`) on the spec's model,
+    """``report --lr-find``: the learning-rate range test (:func:`nnx_es.lr_find`) on the spec's model,
     optimizer, loss, update hooks and training data, in a throwaway run under a temporary runs root."""
     import tempfile
 

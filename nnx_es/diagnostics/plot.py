@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from nnx_es.errors import MissingDirectoryError, UnsafePathError
 
@@ -48,7 +48,7 @@ def plot_diagnosis(diagnosis: Diagnosis, out: str | Path) -> Path:
         MissingDirectoryError / UnsafePathError: see :func:`check_plot_path` (checked first).
         ImportError: matplotlib is not installed (``pip install nnx_es[plots]``).
     """
-    from nnx_es.diagnostics.findings import total_ratio
+    from nnx_es.diagnostics.checks import total_ratio
 
     out = check_plot_path(out, diagnosis.run_dir)
     import matplotlib
@@ -75,11 +75,11 @@ def plot_diagnosis(diagnosis: Diagnosis, out: str | Path) -> Path:
                          label="val_loss")
     ax_loss.set(title="training and validation loss", xlabel="optimizer step")
 
-    def layered(ax: object, field: str, title: str, log: bool = True) -> None:
+    def layered(ax: Any, field: str, title: str) -> None:
         names = list(getattr(records[-1], field)) if records else []
         for name in names:
-            ax.plot(steps, [getattr(r, field).get(name, math.nan) for r in records], label=_label(name))  # type: ignore[attr-defined]
-        ax.set(title=title, xlabel="optimizer step", yscale="log" if log and records else "linear")  # type: ignore[attr-defined]
+            ax.plot(steps, [getattr(r, field).get(name, math.nan) for r in records], label=_label(name))
+        ax.set(title=title, xlabel="optimizer step", yscale="log" if records else "linear")
 
     layered(ax_grad, "grad_norm", "gradient L2 norm per layer")
     if not records and any(math.isfinite(g) for g in run.grad_norms):
@@ -116,8 +116,8 @@ def plot_diagnosis(diagnosis: Diagnosis, out: str | Path) -> Path:
             ax.text(0.5, 0.5, "not recorded (Diagnostics(every=N))", ha="center", va="center", transform=ax.transAxes,
                     color="0.5")
     codes = ", ".join(diagnosis.codes) or "no findings"
-    fig.suptitle(f"run {_label(run.run_id)} ({_label(run.status)}): {codes}" + (" -- red lines: skipped non-finite updates"
-                                                                  if skipped else ""))
+    marked = " -- red lines: skipped non-finite updates" if skipped else ""
+    fig.suptitle(f"run {_label(run.run_id)} ({_label(run.status)}): {codes}{marked}")
     fig.savefig(out, dpi=100)
     plt.close(fig)
     return out

@@ -132,7 +132,7 @@ class Diagnostics(Callback):
             microbatch per recorded update); ``False``: gradients and weights only.
 
     Each recorded update becomes a ``diagnostics_recorded`` event at its epoch's end; read them
-    with ``nnx-es diagnose RUN`` or :func:`nnx_es.diagnostics.diagnose`.
+    with ``nnx-es diagnose RUN`` or :func:`nnx_es.diagnose`.
 
     Raises:
         ConfigError: ``every`` is not an int >= 1 (at construction).

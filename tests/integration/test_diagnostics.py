@@ -18,12 +18,10 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from events.codec import KINDS
-from nnx_es import Trainer
+from nnx_es import Diagnostics, Trainer, diagnose, lr_find
 from nnx_es.audit import audit_run
 from nnx_es.cli.main import main as nnx_es_main
-from nnx_es.diagnostics import Diagnostics
-from nnx_es.diagnostics.findings import diagnose
-from nnx_es.diagnostics.lr_range import lr_find, suggest
+from nnx_es.diagnostics.lr_range import suggest
 from nnx_es.errors import ConfigError, UnsafePathError
 from trainkit import of_kind
 
