@@ -11,7 +11,10 @@ from nnx_es.errors import MissingDirectoryError, UnsafePathError
 if TYPE_CHECKING:
     from nnx_es.diagnostics.findings import Diagnosis
 
-__all__ = ["check_plot_path", "plot_diagnosis"]
+__all__ = ["MAX_LINES", "check_plot_path", "plot_diagnosis"]
+
+#: the most layers (or activation modules) drawn in one panel: the first ones in the net's module order
+MAX_LINES = 12
 
 
 def _label(text: str) -> str:
@@ -77,9 +80,10 @@ def plot_diagnosis(diagnosis: Diagnosis, out: str | Path) -> Path:
 
     def layered(ax: Any, field: str, title: str) -> None:
         names = list(getattr(records[-1], field)) if records else []
-        for name in names:
+        for name in names[:MAX_LINES]:
             ax.plot(steps, [getattr(r, field).get(name, math.nan) for r in records], label=_label(name))
-        ax.set(title=title, xlabel="optimizer step", yscale="log" if records else "linear")
+        shown = f" (first {MAX_LINES} of {len(names)})" if len(names) > MAX_LINES else ""
+        ax.set(title=title + shown, xlabel="optimizer step", yscale="log" if records else "linear")
 
     layered(ax_grad, "grad_norm", "gradient L2 norm per layer")
     if not records and any(math.isfinite(g) for g in run.grad_norms):
@@ -92,7 +96,7 @@ def plot_diagnosis(diagnosis: Diagnosis, out: str | Path) -> Path:
         for level in (th.ratio_low, th.ratio_high):
             ax_ratio.axhline(level, color="red", linestyle=":", linewidth=0.8)
     layered(ax_weight, "weight_norm", "weight L2 norm per layer")
-    acts = list(records[-1].activation_mean) if records else []
+    acts = list(records[-1].activation_mean)[:MAX_LINES] if records else []
     for name in acts:
         mean = [r.activation_mean.get(name, math.nan) for r in records]
         std = [r.activation_std.get(name, math.nan) for r in records]
@@ -100,7 +104,7 @@ def plot_diagnosis(diagnosis: Diagnosis, out: str | Path) -> Path:
         ax_act.fill_between(steps, [m - s for m, s in zip(mean, std)], [m + s for m, s in zip(mean, std)],
                             color=line.get_color(), alpha=0.2)
     ax_act.set(title="activation mean +- std", xlabel="optimizer step")
-    dead = list(records[-1].dead_fraction) if records else []
+    dead = list(records[-1].dead_fraction)[:MAX_LINES] if records else []
     for name in dead:
         ax_dead.plot(steps, [r.dead_fraction.get(name, math.nan) for r in records], label=_label(name))
     if dead:

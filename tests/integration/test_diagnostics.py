@@ -151,6 +151,15 @@ def test_a_run_without_diagnostics_writes_none_and_diagnose_says_what_it_could_n
     assert "Diagnostics(every=N)" in diagnosis.not_checked["update ratio"]
 
 
+def test_diagnostics_is_a_spec_callback():
+    from nnx_es.recipes import from_spec, to_spec
+
+    recipe = to_spec(Diagnostics(every=7, activations=False))
+    assert recipe.target == "nnx_es.diagnostics.recorder:Diagnostics"
+    built = from_spec(recipe, slot="callback")
+    assert isinstance(built, Diagnostics) and (built.every, built.activations) == (7, False)
+
+
 def test_diagnostics_refuses_a_bad_cadence():
     for bad in (0, -1, 2.5, True, "5"):
         with pytest.raises(ConfigError, match="every"):
