@@ -13,16 +13,14 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from events.errors import CorruptEventError, EventLogError, UnsafePathError
-from nnx_es.cli._common import EXIT_OK, EXIT_UNUSABLE, EXIT_VIOLATIONS, fail, reader_left
+from nnx_es.cli._common import EXIT_OK, EXIT_VIOLATIONS, fail, reader_left
 from nnx_es.cli._format import json_line, printable
-from nnx_es.errors import MissingDirectoryError
+from nnx_es.errors import NnxError
 
 __all__ = ["add_command"]
 
 
 def _diagnose(args: argparse.Namespace) -> int:
-    from nnx_es.audit import NotARunError
     from nnx_es.diagnostics.findings import diagnose
     from nnx_es.diagnostics.plot import check_plot_path, plot_diagnosis
 
@@ -32,7 +30,7 @@ def _diagnose(args: argparse.Namespace) -> int:
         diagnosis = diagnose(args.run_dir)
         if args.plot is not None:
             plot_diagnosis(diagnosis, args.plot)
-    except (NotARunError, EventLogError, CorruptEventError, UnsafePathError, MissingDirectoryError) as exc:
+    except (NnxError, OSError) as exc:  # not a run, a damaged or forged log, a link under it, a bad --plot path
         return fail("nnx-es diagnose", str(exc), error_type=type(exc).__name__, as_json=args.json)
     except ImportError as exc:
         return fail("nnx-es diagnose", f"--plot needs matplotlib ({exc}): pip install 'nnx_es[plots]'",
