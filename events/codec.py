@@ -20,6 +20,7 @@ from events.schema import (
     CallbackFinalized,
     CheckpointPruned,
     CheckpointStored,
+    DiagnosticsRecorded,
     EpochBegan,
     EpochSummarized,
     EvaluationRecorded,
@@ -100,6 +101,8 @@ CURRENT_TYPES: tuple[type[Event], ...] = (
     ModelExported,
     # appended: an elastic run's new deal of its global batch, after run_resumed (or a fork's run_started)
     WorldChanged,
+    # appended: per-layer diagnostics at an epoch's end (nnx_es.diagnostics)
+    DiagnosticsRecorded,
 )
 
 

@@ -43,6 +43,7 @@ __all__ = [
     "CheckpointPruned",
     "CheckpointStored",
     "Counters",
+    "DiagnosticsRecorded",
     "DigestCadence",
     "EpochBegan",
     "EpochSummarized",
@@ -409,6 +410,35 @@ class RowsRecorded(Event, frozen=True, kw_only=True, tag="rows_recorded"):
     split: str
     rows: int
     columns: dict[str, bytes]
+
+
+class DiagnosticsRecorded(Event, frozen=True, kw_only=True, tag="diagnostics_recorded"):
+    """Per-layer training diagnostics of one committed update (``nnx_es.diagnostics.Diagnostics``).
+
+    Written at the epoch's end (``on_epoch_end``, before ``history_appended``) for the updates of
+    that epoch on the callback's cadence, so the epoch's LAST commits them and a crash before it
+    leaves them in the ignored tail. Runs without the callback never write one.
+
+    epoch: 0-based. step: committed updates after the recorded one (1-based, the receipt's ``step``).
+    Keys are module paths (``"0"``, ``"encoder.fc1"``; ``"<root>"`` for the net's own parameters).
+    grad_norm: L2 norm of a layer's gradients as its optimizer stepped with them (unscaled, the
+    window's mean, after clipping). weight_norm: L2 norm of its parameters before the update.
+    update_ratio: ``||after - before|| / ||before||`` of its parameters (dimensionless).
+    activation_mean / activation_std: mean and standard deviation of an activation module's output
+    on one training microbatch (the first after the previous committed update). dead_fraction:
+    for ReLU-family modules, the fraction of units (channels: dim 1 of the output) not positive
+    on any row of that microbatch.
+    """
+
+    KIND: ClassVar[str] = "diagnostics_recorded"
+    epoch: int
+    step: int
+    grad_norm: dict[str, float] = {}
+    weight_norm: dict[str, float] = {}
+    update_ratio: dict[str, float] = {}
+    activation_mean: dict[str, float] = {}
+    activation_std: dict[str, float] = {}
+    dead_fraction: dict[str, float] = {}
 
 
 class JournalPublished(Event, frozen=True, kw_only=True, tag="journal_published"):

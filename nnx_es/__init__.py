@@ -30,6 +30,9 @@ from nnx_es.errors import (
 if TYPE_CHECKING:
     from nnx_es.callbacks import Callback, EarlyStopping, LambdaCallback
     from nnx_es.context import TrainContext
+    from nnx_es.diagnostics.findings import diagnose
+    from nnx_es.diagnostics.lr_range import lr_find
+    from nnx_es.diagnostics.recorder import Diagnostics
     from nnx_es.engine import default_forward, default_train_step, finalize_step
     from nnx_es.finetune import Freeze, WeightsFrom, param_groups
     from nnx_es.loss_weights import Constant, Cosine, LinearWarmup, StepWeight
@@ -64,6 +67,8 @@ _LAZY = {
     "Freeze": "nnx_es.finetune", "WeightsFrom": "nnx_es.finetune", "param_groups": "nnx_es.finetune",
     "Constant": "nnx_es.loss_weights", "Cosine": "nnx_es.loss_weights", "LinearWarmup": "nnx_es.loss_weights",
     "StepWeight": "nnx_es.loss_weights", "Keyed": "nnx_es.models",
+    "Diagnostics": "nnx_es.diagnostics.recorder", "diagnose": "nnx_es.diagnostics.findings",
+    "lr_find": "nnx_es.diagnostics.lr_range",
 }
 
 
@@ -94,6 +99,7 @@ __all__ = [
     "CorruptEventError",
     "Cosine",
     "CsvSink",
+    "Diagnostics",
     "EMA",
     "EarlyStopping",
     "EventLogError",
@@ -133,8 +139,10 @@ __all__ = [
     "WeightsFrom",
     "default_forward",
     "default_train_step",
+    "diagnose",
     "finalize_step",
     "load_result",
+    "lr_find",
     "param_groups",
     "read_rows",
     "with_row_ids",

@@ -18,7 +18,8 @@ agree on every (state, kind) pair. Order of one run (spec 000 "Lifecycle order")
           ( microbatch_done+  (update_committed+ scheduler_stepped* params_digested? | update_skipped) )*
           params_digested?
           validation_done?  epoch_summarized  monitor_decided?  scheduler_stepped*
-          stop_requested?  (rows_recorded* | journal_published)?  history_appended  checkpoint_stored?  last_committed
+          diagnostics_recorded*  stop_requested?  (rows_recorded* | journal_published)?  history_appended
+          checkpoint_stored?  last_committed
           best_committed?  phase_committed?  (checkpoint_stored? callback_checkpointed)*  checkpoint_pruned* )*
       params_digested(final)?  validation_done(final)?  callback_finalized* (reverse order)  checkpoint_stored?
       last_committed(final)
@@ -114,6 +115,8 @@ _BASE: tuple[dict[str, Any], ...] = (
     # the epoch's per-row records (nnx_es.rows), at its history step, before its history
     _t("rows_recorded", _EPOCH_END, "="),
     _t("journal_published", _EPOCH_END, "="),
+    # per-layer diagnostics of the epoch's updates (nnx_es.diagnostics), written by its on_epoch_end
+    _t("diagnostics_recorded", _EPOCH_END, "="),
     _t("history_appended", _EPOCH_END, "recorded"),
     _t("checkpoint_stored", ["recorded", "committed", "finalizing", "training"], "="),
     _t("last_committed", ["training", "recorded"], "committed"),

@@ -16,7 +16,7 @@ from __future__ import annotations
 import itertools
 import math
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from operator import attrgetter, itemgetter
 from pathlib import Path
 from typing import Any
@@ -36,8 +36,8 @@ from events.schema import (
 from nnx_es.errors import MissingDirectoryError
 from projections.view import MicrobatchRequired, committed
 
-__all__ = ["PLOT_BUCKETS", "Envelope", "committed_curves", "export_tensorboard", "missing_parent", "plot_run",
-           "run_curves"]
+__all__ = ["PLOT_BUCKETS", "Envelope", "committed_curves", "committed_of", "export_tensorboard", "missing_parent",
+           "plot_run", "run_curves"]
 
 #: most buckets of steps the plot's per-update loss is drawn with (a min and a max each)
 PLOT_BUCKETS = 4096
@@ -52,19 +52,28 @@ _Receipt = partial_type(UpdateCommitted, "grad_norm", "lrs", "optimizer")
 
 
 _decode = partial_decoder({UpdateCommitted: _Receipt, MicrobatchDone: MicrobatchRequired})
-_KEPT_CODES = {TYPE_CODES[t] for t in (UpdateCommitted, HistoryAppended, LastCommitted, RunResumed)}
-_KEPT = bytes(int(code in _KEPT_CODES) for code in range(256))  # a translate table of type codes
 
 
 def _open(run_dir: Path) -> LmdbLog:
     return LmdbLog(Path(run_dir) / "events.lmdb", readonly=True)
 
 
-def _marks_and_curves(log: LmdbLog) -> Iterator[tuple[int, Any]]:
-    """The log's receipts, history records, LASTs and resumes, a chunk decoded at a time."""
-    for first, values in log.read_chunks():
-        events, codes = _decode(values, first)
-        yield from itertools.compress(zip(itertools.count(first), events), codes.translate(_KEPT))
+def committed_of(log: LmdbLog, types: Iterable[type], decode: Callable[[list[Any], int], tuple[list[Any], bytes]]
+                 = _decode) -> Iterator[tuple[int, Any]]:
+    """The committed ``(seq, event)`` pairs of ``types`` (and the LASTs and resumes that decide them), read a
+    chunk at a time and decoded by ``decode`` (a :func:`events.codec.partial_decoder`: the kinds a reader skips
+    cost little), in log order. The committed view (:func:`projections.committed`) taken over these events alone
+    commits the same ones as over the whole log (see :func:`_committed_curves`); with ``RunFinalized`` among
+    ``types`` a finalized run's closing events in its tail are given too."""
+    codes = {TYPE_CODES[t] for t in (*types, LastCommitted, RunResumed)}
+    kept = bytes(int(code in codes) for code in range(256))  # a translate table of type codes
+
+    def marks() -> Iterator[tuple[int, Any]]:
+        for first, values in log.read_chunks():
+            events, found = decode(values, first)
+            yield from itertools.compress(zip(itertools.count(first), events), found.translate(kept))
+
+    return committed(marks())
 
 
 def committed_curves(log: LmdbLog, on_receipts: Callable[[list[Any]], None]) -> tuple[HistoryRecord, ...]:
@@ -80,7 +89,7 @@ def committed_curves(log: LmdbLog, on_receipts: Callable[[list[Any]], None]) -> 
     ``_Receipt`` s, or ``UpdateCommitted`` s upcast from a legacy version.
     """
     history: list[HistoryRecord] = []
-    events = map(itemgetter(1), committed(_marks_and_curves(log)))
+    events = map(itemgetter(1), committed_of(log, (UpdateCommitted, HistoryAppended)))
     while batch := list(itertools.islice(events, _BATCH)):
         receipts = [e for e in batch if type(e) is _Receipt or type(e) is UpdateCommitted]
         if receipts:

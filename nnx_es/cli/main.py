@@ -7,6 +7,7 @@
     nnx-es export | predict ...               (a run's model, verified / its predictions: nnx_es.cli.exports)
     nnx-es plan PLAN.json ...                 (an experiment plan: nnx_es.cli.plan)
     nnx-es search SPEC --space S --trials N   (a search on Optuna, or --audit STUDY: nnx_es.cli.search)
+    nnx-es diagnose RUN [--plot PATH] [--json]   (a run's training problems: nnx_es.cli.diagnose)
 
 ``crashtest`` runs a script that calls ``fit`` itself under crash injection
 (:mod:`nnx_es.testing.script`: each point in a process forked from the command's own, 20 points
@@ -25,6 +26,7 @@ from nnx_es.cli._common import EXIT_OK, EXIT_UNUSABLE, EXIT_VIOLATIONS
 from nnx_es.cli.exports import add_commands as add_export_commands
 from nnx_es.cli.plan import add_plan_command
 from nnx_es.cli.search import add_search_command
+from nnx_es.cli.diagnose import add_command as add_diagnose
 from nnx_es.cli.train import add_commands
 from nnx_es.web.serve import add_command as add_serve
 
@@ -100,6 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_export_commands(sub)  # export, predict
     add_plan_command(sub)
     add_search_command(sub)
+    add_diagnose(sub)
     return parser
 
 

@@ -1,7 +1,7 @@
 """``nnx-es init | report | run | resume``: training from a spec file (:mod:`nnx_es.recipes.runspec`).
 
     nnx-es init --out spec.json [--dataset digits|breast_cancer|PATH.npz] [--model mlp] [--lr LR] [--epochs N] ...
-    nnx-es report spec.json [--png lr.png] [--allow PKG]
+    nnx-es report spec.json [--png lr.png] [--lr-find [--lr-find-png PATH] [--lr-find-steps N]] [--allow PKG]
     nnx-es run spec.json [--runs-dir runs] [--run-id ID] [--allow PKG]
     nnx-es resume runs/<id> [--spec spec.json] [--from last|best|SEQ] [--run-id ID] [--epochs N] [--allow PKG]
 
@@ -279,7 +279,38 @@ def _report(args: argparse.Namespace) -> int:
     drawn = sum(map(len, curves.values())) // max(len(curves), 1)
     _out(f"learning-rate preview: {png} ({drawn} planned updates{'' if drawn < MAX_PREVIEW_UPDATES else ' drawn'}, "
           f"{per_epoch} per epoch{'' if known else ' (unknown: one per epoch drawn)'})")
+    if args.lr_find:
+        _lr_find(spec, allowed, Path(args.lr_find_png) if args.lr_find_png else Path(args.spec).with_suffix(
+            ".lr-find.png"), args.lr_find_steps)
     return EXIT_OK
+
+
+def _lr_find(spec: Any, allowed: Any, png: Path, steps: int) -> None:
+    """``report --lr-find``: the learning-rate range test (:func:`nnx_es.lr_find`) on the spec's model,
+    optimizer, loss, update hooks and training data, in a throwaway run under a temporary runs root."""
+    import tempfile
+
+    from nnx_es.diagnostics.lr_range import lr_find
+    from nnx_es.engine import default_forward
+    from nnx_es.recipes.runspec import build_run
+
+    if steps < 2:
+        raise BadInput(f"--lr-find-steps takes an int >= 2, got {steps}")
+    with tempfile.TemporaryDirectory(prefix="nnx-es-lr-find-") as root:  # build_run writes nothing; refused anyway
+        built = build_run(spec, allowed=allowed, runs_root=root, run_id="lr-find", progress=False)
+    trainer = built.trainer
+    if len(trainer.optimizers) != 1:
+        raise BadInput(f"--lr-find sweeps one optimizer; the spec has {len(trainer.optimizers)} "
+                       f"({', '.join(trainer.optimizers)})")
+    optimizer = next(iter(trainer.optimizers.values()))
+    settings = {k: spec.trainer[k] for k in ("sample_weights", "device", "batch_gather") if k in spec.trainer}
+    step_fn = trainer.engine.train_step_fn
+    if step_fn is not default_forward and not settings.get("sample_weights"):
+        settings["train_step_fn"] = step_fn
+    result = lr_find(trainer.net, optimizer, trainer.objective, built.train_loader, hooks=list(trainer.update_hooks),
+                     steps=steps, seed=spec.seed, plot=png, **settings)
+    _out(str(result))
+    _out(f"lr range test curve: {png}")
 
 
 def _fmt(kwargs: dict[str, Any]) -> str:
@@ -435,6 +466,13 @@ def add_commands(sub: Any) -> None:
                        "learning rate over the planned updates.")
     p.add_argument("spec", help="the spec file")
     p.add_argument("--png", default=None, help="where the preview goes (default: SPEC with .lr.png)")
+    p.add_argument("--lr-find", action="store_true",
+                   help="also run the learning-rate range test (a short exponential sweep of the spec's model, optimizer "
+                        "and data in a throwaway run) and suggest a learning rate")
+    p.add_argument("--lr-find-png", default=None, metavar="PATH",
+                   help="where the range test's curve goes (default: SPEC with .lr-find.png)")
+    p.add_argument("--lr-find-steps", type=int, default=100, metavar="N",
+                   help="updates of the sweep, from 1e-8 to 1 (default 100)")
     p.add_argument("--allow", **allow)
     p.set_defaults(run=guarded("report", _report))
 

@@ -144,7 +144,7 @@ SLOTS: dict[str, Slot] = {s.name: s for s in (
                                                  "nnx_es.models.Keyed")),
     Slot("loss_weight", ("nnx_es.loss_weights:WeightSchedule",), ("nnx_es.loss_weights",)),
     Slot("callback", (_CALLBACK,), ("nnx_es.callbacks", "nnx_es.finetune.Freeze", "nnx_es.transforms.callback.TransformAt",
-                                   "nnx_es.search.pruning.TrialPruning")),
+                                   "nnx_es.search.pruning.TrialPruning", "nnx_es.diagnostics.recorder.Diagnostics")),
     # a model transform (nnx_es.transforms): what a checkpoint's topology records and a load rebuilds
     Slot("transform", ("nnx_es.transforms.core:Transform",), ("nnx_es.transforms",)),
     Slot("hook", ("nnx_es.update_hooks:UpdateHook",), ("nnx_es.update_hooks",)),

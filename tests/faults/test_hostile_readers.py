@@ -2,8 +2,8 @@
 
 A small real run (its one callback named with terminal controls: ``ESC ]0;title BEL`` sets the
 terminal's title, ``ESC [2J`` clears the screen) is damaged or forged in a private copy, then read
-by ``tools/replay``, ``inspect`` (events, summary, ``--at``, a runs root, ``diff``) and
-``NNModel.load``. Forging uses the log's own test hooks (``put_raw``, ``put_blob_raw``) or LMDB
+by ``tools/replay``, ``inspect`` (events, summary, ``--at``, a runs root, ``diff``), ``nnx-es diagnose``
+and ``NNModel.load``. Forging uses the log's own test hooks (``put_raw``, ``put_blob_raw``) or LMDB
 directly; bit rot changes ``data.mdb`` itself.
 """
 
@@ -36,6 +36,7 @@ from nnx_es import LambdaCallback
 from nnx_es.checkpoint import Component, Manifest
 from nnx_es.cli import inspect as inspect_cli
 from nnx_es.cli import replay as replay_cli
+from nnx_es.cli.main import main as nnx_es_main
 from nnx_es.errors import ConfigError, CorruptCheckpointError, NnxError
 from nnx_es.model import NNModel
 
@@ -273,6 +274,7 @@ def _readers(run: Path, pristine: Path) -> list[tuple[str, Callable[[], int]]]:
             *((f"inspect {' '.join(a)}", lambda a=a: inspect_cli.main([str(run), *a])) for a in inspect_argvs),
             ("inspect RUNS_ROOT", lambda: inspect_cli.main([str(run.parent)])),
             ("inspect diff", lambda: inspect_cli.main(["diff", str(pristine), str(run)])),
+            ("nnx-es diagnose", lambda: nnx_es_main(["diagnose", str(run), "--json"])),
             ("NNModel.load", load)]
 
 

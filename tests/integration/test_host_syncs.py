@@ -188,13 +188,16 @@ def test_losses_read_once_per_window_are_the_floats_a_read_per_microbatch_gives(
     assert {s.reason for s in of_kind(b.run_dir, "update_skipped")} >= {"nonfinite"}
 
 
-def _fit_watched(tmp_path, host_reads, train, *, accumulation, device, **kw):  # noqa: ANN001, ANN202
+def _fit_watched(tmp_path, host_reads, train, *, accumulation, device, before=(), **kw):  # noqa: ANN001, ANN202
     """Two epochs of 10 microbatches each, the host reads counted per batch; asserts the budget: one read
-    at each microbatch that closes a window (with its update), none at the others. Returns (trainer, run, watch)."""
+    at each microbatch that closes a window (with its update), none at the others. ``before``: callbacks
+    dispatched before the counting one (their epoch-end reads land in ``watch.trailing``). Returns
+    (trainer, run, watch)."""
     net = small_net(0)
     watch = ReadsPerBatch(host_reads)
     trainer = Trainer(net, torch.optim.SGD(net.parameters(), lr=0.1), nn.CrossEntropyLoss(), runs_root=tmp_path,
-                      run_id="r", progress=False, accumulation=accumulation, callbacks=[watch], device=device, **kw)
+                      run_id="r", progress=False, accumulation=accumulation, callbacks=[*before, watch], device=device,
+                      **kw)
     host_reads.counting = False
     with host_reads:
         run = trainer.fit(train, epochs=2)
@@ -283,3 +286,18 @@ def test_the_cpu_reads_value_by_value_write_the_log_the_stacked_read_writes(tmp_
     done = of_kind(each.run_dir, "microbatch_done")
     assert math.isnan(done[3].loss) and done[1].examples == 3.0 and len(done) == 2 * len(sizes)
     assert math.isnan(done[5].loss) if weighted else done[5].examples == 1.0
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("accumulation", [1, 4])
+def test_diagnostics_add_no_host_read_inside_an_epoch_and_one_at_its_end(tmp_path, host_reads, device, accumulation):
+    """Diagnostics(every=1) records every update (gradients, weights, the update's size, activations: a Tanh) on
+    the device; the epoch's records are read at its end in one transfer, before the epoch's commit."""
+    from nnx_es import Diagnostics
+
+    _, run, watch = _fit_watched(tmp_path, host_reads, batches([5] * 9 + [2]), accumulation=accumulation,
+                                 device=device, before=[Diagnostics(every=1)])
+    assert watch.trailing == [(0 if 10 % accumulation == 0 else 1) + 1] * 2  # + the diagnostics' one read
+    records = of_kind(run.run_dir, "diagnostics_recorded")
+    assert [r.step for r in records] == list(range(1, run.counters.step + 1))
+    assert all(r.activation_mean.keys() == {"1"} and r.grad_norm.keys() == {"0", "2"} for r in records)
