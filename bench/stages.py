@@ -112,7 +112,7 @@ def epoch_end_costs(epochs: int = 10, runs: int = 3) -> dict[str, float]:
 
     from nnx_es import Trainer
     from nnx_es.commit import Committer
-    from nnx_es.loop import TrainingLoop
+    from nnx_es.runtime.loop import TrainingLoop
     from nnx_es import commit as commit_module
 
     torch.set_num_threads(1)

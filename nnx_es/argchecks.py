@@ -18,6 +18,9 @@ from nnx_es.errors import ConfigError
 from nnx_es.monitor import Monitor
 from nnx_es.progress import Progress
 
+#: ``fit(resume_mode=...)``: continue the run itself, or start a new run from its weights or its whole state
+RESUME_MODES = ("stateful", "weights_only", "fork")
+
 __all__ = ["BATCH_CALLBACK_KEYWORDS", "MAX_EPOCHS", "as_number", "check_batch_callback", "check_cadences", "check_epochs",
            "check_fit_args", "check_recipe",
            "check_run_args",
@@ -197,7 +200,6 @@ def check_fit_args(train_loader: Any, val_loader: Any, *, epochs: Any, monitor: 
             a rank's validation shard may be empty).
     """
     from nnx_es.loaders import length_of
-    from nnx_es.session import RESUME_MODES
 
     check_epochs(epochs)
     if val_loader is None and monitor is not None and monitor.name.startswith("val_"):

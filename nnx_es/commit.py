@@ -56,7 +56,7 @@ from projections.checkpoints import CheckpointsState, fold_checkpoints
 
 if TYPE_CHECKING:
     from nnx_es.callbacks import CallbackList
-    from nnx_es.context import TrainContext
+    from nnx_es.runtime.context import TrainContext
     from nnx_es.run_state import RunState
 
 __all__ = ["Committer", "checkpoint_lag"]
@@ -109,12 +109,14 @@ class Committer:
             group's synced write.
         pointers: the run's checkpoints projection so far (a resume's; empty for a new run), folded
             on with every commit event this committer writes.
+        on_durable: called (no arguments) after each commit is durable, on the training thread (live
+            sinks collect then); None: nothing.
     """
 
     def __init__(self, state: RunState, components: RunComponents, callbacks: CallbackList, ctx: TrainContext, *,
                  lag: int = 0, phase_every: int | None = None, keep_phases: int | None = None,
                  keep_last: int | None = 1, keep_best: bool = True,
-                 pointers: CheckpointsState | None = None) -> None:
+                 pointers: CheckpointsState | None = None, on_durable: Callable[[], None] | None = None) -> None:
         self.state = state
         self.components = components
         self.callbacks = callbacks
@@ -130,8 +132,7 @@ class Committer:
         self.pointers = pointers or CheckpointsState()
         self.phases: list[str] = list(self.pointers.phases)
         self._blobs_of: dict[str, set[str]] = {}  # manifest -> the blobs of its components stored apart
-        #: called (no arguments) after each commit is durable, on the training thread (live sinks collect then)
-        self.on_durable: Callable[[], None] | None = None
+        self.on_durable = on_durable
 
     def submit(self, *, epoch: int, covers: int = -1, decision: MonitorDecided | None = None,
                final: bool = False, group: bool = True, opening: bool = False) -> None:

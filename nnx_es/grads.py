@@ -1,6 +1,6 @@
 """A window's gradients at its end: their layout (dense or sparse COO) and their finiteness.
 
-The update engine (:class:`nnx_es.engine.UpdateEngine`) divides, checks, norms and clips the
+The update engine (:class:`nnx_es.runtime.engine.UpdateEngine`) divides, checks, norms and clips the
 gradients of one accumulation window; this module owns what those steps see.
 
 Sparse gradients (``torch.sparse_coo``, e.g. from ``nn.Embedding(sparse=True)``) take the same

@@ -16,7 +16,7 @@ Two ways to arm one, for the rest of the process:
 
 * :func:`install_kill` / :func:`install_fault` (what :mod:`nnx_es.testing` does in a forked child);
 * the environment variable :data:`ENV_VAR` (``NNX_ES_KILL_AT=event:120``), read once when
-  :mod:`nnx_es.recorder` is imported. Unset (the default) nothing is installed and nothing
+  :mod:`nnx_es.session` (the run opener) is imported. Unset (the default) nothing is installed and nothing
   costs anything; set, it does nothing but SIGKILL the process at that point
   (``nnx-es crashtest`` uses it on a script that calls ``fit`` itself).
 

@@ -15,7 +15,7 @@ from torch.optim import Optimizer
 from nnx_es.device import model_device
 from nnx_es.errors import ConfigError, CorruptCheckpointError
 from nnx_es.batches import weighted_forward
-from nnx_es.engine import default_forward
+from nnx_es.runtime.engine import default_forward
 from nnx_es.evaluation import (
     HEADS,
     evaluation_event,

@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     from torch.optim import Optimizer
 
     from nnx_es.callbacks import Callback
-    from nnx_es.engine import UpdateEngine
+    from nnx_es.runtime.engine import UpdateEngine
     from nnx_es.monitor import Monitor
     from nnx_es.schedulers import Scheduler
 
@@ -44,14 +44,18 @@ __all__ = ["RunComponents", "apply_state", "capture", "check_world_size", "detac
 class RunComponents:
     """The objects whose state a checkpoint holds and a resume restores.
 
-    ``generators`` / ``loaders``: the train and validation loaders' own generators and the
-    loaders themselves, set by each ``fit`` (``{"train": ..., "val": ...}``). The GradScaler is read from ``engine`` when a checkpoint
-    is captured (it may be replaced before training).
+    ``loaders``: the train and validation loaders of one ``fit`` (``{"train": ..., "val": ...}``,
+    ``None`` when absent; their geometry goes in ``run_started``); ``generators``: their own
+    generators (:meth:`~nnx_es.rng.LoaderGenerators.of` each, by default). ``world``: the process
+    group of the fit (data parallelism: every rank's RNG streams are gathered into each checkpoint,
+    and each rank restores its own). The GradScaler is read from ``engine`` when a checkpoint is
+    captured (it may be replaced before training).
     """
 
     def __init__(self, *, net: nn.Module, optimizers: Mapping[str, Optimizer], schedulers: Sequence[Scheduler],
                  engine: UpdateEngine, update_hooks: Sequence[UpdateHook], monitor: Monitor | None,
-                 callbacks: Sequence[Callback]) -> None:
+                 callbacks: Sequence[Callback], loaders: dict[str, Any] | None = None,
+                 generators: dict[str, LoaderGenerators] | None = None, world: World | None = None) -> None:
         self.net = net
         self.optimizers = optimizers
         self.schedulers = schedulers
@@ -59,12 +63,10 @@ class RunComponents:
         self.averages = [h for h in update_hooks if isinstance(h, EMA)]
         self.monitor = monitor
         self.callbacks = callbacks
-        self.generators: dict[str, LoaderGenerators] = {}
-        #: the train and validation loaders themselves (``None`` when absent), set by each ``fit``
-        self.loaders: dict[str, Any] = {}
-        #: the process group of the current ``fit`` (data parallelism: every rank's RNG streams are
-        #: gathered into each checkpoint, and each rank restores its own)
-        self.world: World = World()
+        self.loaders: dict[str, Any] = dict(loaders or {})
+        self.generators: dict[str, LoaderGenerators] = generators if generators is not None else {
+            role: LoaderGenerators.of(loader) for role, loader in self.loaders.items()}
+        self.world: World = world or World()
 
     def partitions(self) -> dict[str, Any]:
         """How the loaders deal the rows to the ranks (``describe()`` of a partition sampler), by role."""

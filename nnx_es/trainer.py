@@ -43,44 +43,41 @@ from torch.optim import Optimizer
 from events.schema import DigestCadence, RunStarted, SourceRef, UpdateSpec
 from nnx_es.argchecks import (check_batch_callback, check_cadences, check_fit_args, check_run_args, monitor_of,
                               optimizers_of)
-from nnx_es.callbacks import Callback, CallbackList
 from nnx_es.batches import weighted_forward
-from nnx_es.commit import Committer
+from nnx_es.callbacks import Callback, CallbackList
 from nnx_es.commit import checkpoint_lag as lag_in_updates
-from nnx_es.context import TrainContext
+from nnx_es.declare import describe_objective
 from nnx_es.device import place_model, resolve_device
 from nnx_es.distributed.alike import check_alike, declaration
-from nnx_es.distributed.digest import ParamDigest
 from nnx_es.distributed.roles import check_declared, for_rank
 from nnx_es.distributed.wrap import check_distributed, data_parallel, is_writer_rank
-from nnx_es.engine import UpdateEngine, default_forward, default_train_step
 from nnx_es.errors import ConfigError
 from nnx_es.evaluation import weights_fingerprint
-from nnx_es.finalize import Finalization
 from nnx_es.finetune import group_names, initial_weights
 from nnx_es.loaders import loader_geometries
 from nnx_es.logs import ensure_logging
-from nnx_es.loop import NONFINITE, Cadence, TrainingLoop
 from nnx_es.metrics import check_accuracy, check_metric_names, check_monitor, evaluate, validate_metrics
 from nnx_es.models import Keyed, ModelSet, multi_model_step
 from nnx_es.monitor import Monitor
-from nnx_es.declare import describe_objective
 from nnx_es.objective import Objective
-from nnx_es.progress import Progress
 from nnx_es.recipes.runspec import record_spec, spec_hash
 from nnx_es.recorder import Recorder
 from nnx_es.result import RunResult, load_result, result_of
 from nnx_es.retention import check_retention
-from nnx_es.rng import LoaderGenerators
 from nnx_es.rows.journal import HistoryJournal
 from nnx_es.rows.recorder import RowRecorder
-from nnx_es.run_state import RunState, World
-from nnx_es.session import library_versions, new_run_id, open_session
-from nnx_es.sinks import LiveSinks
-from nnx_es.snapshot import RunComponents
+from nnx_es.run_state import RunState
+from nnx_es.runtime.context import TrainContext
+from nnx_es.runtime.engine import UpdateEngine, default_forward
+from nnx_es.runtime.loop import NONFINITE, Cadence, LoopSettings
+from nnx_es.runtime.scope import CommitSettings, RunPlan, RunScope
+from nnx_es.runtime.steps import default_train_step
 from nnx_es.schedulers import wrap_schedulers
+from nnx_es.session import library_versions, new_run_id, open_session
+from nnx_es.snapshot import RunComponents
+from nnx_es.stages import StageDispatcher
 from nnx_es.storage import BlobStore, validate_run_id
-from nnx_es.update_hooks import GradientAccumulation, GradientClipping, MixedPrecision, collect
+from nnx_es.update_hooks import UpdateOrchestrator, collect, settings_of
 from nnx_es.user_metrics import UserMetric, bind_activation, higher_is_better, metric_names
 
 __all__ = ["Trainer"]
@@ -337,18 +334,29 @@ class Trainer:
             check_monitor(self.monitor, self.objective, self.metrics)
         if not isinstance(track_grad_norm, bool):
             raise ConfigError(f"track_grad_norm must be True or False, got {track_grad_norm!r}")
-        self.engine = UpdateEngine(net, self.optimizers, self.objective, self.schedulers, train_step_fn=train_step_fn or forward,
-                                   track_grad_norm=track_grad_norm, metrics=self.metrics)
-        self.rows = self.engine.rows = RowRecorder(self.objective, history)
-        self.update_hooks = self._update_hooks(hooks, accumulation, clip_grad_norm, precision)
-        self.stages = self.engine.stages
+        update_hooks, stage_hooks = collect(hooks)
+        self.update_hooks, settings = settings_of(update_hooks, accumulation=accumulation,
+                                                  clip_grad_norm=clip_grad_norm, precision=precision,
+                                                  track_grad_norm=track_grad_norm)
+        self.stages = StageDispatcher(stage_hooks)
+        self.engine = UpdateEngine(net, self.optimizers, self.objective, settings, train_step_fn=train_step_fn or forward,
+                                   stages=self.stages, orchestrator=UpdateOrchestrator(self.update_hooks))
+        for h in self.update_hooks:
+            h.configure(self.engine)
+        self.rows = RowRecorder(self.objective, history)
         self.lag = lag_in_updates(checkpoint_lag)
-        self.components = RunComponents(net=net, optimizers=self.optimizers, schedulers=self.schedulers,
-                                        engine=self.engine, update_hooks=self.update_hooks, monitor=self.monitor,
-                                        callbacks=self.callbacks)
-        self.ctx = TrainContext(net=net, optimizers=self.optimizers, schedulers=self.schedulers, monitor=self.monitor,
-                                engine=self.engine, trainer=self)
-        self.ctx.row_records = self.rows
+        self.plan = RunPlan(
+            engine=self.engine, schedulers=self.schedulers, monitor=self.monitor, metrics=self.metrics,
+            callbacks=self.callbacks, stages=self.stages, rows=self.rows, validate=self.validate,
+            loop=LoopSettings(cadence=self.cadence, step_fn=self.trainer_step_fn, custom_step=self.custom_step,
+                              batch_gather=batch_gather, nonfinite=nonfinite, device=self.device,
+                              final_validation=final_validation),
+            commit=CommitSettings(lag=self.lag, phase_every=phase_every, keep_phases=keep_phases, keep_last=keep_last,
+                                  keep_best=keep_best),
+            progress=progress, digest_every=self.distributed.digest_every if self.distributed is not None else None,
+            sinks=self.sinks, trainer=self)
+        #: the context of the latest ``fit`` (``None`` before the first)
+        self.ctx: TrainContext | None = None
         if (recipe_required or spec is not None) and any(isinstance(m, UserMetric) for m in self.metrics):
             raise ConfigError(f"metrics {[m.name for m in self.metrics if isinstance(m, UserMetric)]} are callables or "
                               "metric objects, which a recorded spec cannot hold yet: declare built-in metric names "
@@ -364,25 +372,6 @@ class Trainer:
                           keep_best=keep_best, nonfinite=nonfinite))
         #: the run of the latest ``fit`` (``None`` before the first)
         self.state: RunState | None = None
-
-    def _update_hooks(self, hooks: Sequence[Any], accumulation: int, clip_grad_norm: float | None,
-                      precision: str) -> list[Any]:
-        """Install the update and stage hooks, the shortcut arguments as update hooks; return the update hooks."""
-        update_hooks, stage_hooks = collect(hooks)
-        for kwarg, value, default, cls in (("accumulation", accumulation, 1, GradientAccumulation),
-                                           ("clip_grad_norm", clip_grad_norm, None, GradientClipping),
-                                           ("precision", precision, "fp32", MixedPrecision)):
-            if value != default and any(isinstance(h, cls) for h in update_hooks):
-                raise ConfigError(f"{kwarg}={value!r} and a {cls.__name__} hook both configure the same thing; "
-                                  "give one of them")
-        if accumulation != 1:
-            update_hooks.append(GradientAccumulation(accumulation))
-        if clip_grad_norm is not None:
-            update_hooks.append(GradientClipping(clip_grad_norm))
-        if precision != "fp32":
-            update_hooks.append(MixedPrecision(precision))
-        self.engine.use_hooks(update_hooks, stage_hooks)
-        return update_hooks
 
     # --- the latest run's state, for callers and tests -------------------------------------
 
@@ -400,7 +389,7 @@ class Trainer:
             raise AttributeError("store: this trainer has not opened a run yet (call fit)")
         return self.state.store
 
-    def _declare(self, run_id: str, source: SourceRef | None) -> RunStarted:
+    def _declare(self, components: RunComponents, run_id: str, source: SourceRef | None) -> RunStarted:
         """This trainer's ``run_started``: what a stateful resume must declare again."""
         return RunStarted(
             run_id=run_id, seed=self.seed, recipe=self.recipe, library_versions=library_versions(),
@@ -408,14 +397,14 @@ class Trainer:
             schedulers=[s.decl() for s in self.schedulers],
             monitor=self.monitor.spec if self.monitor else None, accumulation=self.engine.accumulation,
             update=UpdateSpec(precision=self.engine.precision, clip_grad_norm=self.engine.clip_grad_norm),
-            source=source, wall_time_s=time.time(), loaders=loader_geometries(self.components.loaders),
+            source=source, wall_time_s=time.time(), loaders=loader_geometries(components.loaders),
             spec=self.spec, spec_hash=spec_hash(self.spec), objective=describe_objective(self.objective),
             lineage=self.lineage, param_groups=group_names(self.optimizers),
             models=self.net.declare() if isinstance(self.net, ModelSet) else None,
-            world_size=self.components.world.size, writer_rank=self.components.world.writer_rank,
+            world_size=components.world.size, writer_rank=components.world.writer_rank,
             history=repr(self.rows.journal) if self.rows.journal is not None else "none",
             digests=DigestCadence(every=self.distributed.digest_every)
-            if self.distributed is not None and self.components.world.distributed else None,
+            if self.distributed is not None and components.world.distributed else None,
             initial_weights=weights_fingerprint(self.net) if source is None else "",
         )
 
@@ -480,13 +469,16 @@ class Trainer:
         check_fit_args(train_loader, val_loader, epochs=epochs, monitor=self.monitor, resume_mode=resume_mode,
                        resume=resume, resume_from=resume_from, run_id=self.run_id, distributed=self.distributed)
         ensure_logging()
-        with data_parallel(self.distributed, self.net, self.engine, train_loader, "Trainer.fit",
-                           val_loader) as world:
+        with data_parallel(self.distributed, self.net, train_loader, "Trainer.fit", val_loader) as (world, module):
+            components = RunComponents(net=self.net, optimizers=self.optimizers, schedulers=self.schedulers,
+                                       engine=self.engine, update_hooks=self.update_hooks, monitor=self.monitor,
+                                       callbacks=self.callbacks, loaders={"train": train_loader, "val": val_loader},
+                                       world=world)
             if world.distributed and self.run_id is None:  # one id for every rank: the writer's
                 self.run_id = world.share(new_run_id())
             if world.distributed:  # every rank runs the same recipe (nnx_es.distributed.alike)
                 declared = declaration(
-                    self._declare("", None), train_loader, val_loader, net=self.net, optimizers=self.optimizers,
+                    self._declare(components, "", None), train_loader, val_loader, net=self.net, optimizers=self.optimizers,
                     objective=self.objective, schedulers=self.schedulers, callbacks=self.callbacks,
                     update_hooks=self.update_hooks,
                     steps={"train_step_fn": self.engine.train_step_fn, "eval_step_fn": self.eval_step_fn,
@@ -502,52 +494,24 @@ class Trainer:
                               "resume_from": resume_from, "resume_at": resume_at})
                 check_alike(world, declared, logged={"library versions": library_versions(), "recipe": self.recipe})
             return self._fit(train_loader, val_loader, epochs=epochs, resume_from=resume_from,
-                             resume_mode=resume_mode, resume=resume, resume_at=resume_at, world=world)
+                             resume_mode=resume_mode, resume=resume, resume_at=resume_at, components=components,
+                             module=module)
 
     def _fit(self, train_loader: Iterable[Any], val_loader: Iterable[Any] | None, *, epochs: int,
              resume_from: str | Path | None, resume_mode: str, resume: str | None, resume_at: int | str | None,
-             world: World) -> RunResult:
-        self.components.generators = {"train": LoaderGenerators.of(train_loader),
-                                      "val": LoaderGenerators.of(val_loader)}
-        self.components.loaders = {"train": train_loader, "val": val_loader}  # their geometry goes in run_started
-        self.components.world = world
-        callbacks = CallbackList(self.callbacks)
+             components: RunComponents, module: Any) -> RunResult:
         with open_session(runs_root=self.runs_root, run_id=self.run_id, seed=self.seed, resume_from=resume_from,
                           resume_mode=resume_mode, auto=resume == "auto", resume_at=resume_at, epochs=epochs,
-                          components=self.components, world=world,
-                          declare=self._declare) as session:
-            state = self.state = self.ctx.state = session.state
+                          components=components, world=components.world,
+                          declare=lambda run_id, source: self._declare(components, run_id, source)) as session:
+            scope = RunScope(self.plan, session, components, module)
+            state, self.state, self.ctx = scope.state, scope.state, scope.ctx
             self.run_id, self.runs_root, self.run_dir = state.run_id, state.runs_root, state.run_dir
-            self.engine.begin_run(state, callbacks)
-            self.rows.begin_run(state.recorder.log, state.store, state.run_id, world=state.world)
-            committer = Committer(state, self.components, callbacks, self.ctx, lag=self.lag,
-                                  phase_every=self.phase_every, keep_phases=self.keep_phases, keep_last=self.keep_last,
-                                  keep_best=self.keep_best, pointers=session.checkpoints)
-            finalization = Finalization(state, callbacks, committer, self.stages, self.ctx)
-            loop = TrainingLoop(
-                state=state, ctx=self.ctx, net=self.net, optimizers=self.optimizers, schedulers=self.schedulers,
-                monitor=self.monitor, engine=self.engine, callbacks=callbacks, stages=self.stages,
-                committer=committer, finalization=finalization, validate=self.validate, cadence=self.cadence,
-                step_fn=self.trainer_step_fn, custom_step=self.custom_step, batch_gather=self.batch_gather,
-                progress=Progress(self.progress_enabled), nonfinite=self.nonfinite, device=self.device,
-                final_validation=self.final_validation,
-                digest=ParamDigest(self.net, world, self.distributed.digest_every)
-                if world.distributed and self.distributed is not None else None,
-                rows=self.rows,
-            )
-            live = None
-            if self.sinks and state.world.is_writer:
-                live = LiveSinks(state.run_dir, state.recorder.log, state.recorder.log.next_seq, self.sinks)
-                committer.on_durable = live.collect
-            try:
-                loop.run(train_loader, val_loader, epochs, session.opening, session.start_epoch)
-            finally:
-                if live is not None:
-                    live.close()
+            scope.run(train_loader, val_loader, epochs)
         if not state.world.is_writer:  # every rank returns the writer's run (its records and provenance)
             return state.world.share(None)  # type: ignore[no-any-return]
-        if finalization.projection is not None:  # the log as finalization projected it for the views
-            projections, n_events = finalization.projection
+        if scope.finalization.projection is not None:  # the log as finalization projected it for the views
+            projections, n_events = scope.finalization.projection
             result = result_of(projections, state.run_dir, n_events)
         else:
             result = load_result(state.run_dir)

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import structlog
 
-from nnx_es.distributed import elastic
+import nnx_es.distributed.elastic as elastic
 from nnx_es.errors import ConfigError
 from nnx_es.run_state import World
 
