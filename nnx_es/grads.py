@@ -111,7 +111,7 @@ class WindowGradients:
         if not grads:
             return None, None
         device = grads[0].device
-        bufs = self._found_inf.get(device)
+        bufs = self._found_inf[device] if device in self._found_inf else None  # (no call: per window)
         if bufs is None:
             found = torch.zeros(1, device=device)
             bufs = self._found_inf[device] = (found, torch.ones(1, device=device), found.view(()))

@@ -106,7 +106,7 @@ class Term:
         """
         assert self.sum_fn is not None
         key = (outputs.shape, targets.shape if type(targets) is Tensor else getattr(targets, "shape", None))
-        k = self._row_size.get(key)
+        k = self._row_size[key] if key in self._row_size else None  # (no call: per microbatch)
         if k is None:
             with torch.no_grad():
                 losses = self._checked(self.fn(outputs.detach(), targets), outputs, targets)
@@ -255,7 +255,8 @@ class Objective:
             total = term.summed(outputs, targets)
             rows = float(batch_rows(outputs))
             if ignore:
-                ignored = _ignored_rows(term.ignore_targets(targets), ignore)
+                ignored = _ignored_rows(targets if term.ignore_targets_key is None else term.ignore_targets(targets),
+                                        ignore)
                 if ignored is not None and type(ignored) is float:  # counted on the host: den is exact
                     return LossParts(total, rows - ignored, {name: total})
                 return LossParts(total, rows, {name: total}, ignored)

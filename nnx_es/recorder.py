@@ -118,10 +118,7 @@ class Recorder:
         """Append ``event`` to the buffer (written at the next flush); held after :meth:`hold`."""
         hold, self._hold = self._hold, False
         lifecycle = self.lifecycle
-        nxt = lifecycle.table.get((lifecycle.state, event.KIND))  # Lifecycle.advance, inlined (every event)
-        if nxt is None:
-            lifecycle.advance(event.KIND)  # raises IllegalTransitionError
-        lifecycle.state = nxt
+        lifecycle.advance(event.KIND)  # raises IllegalTransitionError
         if self.live.apply(event):
             self._frozen = None
         if hold or self._held:
@@ -148,7 +145,7 @@ class Recorder:
         held, self._held = self._held, []
         seq = self.log.next_seq
         for i, event in enumerate(held):
-            self.log.append(final.get(seq + i, event))
+            self.log.append(final[seq + i] if seq + i in final else event)
 
     def _settle(self) -> None:
         if self._held:

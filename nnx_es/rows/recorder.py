@@ -192,15 +192,16 @@ class RowRecorder:
     # --- per batch (no host read) -------------------------------------------------------------
 
     def train_batch(self, batch: Any, outputs: Tensor, targets: Tensor) -> None:
-        """A training microbatch (called by the update engine after its loss)."""
-        self._add("train", batch, outputs, targets)
+        """A training microbatch (the step recorder calls :meth:`add` with ``"train"``)."""
+        self.add("train", batch, outputs, targets)
 
     def val_batch(self, batch: Any, outputs: Tensor, targets: Tensor) -> None:
         """A validation batch (recorded during the epoch's own validation only)."""
         if self.validating:
-            self._add("val", batch, outputs, targets)
+            self.add("val", batch, outputs, targets)
 
-    def _add(self, split: str, batch: Any, outputs: Tensor, targets: Tensor) -> None:
+    def add(self, split: str, batch: Any, outputs: Tensor, targets: Tensor) -> None:
+        """One batch of ``split`` (``"train"`` or ``"val"``): its row values, when it carries row ids."""
         ids = row_ids_of(batch)
         if ids is None:
             self._plain[split] += 1

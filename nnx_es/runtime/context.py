@@ -71,7 +71,9 @@ class TrainContext:
         self.predictions: Tensor | None = None
         self.targets: Tensor | None = None
         self._loss: float | None = None
-        self._loss_deferred: tuple[Tensor, float, Tensor | None] | None = None
+        #: the current microbatch's loss as the engine left it, unread: (its numerator, 0-dim on the
+        #: device; its denominator; its rows of ignored targets, 0-dim, or None) -- :attr:`loss` reads it
+        self.loss_pending: tuple[Tensor, float, Tensor | None] | None = None
         self.rows = 0
         self.validation: dict[str, float] | None = None
         self.decision: MonitorDecided | None = None
@@ -95,9 +97,9 @@ class TrainContext:
         window costs one host read (a device sync), once; the window's end reads it with the
         rest of the window at no extra cost.
         """
-        deferred = self._loss_deferred
+        deferred = self.loss_pending
         if deferred is not None:
-            self._loss_deferred = None
+            self.loss_pending = None
             total, den, ignored = deferred
             read = self.steps.last_loss if self.steps is not None else None
             if read is not None and read[0] is total:  # read with its window already
@@ -115,12 +117,12 @@ class TrainContext:
 
     @loss.setter
     def loss(self, value: float | None) -> None:
-        self._loss, self._loss_deferred = value, None
+        self._loss, self.loss_pending = value, None
 
     def defer_loss(self, total: Tensor, den: float, ignored: Tensor | None = None) -> None:
         """Set :attr:`loss` to ``total / (den - ignored)``, read from ``total`` (0-dim, any device) and
         ``ignored`` (0-dim: rows of ignored targets; None: none) only when asked for."""
-        self._loss_deferred = (total, den, ignored)
+        self.loss_pending = (total, den, ignored)
 
     @property
     def idps(self) -> RowView:

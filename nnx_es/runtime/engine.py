@@ -30,7 +30,8 @@ and §3 "One update")::
     an update hook vetoes       -> skipped: vetoed
     clip (max_norm) -> optimizer.step() for every optimizer -> update hooks' after_step
     zero grads
-    -> an UpdateResult (committed or the skip's reason, the receipt's accounting, the window's reads)
+    -> an UpdateResult (committed or the skip's reason, the receipt's accounting); the window's
+       reads wait in ``window.reads`` for the recorder
 
 The window's losses are read once, at its end, with the gradients' finiteness flag or norm
 (:class:`~nnx_es.runtime.window.AccumulationWindow`); with a GradScaler, or a stage hook before
@@ -58,7 +59,7 @@ from nnx_es.batches import split_batch
 from nnx_es.errors import ConfigError
 from nnx_es.grads import WindowGradients, exact_reciprocal
 from nnx_es.objective import LossParts, Objective
-from nnx_es.runtime.window import AccumulationWindow, MicrobatchRead
+from nnx_es.runtime.window import AccumulationWindow
 from nnx_es.stages import StageDispatcher, TrainingStage
 
 if TYPE_CHECKING:
@@ -121,17 +122,14 @@ class UpdateResult:
     skipped) by name; ``microbatches``; ``loss`` the window's mean loss; ``grad_norm`` (None when not
     computed), ``clipped``; ``lrs`` each optimizer's learning rates at the step; ``counts`` the step
     receipt's accounting (local / global examples, data-parallel size, accumulation steps,
-    collective bytes); ``reads`` the held microbatches read at the window's end, in order."""
+    collective bytes)."""
 
-    __slots__ = ("reason", "detail", "optimizers", "microbatches", "loss", "grad_norm", "clipped", "lrs", "counts",
-                 "reads")
+    __slots__ = ("reason", "detail", "optimizers", "microbatches", "loss", "grad_norm", "clipped", "lrs", "counts")
 
     def __init__(self, reason: str | None, detail: str, optimizers: list[str], microbatches: int, loss: float,
-                 grad_norm: float | None, clipped: bool, lrs: dict[str, list[float]], counts: dict[str, Any],
-                 reads: list[MicrobatchRead]) -> None:
+                 grad_norm: float | None, clipped: bool, lrs: dict[str, list[float]], counts: dict[str, Any]) -> None:
         self.reason, self.detail, self.optimizers, self.microbatches = reason, detail, optimizers, microbatches
         self.loss, self.grad_norm, self.clipped, self.lrs, self.counts = loss, grad_norm, clipped, lrs, counts
-        self.reads = reads
 
     @property
     def committed(self) -> bool:
@@ -234,7 +232,7 @@ class UpdateEngine:
         den = parts.den
         ign = parts.ignored  # rows of ignored targets (an ignore_index): den - ign is exact, read with the window
         loss_t = total.detach()  # stays on the device: read with the window
-        ctx.defer_loss(loss_t, den, ign)
+        ctx.loss_pending = (loss_t, den, ign)  # shown to the hooks, read only when one asks (ctx.loss)
         window = self.window
         parallel = self.parallel
         known = None  # the loss's value, when the host read it already (the DDP agreement staged from the CPU)
@@ -295,16 +293,15 @@ class UpdateEngine:
         microbatches = window.microbatches
         parallel = self.parallel
         size = parallel.world.size if parallel is not None else 1
-        reads: list[MicrobatchRead] = []
         if size > 1:
             assert parallel is not None
-            reads = parallel.agree(window, self.grads)  # sets window.global_den: the union's W
+            parallel.agree(window, self.grads)  # sets window.global_den: the union's W
         W = window.den if window.global_den is None else window.global_den
         reason, detail, norm = None, "", None
         unscaled = False
         clipped, lrs = False, {}
         if W <= 0:
-            reads += window.read()[0]
+            window.read()
             reason = "masked"
         else:
             # the window's one host read: its losses with the gradients' finiteness (or norm), after
@@ -312,7 +309,7 @@ class UpdateEngine:
             # loss was not finite, or a stage hook before the step may change the gradients
             if self._read_early or self.scaler is not None:
                 before = window.den
-                reads += window.read()[0]
+                window.read()
                 if size == 1:
                     W -= before - window.den  # less the rows of ignored targets, read now
             if window.nonfinite:
@@ -320,7 +317,7 @@ class UpdateEngine:
             elif W <= 0:
                 reason = "masked"  # every target was ignored
             else:
-                reason, detail, norm, clipped, lrs, unscaled = self._step(ctx, W, size, reads)
+                reason, detail, norm, clipped, lrs, unscaled = self._step(ctx, W, size)
         if unscaled:
             assert self.scaler is not None
             self.scaler.update()  # after a step, or after an overflow (which lowers the scale)
@@ -334,12 +331,12 @@ class UpdateEngine:
             "accumulation_steps": self.accumulation, "collective_bytes": window.collective_bytes,
         }
         window.reset()
-        return UpdateResult(reason, detail, names, microbatches, loss, norm, clipped, lrs, counts, reads)
+        return UpdateResult(reason, detail, names, microbatches, loss, norm, clipped, lrs, counts)
 
-    def _step(self, ctx: Any, W: float, size: int,
-              reads: list[MicrobatchRead]) -> tuple[str | None, str, float | None, bool, dict[str, list[float]], bool]:
+    def _step(self, ctx: Any, W: float,
+              size: int) -> tuple[str | None, str, float | None, bool, dict[str, list[float]], bool]:
         """Unscale, divide, check, clip and step a window of denominator ``W`` whose losses are finite
-        so far; returns (reason, detail, norm, clipped, lrs, unscaled). ``reads`` takes the window's read."""
+        so far; returns (reason, detail, norm, clipped, lrs, unscaled)."""
         window, optimizers = self.window, self.optimizers
         unscaled = False
         if self.scaler is not None:
@@ -375,8 +372,7 @@ class UpdateEngine:
         else:
             flag, found = wg.nonfinite_flag(grads, divide_by)
         before = window.den
-        read, value = window.read(flag)
-        reads += read
+        value = window.read(flag)
         if found is not None and value:
             found.zero_()  # found stays 0 until a check finds a non-finite value
         if size == 1 and window.den != before:
@@ -406,7 +402,9 @@ class UpdateEngine:
         if clipped:
             assert norm_t is not None
             torch.nn.utils.clip_grads_with_norm_(wg.params, self.clip_grad_norm, norm_t)
-        lrs = {n: list(map(float, map(_LR, opt.param_groups))) for n, opt in self._named}  # each group's, as floats
+        lrs = {}
+        for n, opt in self._named:
+            lrs[n] = list(map(float, map(_LR, opt.param_groups)))  # each group's, as floats
         owner = orchestrator.step_owner if orchestrator is not None else None
         if owner is not None:
             owner.step(ctx, optimizers)

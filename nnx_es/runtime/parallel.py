@@ -27,7 +27,7 @@ from torch import Tensor, nn
 if TYPE_CHECKING:
     from nnx_es.grads import WindowGradients
     from nnx_es.run_state import World
-    from nnx_es.runtime.window import AccumulationWindow, MicrobatchRead
+    from nnx_es.runtime.window import AccumulationWindow
 
 __all__ = ["HOST_PARTS_ON_CPU", "DataParallel"]
 
@@ -104,10 +104,10 @@ class DataParallel:
                         and math.isfinite(w) and math.fmod(w, _TINY32) == 0.0)  # fused.float32_sum
         return value
 
-    def agree(self, window: AccumulationWindow, grads: WindowGradients) -> list[MicrobatchRead]:
+    def agree(self, window: AccumulationWindow, grads: WindowGradients) -> None:
         """The window's one agreement: read this rank's losses, then the window's ``[sum of numerators,
         sum of denominators]`` summed over the ranks into ``window.global_den`` (the global ``W``),
-        ``window.num`` and ``window.nonfinite``; returns the held microbatches' reads.
+        ``window.num`` and ``window.nonfinite`` (the held microbatches are read: ``window.reads``).
 
         The sums travel with the gradients: staged before the window's synchronizing backward, they
         ride in the last bucket's all-reduce (:class:`~nnx_es.distributed.fused.FusedAgreement`), so a
@@ -118,7 +118,7 @@ class DataParallel:
         when every rank's numerator is), so every rank skips or steps alike.
         """
         wg = grads
-        reads, _ = window.read()
+        window.read()
         world = self.world
         fused = self.fused
         carried = fused.result() if not self.unsynced else None
@@ -128,7 +128,7 @@ class DataParallel:
             window.nonfinite = not math.isfinite(num)  # a sum is finite only if every term was
             window.global_den = W
             window.collective_bytes += wg.nbytes + fused.last_bytes
-            return reads
+            return
         if self.unsynced:
             self.unsynced = False
             grads = [p.grad for p in wg.params if p.grad is not None]
@@ -145,4 +145,3 @@ class DataParallel:
         window.global_den = agreed[1]
         # the receipt's collective bytes: the gradients' all-reduce (DDP's, or the one above) and this agreement
         window.collective_bytes += wg.nbytes + 24
-        return reads

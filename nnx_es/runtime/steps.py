@@ -5,8 +5,10 @@ into the run's record, in this order (spec 000 "Lifecycle order")::
 
     microbatch  engine.microbatch -> the epoch's row counts and metric sums (a declared metric
                 that cannot score the outputs is refused here, before anything is recorded) ->
-                per-row records -> microbatch_done, held (its loss is read with the window)
-    window end  engine.update -> the held microbatch_done released with the window's floats ->
+                per-row records -> microbatch_done, held (its loss is read with the window); a
+                microbatch that fills the window when no hook runs before the window's read is
+                recorded after that read instead, with its values (nothing can see it between)
+    window end  engine.update -> the microbatch_done released with the window's floats ->
                 update_skipped per optimizer, or update_committed per optimizer (the step
                 receipts) -> on_optimizer_update -> optimizer_update-clock schedulers step
                 (scheduler_stepped) -> AFTER_OPTIMIZER_STEP
@@ -23,8 +25,6 @@ import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from torch import Tensor
-
 from events.schema import MicrobatchDone, UpdateCommitted, UpdateSkipped
 from nnx_es.errors import ConfigError
 from nnx_es.metrics import MetricSums
@@ -34,12 +34,13 @@ from nnx_es.schedulers import step_update_clock
 from nnx_es.stages import TrainingStage
 
 if TYPE_CHECKING:
+    from torch import Tensor
+
     from nnx_es.callbacks import CallbackList
     from nnx_es.recorder import Recorder
     from nnx_es.rows.recorder import RowRecorder
     from nnx_es.runtime.context import TrainContext
     from nnx_es.runtime.engine import UpdateEngine
-    from nnx_es.runtime.window import MicrobatchRead
     from nnx_es.schedulers import Scheduler
 
 __all__ = ["EpochTotals", "StepRecorder", "default_train_step", "finalize_step"]
@@ -95,6 +96,11 @@ class StepRecorder:
         self.world_size = world_size
         self.objective = engine.objective
         self._on_update = callbacks.has("on_optimizer_update")
+        #: no hook runs between a microbatch and its window's read: one that fills the window is recorded after it
+        orchestrator = engine.orchestrator
+        self._direct = not engine.stages.by_stage and (orchestrator is None or not (
+            orchestrator.backward_owner or orchestrator.step_owner or orchestrator.can_veto
+            or orchestrator.has_after_step))
         self._after_step = engine.stages if engine.stages.has(TrainingStage.AFTER_OPTIMIZER_STEP) else None
         self.epoch = 0
         self.totals = EpochTotals(metrics, engine.objective.ignore)
@@ -120,14 +126,10 @@ class StepRecorder:
 
     # --- one microbatch -------------------------------------------------------------------
 
-    def train(self, ctx: TrainContext, batch: Any, index: int) -> UpdateResult | None:
-        """The default step: microbatch ``index`` of the epoch, and its window's update when it is full."""
-        if self.microbatch(ctx, batch, index):
-            return self.finalize(ctx)
-        return None
-
-    def microbatch(self, ctx: TrainContext, batch: Any, index: int) -> bool:
-        """Microbatch ``index`` of the epoch through the engine, recorded; True when it filled the window."""
+    def train(self, ctx: TrainContext, batch: Any, index: int, *, update: bool = True) -> UpdateResult | None:
+        """The default step: microbatch ``index`` of the epoch through the engine, recorded, and its
+        window's update when it fills the window (``update=False``: the window stays open for
+        :meth:`finalize`, ``engine.window_full`` telling whether it is full)."""
         objective = self.objective
         if objective.scheduled:  # scheduled loss weights: a function of the counters
             objective.at(self.recorder.live.step, self.epoch)
@@ -137,8 +139,8 @@ class StepRecorder:
         if sums.with_accuracy:  # a declared metric that cannot score them: refused before it is recorded
             sums.check(outputs, targets)
         if self.rows is not None:  # per-row records (nnx_es.rows): formed on the device, read at the epoch's close
-            self.rows.train_batch(batch, outputs, targets)
-        rows = (targets.shape[0] if targets.ndim else 1) if type(targets) is Tensor else batch_rows(targets)
+            self.rows.add("train", batch, outputs, targets)
+        rows = batch_rows(targets)
         if sums.scores_rows:
             sums.add_rows(outputs, targets, weights, rows=rows)
         else:
@@ -146,23 +148,33 @@ class StepRecorder:
         totals.microbatches += 1
         ctx.rows = self.last_rows = rows
         self.recorded = True
+        engine = self.engine
+        full = engine.window.microbatches >= engine.accumulation
+        if full and update and self._direct and not self._held:  # its window is read next, before anything sees it
+            self._held.append((-1, self.epoch, index, rows, loss_t))  # recorded when read (_release)
+            return self.finalize(ctx)
         rec = self.recorder
         rec.hold(self.settle)  # its loss is filled in when the window's values are read (one transfer)
         seq = rec.emit(MicrobatchDone(epoch=self.epoch, batch=index, rows=rows, examples=parts.den, loss=math.nan))
         self._held.append((seq, self.epoch, index, rows, loss_t))
-        return self.engine.window.microbatches >= self.engine.accumulation
+        return self.finalize(ctx) if full and update else None
 
     def settle(self) -> None:
-        """Read the held microbatches' losses now and release their events (the recorder asks
-        before it writes while events are held: a flush inside a window)."""
-        self._release(self.engine.window.read()[0])
+        """Read the held microbatches' losses now and record them (the recorder asks before it
+        writes while events are held: a flush inside a window)."""
+        self.engine.window.read()
+        self._release()
 
-    def _release(self, reads: list[MicrobatchRead]) -> None:
-        """Release the held ``microbatch_done`` events with their floats, add them to the epoch's sums
-        (in microbatch order: every float is what a read per microbatch gave), show the last loss."""
-        n = len(reads)
-        if not n:
+    def _release(self) -> None:
+        """Record the held microbatches the window has read, with their floats: the held
+        ``microbatch_done`` events released (one not emitted yet, emitted), the epoch's sums (in
+        microbatch order: every float is what a read per microbatch gave), the view's loss."""
+        window = self.engine.window
+        reads = window.reads
+        if not reads:
             return
+        window.reads = []  # taken
+        n = len(reads)
         held = self._held
         self._held = held[n:]
         sums = self.totals.sums
@@ -177,19 +189,28 @@ class StepRecorder:
             else:
                 sums.add_loss(num, den)
             loss = num / den if den > 0 else nan
-            final[seq] = MicrobatchDone(epoch=epoch, batch=batch, rows=rows, examples=den, loss=loss, terms=terms)
+            done = MicrobatchDone(epoch=epoch, batch=batch, rows=rows, examples=den, loss=loss, terms=terms)
+            if seq < 0:
+                self.recorder.emit(done)
+            else:
+                final[seq] = done
         self.last_loss = (held[n - 1][-1], loss)  # the view's loss, read (TrainContext.loss)
-        self.recorder.release(final)
+        if final:
+            self.recorder.release(final)
 
     # --- the window's end -----------------------------------------------------------------
 
     def finalize(self, ctx: TrainContext) -> UpdateResult | None:
         """Close the open window (see the module docstring); None when none is open."""
-        result = self.engine.update(ctx)
+        try:
+            result = self.engine.update(ctx)
+        finally:  # what the update read is recorded now (and, when it failed before reading, read now)
+            self._release()
+            if self._held and self._held[0][0] < 0:
+                self.settle()
         if result is None:
             return None
         self.update = result
-        self._release(result.reads)
         epoch, rec = self.epoch, self.recorder
         if result.reason is not None:
             self.totals.skipped += 1
@@ -210,20 +231,19 @@ class StepRecorder:
         rec = self.recorder
         step = rec.live.step + 1
         objective = self.objective
-        receipts = [
-            UpdateCommitted(
+        weights = objective.weights() if objective.scheduled else {}
+        receipts = []
+        for n in names:
+            receipt = UpdateCommitted(
                 step=step, epoch=self.epoch, microbatches=microbatches, loss=loss, grad_norm=grad_norm,
                 clipped=clipped, lrs=lrs[n], optimizer=n, precision=self.engine.precision, **counts,
-                loss_weights=objective.weights() if objective.scheduled else {},
-            )
-            for n in names
-        ]
-        for r in receipts:
-            rec.emit(r)
+                loss_weights=weights)
+            rec.emit(receipt)
+            if self._on_update:
+                receipts.append(receipt)
         self.totals.updates += 1
-        if self._on_update:
-            for r in receipts:
-                self.callbacks.optimizer_update(ctx, r)
+        for r in receipts:
+            self.callbacks.optimizer_update(ctx, r)
         if self.update_clock:
             step_update_clock(self.update_clock, names, rec, epoch=self.epoch, step=step)
 
@@ -252,7 +272,7 @@ class StepRecorder:
         }
         self._commit(ctx, optimizers, loss=loss, counts=counts, microbatches=microbatches,
                      grad_norm=grad_norm, clipped=clipped, lrs=lrs)
-        self.update = UpdateResult(None, "", optimizers, microbatches, loss, grad_norm, clipped, lrs, counts, [])
+        self.update = UpdateResult(None, "", optimizers, microbatches, loss, grad_norm, clipped, lrs, counts)
 
     def record_microbatch(self, ctx: TrainContext, *, loss: float | None, examples: float) -> None:
         """Emit ``microbatch_done`` for the current batch of a custom ``trainer_step_fn``, once

@@ -45,7 +45,7 @@ class AccumulationWindow:
     """
 
     __slots__ = ("size", "microbatches", "den", "num", "nonfinite", "divided", "scale", "global_den",
-                 "collective_bytes", "num_t", "ign_t", "float32_sums", "_pending", "_tensors", "_floats")
+                 "collective_bytes", "num_t", "ign_t", "float32_sums", "_pending", "_tensors", "_floats", "reads")
 
     def __init__(self, size: int) -> None:
         self.size = size
@@ -54,6 +54,9 @@ class AccumulationWindow:
         #: their 0-dim values to read, in reading order (loss unless read already, then terms, ignored rows)
         self._tensors: list[Tensor] = []
         self._floats = True  # every held value is of a floating dtype (read one by one on the CPU)
+        #: the microbatches read, in order, not yet taken by the recorder (:meth:`StepRecorder._release
+        #: <nnx_es.runtime.steps.StepRecorder>` takes them, replacing the list)
+        self.reads: list[MicrobatchRead] = []
         self.reset()
 
     def reset(self) -> None:
@@ -101,11 +104,12 @@ class AccumulationWindow:
             if not ign.dtype.is_floating_point:
                 self._floats = False
 
-    def read(self, flag: Tensor | None = None) -> tuple[list[MicrobatchRead], float | None]:
-        """Read the held microbatches (and ``flag``, 0-dim) in one transfer.
+    def read(self, flag: Tensor | None = None) -> float | None:
+        """Read the held microbatches (and ``flag``, 0-dim) in one transfer; return ``flag``'s value
+        (None without one).
 
-        Returns each held microbatch's :data:`MicrobatchRead`, in order, and ``flag``'s value
-        (None without one). The window's ``num``, ``nonfinite`` and ``den`` (less the rows of
+        Each held microbatch's :data:`MicrobatchRead` joins :attr:`reads`, in order, until its
+        recorder takes them; the window's ``num``, ``nonfinite`` and ``den`` (less the rows of
         ignored targets read now) take them in.
         """
         pending, tensors = self._pending, self._tensors
@@ -123,7 +127,7 @@ class AccumulationWindow:
                 values = [t.item() for t in tensors]
             else:
                 values = torch.stack(tensors).tolist()  # dtypes promote exactly (fp16/bf16 -> fp32 -> fp64)
-        reads: list[MicrobatchRead] = []
+        reads = self.reads
         i = 0
         for den, names, ignoring, known in pending:
             if known is None:
@@ -145,4 +149,4 @@ class AccumulationWindow:
                 self.nonfinite = True
             self.num += num
             reads.append((num, den, nums))
-        return reads, (values[-1] if flag is not None else None)
+        return values[-1] if flag is not None else None

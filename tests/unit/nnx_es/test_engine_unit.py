@@ -64,7 +64,7 @@ def test_a_window_of_unequal_microbatches_steps_once_on_the_mean_loss_of_its_row
     for i, batch in enumerate(batches):
         ctx.batch_index, ctx.batch = i, batch
         steps.recorded = False
-        steps.microbatch(ctx, batch, i)
+        steps.train(ctx, batch, i, update=False)
         assert steps.recorded
     assert steps.engine.window_full
     assert finalize_step(ctx) is True
@@ -94,7 +94,7 @@ def test_a_nonfinite_window_is_skipped_without_a_step_or_a_scheduler_step(tmp_pa
     x, y = _batches()[0]
     x[0, 0] = math.nan
     ctx.batch = (x, y)
-    steps.microbatch(ctx, (x, y), 0)
+    steps.train(ctx, (x, y), 0, update=False)
     assert finalize_step(ctx) is False
     assert steps.update.reason is not None
     events = _events(state, log)
@@ -125,7 +125,7 @@ def _windows_of_a_power_of_two_rows(tmp_path, monkeypatch, *, fold: bool, poison
         for i in range(2):
             x, y = torch.randn(4, 3, generator=g), torch.randint(0, 2, (4,), generator=g)
             ctx.batch_index, ctx.batch = 2 * w + i, (x, y)
-            steps.microbatch(ctx, (x, y), 2 * w + i)
+            steps.train(ctx, (x, y), 2 * w + i, update=False)
         if w == poison:
             net.weight.grad[0, 0] = math.inf
         committed = finalize_step(ctx)
