@@ -28,7 +28,7 @@ from nnx_es.metrics import check_accuracy, check_metric_names, validate_metrics
 from nnx_es.user_metrics import bind_activation
 from nnx_es.objective import Objective
 from nnx_es.result import RunResult
-from nnx_es.snapshot import weight_misfits
+from nnx_es.runtime.components import weight_misfits
 from nnx_es.trainer import Trainer
 from nnx_es.weights import fitting_models, model_names, read_weights
 

@@ -186,7 +186,7 @@ class EMA(UpdateHook):
 
     Several averages (``EMA(0.9, name="fast"), EMA(0.999, name="slow")``) need distinct
     ``name``s; the first one listed is the one validation evaluates. A stateful resume
-    needs the run's averages: the same names in the same order (:mod:`nnx_es.session`).
+    needs the run's averages: the same names in the same order (:mod:`nnx_es.runtime.session`).
 
     Raises:
         ConfigError: ``decay`` is not in (0, 1), or ``name`` is not 1-64 characters of

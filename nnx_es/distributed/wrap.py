@@ -21,7 +21,7 @@ from nnx_es.distributed.digest import params_digest, ranks_apart
 from nnx_es.distributed.group import DDP, refuse_group
 from nnx_es.errors import ConfigError, DivergenceError
 from nnx_es.loaders import length_of
-from nnx_es.run_state import World
+from nnx_es.runtime.run_state import World
 
 __all__ = ["check_distributed", "data_parallel", "evaluation_world", "is_writer_rank"]
 

@@ -3,7 +3,7 @@
 The runtime shows the run here (the loop: the epoch, the batch, the validation metrics, the
 decision, the epoch's summary; the engine: the microbatch's outputs, targets and loss, for the
 hooks it runs); nothing in the runtime reads a value back from it. A hook's requests go to
-whoever owns them: a stop to the run state (:meth:`nnx_es.run_state.RunState.request_stop`), a
+whoever owns them: a stop to the run state (:meth:`nnx_es.runtime.run_state.RunState.request_stop`), a
 custom step's update to the step recorder (:meth:`nnx_es.runtime.steps.StepRecorder.report_update`).
 """
 
@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from nnx_es.monitor import Monitor
     from nnx_es.rows.columns import RowView
     from nnx_es.rows.recorder import RowRecorder
-    from nnx_es.run_state import RunState
+    from nnx_es.runtime.run_state import RunState
     from nnx_es.schedulers import Scheduler
 
 __all__ = ["TrainContext"]
@@ -49,7 +49,7 @@ class TrainContext:
 
     ``trainer``: the :class:`~nnx_es.Trainer` that owns the run, for user code; the
     runtime's own collaborators never reach through it. ``state``: the run in progress
-    (:class:`~nnx_es.run_state.RunState`). ``steps``: the run's step recorder
+    (:class:`~nnx_es.runtime.run_state.RunState`). ``steps``: the run's step recorder
     (:class:`~nnx_es.runtime.steps.StepRecorder`: what :func:`~nnx_es.default_train_step`,
     :func:`~nnx_es.finalize_step` and :meth:`report_update` drive); ``engine`` its update engine.
     One context per ``fit``, built with the run (:mod:`nnx_es.runtime.scope`).

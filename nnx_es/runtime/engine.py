@@ -156,7 +156,8 @@ class UpdateEngine:
     def __init__(self, net: nn.Module, optimizers: dict[str, Optimizer], objective: Objective,
                  settings: UpdateSettings = UpdateSettings(), *, train_step_fn: StepFn | None = None,
                  stages: StageDispatcher | None = None, orchestrator: Any = None,
-                 parallel: DataParallel | None = None, scaler: Any = None, grads: WindowGradients | None = None) -> None:
+                 parallel: DataParallel | None = None, scaler: Any = None,
+                 grads: WindowGradients | None = None) -> None:
         self.net = net
         self.optimizers = optimizers
         self._names = list(optimizers)

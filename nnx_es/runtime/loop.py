@@ -6,6 +6,31 @@ microbatches and updates), the callbacks, the stage hooks, the committer, the va
 and finalization. Its order is the one :mod:`nnx_es.trainer`'s docstring gives as pseudocode
 (spec 000 "Lifecycle order"). It shows the run to the hooks' view (``ctx``: the epoch, the
 batch, the validation metrics, the decision, the summary) and reads nothing back from it.
+
+The loop, as pseudocode (every arrow is an event in ``runs/<id>/events.lmdb``)::
+
+    -> run_started
+    for each callback (list order): on_train_begin -> callback_began
+    -> train_began ; checkpoint -> checkpoint_stored -> last_committed (initial, synced)
+    for epoch in range(start_epoch, epochs):
+        -> epoch_began ; on_epoch_begin
+        for batch in train_loader:
+            trainer_step_fn(ctx, batch)            # default: microbatch -> microbatch_done,
+                                                   # window end -> update_committed | update_skipped,
+                                                   #   on_optimizer_update, optimizer_update-clock schedulers
+            on_batch_end
+            stop_at_update requested and an update committed -> stop_requested; finalize (no LAST refresh)
+        close a trailing partial window
+        validation (every ``validate_every`` epochs) -> validation_done ; on_validation_end
+        -> epoch_summarized ; one monitor decision -> monitor_decided
+        epoch-clock schedulers (a plateau one on the decision) -> scheduler_stepped
+        on_epoch_end (EarlyStopping may request a stop -> stop_requested)
+        -> history_appended ; checkpoint -> checkpoint_stored -> last_committed
+        -> best_committed (decision improved) -> phase_committed (cadence) -> callback_checkpointed
+        (LAST and this group are synced in one write)
+    finalization: on_train_end in reverse order -> callback_finalized each
+        -> checkpoint_stored -> last_committed(final) -> run_finalized
+    on failure: run_failed -> on_train_end of every begun callback -> run_finalized(failed); re-raise
 """
 
 from __future__ import annotations
@@ -33,16 +58,15 @@ from events.schema import (
     UpdateSkipped,
     ValidationDone,
 )
+from nnx_es.argchecks import NONFINITE
 from nnx_es.data import iterate_batches
 from nnx_es.errors import ConfigError, NonFiniteError, NonFiniteWarning
 from nnx_es.loaders import length_of
 from nnx_es.schedulers import step_epoch_clock
 from nnx_es.stages import TrainingStage
 
-__all__ = ["NONFINITE", "Cadence", "LoopSettings", "TrainingLoop"]
+__all__ = ["Cadence", "LoopSettings", "TrainingLoop"]
 
-#: what a non-finite loss, gradient or validation metric does (``Trainer(nonfinite=...)``)
-NONFINITE = ("skip", "stop", "raise")
 
 log = structlog.get_logger("nnx_es")
 
@@ -110,7 +134,8 @@ class TrainingLoop:
         #: data parallelism: the ranks' parameter digests (:class:`nnx_es.distributed.digest.ParamDigest`)
         self.digest = scope.digest
         self.rows = scope.rows
-        self.cadence, self.custom_step, self.batch_gather = settings.cadence, settings.custom_step, settings.batch_gather
+        self.cadence, self.custom_step = settings.cadence, settings.custom_step
+        self.batch_gather = settings.batch_gather
         self.step_fn, self.device, self.nonfinite = settings.step_fn, settings.device, settings.nonfinite
         self.final_validation = settings.final_validation
         self._validated_at = 0  # the step count of the latest validation pass
@@ -234,7 +259,8 @@ class TrainingLoop:
                 stages(TrainingStage.AFTER_BATCH, ctx)
             if progress:
                 # the loss shown is the update's (no host read inside a window)
-                progress.advance(update.loss if committed else None, live.step, steps.last_rows)  # type: ignore[union-attr]
+                loss = update.loss if committed else None  # type: ignore[union-attr]
+                progress.advance(loss, live.step, steps.last_rows)
             if update is None:
                 continue
             if update.reason == "nonfinite" and self._nonfinite_update(epoch, i):

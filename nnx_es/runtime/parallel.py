@@ -26,7 +26,7 @@ from torch import Tensor, nn
 
 if TYPE_CHECKING:
     from nnx_es.grads import WindowGradients
-    from nnx_es.run_state import World
+    from nnx_es.runtime.run_state import World
     from nnx_es.runtime.window import AccumulationWindow
 
 __all__ = ["HOST_PARTS_ON_CPU", "DataParallel"]

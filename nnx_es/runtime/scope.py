@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from nnx_es.callbacks import Callback, CallbackList
-from nnx_es.commit import Committer
-from nnx_es.finalize import Finalization
+from nnx_es.runtime.commit import Committer
+from nnx_es.runtime.finalize import Finalization
 from nnx_es.progress import Progress
 from nnx_es.runtime.context import TrainContext
 from nnx_es.runtime.engine import UpdateEngine
@@ -29,15 +29,15 @@ if TYPE_CHECKING:
     from nnx_es.monitor import Monitor
     from nnx_es.rows.recorder import RowRecorder
     from nnx_es.schedulers import Scheduler
-    from nnx_es.session import Session
-    from nnx_es.snapshot import RunComponents
+    from nnx_es.runtime.session import Session
+    from nnx_es.runtime.components import RunComponents
 
 __all__ = ["CommitSettings", "RunPlan", "RunScope"]
 
 
 @dataclass(frozen=True)
 class CommitSettings:
-    """When and what to commit (the Trainer's arguments of the same names; :class:`~nnx_es.commit.Committer`)."""
+    """When and what to commit (the Trainer's arguments of the same names; :class:`~nnx_es.runtime.commit.Committer`)."""
 
     lag: int = 0
     phase_every: int | None = None
@@ -120,7 +120,7 @@ class RunScope:
         self.loop = TrainingLoop(self, plan.loop)
 
     def run(self, train_loader: Iterable[Any], val_loader: Iterable[Any] | None, epochs: int) -> None:
-        """Train the session's epochs up to ``epochs``, then finalize (see :class:`~nnx_es.runtime.loop.TrainingLoop`)."""
+        """Train the session's epochs up to ``epochs``, then finalize (:class:`~nnx_es.runtime.loop.TrainingLoop`)."""
         try:
             self.loop.run(train_loader, val_loader, epochs, self.session.opening, self.session.start_epoch)
         finally:

@@ -37,7 +37,7 @@ if TYPE_CHECKING:
     from torch import Tensor
 
     from nnx_es.callbacks import CallbackList
-    from nnx_es.recorder import Recorder
+    from nnx_es.runtime.recording import Recorder
     from nnx_es.rows.recorder import RowRecorder
     from nnx_es.runtime.context import TrainContext
     from nnx_es.runtime.engine import UpdateEngine

@@ -13,7 +13,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from nnx_es.distributed import DDP, partition_indices, shard_indices  # noqa: E402
-from nnx_es.run_state import World  # noqa: E402
+from nnx_es.runtime.run_state import World  # noqa: E402
 from scenario_base import case, train  # noqa: E402
 
 

@@ -9,16 +9,16 @@ from events.logbase import MemoryLog
 from events.schema import MonitorDecided
 from nnx_es.callbacks import Callback, CallbackList
 from nnx_es.checkpoint import read_manifest
-from nnx_es.commit import Committer, checkpoint_lag
+from nnx_es.runtime.commit import Committer, checkpoint_lag
 from nnx_es.lifecycle import Lifecycle
 from nnx_es.objective import Objective
-from nnx_es.recorder import Recorder
+from nnx_es.runtime.recording import Recorder
 from nnx_es.rng import LoaderGenerators
-from nnx_es.run_state import RunState
+from nnx_es.runtime.run_state import RunState
 from nnx_es.runtime.context import TrainContext
 from nnx_es.runtime.engine import UpdateEngine
 from nnx_es.runtime.steps import StepRecorder
-from nnx_es.snapshot import RunComponents, load_state
+from nnx_es.runtime.components import RunComponents, load_state
 from nnx_es.storage import BlobStore
 
 

@@ -11,8 +11,8 @@ from events.logbase import MemoryLog
 from nnx_es.callbacks import Callback, CallbackList
 from nnx_es.lifecycle import Lifecycle
 from nnx_es.objective import Objective
-from nnx_es.recorder import Recorder
-from nnx_es.run_state import RunState
+from nnx_es.runtime.recording import Recorder
+from nnx_es.runtime.run_state import RunState
 from nnx_es.runtime.context import TrainContext
 from nnx_es.runtime.engine import UpdateEngine, UpdateSettings
 from nnx_es.runtime.steps import StepRecorder, finalize_step

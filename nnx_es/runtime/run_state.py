@@ -1,11 +1,11 @@
 """The mutable state of one run in progress, in one object that is passed down.
 
-The session opener (:func:`nnx_es.session.open_session`) makes a :class:`RunState`;
+The session opener (:func:`nnx_es.runtime.session.open_session`) makes a :class:`RunState`;
 the run's scope (:mod:`nnx_es.runtime.scope`) hands it to each collaborator that needs it (the
 committer, finalization, the loop, the context). It holds:
 
 * the run's identity and storage: ``run_id``, ``run_dir``, ``runs_root``, the
-  :class:`~nnx_es.recorder.Recorder` and the :class:`~nnx_es.storage.BlobStore`;
+  :class:`~nnx_es.runtime.recording.Recorder` and the :class:`~nnx_es.storage.BlobStore`;
 * the stop requests: :meth:`RunState.request_stop` is the one way to stop after an epoch, for
   callbacks, hooks and the loop alike (the first request wins); :meth:`RunState.stop_at_update`
   stops at the next update boundary;
@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 from events.schema import StopRequested
 
 if TYPE_CHECKING:
-    from nnx_es.recorder import Recorder
+    from nnx_es.runtime.recording import Recorder
     from nnx_es.storage import BlobStore
 
 __all__ = ["RunState", "World"]

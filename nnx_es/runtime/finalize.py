@@ -36,9 +36,9 @@ from nnx_es.errors import NoUpdateError
 from nnx_es.stages import StageDispatcher, TrainingStage
 
 if TYPE_CHECKING:
-    from nnx_es.commit import Committer
+    from nnx_es.runtime.commit import Committer
     from nnx_es.runtime.context import TrainContext
-    from nnx_es.run_state import RunState
+    from nnx_es.runtime.run_state import RunState
     from projections.view import Projections
 
 __all__ = ["Finalization", "finalization_may_change_state"]

@@ -33,11 +33,11 @@ from nnx_es.errors import ConfigError, ResumeError
 from nnx_es.injection import ENV_VAR, install_from_environment, kills_expected
 from nnx_es.lifecycle import Lifecycle
 from nnx_es.loaders import check_same_loaders
-from nnx_es.recorder import Recorder
+from nnx_es.runtime.recording import Recorder
 from nnx_es.resume import find_resume_point
 from nnx_es.rng import seed_everything
-from nnx_es.run_state import RunState, World
-from nnx_es.snapshot import RunComponents, apply_state, check_world_size, load_state
+from nnx_es.runtime.run_state import RunState, World
+from nnx_es.runtime.components import RunComponents, apply_state, check_world_size, load_state
 from nnx_es.storage import BlobStore, Lease, check_run_dir, clean_stale_temporaries, fsync_dir, validate_run_id
 from projections.checkpoints import CheckpointsState
 

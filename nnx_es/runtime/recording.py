@@ -200,7 +200,7 @@ class Recorder:
         appended since the last one); False when snapshots are off. Never raises.
 
         The committer completes such a commit inline even with a ``checkpoint_lag``
-        (:meth:`nnx_es.commit.Committer.submit`): a deferred LAST leaves the next epoch's events
+        (:meth:`nnx_es.runtime.commit.Committer.submit`): a deferred LAST leaves the next epoch's events
         pending, and a snapshot can only be stored where the committed view holds nothing back.
         """
         if self._snapshots is False:
@@ -230,7 +230,7 @@ class Recorder:
         """The projections of the whole log from the snapshot fold, when it has folded every
         stored event (after the run's last synced write), else None; the fold is spent then
         (no more snapshots from this recorder). Saves the writer a second fold of its own log
-        at finalization (:mod:`nnx_es.finalize`)."""
+        at finalization (:mod:`nnx_es.runtime.finalize`)."""
         folder = self._snapshots
         if not isinstance(folder, SnapshotFolder) or folder.next_seq != self.log.next_seq or self._held \
                 or self.log.durable_seq != self.log.next_seq:

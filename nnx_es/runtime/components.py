@@ -24,7 +24,7 @@ from torch import Tensor, nn
 from nnx_es.checkpoint import Manifest, load_component, torch_bytes
 from nnx_es.errors import ConfigError, ResumeError
 from nnx_es.rng import LoaderGenerators, capture_rng, generators_mismatch, restore_rng
-from nnx_es.run_state import World
+from nnx_es.runtime.run_state import World
 from nnx_es.state_codec import encode_state
 from nnx_es.storage import BlobStore
 from nnx_es.update_hooks import EMA, UpdateHook
