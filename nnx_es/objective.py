@@ -233,8 +233,7 @@ class Objective:
         for term in self.scheduled.values():
             term.weight = term.schedule.at(step, epoch)  # type: ignore[union-attr]
 
-    def weights(self) -> dict[str, float]:
-        """Every term's current weight, by name."""
+    def weights(self) -> dict[str, float]:  # every term's current weight, by name
         return {name: term.weight for name, term in self.terms.items()}
 
     def __call__(self, outputs: Tensor, targets: Tensor, weights: Tensor | None = None) -> LossParts:
@@ -255,8 +254,8 @@ class Objective:
             total = term.summed(outputs, targets)
             rows = float(batch_rows(outputs))
             if ignore:
-                ignored = _ignored_rows(targets if term.ignore_targets_key is None else term.ignore_targets(targets),
-                                        ignore)
+                own = targets if term.ignore_targets_key is None else term.ignore_targets(targets)  # a Keyed term's
+                ignored = _ignored_rows(own, ignore)
                 if ignored is not None and type(ignored) is float:  # counted on the host: den is exact
                     return LossParts(total, rows - ignored, {name: total})
                 return LossParts(total, rows, {name: total}, ignored)
@@ -335,10 +334,9 @@ def _ignored_rows(targets: Any, ignore: tuple[int, ...]) -> Tensor | float | Non
     if type(targets) is Tensor and targets.dtype == torch.int64 and targets.ndim > 0:
         if HOST_COUNT_ON_CPU and targets.device.type == "cpu":
             values = targets.numpy()
-            n = 0
+            n = 0  # a membership test first: no count for a batch without one (the usual case)
             for v in ignore:
-                if v in values:  # a membership test first: no count for a batch without one (the usual case)
-                    n += int(np.count_nonzero(values == v))
+                n += int(np.count_nonzero(values == v)) if v in values else 0
             return float(n) if targets.ndim == 1 else n / (targets[0].numel() or 1)
         if len(ignore) == 1 and targets.ndim == 1:
             return (targets == ignore[0]).sum()  # the common case first: (B,) class ids, one ignore_index
