@@ -9,6 +9,11 @@ calls and C calls nnx_es makes than the hand loop, by function. Unlike a time, a
 does not move with the load of a shared machine, so a change to the hot path can be judged
 by it; a call is not a fixed cost (a kernel launch is dearer than ``len``), so read it beside
 the CPU-time ratio of ``bench.run`` and the stage table of ``bench.stages``.
+
+``python -m bench.calls --side-by-side`` prints, from one run, the calls per microbatch of nnx_es
+(like for like), the hand loop, the durable hand loop (an atomic ``torch.save`` each epoch) and
+Ignite with ``Checkpoint`` (when installed: the bench venv, ``make .venv-bench/.installed``), each
+against the hand loop, and the CPU-time ratio of each to the hand loop measured in the same run.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import sys
 import tempfile
 from collections import Counter
 from collections.abc import Callable
+from typing import Any
 from pathlib import Path
 
 import torch
@@ -108,10 +114,67 @@ def extra_calls(short: int = 2, long: int = 4) -> tuple[dict[tuple[str, str], fl
     return {k: v for k, v in extra.items() if v}, hand
 
 
+def _timed(run: Callable[[int], Any], epochs: int) -> Callable[[], None]:
+    return lambda: run(epochs)  # noqa: E731 - a workload of bench.overhead (its setup counted in both runs: it cancels)
+
+
+def _workloads() -> dict[str, Callable[[int], Callable[[], None]]]:
+    """Name -> ``epochs -> zero-argument run``: nnx_es like for like, the hand loop, the durable hand
+    loop (an atomic ``torch.save`` each epoch) and, when installed, Ignite with ``Checkpoint``."""
+    from bench import overhead
+
+    out: dict[str, Callable[[int], Callable[[], None]]] = {
+        "nnx_es": _nnx, "hand loop": _hand,
+        "durable hand loop": lambda e: _timed(overhead.run_hand_durable, e),
+    }
+    try:
+        import ignite  # noqa: F401
+    except ImportError:
+        pass
+    else:
+        out["Ignite + Checkpoint"] = lambda e: _timed(overhead.run_ignite_durable, e)
+    return out
+
+
+def side_by_side(short: int = 2, long: int = 4, repeats: int = 3) -> list[tuple[str, float, float]]:
+    """``[(workload, calls per microbatch, CPU-time ratio to the hand loop)]``: the calls as
+    :func:`extra_calls` counts them (steady state, deterministic); the ratio of the medians of
+    ``repeats`` interleaved ``long``-epoch runs' CPU time (``time.process_time``), from this run."""
+    import statistics
+    import time
+
+    torch.set_num_threads(1)
+    work = _workloads()
+    microbatches = len(digits_loader()) * (long - short)
+    calls: dict[str, float] = {}
+    for name, make in work.items():
+        make(1)()  # warm: lazy imports and first-call caches
+        a, b = count_calls(make(short)), count_calls(make(long))
+        calls[name] = (sum(b.values()) - sum(a.values())) / microbatches
+    times: dict[str, list[float]] = {name: [] for name in work}
+    for _ in range(repeats):
+        for name, make in work.items():
+            run = make(long)
+            t0 = time.process_time()
+            run()
+            times[name].append(time.process_time() - t0)
+    hand = statistics.median(times["hand loop"])
+    return [(name, calls[name], statistics.median(times[name]) / hand) for name in work]
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="calls per microbatch nnx_es adds to the hand loop")
     ap.add_argument("--top", type=int, default=40)
+    ap.add_argument("--side-by-side", action="store_true",
+                    help="nnx_es, the hand loop, the durable hand loop and Ignite + Checkpoint: calls and time ratios")
     args = ap.parse_args(argv)
+    if args.side_by_side:
+        rows = side_by_side()
+        hand = dict((n, c) for n, c, _ in rows)["hand loop"]
+        print(f"{'workload':<22}{'calls/microbatch':>18}{'vs hand loop':>14}{'CPU time ratio':>16}")
+        for name, calls, ratio in rows:
+            print(f"{name:<22}{calls:>18.1f}{calls - hand:>+14.1f}{ratio:>15.2f}x")
+        return 0
     extra, hand = extra_calls()
     py = sum(v for (f, _), v in extra.items() if f != "C")
     c = sum(v for (f, _), v in extra.items() if f == "C")

@@ -63,7 +63,7 @@ def worker(args: argparse.Namespace) -> int:
     import nnx_es.state_codec
     from events.log import LmdbLog
     from nnx_es.distributed.digest import ParamDigest
-    from nnx_es.loop import TrainingLoop
+    from nnx_es.runtime.loop import TrainingLoop
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))

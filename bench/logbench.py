@@ -31,7 +31,7 @@ from events.schema import (
     ValidationDone,
 )
 from nnx_es.lifecycle import Lifecycle
-from nnx_es.recorder import Recorder, snapshot_folder, store_snapshot
+from nnx_es.runtime.recording import Recorder, snapshot_folder, store_snapshot
 from projections.view import project
 
 __all__ = ["append_us_per_event", "durable_commit_ms", "fsyncs_per_epoch", "long_run_log", "replay_events_per_s",
@@ -167,7 +167,7 @@ def long_run_log(path: Path, n_events: int, batches: int = 2000, snapshot_every:
     """Write the log of a long finished run of at least ``n_events`` events; return the count.
 
     ``snapshot_every``: also store projection snapshots as the runtime's recorder does after
-    each commit (:func:`nnx_es.recorder.store_snapshot`, at least that many events apart); the
+    each commit (:func:`nnx_es.runtime.recording.store_snapshot`, at least that many events apart); the
     CPU seconds those calls took are appended to ``snapshot_cpu_s`` when given.
 
     Shaped like the trainer's: ``run_started``, ``train_began``, the opening LAST, then

@@ -4,8 +4,8 @@
 
 1. writes, once, a finished run of ``N`` events (default 10 M; ``--small``: 200 k) with
    :func:`bench.logbench.long_run_log`, storing projection snapshots as the runtime's
-   recorder does (:func:`nnx_es.recorder.store_snapshot` after each commit, every
-   :data:`nnx_es.recorder.SNAPSHOT_EVERY` events), and reports the CPU time those calls
+   recorder does (:func:`nnx_es.runtime.recording.store_snapshot` after each commit, every
+   :data:`nnx_es.runtime.recording.SNAPSHOT_EVERY` events), and reports the CPU time those calls
    took per event (the snapshots' cost on a writer's thread);
 2. runs each reader in a fresh interpreter (so each one's memory is its own): ``load_result``,
    ``inspect summary``, ``inspect --at`` at several seqs (among them the worst case, the
@@ -76,7 +76,7 @@ def write_run(root: Path, n_events: int, snapshot_every: int | None = None) -> t
     """Write a finished run of about ``n_events`` events under ``root/long``; return (run dir,
     events, CPU µs per event the snapshot calls took)."""
     from bench.logbench import long_run_log
-    from nnx_es import recorder
+    from nnx_es.runtime import recording as recorder
 
     run_dir = root / "long"
     cpu: list[float] = []
@@ -139,7 +139,8 @@ def _train(events: int) -> dict[str, Any]:
     from torch import nn
     from torch.utils.data import DataLoader, TensorDataset
 
-    from nnx_es import Trainer, recorder
+    from nnx_es import Trainer
+    from nnx_es.runtime import recording as recorder
 
     torch.set_num_threads(1)
     spent = [0.0, 0, 0.0]  # CPU seconds in the recorder's snapshot step, snapshots stored, longest call

@@ -37,15 +37,15 @@ STAGES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("update engine (window, receipts, finiteness)", ("nnx_es/engine.py", "nnx_es/objective.py",
                                                      "nnx_es/metrics.py", "nnx_es/batches.py",
                                                      "nnx_es/update_hooks.py", "nnx_es/schedulers.py")),
-    ("events (lifecycle machine, counters, recorder)", ("nnx_es/recorder.py", "nnx_es/lifecycle.py",
+    ("events (lifecycle machine, counters, recorder)", ("nnx_es/runtime/recording.py", "nnx_es/lifecycle.py",
                                                        "projections/", "transitions/")),
     ("event log (encode, LMDB append, sync)", ("events/",)),
-    ("checkpoint and commit (capture, encode, LAST)", ("nnx_es/commit.py", "nnx_es/snapshot.py",
+    ("checkpoint and commit (capture, encode, LAST)", ("nnx_es/runtime/commit.py", "nnx_es/runtime/components.py",
                                                       "nnx_es/checkpoint.py", "nnx_es/storage.py",
                                                       "nnx_es/state_codec.py", "nnx_es/rng.py",
-                                                      "nnx_es/retention.py", "nnx_es/finalize.py")),
+                                                      "nnx_es/retention.py", "nnx_es/runtime/finalize.py")),
     ("loop, context and callbacks", ("nnx_es/loop.py", "nnx_es/context.py", "nnx_es/callbacks.py",
-                                     "nnx_es/stages.py", "nnx_es/run_state.py", "nnx_es/data.py",
+                                     "nnx_es/stages.py", "nnx_es/runtime/run_state.py", "nnx_es/data.py",
                                      "nnx_es/device.py", "nnx_es/progress.py")),
     ("run start and finish (session, views)", ("nnx_es/",)),
     ("data loading (DataLoader, collate)", ("torch/utils/data",)),
@@ -111,9 +111,9 @@ def epoch_end_costs(epochs: int = 10, runs: int = 3) -> dict[str, float]:
     import time
 
     from nnx_es import Trainer
-    from nnx_es.commit import Committer
-    from nnx_es.loop import TrainingLoop
-    from nnx_es import commit as commit_module
+    from nnx_es.runtime.commit import Committer
+    from nnx_es.runtime.loop import TrainingLoop
+    from nnx_es.runtime import commit as commit_module
 
     torch.set_num_threads(1)
     seen: dict[str, list[float]] = {"epoch end": [], "commit": [], "capture": [], "epoch": [], "fit": []}

@@ -29,11 +29,12 @@ from nnx_es.errors import (
 
 if TYPE_CHECKING:
     from nnx_es.callbacks import Callback, EarlyStopping, LambdaCallback
-    from nnx_es.context import TrainContext
     from nnx_es.diagnostics.findings import diagnose
     from nnx_es.diagnostics.lr_range import lr_find
     from nnx_es.diagnostics.recorder import Diagnostics
-    from nnx_es.engine import default_forward, default_train_step, finalize_step
+    from nnx_es.runtime.context import TrainContext
+    from nnx_es.runtime.engine import default_forward
+    from nnx_es.runtime.steps import default_train_step, finalize_step
     from nnx_es.finetune import Freeze, WeightsFrom, param_groups
     from nnx_es.loss_weights import Constant, Cosine, LinearWarmup, StepWeight
     from nnx_es.model import NNModel
@@ -53,8 +54,9 @@ if TYPE_CHECKING:
 # read a run (tools/replay, tools/inspect) start without importing torch.
 _LAZY = {
     "Callback": "nnx_es.callbacks", "EarlyStopping": "nnx_es.callbacks", "LambdaCallback": "nnx_es.callbacks",
-    "TrainContext": "nnx_es.context",
-    "default_forward": "nnx_es.engine", "default_train_step": "nnx_es.engine", "finalize_step": "nnx_es.engine",
+    "TrainContext": "nnx_es.runtime.context",
+    "default_forward": "nnx_es.runtime.engine", "default_train_step": "nnx_es.runtime.steps",
+    "finalize_step": "nnx_es.runtime.steps",
     "NNModel": "nnx_es.model", "ExperimentPlan": "nnx_es.plan", "Monitor": "nnx_es.monitor",
     "Objective": "nnx_es.objective",
     "Term": "nnx_es.objective", "RunResult": "nnx_es.result", "load_result": "nnx_es.result",

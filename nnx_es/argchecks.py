@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +17,12 @@ from torch.optim import Optimizer
 from nnx_es.errors import ConfigError
 from nnx_es.monitor import Monitor
 from nnx_es.progress import Progress
+
+#: what a non-finite loss, gradient or validation metric does (``Trainer(nonfinite=...)``)
+NONFINITE = ("skip", "stop", "raise")
+
+#: ``fit(resume_mode=...)``: continue the run itself, or start a new run from its weights or its whole state
+RESUME_MODES = ("stateful", "weights_only", "fork")
 
 __all__ = ["BATCH_CALLBACK_KEYWORDS", "MAX_EPOCHS", "as_number", "check_batch_callback", "check_cadences", "check_epochs",
            "check_fit_args", "check_recipe",
@@ -68,6 +74,34 @@ def check_cadences(*, validate_every: int, validate_every_steps: int | None, pha
             raise ConfigError(f"{name} must be an int >= 1 {unit}{' or None' if optional else ''}, got {value!r}")
     if keep_phases is not None and phase_every is None:
         raise ConfigError("keep_phases needs phase_every (phase checkpoints every N epochs) to rotate anything")
+
+
+def check_settings(*, loss: Any, callbacks: Any, final_validation: Any, sample_weights: Any, nonfinite: Any,
+                   sinks: Any, track_grad_norm: Any) -> None:
+    """The Trainer's arguments of these names, each alone.
+
+    Raises:
+        ConfigError: ``loss`` neither a loss module, a callable, a mapping nor an Objective; ``callbacks``
+            not a list; ``final_validation`` not True, False or ``"auto"``; ``sample_weights`` or
+            ``track_grad_norm`` not a bool; ``nonfinite`` not ``"skip"``, ``"stop"`` or ``"raise"``;
+            ``sinks`` not a list of objects with ``write`` (each named with the value received).
+    """
+    if not (isinstance(loss, (Mapping, nn.Module)) or callable(loss)):  # an Objective is callable
+        raise ConfigError(f"loss must be a loss module, a callable, {{name: fn}} or an Objective, got {loss!r}")
+    if not isinstance(callbacks, Iterable):  # a Callback itself is not
+        raise ConfigError(f"callbacks must be a list of Callback, got {callbacks!r}")
+    if final_validation not in (True, False, "auto"):
+        raise ConfigError(f"final_validation must be True, False or 'auto', got {final_validation!r}")
+    if not isinstance(sample_weights, bool):
+        raise ConfigError(f"sample_weights must be True or False, got {sample_weights!r}")
+    if nonfinite not in NONFINITE:
+        raise ConfigError(f"nonfinite must be one of {NONFINITE}, got {nonfinite!r}")
+    if isinstance(sinks, (str, bytes)) or not isinstance(sinks, Iterable) or not all(
+            callable(getattr(s, "write", None)) for s in sinks):
+        raise ConfigError(f"sinks must be a list of live logging sinks (TensorBoardSink, CsvSink, MlflowSink or "
+                          f"objects with open/write/close), got {sinks!r}")
+    if not isinstance(track_grad_norm, bool):
+        raise ConfigError(f"track_grad_norm must be True or False, got {track_grad_norm!r}")
 
 
 def check_run_args(*, runs_root: Any, seed: Any, progress: Any, batch_gather: Any,
@@ -197,7 +231,6 @@ def check_fit_args(train_loader: Any, val_loader: Any, *, epochs: Any, monitor: 
             a rank's validation shard may be empty).
     """
     from nnx_es.loaders import length_of
-    from nnx_es.session import RESUME_MODES
 
     check_epochs(epochs)
     if val_loader is None and monitor is not None and monitor.name.startswith("val_"):

@@ -64,7 +64,8 @@ def split_batch(batch: Any, *, sample_weights: bool = False) -> tuple[Any, Tenso
             declare it), a mapping with other keys or without ``"x"``/``"y"``, or any other
             kind or length of batch.
     """
-    if isinstance(batch, (tuple, list)):
+    kind = type(batch)
+    if kind is tuple or kind is list or isinstance(batch, (tuple, list)):  # the common case first (no ABC check)
         if len(batch) == 2:
             return batch[0], batch[1], None
         if len(batch) == 3:
@@ -106,7 +107,8 @@ def row_ids_of(batch: Any) -> Tensor | None:
     A mapping's ``"idx"``, or the fourth element of a 4-element tuple/list. Not checked here
     (:class:`nnx_es.rows.RowRecorder` checks dtype and shape against the batch's rows).
     """
-    if isinstance(batch, (tuple, list)):  # first: the common case, per microbatch (no ABC check)
+    kind = type(batch)
+    if kind is tuple or kind is list or isinstance(batch, (tuple, list)):  # first: the common case (no ABC check)
         return batch[3] if len(batch) == 4 else None
     if isinstance(batch, Mapping):
         return batch.get(ROW_ID_KEY)

@@ -19,7 +19,7 @@ from nnx_es.errors import ConfigError
 
 if TYPE_CHECKING:
     from events.schema import UpdateCommitted
-    from nnx_es.context import TrainContext
+    from nnx_es.runtime.context import TrainContext
 
 __all__ = ["HISTORY_ACCESS", "HOOKS", "Callback", "CallbackList", "EarlyStopping", "LambdaCallback", "implements"]
 

@@ -98,7 +98,7 @@ def write_checkpoint(store: BlobStore, **fields: Any) -> tuple[str, Manifest]:
     """Store every part, then the manifest naming them, as files; return (manifest hash, manifest).
 
     ``fields``: the keyword arguments of :func:`encode_checkpoint`. Everything is durable when
-    this returns (a run stores its manifests in its log instead: see ``nnx_es.commit``).
+    this returns (a run stores its manifests in its log instead: see ``nnx_es.runtime.commit``).
 
     Raises:
         CheckpointWriteError: a blob could not be written durably.

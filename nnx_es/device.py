@@ -109,14 +109,16 @@ def place_model(net: nn.Module, optimizers: Mapping[str, torch.optim.Optimizer],
 def move_batch(batch: Any, device: torch.device, non_blocking: bool = False) -> Any:
     """``batch`` with every tensor on ``device`` (see the module docstring); containers are rebuilt
     only when something in them moved."""
-    if isinstance(batch, Tensor):
-        return batch if batch.device == device else batch.to(device, non_blocking=non_blocking)
-    if isinstance(batch, (list, tuple)):
-        for x in batch:  # the usual batch, tensors already there: nothing to rebuild (no call per item)
-            if not (isinstance(x, Tensor) and x.device == device):
+    kind = type(batch)
+    if kind is tuple or kind is list:  # the usual batch, tensors already there: nothing to rebuild, no call
+        for x in batch:
+            if not (type(x) is Tensor and x.device == device):
                 break
         else:
             return batch
+    if isinstance(batch, Tensor):
+        return batch if batch.device == device else batch.to(device, non_blocking=non_blocking)
+    if isinstance(batch, (list, tuple)):
         items = [move_batch(x, device, non_blocking) for x in batch]
         if all(a is b for a, b in zip(items, batch)):
             return batch

@@ -1,6 +1,6 @@
 """A window's gradients at its end: their layout (dense or sparse COO) and their finiteness.
 
-The update engine (:class:`nnx_es.engine.UpdateEngine`) divides, checks, norms and clips the
+The update engine (:class:`nnx_es.runtime.engine.UpdateEngine`) divides, checks, norms and clips the
 gradients of one accumulation window; this module owns what those steps see.
 
 Sparse gradients (``torch.sparse_coo``, e.g. from ``nn.Embedding(sparse=True)``) take the same
@@ -111,7 +111,7 @@ class WindowGradients:
         if not grads:
             return None, None
         device = grads[0].device
-        bufs = self._found_inf.get(device)
+        bufs = self._found_inf[device] if device in self._found_inf else None  # (no call: per window)
         if bufs is None:
             found = torch.zeros(1, device=device)
             bufs = self._found_inf[device] = (found, torch.ones(1, device=device), found.view(()))

@@ -16,7 +16,7 @@ Two ways to arm one, for the rest of the process:
 
 * :func:`install_kill` / :func:`install_fault` (what :mod:`nnx_es.testing` does in a forked child);
 * the environment variable :data:`ENV_VAR` (``NNX_ES_KILL_AT=event:120``), read once when
-  :mod:`nnx_es.recorder` is imported. Unset (the default) nothing is installed and nothing
+  :mod:`nnx_es.runtime.session` (the run opener) is imported. Unset (the default) nothing is installed and nothing
   costs anything; set, it does nothing but SIGKILL the process at that point
   (``nnx-es crashtest`` uses it on a script that calls ``fit`` itself).
 
@@ -163,7 +163,7 @@ def install_sync_hook(hook: Callable[[int, str, Any], None]) -> None:
 
 
 def _install_event_hook(hook: Callable[[int], None]) -> None:
-    from nnx_es.recorder import Recorder
+    from nnx_es.runtime.recording import Recorder
 
     original = _EMIT[0] if _EMIT else Recorder.emit
     _EMIT[:] = [original]
@@ -188,7 +188,7 @@ def uninstall() -> None:
 
         LmdbLog.flush = _FLUSH.pop()  # type: ignore[method-assign]
     if _EMIT:
-        from nnx_es.recorder import Recorder
+        from nnx_es.runtime.recording import Recorder
 
         Recorder.emit = _EMIT.pop()  # type: ignore[method-assign]
 
@@ -283,7 +283,7 @@ _KILLS_EXPECTED = [False]
 def mark_kills_expected() -> None:
     """Mark this process as a crash harness's (for the rest of its life: meant for a forked
     child): the runs it resumes were killed on purpose, so a resume removing their stale
-    temporaries is expected and logged at debug level, not as a warning (:mod:`nnx_es.session`)."""
+    temporaries is expected and logged at debug level, not as a warning (:mod:`nnx_es.runtime.session`)."""
     _KILLS_EXPECTED[0] = True
 
 

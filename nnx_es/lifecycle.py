@@ -267,8 +267,15 @@ class Lifecycle:
         return (self.state, kind) in self.table
 
     def advance(self, kind: str, seq: int | None = None) -> str:
-        nxt = self.table.get((self.state, kind))
-        if nxt is None:
+        """Take the transition ``kind`` from the current state; return the new state (every event
+        of a run passes here: a membership test and a lookup, no call).
+
+        Raises:
+            IllegalTransitionError: the machine has no such transition from the current state.
+        """
+        key = (self.state, kind)
+        table = self.table
+        if key not in table:
             raise IllegalTransitionError(self.state, kind, seq)
-        self.state = nxt
+        nxt = self.state = table[key]
         return nxt

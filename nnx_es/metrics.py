@@ -241,7 +241,7 @@ class MetricSums:
         self.rows += rows
 
     def agree(self, world: Any, term_names: Iterable[str] = (), extra: Sequence[float] = ()) -> list[float]:
-        """Sum these sums over the ranks of ``world`` (a :class:`~nnx_es.run_state.World`), in ONE
+        """Sum these sums over the ranks of ``world`` (a :class:`~nnx_es.runtime.run_state.World`), in ONE
         all-reduce: afterwards every rank holds the union's sums, so its metrics, records and
         decisions are the same (spec 000 §3 "Records and decisions"). ``term_names``: the
         objective's terms (a rank that scored no batch has none of its own). ``extra``: more values

@@ -15,7 +15,7 @@ from torch.optim import Optimizer
 from nnx_es.device import model_device
 from nnx_es.errors import ConfigError, CorruptCheckpointError
 from nnx_es.batches import weighted_forward
-from nnx_es.engine import default_forward
+from nnx_es.runtime.engine import default_forward
 from nnx_es.evaluation import (
     HEADS,
     evaluation_event,
@@ -28,7 +28,7 @@ from nnx_es.metrics import check_accuracy, check_metric_names, validate_metrics
 from nnx_es.user_metrics import bind_activation
 from nnx_es.objective import Objective
 from nnx_es.result import RunResult
-from nnx_es.snapshot import load_weights, weight_misfits
+from nnx_es.runtime.components import load_weights, weight_misfits
 from nnx_es.trainer import Trainer
 from nnx_es.transforms.core import Transform, apply_pending, apply_transforms, extend, pending, probe
 from nnx_es.weights import fitting_models, model_names, read_topology, read_weights

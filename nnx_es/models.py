@@ -30,7 +30,7 @@ from nnx_es.errors import ConfigError
 from nnx_es.evaluation import state_fingerprint
 from nnx_es.objective import Term, batch_rows
 
-__all__ = ["Keyed", "ModelSet", "batch_rows", "multi_model_step"]
+__all__ = ["Keyed", "ModelSet", "batch_rows", "multi_model_step", "step_functions"]
 
 
 class ModelSet(nn.Module):
@@ -166,3 +166,28 @@ def multi_model_step(training_fn: Callable[..., Mapping[str, Tensor]], assembler
         return predictions, targets, None
 
     return step
+
+
+def step_functions(net: nn.Module, objective: Any, train_step_fn: Any, eval_step_fn: Any, training_fn: Any,
+                   loss_target_assembler: Any, target_keys: Any) -> tuple[Any, Any]:
+    """The Trainer's ``(train_step_fn, eval_step_fn)``: for a run of several models (``net`` a
+    :class:`ModelSet`) made from ``training_fn`` and ``loss_target_assembler`` (the target keys:
+    ``target_keys``, or those the :class:`Keyed` terms read); otherwise those given.
+
+    Raises:
+        ConfigError: several models without ``training_fn`` or with a ``train_step_fn`` /
+            ``eval_step_fn``; one net with ``training_fn`` or ``loss_target_assembler``.
+    """
+    if isinstance(net, ModelSet):
+        if training_fn is None or train_step_fn is not None or eval_step_fn is not None:
+            raise ConfigError("a run of several models makes its predictions with training_fn(models, batch) -> "
+                              "{key: tensor} (and its targets with loss_target_assembler); give training_fn, "
+                              "and no train_step_fn / eval_step_fn")
+        keys = tuple(dict.fromkeys(t.target for t in objective.terms.values() if isinstance(t, Keyed)))
+        keys = tuple(target_keys) if target_keys is not None else keys
+        return (multi_model_step(training_fn, loss_target_assembler, objective, keys, "train"),
+                multi_model_step(training_fn, loss_target_assembler, objective, keys, "validate"))
+    if training_fn is not None or loss_target_assembler is not None:
+        raise ConfigError("training_fn / loss_target_assembler drive a run of several models: pass the models as "
+                          "{name: module} (for one net, use train_step_fn)")
+    return train_step_fn, eval_step_fn

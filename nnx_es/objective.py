@@ -105,8 +105,8 @@ class Term:
         like :meth:`per_row`'s), so a microbatch costs one fused reduction.
         """
         assert self.sum_fn is not None
-        key = (outputs.shape, getattr(targets, "shape", None))
-        k = self._row_size.get(key)
+        key = (outputs.shape, targets.shape if type(targets) is Tensor else getattr(targets, "shape", None))
+        k = self._row_size[key] if key in self._row_size else None  # (no call: per microbatch)
         if k is None:
             with torch.no_grad():
                 losses = self._checked(self.fn(outputs.detach(), targets), outputs, targets)
@@ -233,8 +233,7 @@ class Objective:
         for term in self.scheduled.values():
             term.weight = term.schedule.at(step, epoch)  # type: ignore[union-attr]
 
-    def weights(self) -> dict[str, float]:
-        """Every term's current weight, by name."""
+    def weights(self) -> dict[str, float]:  # every term's current weight, by name
         return {name: term.weight for name, term in self.terms.items()}
 
     def __call__(self, outputs: Tensor, targets: Tensor, weights: Tensor | None = None) -> LossParts:
@@ -255,8 +254,9 @@ class Objective:
             total = term.summed(outputs, targets)
             rows = float(batch_rows(outputs))
             if ignore:
-                ignored = _ignored_rows(term.ignore_targets(targets), ignore)
-                if ignored is not None and not isinstance(ignored, Tensor):  # counted on the host: den is exact
+                own = targets if term.ignore_targets_key is None else term.ignore_targets(targets)  # a Keyed term's
+                ignored = _ignored_rows(own, ignore)
+                if ignored is not None and type(ignored) is float:  # counted on the host: den is exact
                     return LossParts(total, rows - ignored, {name: total})
                 return LossParts(total, rows, {name: total}, ignored)
             return LossParts(total, rows, {name: total})
@@ -331,13 +331,14 @@ def _ignored_rows(targets: Any, ignore: tuple[int, ...]) -> Tensor | float | Non
     On an accelerator: a 0-dim tensor, two small ops, unread (the engine reads it with the window).
     Targets on the CPU are counted on the host (:data:`HOST_COUNT_ON_CPU`): a float, exact.
     """
-    if type(targets) is Tensor and targets.dtype == torch.int64 and targets.dim() > 0:
+    if type(targets) is Tensor and targets.dtype == torch.int64 and targets.ndim > 0:
         if HOST_COUNT_ON_CPU and targets.device.type == "cpu":
             values = targets.numpy()
-            n = sum(int(np.count_nonzero(values == v)) for v in ignore) if len(ignore) > 1 else int(
-                np.count_nonzero(values == ignore[0]))
-            return float(n) if targets.dim() == 1 else n / (targets[0].numel() or 1)
-        if len(ignore) == 1 and targets.dim() == 1:
+            n = 0  # a membership test first: no count for a batch without one (the usual case)
+            for v in ignore:
+                n += int(np.count_nonzero(values == v)) if v in values else 0
+            return float(n) if targets.ndim == 1 else n / (targets[0].numel() or 1)
+        if len(ignore) == 1 and targets.ndim == 1:
             return (targets == ignore[0]).sum()  # the common case first: (B,) class ids, one ignore_index
     hit = ignored_mask(targets, ignore)
     if hit is None:
@@ -366,8 +367,8 @@ def _valid_share(targets: Any, ignore: tuple[int, ...]) -> Tensor | None:
 def batch_rows(values: Any) -> int:
     """Rows of a microbatch's outputs or targets: a tensor's first dimension, or (a several-model
     run's ``{key: tensor}``) its first tensor's; 1 for a 0-dim tensor or anything else."""
-    if isinstance(values, Tensor):  # first: the one-model case, per microbatch (no ABC check)
-        return int(values.shape[0]) if values.dim() > 0 else 1
+    if type(values) is Tensor or isinstance(values, Tensor):  # first: the one-model case, per microbatch
+        return int(values.shape[0]) if values.ndim > 0 else 1
     if isinstance(values, Mapping):
         values = next((v for v in values.values() if isinstance(v, Tensor)), None)
         if isinstance(values, Tensor):

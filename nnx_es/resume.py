@@ -53,7 +53,7 @@ class ResumePoint(msgspec.Struct, kw_only=True):
     projections: Projections
     started: RunStarted | None = None
     #: the projection snapshot the committed view was folded from (None: from seq 0); the resumed
-    #: session's own snapshots continue from it (:class:`nnx_es.recorder.Recorder`)
+    #: session's own snapshots continue from it (:class:`nnx_es.runtime.recording.Recorder`)
     snapshot: Snapshot | None = None
 
 

@@ -27,7 +27,7 @@ from nnx_es.monitor import Monitor, step_plateau
 PLATEAU_DEFAULT_THRESHOLD = 1e-4
 
 if TYPE_CHECKING:
-    from nnx_es.recorder import Recorder
+    from nnx_es.runtime.recording import Recorder
 
 __all__ = ["CLOCKS", "Scheduler", "step_epoch_clock", "step_update_clock", "wrap_schedulers"]
 

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 from nnx_es.errors import ConfigError
 
 if TYPE_CHECKING:
-    from nnx_es.context import TrainContext
+    from nnx_es.runtime.context import TrainContext
 
 __all__ = ["REPLACEMENT_STAGES", "StageDispatcher", "StageHook", "TrainingStage"]
 

@@ -1,29 +1,9 @@
 """The Trainer: the training loop as a walk through the lifecycle machine.
 
-The loop, as pseudocode (every arrow is an event in ``runs/<id>/events.lmdb``)::
-
-    -> run_started
-    for each callback (list order): on_train_begin -> callback_began
-    -> train_began ; checkpoint -> checkpoint_stored -> last_committed (initial, synced)
-    for epoch in range(start_epoch, epochs):
-        -> epoch_began ; on_epoch_begin
-        for batch in train_loader:
-            trainer_step_fn(ctx, batch)            # default: microbatch -> microbatch_done,
-                                                   # window end -> update_committed | update_skipped,
-                                                   #   on_optimizer_update, optimizer_update-clock schedulers
-            on_batch_end
-            stop_at_update requested and an update committed -> stop_requested; finalize (no LAST refresh)
-        close a trailing partial window
-        validation (every ``validate_every`` epochs) -> validation_done ; on_validation_end
-        -> epoch_summarized ; one monitor decision -> monitor_decided
-        epoch-clock schedulers (a plateau one on the decision) -> scheduler_stepped
-        on_epoch_end (EarlyStopping may request a stop -> stop_requested)
-        -> history_appended ; checkpoint -> checkpoint_stored -> last_committed
-        -> best_committed (decision improved) -> phase_committed (cadence) -> callback_checkpointed
-        (LAST and this group are synced in one write)
-    finalization: on_train_end in reverse order -> callback_finalized each
-        -> checkpoint_stored -> last_committed(final) -> run_finalized
-    on failure: run_failed -> on_train_end of every begun callback -> run_finalized(failed); re-raise
+It checks its arguments and builds, once, what every ``fit`` runs with (a
+:class:`~nnx_es.runtime.scope.RunPlan`); each ``fit`` opens a session and builds its run
+(:class:`~nnx_es.runtime.scope.RunScope`), whose loop walks the lifecycle machine in the order
+:mod:`nnx_es.runtime.loop` gives as pseudocode.
 
 Semantics follow spec 000 ("Lifecycle order", durable commit order, failure
 semantics) and spec 004 (counters, stages).
@@ -41,48 +21,46 @@ from torch import nn
 from torch.optim import Optimizer
 
 from events.schema import DigestCadence, RunStarted, SourceRef, UpdateSpec
-from nnx_es.argchecks import (check_batch_callback, check_cadences, check_fit_args, check_run_args, monitor_of,
-                              optimizers_of)
-from nnx_es.callbacks import Callback, CallbackList
+from nnx_es.argchecks import (check_batch_callback, check_cadences, check_fit_args, check_run_args, check_settings,
+                              monitor_of, optimizers_of)
 from nnx_es.batches import weighted_forward
-from nnx_es.commit import Committer
-from nnx_es.commit import checkpoint_lag as lag_in_updates
-from nnx_es.context import TrainContext
+from nnx_es.callbacks import Callback, CallbackList
+from nnx_es.runtime.commit import checkpoint_lag as lag_in_updates
+from nnx_es.declare import describe_objective
 from nnx_es.device import place_model, resolve_device
-from nnx_es.distributed.alike import check_alike, declaration
-from nnx_es.distributed.digest import ParamDigest
+from nnx_es.distributed.alike import check_trainer_alike
 from nnx_es.distributed.roles import check_declared, for_rank
+from nnx_es.distributed.resize import global_batch_accumulation
 from nnx_es.distributed.wrap import check_distributed, data_parallel, is_writer_rank
-from nnx_es.engine import UpdateEngine, default_forward, default_train_step
 from nnx_es.errors import ConfigError
 from nnx_es.evaluation import weights_fingerprint
-from nnx_es.finalize import Finalization
 from nnx_es.finetune import group_names, initial_weights
 from nnx_es.loaders import loader_geometries
 from nnx_es.logs import ensure_logging
-from nnx_es.loop import NONFINITE, Cadence, TrainingLoop
 from nnx_es.metrics import check_accuracy, check_metric_names, check_monitor, evaluate, validate_metrics
-from nnx_es.models import Keyed, ModelSet, multi_model_step
+from nnx_es.models import ModelSet, step_functions
 from nnx_es.monitor import Monitor
-from nnx_es.declare import describe_objective
 from nnx_es.objective import Objective
-from nnx_es.progress import Progress
 from nnx_es.recipes.runspec import record_spec, spec_hash
-from nnx_es.recorder import Recorder
+from nnx_es.runtime.recording import Recorder
 from nnx_es.result import RunResult, load_result, result_of
 from nnx_es.retention import check_retention
-from nnx_es.rng import LoaderGenerators
 from nnx_es.rows.journal import HistoryJournal
 from nnx_es.rows.recorder import RowRecorder
-from nnx_es.run_state import RunState, World
-from nnx_es.session import library_versions, new_run_id, open_session
-from nnx_es.sinks import LiveSinks
-from nnx_es.snapshot import RunComponents
+from nnx_es.runtime.run_state import RunState
+from nnx_es.runtime.context import TrainContext
+from nnx_es.runtime.engine import UpdateEngine, default_forward
+from nnx_es.runtime.loop import Cadence, LoopSettings
+from nnx_es.runtime.scope import CommitSettings, RunPlan, RunScope
+from nnx_es.runtime.steps import default_train_step
 from nnx_es.schedulers import wrap_schedulers
+from nnx_es.runtime.session import library_versions, new_run_id, open_session
+from nnx_es.runtime.components import RunComponents
+from nnx_es.stages import StageDispatcher
 from nnx_es.storage import BlobStore, validate_run_id
 from nnx_es.transforms.callback import check_trained, opening_events, prepare
 from nnx_es.transforms.core import Transform
-from nnx_es.update_hooks import GradientAccumulation, GradientClipping, MixedPrecision, collect
+from nnx_es.update_hooks import UpdateOrchestrator, collect, settings_of
 from nnx_es.user_metrics import UserMetric, bind_activation, higher_is_better, metric_names
 
 __all__ = ["Trainer"]
@@ -93,121 +71,74 @@ class Trainer:
 
     Args:
         net: the model (``nn.Module``); checkpoints hold its ``state_dict``. Or several models,
-            ``{"student": s, "teacher": t}`` (:mod:`nnx_es.models`): each trainable one (an optimizer
-            holds its parameters) is checkpointed under its name; a frozen one (no optimizer) is put
-            in eval mode without gradients and declared once by hash in ``run_started.models``
-            (verified on a stateful resume). Such a run needs ``training_fn``.
+            ``{"student": s, "teacher": t}`` (:mod:`nnx_es.models`: trainable ones checkpointed by
+            name, frozen ones declared by hash); such a run needs ``training_fn``.
         optimizer: one optimizer, or ``{name: optimizer}`` for several (they step together).
-        loss: the objective: a loss module/callable returning per-row losses (a
-            ``torch.nn`` loss is used with ``reduction="none"``; several values per row are
-            averaged, as torch's ``reduction="mean"``), ``{name: fn or (fn, weight)}``, or an
-            :class:`~nnx_es.objective.Objective`.
-        monitor: :class:`~nnx_es.monitor.Monitor` or a metric name (``"val_loss"``;
-            mode ``max`` when the name contains ``acc``). One decision per
-            validated epoch drives BEST, ReduceLROnPlateau and EarlyStopping.
-        metrics: declared metrics besides the loss, reported per epoch for training and
-            validation (``"accuracy"``: argmax of ``(B, C)`` outputs against ``(B,)`` class ids, or
-            one logit ``(B, 1)`` at probability 0.5 against 0/1 targets; other shapes are refused
-            on the first batch, before backward), named callables ``(outputs, targets) -> per-row
-            values`` and ``torchmetrics`` metrics, in a list or as ``{name: metric}``: each is exact
-            over the epoch's rows and monitorable by name (:mod:`nnx_es.user_metrics`).
+        loss: the objective: a loss module/callable returning per-row losses, ``{name: fn or (fn, weight)}``,
+            or an :class:`~nnx_es.objective.Objective` (:mod:`nnx_es.objective`).
+        monitor: :class:`~nnx_es.monitor.Monitor` or a metric name (``"val_loss"``; mode ``max`` when it
+            contains ``acc``): one decision per validated epoch drives BEST, ReduceLROnPlateau, EarlyStopping.
+        metrics: declared metrics besides the loss, per epoch for training and validation, exact over
+            the epoch's rows and monitorable by name: ``"accuracy"`` (``(B, C)`` logits against ``(B,)``
+            class ids, or one logit ``(B, 1)`` against 0/1 targets; other shapes refused on the first
+            batch), named callables ``(outputs, targets) -> per-row values``, ``torchmetrics`` metrics
+            (:mod:`nnx_es.user_metrics`).
         schedulers: torch schedulers (epoch clock) or :class:`~nnx_es.schedulers.Scheduler`.
         callbacks: :class:`~nnx_es.callbacks.Callback` objects, dispatched in list order.
-        hooks: stage hooks (``stage``, ``frequency``, ``__call__(ctx, stage)``, see
-            :mod:`nnx_es.stages`) and update hooks (:mod:`nnx_es.update_hooks`).
+        hooks: stage hooks (:mod:`nnx_es.stages`) and update hooks (:mod:`nnx_es.update_hooks`).
         accumulation: microbatches per optimizer update (shortcut for ``GradientAccumulation``).
         clip_grad_norm: max total gradient L2 norm (shortcut for ``GradientClipping``).
         precision: ``"fp32"``, ``"bf16"`` or ``"fp16"`` (shortcut for ``MixedPrecision``).
-        track_grad_norm: record every update's total gradient L2 norm (before clipping) in
-            ``update_committed.grad_norm``; clipping always records it. Default off: ``None``.
-        sample_weights: declare per-row loss weights: a batch ``(inputs, targets, weights)`` is
-            read with ``weights`` of shape ``(B,)``, >= 0 (the loss is the weighted mean; a row
-            of weight 0 is masked out). The batch contract (:mod:`nnx_es.batches`): a batch is
-            ``(inputs, targets)`` (every row weight 1), ``(inputs, targets, weights)`` only with
-            ``sample_weights=True``, or a mapping with keys ``x``, ``y`` and optionally
-            ``weight`` (the key declares the weights). An undeclared third element, another
-            key, or a negative weight is refused (ConfigError) on the first batch it appears in.
-        train_step_fn / eval_step_fn: ``fn(net, batch) -> (outputs, targets, weights|None)``,
-            replacing the batch contract with your own reading of a batch.
-        trainer_step_fn: ``fn(ctx, batch)`` replacing the whole microbatch+update
-            path; it reports its updates with ``ctx.report_update(...)``.
+        track_grad_norm: record every update's gradient norm before clipping (``update_committed.grad_norm``).
+        sample_weights: declare per-row loss weights ``(B,)``, >= 0, as a batch's third element (the
+            loss is the weighted mean; weight 0 masks a row). The batch contract (:mod:`nnx_es.batches`):
+            ``(inputs, targets)``, ``(inputs, targets, weights)`` only with ``sample_weights=True``, or
+            ``{"x", "y", "weight"?}``; anything else is refused on the first batch it appears in.
+        train_step_fn / eval_step_fn: ``fn(net, batch) -> (outputs, targets, weights|None)``: your reading of a batch.
+        trainer_step_fn: ``fn(ctx, batch)`` replacing the microbatch+update path (reports ``ctx.report_update``).
         validate_every: validate every N epochs (and after the last epoch).
         validate_every_steps: also validate every N committed updates (no monitor decision).
         phase_every / keep_phases: a phase checkpoint every N epochs; keep the newest K.
-        keep_last / keep_best: checkpoint retention (:mod:`nnx_es.retention`): the checkpoints of
-            the newest ``keep_last`` LASTs and BEST's are kept (``keep_last=None``: every one), every
-            other one is pruned once the LAST superseding it is durable, each deletion recorded as a
-            ``checkpoint_pruned`` event. Default: what a resume and loading BEST need.
-        checkpoint_lag: 0 commits each epoch's LAST at its end; N > 0 persists the
-            checkpoint on a background thread and appends LAST after N committed
-            updates of the next epoch; ``"epoch"``: at the next epoch's end (see
-            :mod:`nnx_es.commit`). A crash can then lose up to that much more work.
+        keep_last / keep_best: checkpoint retention (:mod:`nnx_es.retention`): the newest ``keep_last``
+            LASTs' and BEST's checkpoints are kept (``None``: every one), others pruned (``checkpoint_pruned``).
+        checkpoint_lag: 0 commits each epoch's LAST at its end; N > 0 appends it after N committed updates
+            of the next epoch, ``"epoch"`` at its end (:mod:`nnx_es.runtime.commit`): a crash may lose that much more.
         runs_root: the directory holding ``<run_id>/`` and ``.leases/``.
         run_id: ``[A-Za-z0-9._-]{1,128}``; default: a timestamp and random suffix.
-        seed: seeds Python, numpy and torch before training; under ``distributed=DDP()`` with more
-            than one rank, rank ``r`` seeds them with :func:`nnx_es.rng.rank_seed` ``(seed, r)``
-            (each rank's own dropout; ``train_loader``'s partition keeps its own seed + epoch).
+        seed: seeds Python, numpy and torch before training (rank ``r`` of several:
+            :func:`nnx_es.rng.rank_seed` ``(seed, r)``).
         progress: show a progress display (default: when stderr is a terminal).
-        batch_gather: fetch each batch of a ``DataLoader`` over an in-memory ``TensorDataset``
-            with one index per tensor instead of row by row -- the same batches, order and RNG
-            draws (see :mod:`nnx_es.data`); ``False`` iterates every loader as given.
-        recipe: your run's configuration as JSON-like builtins (data set, hyperparameters, code
-            version); stored verbatim in ``run_started`` so ``tools/inspect`` shows what was run.
-        recipe_required / spec: record the run's spec (:mod:`nnx_es.recipes`: import paths and
-            constructor keywords) in ``run_started``, refusing now, named, what cannot be recovered;
-            ``spec``: the ``RunSpec`` this trainer was built from (its data and epochs are recorded).
-        sinks: live logging (:mod:`nnx_es.sinks`): ``TensorBoardSink``, ``CsvSink``, ``MlflowSink``, fed the
-            committed events on a thread of their own, on the writer rank; a failing sink is warned
-            about (``SinkWarning``) and dropped, never failing the run.
-        nonfinite: what a non-finite loss, gradient or validation metric does: ``"skip"`` the
-            update (the default; a :class:`~nnx_es.errors.NonFiniteWarning` each epoch names how
-            many were skipped), ``"stop"`` the run at the first one (the epoch ends there and is
-            committed; status ``stopped``, reason ``nonfinite``) or ``"raise"``
-            :class:`~nnx_es.errors.NonFiniteError` (status ``failed``; LAST stays at the last
-            committed epoch). A run that trains microbatches but commits no update never ends
-            ``completed`` (:class:`~nnx_es.errors.NoUpdateError`).
-        history: where per-row records go (:mod:`nnx_es.rows`; recorded when the batches carry row
-            ids, e.g. ``with_row_ids(dataset)``): ``None`` (default) as ``rows_recorded`` events in the
-            log, every epoch's kept in memory (small runs), or a
-            :class:`~nnx_es.rows.HistoryJournal` (chunk blobs; memory holds its ``window`` epochs).
-            Under ``distributed=DDP()`` the records are global: each epoch's are gathered from every
-            rank, every rank sees the union, the writer writes them (:mod:`nnx_es.rows.recorder`).
-        device: where to train: ``"cpu"``, ``"cuda"``, ``"cuda:N"``, ``"mps"`` or a ``torch.device``;
-            default: the model's own device. The model (and any optimizer state) is moved there
-            now, and every batch's tensors (nested tuples, lists, mappings, dataclasses) before the
-            batch's stages, without blocking when the loader pins memory. Checkpoints stay
-            device-independent (see :mod:`nnx_es.device`). A device this machine does not have
-            is refused now.
-        distributed: :class:`nnx_es.distributed.DDP` to train data-parallel inside the process
-            group ``torchrun`` started (spec 000 §3): the net is wrapped in
-            ``DistributedDataParallel`` for each ``fit`` (never assigned to it; checkpoints hold its
-            own keys), each window's denominator and finiteness are agreed in one all-reduce, and
-            only ``DDP(writer_rank=)`` writes the run. Refused with it: BatchNorm layers (on GPUs
-            convert them with ``torch.nn.SyncBatchNorm.convert_sync_batchnorm``; on CPU, where
-            ``SyncBatchNorm`` does not run and is refused too, remove them or replace them, e.g. with
-            ``GroupNorm`` / ``LayerNorm``), a ``trainer_step_fn``, ``precision="fp16"``. Without it, a process that is one of several
-            ranks is refused (every rank would write the same run alone).
-        val_batch_callback: called after each validation batch with the keyword-only signature
-            ``(*, batch, predictions, loss, batch_count, step_count, epoch)``: the batch (moved to
-            the device), its outputs ``(B, ...)``, its mean loss (float), its 0-based index in the
-            pass, the committed updates so far and the 0-based epoch (spec 004 "Per-batch
-            validation callback"): a tap for per-row predictions or a custom sink.
-        final_validation: a validation pass on the final weights once training ends
-            (``validation_done`` with ``trigger="final"``, ``on_validation_end``, ``AFTER_VALIDATION``;
-            no monitor decision): ``True`` always (with a validation loader), ``"auto"`` (default)
-            when the final weights are not the ones last validated (a stop at an update boundary, or
-            updates after a step-cadence pass), ``False`` never.
-        init_from: the initial weights of a fine-tuning run, loaded now: a
-            :class:`~nnx_es.finetune.WeightsFrom` (a run's BEST/LAST or a ``state_dict``, with its
-            key policy ``strict``) or a ``state_dict`` (strict); the source and the keys skipped /
-            new are recorded in ``run_started.lineage``. A stateful resume restores LAST over them.
-
+        batch_gather: fetch each batch of a ``DataLoader`` over a ``TensorDataset`` with one index per
+            tensor -- the same batches and RNG draws (:mod:`nnx_es.data`); ``False``: loaders as given.
+        recipe: your run's configuration as JSON-like builtins, stored verbatim in ``run_started``.
+        recipe_required / spec: record the run's spec (:mod:`nnx_es.recipes`) in ``run_started``, refusing
+            now what cannot be recovered; ``spec``: the ``RunSpec`` this trainer was built from.
+        sinks: live logging (:mod:`nnx_es.sinks`: ``TensorBoardSink``, ``CsvSink``, ``MlflowSink``), fed
+            the committed events; a failing sink is warned about and dropped, never failing the run.
+        nonfinite: what a non-finite loss, gradient or validation metric does: ``"skip"`` the update
+            (a ``NonFiniteWarning`` each epoch), ``"stop"`` the run after committing the epoch, or
+            ``"raise"`` ``NonFiniteError`` (:class:`~nnx_es.runtime.loop.LoopSettings`). A run that
+            commits no update never ends ``completed`` (:class:`~nnx_es.errors.NoUpdateError`).
+        history: where per-row records go (:mod:`nnx_es.rows`): the log (``None``) or a ``HistoryJournal``.
+        device: where to train (``"cpu"``, ``"cuda:N"``, ``"mps"``, a ``torch.device``; default: the
+            model's): the model and optimizer state move there now, every batch's tensors before the
+            batch's stages (:mod:`nnx_es.device`); a device this machine lacks is refused now.
+        distributed: :class:`nnx_es.distributed.DDP` to train data-parallel in the process group
+            ``torchrun`` started (spec 000 §3; :mod:`nnx_es.distributed`): only its writer rank writes
+            the run. Refused with it: BatchNorm layers, a ``trainer_step_fn``, ``precision="fp16"``
+            (:func:`nnx_es.distributed.wrap.check_distributed`); without it, one rank of several.
+        val_batch_callback: ``fn(*, batch, predictions, loss, batch_count, step_count, epoch)`` after
+            each validation batch: its outputs ``(B, ...)``, mean loss (float), 0-based index in the
+            pass, the committed updates, the 0-based epoch (spec 004 "Per-batch validation callback").
+        final_validation: a validation pass on the final weights once training ends (``trigger="final"``,
+            no monitor decision): ``True`` always, ``"auto"`` when they are not the ones last validated,
+            ``False`` never.
+        init_from: a fine-tuning run's initial weights, loaded now: a :class:`~nnx_es.finetune.WeightsFrom`
+            or a ``state_dict`` (strict); recorded in ``run_started.lineage``.
         training_fn: several models: ``training_fn(models, batch) -> {key: tensor}`` predictions
             (``models``: every model by name), for training and validation.
         loss_target_assembler: several models: ``fn(loss, predictions, batch, *, workflow, target_keys)
-            -> {key: tensor}`` targets (``workflow``: ``"train"`` or ``"validate"``) when they do not come
-            from the batch (a teacher's outputs); without it each target key is read from a mapping batch
-            or is the ``y`` of ``(x, y)``. Loss terms name their keys (:class:`~nnx_es.models.Keyed`).
+            -> {key: tensor}`` targets when they do not come from the batch (:func:`nnx_es.models.multi_model_step`).
         target_keys: the target keys handed to the assembler (default: those the ``Keyed`` terms read).
         transforms: model transforms (:mod:`nnx_es.transforms`: ``Prune``, ``LoRA``, ``ReplaceHead``, ``Quantize``)
             applied to ``net`` now, in order (those it already carries, applied before its optimizer was
@@ -231,38 +162,27 @@ class Trainer:
         schedulers: Sequence[Any] = (),
         callbacks: Sequence[Callback] = (),
         hooks: Sequence[Any] = (),
-        accumulation: int = 1,
-        clip_grad_norm: float | None = None,
-        precision: str = "fp32",
+        accumulation: int = 1, clip_grad_norm: float | None = None, precision: str = "fp32",
         track_grad_norm: bool = False,
         sample_weights: bool = False,
-        train_step_fn: Callable[..., Any] | None = None,
-        eval_step_fn: Callable[..., Any] | None = None,
+        train_step_fn: Callable[..., Any] | None = None, eval_step_fn: Callable[..., Any] | None = None,
         trainer_step_fn: Callable[[TrainContext, Any], Any] | None = None,
-        validate_every: int = 1,
-        validate_every_steps: int | None = None,
-        phase_every: int | None = None,
-        keep_phases: int | None = None,
-        keep_last: int | None = 1,
-        keep_best: bool = True,
+        validate_every: int = 1, validate_every_steps: int | None = None,
+        phase_every: int | None = None, keep_phases: int | None = None,
+        keep_last: int | None = 1, keep_best: bool = True,
         checkpoint_lag: int | str = 0,
-        runs_root: str | Path = "runs",
-        run_id: str | None = None,
+        runs_root: str | Path = "runs", run_id: str | None = None,
         seed: int = 0,
         progress: bool | None = None,
         batch_gather: bool = True,
         recipe: Mapping[str, Any] | None = None,
-        nonfinite: str = "skip",
-        sinks: Sequence[Any] = (),
-        recipe_required: bool = False,
-        spec: Any = None,
+        nonfinite: str = "skip", sinks: Sequence[Any] = (), recipe_required: bool = False, spec: Any = None,
         device: str | torch.device | None = None,
         distributed: Any = None,
         val_batch_callback: Callable[..., Any] | None = None,
         final_validation: bool | str = "auto",
         init_from: Any = None,
-        training_fn: Callable[..., Any] | None = None,
-        loss_target_assembler: Callable[..., Any] | None = None,
+        training_fn: Callable[..., Any] | None = None, loss_target_assembler: Callable[..., Any] | None = None,
         target_keys: Sequence[str] | None = None,
         history: HistoryJournal | None = None,
         transforms: Sequence[Transform] = (),
@@ -285,20 +205,15 @@ class Trainer:
         self.lineage = initial_weights(net, init_from)
         self.device = resolve_device(device, net)
         place_model(net, self.optimizers, self.device)
-        if not (isinstance(loss, (Objective, Mapping, nn.Module)) or callable(loss)):
-            raise ConfigError(f"loss must be a loss module, a callable, {{name: fn}} or an Objective, got {loss!r}")
+        check_settings(loss=loss, callbacks=callbacks, final_validation=final_validation, sample_weights=sample_weights,
+                       nonfinite=nonfinite, sinks=sinks, track_grad_norm=track_grad_norm)
         self.objective = loss if isinstance(loss, Objective) else Objective(loss)
         self.val_batch_callback = check_batch_callback(val_batch_callback)
-        if final_validation not in (True, False, "auto"):
-            raise ConfigError(f"final_validation must be True, False or 'auto', got {final_validation!r}")
-        self.final_validation = final_validation
         self.metrics = validate_metrics(metrics)
         check_metric_names(self.objective, self.metrics)
         check_accuracy(self.objective, self.metrics, models=list(net.models) if isinstance(net, ModelSet) else ())
         bind_activation(self.metrics, (t.fn for t in self.objective.terms.values()))
         self.monitor: Monitor | None = monitor_of(monitor, higher_is_better(self.metrics))
-        if isinstance(callbacks, Callback) or not isinstance(callbacks, Iterable):
-            raise ConfigError(f"callbacks must be a list of Callback, got {callbacks!r}")
         self.schedulers = wrap_schedulers(schedulers, self.optimizers, self.monitor)
         callbacks = CallbackList(callbacks).callbacks  # checked now; listed again per fit
         if self.distributed is not None:
@@ -307,59 +222,45 @@ class Trainer:
             self.distributed))
         check_cadences(validate_every=validate_every, validate_every_steps=validate_every_steps,
                        phase_every=phase_every, keep_phases=keep_phases)
-        self.cadence = Cadence(validate_every, validate_every_steps)
-        self.phase_every, self.keep_phases = phase_every, keep_phases
         check_retention(keep_last, keep_best)
-        self.keep_last, self.keep_best = keep_last, keep_best
-        if not isinstance(sample_weights, bool):
-            raise ConfigError(f"sample_weights must be True or False, got {sample_weights!r}")
         forward = weighted_forward if sample_weights else default_forward
-        if isinstance(net, ModelSet):
-            if training_fn is None or train_step_fn is not None or eval_step_fn is not None:
-                raise ConfigError("a run of several models makes its predictions with training_fn(models, batch) -> "
-                                  "{key: tensor} (and its targets with loss_target_assembler); give training_fn, "
-                                  "and no train_step_fn / eval_step_fn")
-            keys = tuple(dict.fromkeys(t.target for t in self.objective.terms.values() if isinstance(t, Keyed)))
-            keys = tuple(target_keys) if target_keys is not None else keys
-            train_step_fn = multi_model_step(training_fn, loss_target_assembler, self.objective, keys, "train")
-            eval_step_fn = multi_model_step(training_fn, loss_target_assembler, self.objective, keys, "validate")
-        elif training_fn is not None or loss_target_assembler is not None:
-            raise ConfigError("training_fn / loss_target_assembler drive a run of several models: pass the models as "
-                              "{name: module} (for one net, use train_step_fn)")
+        train_step_fn, eval_step_fn = step_functions(net, self.objective, train_step_fn, eval_step_fn,
+                                                     training_fn, loss_target_assembler, target_keys)
         self.eval_step_fn = eval_step_fn or forward
-        self.trainer_step_fn = trainer_step_fn or default_train_step
         check_run_args(runs_root=runs_root, seed=seed, progress=progress, batch_gather=batch_gather, recipe=recipe)
         self.runs_root = Path(runs_root)
         self.run_id = validate_run_id(run_id) if run_id is not None else None
         self.run_dir: Path | None = None
         self.seed = int(seed)  # a NumPy integer too
-        self.progress_enabled = progress
         self.batch_gather = batch_gather
         self.recipe = dict(recipe or {})
-        if nonfinite not in NONFINITE:
-            raise ConfigError(f"nonfinite must be one of {NONFINITE}, got {nonfinite!r}")
-        self.nonfinite = nonfinite
-        if isinstance(sinks, (str, bytes)) or not isinstance(sinks, Iterable) or not all(
-                callable(getattr(s, "write", None)) for s in sinks):
-            raise ConfigError(f"sinks must be a list of live logging sinks (TensorBoardSink, CsvSink, MlflowSink or "
-                              f"objects with open/write/close), got {sinks!r}")
-        self.sinks = list(sinks)
         if self.monitor is not None:
             check_monitor(self.monitor, self.objective, self.metrics)
-        if not isinstance(track_grad_norm, bool):
-            raise ConfigError(f"track_grad_norm must be True or False, got {track_grad_norm!r}")
-        self.engine = UpdateEngine(net, self.optimizers, self.objective, self.schedulers, train_step_fn=train_step_fn or forward,
-                                   track_grad_norm=track_grad_norm, metrics=self.metrics)
-        self.rows = self.engine.rows = RowRecorder(self.objective, history)
-        self.update_hooks = self._update_hooks(hooks, accumulation, clip_grad_norm, precision)
-        self.stages = self.engine.stages
-        self.lag = lag_in_updates(checkpoint_lag)
-        self.components = RunComponents(net=net, optimizers=self.optimizers, schedulers=self.schedulers,
-                                        engine=self.engine, update_hooks=self.update_hooks, monitor=self.monitor,
-                                        callbacks=self.callbacks)
-        self.ctx = TrainContext(net=net, optimizers=self.optimizers, schedulers=self.schedulers, monitor=self.monitor,
-                                engine=self.engine, trainer=self)
-        self.ctx.row_records = self.rows
+        update_hooks, stage_hooks = collect(hooks)
+        self.update_hooks, settings = settings_of(update_hooks, accumulation=accumulation,
+                                                  clip_grad_norm=clip_grad_norm, precision=precision,
+                                                  track_grad_norm=track_grad_norm)
+        self.stages = StageDispatcher(stage_hooks)
+        self.engine = UpdateEngine(net, self.optimizers, self.objective, settings,
+                                   train_step_fn=train_step_fn or forward, stages=self.stages,
+                                   orchestrator=UpdateOrchestrator(self.update_hooks))
+        for h in self.update_hooks:
+            h.configure(self.engine)
+        self.rows = RowRecorder(self.objective, history)
+        #: what every fit runs with
+        self.plan = RunPlan(
+            engine=self.engine, schedulers=self.schedulers, monitor=self.monitor, metrics=self.metrics,
+            callbacks=self.callbacks, stages=self.stages, rows=self.rows, validate=self.validate,
+            loop=LoopSettings(cadence=Cadence(validate_every, validate_every_steps),
+                              step_fn=trainer_step_fn or default_train_step, custom_step=self.custom_step,
+                              batch_gather=batch_gather, nonfinite=nonfinite, device=self.device,
+                              final_validation=final_validation),
+            commit=CommitSettings(lag=lag_in_updates(checkpoint_lag), phase_every=phase_every, keep_phases=keep_phases,
+                                  keep_last=keep_last, keep_best=keep_best),
+            progress=progress, digest_every=self.distributed.digest_every if self.distributed is not None else None,
+            sinks=list(sinks), trainer=self)
+        #: the context of the latest ``fit`` (``None`` before the first)
+        self.ctx: TrainContext | None = None
         if (recipe_required or spec is not None) and any(isinstance(m, UserMetric) for m in self.metrics):
             raise ConfigError(f"metrics {[m.name for m in self.metrics if isinstance(m, UserMetric)]} are callables or "
                               "metric objects, which a recorded spec cannot hold yet: declare built-in metric names "
@@ -376,27 +277,6 @@ class Trainer:
         #: the run of the latest ``fit`` (``None`` before the first)
         self.state: RunState | None = None
 
-    def _update_hooks(self, hooks: Sequence[Any], accumulation: int, clip_grad_norm: float | None,
-                      precision: str) -> list[Any]:
-        """Install the update and stage hooks, the shortcut arguments as update hooks; return the update hooks."""
-        update_hooks, stage_hooks = collect(hooks)
-        for kwarg, value, default, cls in (("accumulation", accumulation, 1, GradientAccumulation),
-                                           ("clip_grad_norm", clip_grad_norm, None, GradientClipping),
-                                           ("precision", precision, "fp32", MixedPrecision)):
-            if value != default and any(isinstance(h, cls) for h in update_hooks):
-                raise ConfigError(f"{kwarg}={value!r} and a {cls.__name__} hook both configure the same thing; "
-                                  "give one of them")
-        if accumulation != 1:
-            update_hooks.append(GradientAccumulation(accumulation))
-        if clip_grad_norm is not None:
-            update_hooks.append(GradientClipping(clip_grad_norm))
-        if precision != "fp32":
-            update_hooks.append(MixedPrecision(precision))
-        self.engine.use_hooks(update_hooks, stage_hooks)
-        return update_hooks
-
-    # --- the latest run's state, for callers and tests -------------------------------------
-
     @property
     def recorder(self) -> Recorder:
         """The latest run's recorder (raises ``AttributeError`` before the first ``fit``)."""
@@ -411,22 +291,22 @@ class Trainer:
             raise AttributeError("store: this trainer has not opened a run yet (call fit)")
         return self.state.store
 
-    def _declare(self, run_id: str, source: SourceRef | None) -> RunStarted:
+    def _declare(self, components: RunComponents, run_id: str, source: SourceRef | None) -> RunStarted:
         """This trainer's ``run_started``: what a stateful resume must declare again."""
         return RunStarted(
             run_id=run_id, seed=self.seed, recipe=self.recipe, library_versions=library_versions(),
             callbacks=[cb.name for cb in self.callbacks], optimizers=list(self.optimizers),
             schedulers=[s.decl() for s in self.schedulers],
-            monitor=self.monitor.spec if self.monitor else None, accumulation=self.engine.accumulation,
+            monitor=self.monitor.spec if self.monitor else None, accumulation=components.engine.accumulation,
             update=UpdateSpec(precision=self.engine.precision, clip_grad_norm=self.engine.clip_grad_norm),
-            source=source, wall_time_s=time.time(), loaders=loader_geometries(self.components.loaders),
+            source=source, wall_time_s=time.time(), loaders=loader_geometries(components.loaders),
             spec=self.spec, spec_hash=spec_hash(self.spec), objective=describe_objective(self.objective),
             lineage=self.lineage, param_groups=group_names(self.optimizers),
             models=self.net.declare() if isinstance(self.net, ModelSet) else None,
-            world_size=self.components.world.size, writer_rank=self.components.world.writer_rank,
+            world_size=components.world.size, writer_rank=components.world.writer_rank,
             history=repr(self.rows.journal) if self.rows.journal is not None else "none",
             digests=DigestCadence(every=self.distributed.digest_every)
-            if self.distributed is not None and self.components.world.distributed else None,
+            if self.distributed is not None and components.world.distributed else None,
             initial_weights=weights_fingerprint(self.net) if source is None else "",
         )
 
@@ -446,33 +326,19 @@ class Trainer:
         """Train until epoch ``epochs - 1`` (0-based) and return the run.
 
         Args:
-            resume_from: a run directory (``runs/<id>``). ``resume_mode="stateful"``
-                continues that run from its LAST commit: model, optimizers,
-                schedulers, RNG streams (the train and validation loaders' own
-                generators included: their states, not seeds), counters, callback
-                state and data position are restored, the uncommitted tail is
-                recorded as discarded, and training goes on at the first
-                uncommitted epoch (a run that had decided to stop is finished
-                without training more). The trainer must declare the run's recipe:
-                the same optimizers, schedulers, monitor, window and EMA hooks.
-                ``"weights_only"`` starts a new run (this trainer's ``run_id``)
-                from the weights alone and records its source (run id, LAST seq,
-                manifest hash). ``"fork"`` starts a new run from the whole state -- a
-                branch of history, the source never written: weights, optimizers,
-                schedulers, RNG streams (the loaders' included) and callback state as a
-                stateful resume restores them (the same recipe checks), with its own
-                epochs, counters and monitor counting from 0 (its BEST is the best of its
-                own epochs); ``source.state`` is ``"full"``. Semantics: spec 004
-                "Restart semantics".
+            resume_from: a run directory (``runs/<id>``). ``resume_mode="stateful"`` continues that run
+                from its LAST commit (everything restored: model, optimizers, schedulers, RNG streams,
+                counters, callback state, data position; the uncommitted tail recorded as discarded);
+                the trainer must declare the run's recipe. ``"weights_only"`` starts a new run from
+                its weights alone; ``"fork"`` a new run from its whole state, counting from 0.
+                Semantics: spec 004 "Restart semantics" (:mod:`nnx_es.runtime.session`).
             resume_at: with ``"weights_only"`` or ``"fork"``, the source's checkpoint to start
                 from: the seq of one of its committed LASTs, or ``"best"`` (default: its latest
                 LAST).
 
-            resume: ``"auto"``, the one switch a restart script needs: resume this trainer's
-                ``run_id`` statefully when it has a committed LAST, otherwise start it afresh,
-                clearing what a run without any committed LAST left (a run that failed before
-                training, or was killed before its first LAST). A LAST that does not verify is
-                refused, never cleared. Needs ``run_id``; excludes ``resume_from``.
+            resume: ``"auto"``: resume this trainer's ``run_id`` statefully when it has a committed LAST,
+                otherwise start it afresh (what a run without one left is cleared; a LAST that does
+                not verify is refused, never cleared). Needs ``run_id``; excludes ``resume_from``.
 
         Raises:
             ConfigError: bad ``epochs``/``resume_mode``/``resume`` (a ``resume_mode`` other than
@@ -481,85 +347,49 @@ class Trainer:
             ResumeError: the resume point is missing or does not verify, the recipe
                 differs from the run's, or a loader has or lacks a generator of its own
                 the run's had (the reason is named; nothing is restored or erased).
-            LeaseHeldError: another process writes this run (by this path or another: the run
-                directory itself is locked, :mod:`nnx_es.lease`).
-            UnsafePathError: the run directory (as ``runs_root/run_id``), its lease file, log, blob
-                or view directory, or a blob, is a symbolic link, a FIFO, ...; refused before anything
-                is written (or, found later, the run fails naming it).
+            LeaseHeldError: another process writes this run (:mod:`nnx_es.lease`).
+            UnsafePathError: the run directory, its lease file, log, blob or view directory, or a blob,
+                is a symbolic link, a FIFO, ...; refused before anything is written.
             Exception: whatever training raised, after finalization.
         """
         check_fit_args(train_loader, val_loader, epochs=epochs, monitor=self.monitor, resume_mode=resume_mode,
                        resume=resume, resume_from=resume_from, run_id=self.run_id, distributed=self.distributed)
         ensure_logging()
-        with data_parallel(self.distributed, self.net, self.engine, train_loader, "Trainer.fit",
-                           val_loader) as world:
+        with data_parallel(self.distributed, self.net, train_loader, "Trainer.fit", val_loader) as (world, module):
+            window = global_batch_accumulation(self.engine.accumulation, world, train_loader)  # elastic mode
+            engine = self.engine if window is None else self.engine.under(None, accumulation=window)
+            components = RunComponents(net=self.net, optimizers=self.optimizers, schedulers=self.schedulers,
+                                       engine=engine, update_hooks=self.update_hooks, monitor=self.monitor,
+                                       callbacks=self.callbacks, loaders={"train": train_loader, "val": val_loader},
+                                       world=world)
             if world.distributed and self.run_id is None:  # one id for every rank: the writer's
                 self.run_id = world.share(new_run_id())
             if world.distributed:  # every rank runs the same recipe (nnx_es.distributed.alike)
-                declared = declaration(
-                    self._declare("", None), train_loader, val_loader, net=self.net, optimizers=self.optimizers,
-                    objective=self.objective, schedulers=self.schedulers, callbacks=self.callbacks,
-                    update_hooks=self.update_hooks,
-                    steps={"train_step_fn": self.engine.train_step_fn, "eval_step_fn": self.eval_step_fn,
-                           "trainer_step_fn": self.trainer_step_fn, "val_batch_callback": self.val_batch_callback},
-                    trainer_settings={
-                        "validate_every": self.cadence.every, "validate_every_steps": self.cadence.every_steps,
-                        "final_validation": self.final_validation, "nonfinite": self.nonfinite,
-                        "checkpoint_lag": self.lag, "phase_every": self.phase_every, "keep_phases": self.keep_phases,
-                        "keep_last": self.keep_last, "keep_best": self.keep_best, "metrics": self.metrics,
-                        "batch_gather": self.batch_gather, "custom_step": self.custom_step},
-                    own_partition=self.distributed is not None and self.distributed.own_partition,
-                    fit_args={"run_id": self.run_id, "epochs": epochs, "resume": resume, "resume_mode": resume_mode,
-                              "resume_from": resume_from, "resume_at": resume_at})
-                check_alike(world, declared, logged={"library versions": library_versions(), "recipe": self.recipe})
+                check_trainer_alike(world, self, self._declare(components, "", None), train_loader, val_loader,
+                                    fit_args={"run_id": self.run_id, "epochs": epochs, "resume": resume,
+                                              "resume_mode": resume_mode, "resume_from": resume_from,
+                                              "resume_at": resume_at},
+                                    logged={"library versions": library_versions(), "recipe": self.recipe})
             return self._fit(train_loader, val_loader, epochs=epochs, resume_from=resume_from,
-                             resume_mode=resume_mode, resume=resume, resume_at=resume_at, world=world)
+                             resume_mode=resume_mode, resume=resume, resume_at=resume_at, components=components,
+                             module=module)
 
     def _fit(self, train_loader: Iterable[Any], val_loader: Iterable[Any] | None, *, epochs: int,
              resume_from: str | Path | None, resume_mode: str, resume: str | None, resume_at: int | str | None,
-             world: World) -> RunResult:
-        self.components.generators = {"train": LoaderGenerators.of(train_loader),
-                                      "val": LoaderGenerators.of(val_loader)}
-        self.components.loaders = {"train": train_loader, "val": val_loader}  # their geometry goes in run_started
-        self.components.world = world
-        callbacks = CallbackList(self.callbacks)
+             components: RunComponents, module: Any) -> RunResult:
         with open_session(runs_root=self.runs_root, run_id=self.run_id, seed=self.seed, resume_from=resume_from,
                           resume_mode=resume_mode, auto=resume == "auto", resume_at=resume_at, epochs=epochs,
-                          components=self.components, world=world,
-                          declare=self._declare) as session:
-            state = self.state = self.ctx.state = session.state
-            state.after_opening = [*self.components.take_notes(), *opening_events(self.net)]
+                          components=components, world=components.world,
+                          declare=lambda run_id, source: self._declare(components, run_id, source)) as session:
+            scope = RunScope(self.plan, session, components, module)
+            state, self.state, self.ctx = scope.state, scope.state, scope.ctx
+            state.after_opening = [*components.take_notes(), *opening_events(self.net)]
             self.run_id, self.runs_root, self.run_dir = state.run_id, state.runs_root, state.run_dir
-            self.engine.begin_run(state, callbacks)
-            self.rows.begin_run(state.recorder.log, state.store, state.run_id, world=state.world)
-            committer = Committer(state, self.components, callbacks, self.ctx, lag=self.lag,
-                                  phase_every=self.phase_every, keep_phases=self.keep_phases, keep_last=self.keep_last,
-                                  keep_best=self.keep_best, pointers=session.checkpoints)
-            finalization = Finalization(state, callbacks, committer, self.stages, self.ctx)
-            loop = TrainingLoop(
-                state=state, ctx=self.ctx, net=self.net, optimizers=self.optimizers, schedulers=self.schedulers,
-                monitor=self.monitor, engine=self.engine, callbacks=callbacks, stages=self.stages,
-                committer=committer, finalization=finalization, validate=self.validate, cadence=self.cadence,
-                step_fn=self.trainer_step_fn, custom_step=self.custom_step, batch_gather=self.batch_gather,
-                progress=Progress(self.progress_enabled), nonfinite=self.nonfinite, device=self.device,
-                final_validation=self.final_validation,
-                digest=ParamDigest(self.net, world, self.distributed.digest_every)
-                if world.distributed and self.distributed is not None else None,
-                rows=self.rows,
-            )
-            live = None
-            if self.sinks and state.world.is_writer:
-                live = LiveSinks(state.run_dir, state.recorder.log, state.recorder.log.next_seq, self.sinks)
-                committer.on_durable = live.collect
-            try:
-                loop.run(train_loader, val_loader, epochs, session.opening, session.start_epoch)
-            finally:
-                if live is not None:
-                    live.close()
+            scope.run(train_loader, val_loader, epochs)
         if not state.world.is_writer:  # every rank returns the writer's run (its records and provenance)
             return state.world.share(None)  # type: ignore[no-any-return]
-        if finalization.projection is not None:  # the log as finalization projected it for the views
-            projections, n_events = finalization.projection
+        if scope.finalization.projection is not None:  # the log as finalization projected it for the views
+            projections, n_events = scope.finalization.projection
             result = result_of(projections, state.run_dir, n_events)
         else:
             result = load_result(state.run_dir)

@@ -31,10 +31,11 @@ from nnx_es.argchecks import as_number
 _HOOK_NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")
 
 if TYPE_CHECKING:
-    from nnx_es.context import TrainContext
-    from nnx_es.engine import UpdateEngine
+    from nnx_es.runtime.context import TrainContext
+    from nnx_es.runtime.engine import UpdateEngine, UpdateSettings
 
-__all__ = ["EMA", "GradientAccumulation", "GradientClipping", "MixedPrecision", "UpdateHook", "UpdateOrchestrator"]
+__all__ = ["EMA", "GradientAccumulation", "GradientClipping", "MixedPrecision", "UpdateHook", "UpdateOrchestrator",
+           "collect", "settings_of"]
 
 
 class UpdateHook:
@@ -47,7 +48,9 @@ class UpdateHook:
         return type(self).__name__
 
     def configure(self, engine: UpdateEngine) -> None:
-        """Adjust the engine once, at construction (window size, clipping, precision)."""
+        """Once, after the engine is built: read what the hook needs of it (the net, its GradScaler).
+        The window size, clipping and precision are settings the engine is built with
+        (:func:`settings_of` reads the built-in hooks), not written here."""
 
     def backward(self, ctx: TrainContext, total: Tensor) -> None:
         """``DO_BACKWARD`` when owned: backpropagate the microbatch numerator ``total`` (0-dim)."""
@@ -129,9 +132,6 @@ class GradientAccumulation(UpdateHook):
             raise ConfigError(f"GradientAccumulation steps must be an int >= 1, got {steps!r}")
         self.steps = steps
 
-    def configure(self, engine: UpdateEngine) -> None:
-        engine.accumulation = self.steps
-
 
 class GradientClipping(UpdateHook):
     """Clip the total gradient L2 norm to ``max_norm`` (after unscaling; the receipt keeps the pre-clip norm)."""
@@ -141,9 +141,6 @@ class GradientClipping(UpdateHook):
         if not value > 0 or math.isinf(value):
             raise ConfigError(f"clip_grad_norm (GradientClipping max_norm) must be a number > 0, got {max_norm!r}")
         self.max_norm = value
-
-    def configure(self, engine: UpdateEngine) -> None:
-        engine.clip_grad_norm = self.max_norm
 
 
 class MixedPrecision(UpdateHook):
@@ -164,8 +161,7 @@ class MixedPrecision(UpdateHook):
             self.owns = frozenset({TrainingStage.DO_BACKWARD, TrainingStage.DO_OPTIMIZER_STEP})
 
     def configure(self, engine: UpdateEngine) -> None:
-        engine.set_precision(self.dtype, init_scale=self.init_scale)
-        self._engine = engine
+        self._engine = engine  # its GradScaler (which a user may replace before training)
 
     def backward(self, ctx: TrainContext, total: Tensor) -> None:
         self._engine.scaler.scale(total).backward()  # type: ignore[union-attr]
@@ -190,7 +186,7 @@ class EMA(UpdateHook):
 
     Several averages (``EMA(0.9, name="fast"), EMA(0.999, name="slow")``) need distinct
     ``name``s; the first one listed is the one validation evaluates. A stateful resume
-    needs the run's averages: the same names in the same order (:mod:`nnx_es.session`).
+    needs the run's averages: the same names in the same order (:mod:`nnx_es.runtime.session`).
 
     Raises:
         ConfigError: ``decay`` is not in (0, 1), or ``name`` is not 1-64 characters of
@@ -245,3 +241,37 @@ def collect(hooks: Iterable[Any]) -> tuple[list[UpdateHook], list[Any]]:
     for h in hooks:
         (update if isinstance(h, UpdateHook) else stage).append(h)
     return update, stage
+
+
+def settings_of(update_hooks: list[UpdateHook], *, accumulation: int = 1, clip_grad_norm: float | None = None,
+                precision: str = "fp32", track_grad_norm: bool = False) -> tuple[list[UpdateHook], UpdateSettings]:
+    """The update hooks with the Trainer's shortcut arguments added as hooks, and the engine's
+    settings they give (the last hook of a kind decides; its defaults otherwise).
+
+    Raises:
+        ConfigError: a shortcut argument and a hook of its kind both given.
+    """
+    from nnx_es.runtime.engine import UpdateSettings
+
+    update_hooks = list(update_hooks)
+    for kwarg, value, default, cls in (("accumulation", accumulation, 1, GradientAccumulation),
+                                       ("clip_grad_norm", clip_grad_norm, None, GradientClipping),
+                                       ("precision", precision, "fp32", MixedPrecision)):
+        if value != default and any(isinstance(h, cls) for h in update_hooks):
+            raise ConfigError(f"{kwarg}={value!r} and a {cls.__name__} hook both configure the same thing; "
+                              "give one of them")
+    if accumulation != 1:
+        update_hooks.append(GradientAccumulation(accumulation))
+    if clip_grad_norm is not None:
+        update_hooks.append(GradientClipping(clip_grad_norm))
+    if precision != "fp32":
+        update_hooks.append(MixedPrecision(precision))
+    settings: dict[str, Any] = {"track_grad_norm": track_grad_norm}
+    for h in update_hooks:
+        if isinstance(h, GradientAccumulation):
+            settings["accumulation"] = h.steps
+        elif isinstance(h, GradientClipping):
+            settings["clip_grad_norm"] = h.max_norm
+        elif isinstance(h, MixedPrecision):
+            settings["precision"], settings["init_scale"] = h.dtype, h.init_scale
+    return update_hooks, UpdateSettings(**settings)

@@ -48,7 +48,8 @@ from nnx_es.audit.fold import CommittedFold
 from nnx_es.audit.reading import decoded, open_run_log
 from nnx_es.audit.report import AuditReport, Sink
 from nnx_es.audit.segments import run_segments
-from nnx_es.audit.sequence import CommitOrderCheck, DigestCheck, FinalizationCheck, LifecycleCheck
+from nnx_es.audit.digests import DigestCheck
+from nnx_es.audit.sequence import CommitOrderCheck, FinalizationCheck, LifecycleCheck
 from nnx_es.audit.snapshots import SnapshotCheck
 from nnx_es.audit.spec import SpecHashCheck
 from nnx_es.audit.world import WorldCheck

@@ -47,7 +47,8 @@ from events.schema import Event, MicrobatchDone, RunStarted, UpdateCommitted
 from events.sums import SumProblem
 from nnx_es.audit.committed import CommittedCheck
 from nnx_es.audit.report import Sink
-from nnx_es.audit.sequence import CommitOrderCheck, DigestCheck, FinalizationCheck, LifecycleCheck
+from nnx_es.audit.digests import DigestCheck
+from nnx_es.audit.sequence import CommitOrderCheck, FinalizationCheck, LifecycleCheck
 from nnx_es.audit.snapshots import SnapshotCheck
 from nnx_es.audit.spec import SpecHashCheck
 from nnx_es.audit.world import WorldCheck

@@ -41,7 +41,7 @@ from nnx_es.loaders import loader_geometries
 if TYPE_CHECKING:
     from events.schema import RunStarted
 
-__all__ = ["check_alike", "data_fingerprint", "declaration", "describe_callable", "settings"]
+__all__ = ["check_alike", "check_trainer_alike", "data_fingerprint", "declaration", "describe_callable", "settings"]
 
 log = structlog.get_logger("nnx_es.distributed")
 
@@ -198,7 +198,7 @@ def check_alike(world: Any, declared: dict[str, Any], *, logged: dict[str, Any] 
     """Refuse, on every rank alike, a run whose ranks declare it differently (see the module docstring).
 
     Args:
-        world: the run's world (:class:`~nnx_es.run_state.World`); one process: nothing is checked.
+        world: the run's world (:class:`~nnx_es.runtime.run_state.World`); one process: nothing is checked.
         declared: this rank's declaration, by field (any values: compared as builtins, memory
             addresses in a repr left out).
         logged: what may differ between hosts and is only logged when it does (library versions,
@@ -256,3 +256,29 @@ def _focus(values: list[Any]) -> tuple[str, list[Any]]:
 def _short(value: Any, limit: int = 160) -> str:
     text = msgspec.json.encode(value, order="deterministic").decode()
     return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def check_trainer_alike(world: Any, trainer: Any, started: RunStarted, train_loader: Any, val_loader: Any,
+                        fit_args: Mapping[str, Any], logged: Mapping[str, Any]) -> None:
+    """:func:`check_alike` of a :class:`~nnx_es.Trainer`'s :func:`declaration` (its ``started`` declaration,
+    its components, step functions and the settings that decide when the ranks meet) and ``fit_args``.
+
+    Raises:
+        ConfigError: see :func:`check_alike`.
+    """
+    plan = trainer.plan
+    loop, commit = plan.loop, plan.commit
+    declared = declaration(
+        started, train_loader, val_loader, net=trainer.net, optimizers=trainer.optimizers,
+        objective=trainer.objective, schedulers=trainer.schedulers, callbacks=trainer.callbacks,
+        update_hooks=trainer.update_hooks,
+        steps={"train_step_fn": trainer.engine.train_step_fn, "eval_step_fn": trainer.eval_step_fn,
+               "trainer_step_fn": loop.step_fn, "val_batch_callback": trainer.val_batch_callback},
+        trainer_settings={
+            "validate_every": loop.cadence.every, "validate_every_steps": loop.cadence.every_steps,
+            "final_validation": loop.final_validation, "nonfinite": loop.nonfinite,
+            "checkpoint_lag": commit.lag, "phase_every": commit.phase_every, "keep_phases": commit.keep_phases,
+            "keep_last": commit.keep_last, "keep_best": commit.keep_best, "metrics": plan.metrics,
+            "batch_gather": loop.batch_gather, "custom_step": loop.custom_step},
+        own_partition=trainer.distributed is not None and trainer.distributed.own_partition, fit_args=fit_args)
+    check_alike(world, declared, logged=logged)

@@ -302,9 +302,10 @@ def registered_backends() -> tuple[str, ...]:
 
 
 def _torch_ddp() -> Any:
-    from nnx_es.distributed.torch_backend import TorchDDPBackend
+    import importlib
 
-    return TorchDDPBackend()
+    # by its module's name: the backend is looked up lazily, on first use, and this module imports none of it
+    return importlib.import_module("nnx_es.distributed.torch_backend").TorchDDPBackend()
 
 
 register_training_backend("torch-ddp", _torch_ddp)

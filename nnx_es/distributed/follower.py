@@ -1,7 +1,7 @@
 """What a rank that is not the writer records into: an in-memory log and blob store.
 
 Only the writer rank holds the lease and writes ``runs/`` (spec 000 §3 "One writer"). Every
-other rank folds the same lifecycle events through its own :class:`~nnx_es.recorder.Recorder`
+other rank folds the same lifecycle events through its own :class:`~nnx_es.runtime.recording.Recorder`
 -- so its machine, counters and projections decide alike -- over a
 :class:`~events.logbase.MemoryLog`, and keeps the checkpoint blobs its committer forms in a
 :class:`FollowerBlobStore` in memory: it never creates, reads or writes a file of the run.

@@ -20,9 +20,9 @@ from dataclasses import dataclass
 
 import structlog
 
-from nnx_es.distributed import elastic
+import nnx_es.distributed.elastic as elastic
 from nnx_es.errors import ConfigError
-from nnx_es.run_state import World
+from nnx_es.runtime.run_state import World
 
 __all__ = ["DDP", "env_world_size", "refuse_group", "shutdown"]
 
@@ -114,7 +114,7 @@ class DDP:
                               f"end), got {self.digest_every!r}")
 
     def world(self) -> World:
-        """This process's :class:`~nnx_es.run_state.World`, initializing the process group if needed.
+        """This process's :class:`~nnx_es.runtime.run_state.World`, initializing the process group if needed.
 
         Reuses an initialized group (its rank and size); otherwise reads ``RANK``,
         ``WORLD_SIZE``, ``LOCAL_RANK`` (and ``MASTER_ADDR``/``MASTER_PORT``, through the

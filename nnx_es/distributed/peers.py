@@ -6,7 +6,7 @@ and the writer rank, the only one whose log is kept, would record that symptom a
 rank that fails posts ``"<class>: <message>"`` to the process group's key-value store (the one
 ``torchrun`` started the group with: it outlives a rank) under the run's session and its rank, and a
 rank recording its own failure reads what the others posted, without waiting: the writer's
-``run_failed`` then leads with the cause (:func:`cause_first`, :class:`~nnx_es.finalize.Finalization`)
+``run_failed`` then leads with the cause (:func:`cause_first`, :class:`~nnx_es.runtime.finalize.Finalization`)
 -- its class and message first, this rank's symptom after -- so ``inspect summary`` shows it first.
 Nothing here raises: a store that cannot be reached leaves the record as it was.
 """

@@ -4,7 +4,7 @@ A run whose train loader is an :func:`~nnx_es.distributed.elastic_loader` (elast
 its global batch ``G`` (:mod:`nnx_es.distributed.global_batch`). Then:
 
 * each ``fit`` takes its accumulation window from the loader's plan for the world it trains in
-  (:func:`global_batch_window`): ``G / world_size`` rows per rank and update, in
+  (:func:`global_batch_accumulation`): ``G / world_size`` rows per rank and update, in
   ``accumulation`` microbatches;
 * a stateful resume (or a fork) of an elastic checkpoint may run on another world size that
   divides ``G`` (or another microbatch split) -- the specification's rule for an exact resume
@@ -24,16 +24,15 @@ with another global batch, data set size, seed or shuffling.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from events.schema import WorldChanged
-from nnx_es.distributed.global_batch import GlobalBatchPlan, GlobalBatchSampler
+from nnx_es.distributed.global_batch import GlobalBatchSampler
 from nnx_es.errors import ConfigError, ResumeError
 from nnx_es.run_state import World
 
-__all__ = ["KEPT", "elastic_topology", "global_batch_sampler", "global_batch_window", "refuse_elastic_checkpoint",
+__all__ = ["KEPT", "elastic_topology", "global_batch_sampler", "global_batch_accumulation", "refuse_elastic_checkpoint",
            "resume_streams", "successor_streams"]
 
 #: what an elastic resume keeps from its checkpoint's deal (another world size and microbatch split may differ)
@@ -53,25 +52,23 @@ def elastic_topology(loaders: Mapping[str, Any]) -> dict[str, Any] | None:
     return sampler.describe() if sampler is not None else None
 
 
-@contextmanager
-def global_batch_window(engine: Any, world: World, train_loader: Any) -> Iterator[GlobalBatchPlan | None]:
-    """For one ``fit``: the update engine's window is the elastic train loader's accumulation (then 1 again).
-
-    Yields the loader's plan, or None (and changes nothing) when the loader is not elastic.
+def global_batch_accumulation(accumulation: int, world: World, train_loader: Any) -> int | None:
+    """For one ``fit``: the accumulation window an elastic train loader deals on ``world`` (its plan's
+    microbatches per rank and update), or None when the loader is not elastic. ``accumulation``: the
+    trainer's own window, which must be 1 (the global batch sets it).
 
     Raises:
-        ConfigError: on every rank alike, when a rank's engine already has a window of its own
+        ConfigError: on every rank alike, when the trainer already has a window of its own
             (``Trainer(accumulation=)`` or a ``GradientAccumulation`` hook: the global batch sets it),
             or the loader was built for another rank or world size than the fit's.
     """
     sampler = global_batch_sampler(train_loader)
     if sampler is None:
-        yield None
-        return
+        return None
     plan = sampler.plan
     mine = None
-    if engine.accumulation != 1:
-        mine = (f"this trainer accumulates {engine.accumulation} microbatches per update (Trainer(accumulation=) or a "
+    if accumulation != 1:
+        mine = (f"this trainer accumulates {accumulation} microbatches per update (Trainer(accumulation=) or a "
                 f"GradientAccumulation hook), but an elastic_loader sets the window itself: global_batch="
                 f"{plan.global_batch} on {world.size} rank(s) is {plan.accumulation} microbatch(es) of "
                 f"{plan.microbatch_rows} rows per rank; drop accumulation= (declare elastic_loader(..., microbatch=) "
@@ -83,11 +80,7 @@ def global_batch_window(engine: Any, world: World, train_loader: Any) -> Iterato
     if world.agree_flag(mine is not None):  # the same refusal on every rank: none goes on into a collective
         why = [w for w in world.gather(mine) if w is not None]
         raise ConfigError(f"{why[0]}; nothing was trained")
-    engine.accumulation = plan.accumulation
-    try:
-        yield plan
-    finally:
-        engine.accumulation = 1
+    return int(plan.accumulation)
 
 
 def _fresh_streams(donor: Mapping[str, Any], rank: int) -> dict[str, Any]:

@@ -74,7 +74,7 @@ class TorchDDPBackend:
         """
         if plan is not None:
             self.check(plan)
-        from nnx_es.distributed import DDP  # the trainer path: imported only when a run asks for it
+        from nnx_es.distributed.group import DDP  # the trainer path: imported only when a run asks for it
 
         return DDP(**options)
 

@@ -3,9 +3,9 @@
 :func:`check_distributed` refuses, when the trainer is built, what this data-parallel path
 does not execute (each refusal names what to do instead). :func:`data_parallel` is the
 context of one ``fit``: it joins the process group (:meth:`DDP.world`), checks that every
-rank takes the same number of steps, wraps the net in ``DistributedDataParallel`` for the
-update engine -- the net itself is never replaced, so checkpoints hold its own keys (no
-``module.`` prefix) -- and unwraps it when the fit ends. Without ``DDP`` it refuses a
+rank takes the same number of steps, and wraps the net in ``DistributedDataParallel`` for the
+update engine's data-parallel strategy (:class:`nnx_es.runtime.parallel.DataParallel`) -- the
+net itself is never replaced, so checkpoints hold its own keys (no ``module.`` prefix). Without ``DDP`` it refuses a
 process that is one of several ranks.
 """
 
@@ -19,10 +19,9 @@ from torch import nn
 
 from nnx_es.distributed.digest import params_digest, ranks_apart
 from nnx_es.distributed.group import DDP, refuse_group
-from nnx_es.distributed.resize import global_batch_window
 from nnx_es.errors import ConfigError, DivergenceError
 from nnx_es.loaders import length_of
-from nnx_es.run_state import World
+from nnx_es.runtime.run_state import World
 
 __all__ = ["check_distributed", "data_parallel", "evaluation_world", "is_writer_rank"]
 
@@ -90,9 +89,10 @@ def is_writer_rank(ddp: DDP) -> bool:
 
 
 @contextmanager
-def data_parallel(ddp: DDP | None, net: nn.Module, engine: Any, train_loader: Any, entry: str,
-                  val_loader: Any = None) -> Iterator[World]:
-    """The world of one ``fit`` (see the module docstring); the engine runs through DDP inside it.
+def data_parallel(ddp: DDP | None, net: nn.Module, train_loader: Any, entry: str,
+                  val_loader: Any = None) -> Iterator[tuple[World, Any]]:
+    """The world of one ``fit`` and the ``DistributedDataParallel`` wrapper of ``net`` the engine runs
+    through (None without ``ddp``; see the module docstring).
 
     Raises:
         ConfigError: without ``ddp``, a group of more than one rank; with it, a train loader
@@ -102,8 +102,7 @@ def data_parallel(ddp: DDP | None, net: nn.Module, engine: Any, train_loader: An
     """
     if ddp is None:
         refuse_group(entry)
-        with global_batch_window(engine, World(), train_loader):  # elastic mode in one process
-            yield World()
+        yield World(), None
         return
     import torch
     from torch.nn.parallel import DistributedDataParallel
@@ -126,12 +125,7 @@ def data_parallel(ddp: DDP | None, net: nn.Module, engine: Any, train_loader: An
         wrapper = DistributedDataParallel(net, device_ids=device_ids, forward_sync_buffers=False)
     except TypeError:  # a torch before forward_sync_buffers
         wrapper = DistributedDataParallel(net, device_ids=device_ids, broadcast_buffers=False)
-    engine.use_ddp(wrapper)
-    try:
-        with global_batch_window(engine, world, train_loader):  # elastic mode: the window G / world gives
-            yield world
-    finally:
-        engine.use_ddp(None)
+    yield world, wrapper
 
 
 def _partition_of(loader: Any) -> tuple[int | None, int | None, Any]:

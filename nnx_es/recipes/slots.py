@@ -150,7 +150,7 @@ SLOTS: dict[str, Slot] = {s.name: s for s in (
     Slot("hook", ("nnx_es.update_hooks:UpdateHook",), ("nnx_es.update_hooks",)),
     Slot("monitor", ("nnx_es.monitor:Monitor",), ("nnx_es.monitor.Monitor",)),
     Slot("data", (), (), ("nnx_es.recipes.data.tabular",)),
-    Slot("step", (), (), ("nnx_es.engine.default_forward", "nnx_es.engine.default_train_step"), holds="function"),
+    Slot("step", (), (), ("nnx_es.runtime.engine.default_forward", "nnx_es.runtime.steps.default_train_step"), holds="function"),
     Slot("lr_lambda", holds="function"),
     Slot("callback_hook", holds="function"),
     Slot("loss_function", holds="function"),

@@ -16,7 +16,7 @@ a :class:`~nnx_es.rows.journal.HistoryJournal`, chunks and a manifest (``journal
 Under data parallelism (spec 000 §3 "Records and decisions": records are global, the same on
 every rank) each rank records the rows of its own batches; at the epoch's close the ranks'
 records are gathered (one all-gather of every rank's host arrays, :meth:`World.gather
-<nnx_es.run_state.World.gather>`, only when the epoch's agreement said some rank recorded any),
+<nnx_es.runtime.run_state.World.gather>`, only when the epoch's agreement said some rank recorded any),
 so every rank checks, sorts and shows the union alike; every rank emits the same events, and the
 writer alone writes them (and, with a journal, its chunks: the other ranks only name them, by
 their SHA-256, and keep none). A resume's window comes from the writer (one broadcast per fit).
@@ -45,11 +45,11 @@ from nnx_es.errors import ConfigError
 from nnx_es.objective import Objective, accuracy_kind, ignored_mask, row_losses
 from nnx_es.rows.columns import SPLITS, VALUES, EpochRows, Part, RowView
 from nnx_es.rows.journal import HistoryJournal, manifest_parts
-from nnx_es.run_state import World
+from nnx_es.runtime.run_state import World
 
 if TYPE_CHECKING:
     from events.log import EventLog
-    from nnx_es.recorder import Recorder
+    from nnx_es.runtime.recording import Recorder
     from nnx_es.storage import BlobStore
 
 #: one split of one rank's epoch, as read to the host: (row ids int64 (N,), values float32 (len(VALUES), N),
@@ -192,15 +192,16 @@ class RowRecorder:
     # --- per batch (no host read) -------------------------------------------------------------
 
     def train_batch(self, batch: Any, outputs: Tensor, targets: Tensor) -> None:
-        """A training microbatch (called by the update engine after its loss)."""
-        self._add("train", batch, outputs, targets)
+        """A training microbatch (the step recorder calls :meth:`add` with ``"train"``)."""
+        self.add("train", batch, outputs, targets)
 
     def val_batch(self, batch: Any, outputs: Tensor, targets: Tensor) -> None:
         """A validation batch (recorded during the epoch's own validation only)."""
         if self.validating:
-            self._add("val", batch, outputs, targets)
+            self.add("val", batch, outputs, targets)
 
-    def _add(self, split: str, batch: Any, outputs: Tensor, targets: Tensor) -> None:
+    def add(self, split: str, batch: Any, outputs: Tensor, targets: Tensor) -> None:
+        """One batch of ``split`` (``"train"`` or ``"val"``): its row values, when it carries row ids."""
         ids = row_ids_of(batch)
         if ids is None:
             self._plain[split] += 1

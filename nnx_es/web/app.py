@@ -48,7 +48,7 @@ from nnx_es.audit import NotARunError
 from nnx_es.cli._common import writer_alive
 from nnx_es.cli._format import json_line
 from nnx_es.errors import CorruptCheckpointError, InvalidRunIdError
-from nnx_es.web import api
+import nnx_es.web.api as api
 from nnx_es.web.reading import RunsRoot
 
 __all__ = ["LOOPBACK_HOSTS", "STATIC", "create_app", "hosts_for", "is_loopback"]

@@ -13,7 +13,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import scenario_base  # noqa: E402
 import scenarios  # noqa: E402
-from nnx_es.run_state import World  # noqa: E402
+from nnx_es.runtime.run_state import World  # noqa: E402
 
 
 def max_logit(outputs: Any, targets: Any) -> Any:

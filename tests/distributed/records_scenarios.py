@@ -18,7 +18,7 @@ from torch.utils.data import TensorDataset  # noqa: E402
 
 import scenario_base  # noqa: E402
 import scenarios  # noqa: E402
-from nnx_es.run_state import World  # noqa: E402
+from nnx_es.runtime.run_state import World  # noqa: E402
 
 N_VAL = 9  # odd: the ranks' validation shards differ in size (5 and 4 rows)
 

@@ -13,7 +13,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from nnx_es.run_state import World  # noqa: E402
+from nnx_es.runtime.run_state import World  # noqa: E402
 
 torch.set_num_threads(1)
 

@@ -16,7 +16,7 @@ import torch.distributed as dist  # noqa: E402
 
 import launch  # noqa: E402
 from nnx_es.distributed import DDP  # noqa: E402
-from nnx_es.run_state import World  # noqa: E402
+from nnx_es.runtime.run_state import World  # noqa: E402
 from scenario_base import case, error, train  # noqa: E402
 
 
@@ -37,7 +37,7 @@ def writer_only(world: World, out: Path) -> dict[str, Any]:
 @case
 def commit_fault(world: World, out: Path) -> dict[str, Any]:
     """A write fault on the writer at epoch 1's commit stops both ranks; epoch 0 stays committed."""
-    import nnx_es.commit as commit_mod
+    import nnx_es.runtime.commit as commit_mod
     from nnx_es.errors import CheckpointWriteError
 
     real = commit_mod.encode_checkpoint

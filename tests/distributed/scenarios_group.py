@@ -13,7 +13,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from nnx_es.distributed import DDP, partition_indices, shard_indices  # noqa: E402
-from nnx_es.run_state import World  # noqa: E402
+from nnx_es.runtime.run_state import World  # noqa: E402
 from scenario_base import case, train  # noqa: E402
 
 
@@ -92,20 +92,20 @@ def fused_hook(world: World, out: Path) -> dict[str, Any]:
 @case
 def staging_ways(world: World, out: Path) -> dict[str, Any]:
     """The ignored-targets fit (ignore_index, unequal per rank) and the weighted equivalence fit with the
-    window's agreement staged from the host (nnx_es.engine_ddp.HOST_PARTS_ON_CPU, the CPU default) and
+    window's agreement staged from the host (nnx_es.runtime.parallel.HOST_PARTS_ON_CPU, the CPU default) and
     on the device, the ignored rows counted on the host and on the device: parameters and receipts."""
     import ddpkit
-    import nnx_es.engine_ddp
+    import nnx_es.runtime.parallel
     import nnx_es.objective
     from nnx_es import Trainer
     from nnx_es.distributed import DDP, train_loader
 
     x, y = ddpkit.ignored_data()
     got: dict[str, Any] = {}
-    saved = nnx_es.engine_ddp.HOST_PARTS_ON_CPU, nnx_es.objective.HOST_COUNT_ON_CPU
+    saved = nnx_es.runtime.parallel.HOST_PARTS_ON_CPU, nnx_es.objective.HOST_COUNT_ON_CPU
     try:
         for parts in (True, False):
-            nnx_es.engine_ddp.HOST_PARTS_ON_CPU = parts
+            nnx_es.runtime.parallel.HOST_PARTS_ON_CPU = parts
             for count in (True, False):
                 nnx_es.objective.HOST_COUNT_ON_CPU = count
                 run_id = f"ways_{int(parts)}{int(count)}"
@@ -121,7 +121,7 @@ def staging_ways(world: World, out: Path) -> dict[str, Any]:
                                           "receipts": ddpkit.receipts(out / "runs" / f"ways_equiv_{int(parts)}")
                                           if world.is_writer else None}
     finally:
-        nnx_es.engine_ddp.HOST_PARTS_ON_CPU, nnx_es.objective.HOST_COUNT_ON_CPU = saved
+        nnx_es.runtime.parallel.HOST_PARTS_ON_CPU, nnx_es.objective.HOST_COUNT_ON_CPU = saved
     return {"runs": got}
 
 

@@ -13,7 +13,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from nnx_es.distributed import DDP  # noqa: E402
-from nnx_es.run_state import World  # noqa: E402
+from nnx_es.runtime.run_state import World  # noqa: E402
 from scenario_base import case, error, train  # noqa: E402
 
 

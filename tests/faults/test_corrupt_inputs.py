@@ -122,7 +122,7 @@ def test_a_flipped_byte_in_a_stored_event_is_refused_naming_its_seq(template, tm
 
 def _snapshotted_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Path, Any, int]:
     """A finished run with a projection snapshot every few events: (run dir, result, newest snapshot's seq)."""
-    from nnx_es import recorder
+    from nnx_es.runtime import recording as recorder
 
     monkeypatch.setattr(recorder, "SNAPSHOT_EVERY", 5)
     runs = tmp_path / "runs"

@@ -15,7 +15,8 @@ from torch import nn
 from crashkit import kill_at_event, run_killed
 from events.log import LmdbLog
 from events.schema import LastCommitted, RunResumed, RunStarted, UpdateCommitted
-from nnx_es import Callback, EarlyStopping, Trainer, checkpoint, snapshot
+from nnx_es import Callback, EarlyStopping, Trainer, checkpoint
+from nnx_es.runtime import components as snapshot
 from nnx_es.checkpoint import read_manifest
 from nnx_es.errors import ConfigError, ResumeError
 from nnx_es.storage import BlobStore

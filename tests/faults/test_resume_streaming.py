@@ -21,7 +21,9 @@ from bench.logbench import long_run_log
 from events import keys
 from events.log import LmdbLog
 from events.schema import LastCommitted
-from nnx_es import EarlyStopping, load_result, recorder, resume, session
+from nnx_es import EarlyStopping, load_result, resume
+from nnx_es.runtime import recording as recorder
+from nnx_es.runtime import session
 from nnx_es.audit import audit_run
 from nnx_es.errors import ResumeError
 from nnx_es.lifecycle import compiled_table

@@ -14,7 +14,7 @@ from torch.utils.data import DataLoader, RandomSampler, TensorDataset
 from crashkit import kill_at_event, run_killed
 from events.schema import ValidationDone
 from nnx_es import Callback, Trainer
-from nnx_es.engine import default_forward
+from nnx_es.runtime.engine import default_forward
 from nnx_es.errors import ResumeError
 from projections import committed
 from trainkit import blobs_data, loaders, read_events, small_net

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from events.log import LmdbLog
-from nnx_es import recorder
+from nnx_es.runtime import recording as recorder
 from nnx_es.testing import Fit, crash_test
 from trainkit import tiny_fit
 

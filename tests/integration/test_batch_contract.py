@@ -15,7 +15,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from nnx_es import Trainer
 from nnx_es.batches import split_batch, weighted_forward
-from nnx_es.engine import default_forward
+from nnx_es.runtime.engine import default_forward
 from nnx_es.errors import ConfigError, NnxError
 from nnx_es.metrics import evaluate
 from nnx_es.objective import Objective

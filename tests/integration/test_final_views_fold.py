@@ -8,8 +8,8 @@ import pytest
 import torch
 from torch import nn
 
-import nnx_es.finalize as finalize
-import nnx_es.recorder as recorder
+import nnx_es.runtime.finalize as finalize
+import nnx_es.runtime.recording as recorder
 from events.log import LmdbLog
 from nnx_es import Trainer
 from nnx_es.audit.snapshots import project_log

@@ -58,11 +58,11 @@ class HostReads(TorchDispatchMode):
 
 @pytest.fixture
 def host_reads(monkeypatch):
-    import nnx_es.engine
+    import nnx_es.runtime.window
 
-    # the device path on every device: the CPU's own reads value by value (nnx_es.engine.READ_EACH_ON_CPU,
+    # the device path on every device: the CPU's own reads value by value (nnx_es.runtime.window.READ_EACH_ON_CPU,
     # nothing to wait for there; the same floats: test_losses_read_once_...) are not what is budgeted
-    monkeypatch.setattr(nnx_es.engine, "READ_EACH_ON_CPU", False)
+    monkeypatch.setattr(nnx_es.runtime.window, "READ_EACH_ON_CPU", False)
     mode = HostReads()
     real = torch.Tensor.tolist
 
@@ -245,16 +245,16 @@ def test_ignored_targets_add_no_host_read_inside_a_window(tmp_path, host_reads, 
         "ignored-acc2-clip", "two-terms-acc3-all-stacked", "ignored-acc4-stacked"])
 def test_the_cpu_reads_value_by_value_write_the_log_the_stacked_read_writes(tmp_path, monkeypatch, terms,
                                                                           accumulation, weighted, extra):
-    """nnx_es.engine.READ_EACH_ON_CPU: a window's losses, terms, ignored rows (counted on the device) and
+    """nnx_es.runtime.window.READ_EACH_ON_CPU: a window's losses, terms, ignored rows (counted on the device) and
     gradients' flag or norm read one by one on the CPU give the floats of the one stacked read: the same log
     (a NaN microbatch, a masked one, ignored targets). A window of more than _READ_EACH_MAX values is stacked."""
-    import nnx_es.engine
+    import nnx_es.runtime.window
     import nnx_es.objective
 
     monkeypatch.setattr(nnx_es.objective, "HOST_COUNT_ON_CPU", False)  # ignored rows: a float64 tensor read
     extra = dict(extra)
-    read_max = extra.pop("read_max", nnx_es.engine._READ_EACH_MAX)
-    monkeypatch.setattr(nnx_es.engine, "_READ_EACH_MAX", read_max)  # 0: every window stacked
+    read_max = extra.pop("read_max", nnx_es.runtime.window.READ_EACH_MAX)
+    monkeypatch.setattr(nnx_es.runtime.window, "READ_EACH_MAX", read_max)  # 0: every window stacked
     sizes = [4, 4, 3, 4, 4, 2, 4]
     data = batches(sizes, seed=5, nan_at=(3,), masks={5: [0.0, 0.0]} if weighted else None)
     for i, batch in enumerate(data):
@@ -262,7 +262,7 @@ def test_the_cpu_reads_value_by_value_write_the_log_the_stacked_read_writes(tmp_
             batch[1][-1] = -100  # an ignored target (not the NaN row)
 
     def fit(run_id, read_each):
-        monkeypatch.setattr(nnx_es.engine, "READ_EACH_ON_CPU", read_each)
+        monkeypatch.setattr(nnx_es.runtime.window, "READ_EACH_ON_CPU", read_each)
         objective = {"ce": nn.CrossEntropyLoss(), "ls": (nn.CrossEntropyLoss(label_smoothing=0.2), 0.5)}
         net = small_net(3)
         trainer = Trainer(net, torch.optim.SGD(net.parameters(), lr=0.1),

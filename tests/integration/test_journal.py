@@ -111,7 +111,7 @@ def test_a_journal_refuses_a_window_or_chunk_size_below_one(kw):
 
 
 def test_readers_stop_at_last_a_failed_last_leaves_the_previous_manifest(tmp_path, monkeypatch):
-    import nnx_es.commit as commit
+    import nnx_es.runtime.commit as commit
     from nnx_es.errors import CheckpointWriteError
 
     real = commit.encode_checkpoint

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from nnx_es import EMA, NNModel, Trainer
-from nnx_es.engine import default_forward
+from nnx_es.runtime.engine import default_forward
 from nnx_es.errors import CheckpointUnavailableError, ConfigError
 from nnx_es.metrics import evaluate
 from nnx_es.objective import Objective

@@ -232,7 +232,7 @@ def test_step_validations_record_nothing_the_epochs_validation_records_once(tmp_
 
 
 def test_records_of_an_epoch_whose_last_failed_are_not_shown(tmp_path, monkeypatch):
-    import nnx_es.commit as commit
+    import nnx_es.runtime.commit as commit
     from nnx_es.errors import CheckpointWriteError
 
     real = commit.encode_checkpoint

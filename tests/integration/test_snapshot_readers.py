@@ -15,7 +15,8 @@ import torch
 from torch import nn
 
 from events.log import LmdbLog
-from nnx_es import Trainer, load_result, recorder
+from nnx_es import Trainer, load_result
+from nnx_es.runtime import recording as recorder
 from nnx_es.audit import audit_run, project_log
 from nnx_es.cli import inspect as inspect_cli
 from nnx_es.result import result_of

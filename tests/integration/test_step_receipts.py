@@ -3,7 +3,7 @@
 ``update_committed`` and ``update_skipped`` carry local and global examples, microbatches,
 accumulation steps, data-parallel size and collective bytes; in one process global equals
 local, the data-parallel size is 1 and no collective moves a byte. The data-parallel seam
-(``UpdateEngine.w_global_den`` / ``w_collective_bytes``) is exercised directly: what the DDP
+(``UpdateEngine.window.global_den`` / ``collective_bytes``) is exercised directly: what the DDP
 path sets is what the receipt says, and the window is divided by the global denominator.
 Expected values are counted from the data here, never read from a previous run.
 """
@@ -64,14 +64,14 @@ def _engine_run(tmp_path, net, sizes, *, global_den=None, nbytes=0):
     trainer = _trainer(tmp_path, net, accumulation=len(sizes))
     engine = trainer.engine
     if global_den is not None:
-        original = engine.finalize_step
+        original = engine.update
 
         def finalize(ctx):
-            engine.w_global_den = global_den
-            engine.w_collective_bytes += nbytes
+            engine.window.global_den = global_den
+            engine.window.collective_bytes += nbytes
             return original(ctx)
 
-        engine.finalize_step = finalize
+        engine.update = finalize
     return trainer.fit(batches(sizes, seed=5), None, epochs=1)
 
 
@@ -98,17 +98,17 @@ def test_the_data_parallel_seam_sets_global_examples_bytes_and_the_divisor(tmp_p
 def test_the_seam_resets_each_window(tmp_path):
     trainer = _trainer(tmp_path, small_net(1), accumulation=1)
     engine = trainer.engine
-    original = engine.finalize_step
+    original = engine.update
     calls = []
 
     def finalize(ctx):
         if not calls:  # only the first window is told of bytes and a global count
-            engine.w_global_den = engine.w_den * 2
-            engine.w_collective_bytes += 100
+            engine.window.global_den = engine.window.den * 2
+            engine.window.collective_bytes += 100
         calls.append(1)
         return original(ctx)
 
-    engine.finalize_step = finalize
+    engine.update = finalize
     run = trainer.fit(batches([4, 4], seed=1), None, epochs=1)
     first, second = of_kind(run.run_dir, "update_committed")
     assert (first.global_examples, first.collective_bytes) == (8.0, 100)

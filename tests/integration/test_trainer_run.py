@@ -242,7 +242,7 @@ def test_a_corrupted_blob_is_detected_by_its_hash(tmp_path, monkeypatch):
 
 def test_an_illegal_transition_is_refused_and_nothing_is_appended(tmp_path):
     from events.schema import EpochBegan
-    from nnx_es.recorder import Recorder
+    from nnx_es.runtime.recording import Recorder
 
     with LmdbLog(tmp_path / "ev") as log:
         rec = Recorder(log)

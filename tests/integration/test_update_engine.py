@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import nnx_es.recorder
+import nnx_es.runtime.recording
 from nnx_es import Callback, Objective, Scheduler, Trainer, load_result
 from nnx_es.errors import NoUpdateError
 from nnx_es.lifecycle import IllegalTransitionError
@@ -236,7 +236,7 @@ def test_window_end_order_unscale_clip_step_receipt_callbacks_then_scheduler(tmp
 
     real_unscale = torch.amp.GradScaler.unscale_
     real_clip = torch.nn.utils.clip_grads_with_norm_
-    real_emit = nnx_es.recorder.Recorder.emit
+    real_emit = nnx_es.runtime.recording.Recorder.emit
 
     def unscale(self, optimizer):
         order.append("unscale")
@@ -260,7 +260,7 @@ def test_window_end_order_unscale_clip_step_receipt_callbacks_then_scheduler(tmp
 
     monkeypatch.setattr(torch.amp.GradScaler, "unscale_", unscale)
     monkeypatch.setattr(torch.nn.utils, "clip_grads_with_norm_", clip)
-    monkeypatch.setattr(nnx_es.recorder.Recorder, "emit", emit)
+    monkeypatch.setattr(nnx_es.runtime.recording.Recorder, "emit", emit)
     real_step = opt.step
     opt.step = functools.wraps(real_step)(lambda *a, **k: (order.append("optimizer.step"), real_step(*a, **k))[1])
     real_sched_step = torch.optim.lr_scheduler.LambdaLR.step

@@ -224,8 +224,8 @@ def test_the_seam_checkers_can_fail() -> None:
     assert "nnx_es.trainer" in imported_modules(src, "nnx_es", REPO / "nnx_es" / "engine.py")
     assert "nnx_es.trainer" in imported_modules("from .trainer import Trainer\n", "nnx_es", REPO / "nnx_es" / "x.py")
     assert private_imports("from nnx_es.trainer import _dispatch\n") == ["from nnx_es.trainer import _dispatch"]
-    assert private_imports("import nnx_es.commit as c\nc._Pending\n") == ["nnx_es.commit._Pending"]
-    assert private_imports("from nnx_es.commit import Committer\n") == []
+    assert private_imports("import nnx_es.runtime.commit as c\nc._Pending\n") == ["nnx_es.runtime.commit._Pending"]
+    assert private_imports("from nnx_es.runtime.commit import Committer\n") == []
 
 
 def test_only_the_composition_root_and_the_model_import_the_trainer() -> None:

@@ -1,4 +1,4 @@
-"""Invariant 11's cadence (nnx_es.audit.sequence.DigestCheck): a ``params_digested`` at every point of the
+"""Invariant 11's cadence (nnx_es.audit.digests.DigestCheck): a ``params_digested`` at every point of the
 declared cadence (``run_started.digests``) the run reached, counted from a resume's LAST; agreement alone
 for a run that declares none. Fed event by event, as both audit passes feed it."""
 
@@ -18,7 +18,7 @@ from events.schema import (
     RunStarted,
 )
 from nnx_es.audit.report import Sink
-from nnx_es.audit.sequence import DigestCheck
+from nnx_es.audit.digests import DigestCheck
 
 SAME = ["ab" * 16, "ab" * 16]
 

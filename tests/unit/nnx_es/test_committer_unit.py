@@ -9,15 +9,16 @@ from events.logbase import MemoryLog
 from events.schema import MonitorDecided
 from nnx_es.callbacks import Callback, CallbackList
 from nnx_es.checkpoint import read_manifest
-from nnx_es.commit import Committer, checkpoint_lag
-from nnx_es.context import TrainContext
-from nnx_es.engine import UpdateEngine
+from nnx_es.runtime.commit import Committer, checkpoint_lag
 from nnx_es.lifecycle import Lifecycle
 from nnx_es.objective import Objective
-from nnx_es.recorder import Recorder
+from nnx_es.runtime.recording import Recorder
 from nnx_es.rng import LoaderGenerators
-from nnx_es.run_state import RunState
-from nnx_es.snapshot import RunComponents, load_state
+from nnx_es.runtime.run_state import RunState
+from nnx_es.runtime.context import TrainContext
+from nnx_es.runtime.engine import UpdateEngine
+from nnx_es.runtime.steps import StepRecorder
+from nnx_es.runtime.components import RunComponents, load_state
 from nnx_es.storage import BlobStore
 
 
@@ -46,9 +47,10 @@ def _committer(tmp_path, lifecycle: str, *, lag: int = 0, phase_every=None, keep
     log = MemoryLog()
     store = BlobStore(tmp_path / "blobs", log=log)
     state = RunState(run_id="unit", runs_root=tmp_path, recorder=Recorder(log, Lifecycle(lifecycle)), store=store)
-    ctx = TrainContext(net=net, optimizers={"sgd": opt}, schedulers=[], monitor=None, engine=engine)
-    ctx.state = state
-    committer = Committer(state, components, CallbackList([artifact]), ctx, lag=lag, phase_every=phase_every,
+    callbacks = CallbackList([artifact])
+    ctx = TrainContext(state=state, steps=StepRecorder(engine, state.recorder, callbacks), net=net,
+                       optimizers={"sgd": opt}, schedulers=[], monitor=None)
+    committer = Committer(state, components, callbacks, ctx, lag=lag, phase_every=phase_every,
                           keep_phases=keep_phases)
     return committer, state, log, net, artifact
 

@@ -14,7 +14,7 @@ from nnx_es.distributed.follower import FollowerBlobStore, FollowerLog
 from nnx_es.distributed.roles import check_declared, for_rank
 from nnx_es.distributed.verdict import agree_outcome, describe_error, raise_described
 from nnx_es.errors import CheckpointWriteError, ConfigError, CorruptCheckpointError, ResumeError
-from nnx_es.run_state import World
+from nnx_es.runtime.run_state import World
 
 
 def test_one_process_world_agrees_with_itself_without_a_group() -> None:

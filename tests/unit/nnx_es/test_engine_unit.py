@@ -9,12 +9,13 @@ from torch import nn
 
 from events.logbase import MemoryLog
 from nnx_es.callbacks import Callback, CallbackList
-from nnx_es.context import TrainContext
-from nnx_es.engine import UpdateEngine
 from nnx_es.lifecycle import Lifecycle
 from nnx_es.objective import Objective
-from nnx_es.recorder import Recorder
-from nnx_es.run_state import RunState
+from nnx_es.runtime.recording import Recorder
+from nnx_es.runtime.run_state import RunState
+from nnx_es.runtime.context import TrainContext
+from nnx_es.runtime.engine import UpdateEngine, UpdateSettings
+from nnx_es.runtime.steps import StepRecorder, finalize_step
 from nnx_es.schedulers import Scheduler
 from nnx_es.storage import BlobStore
 
@@ -34,16 +35,15 @@ def _engine(tmp_path, *, accumulation: int, seed: int = 0):
     sched = Scheduler(torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 0.5**step), clock="optimizer_update",
                       name="halving")
     sched.optimizer_name = "sgd"
-    engine = UpdateEngine(net, {"sgd": opt}, Objective(nn.CrossEntropyLoss()), [sched], accumulation=accumulation)
+    engine = UpdateEngine(net, {"sgd": opt}, Objective(nn.CrossEntropyLoss()), UpdateSettings(accumulation=accumulation))
     log = MemoryLog()
     state = RunState(run_id="unit", runs_root=tmp_path, recorder=Recorder(log, Lifecycle("in_epoch")),
                      store=BlobStore(tmp_path / "blobs", log=log))
     receipts = Receipts()
-    engine.begin_run(state, CallbackList([receipts]))
-    engine.begin_epoch()
-    ctx = TrainContext(net=net, optimizers={"sgd": opt}, schedulers=[sched], monitor=None, engine=engine)
-    ctx.state = state
-    return engine, ctx, state, log, receipts, net
+    steps = StepRecorder(engine, state.recorder, CallbackList([receipts]), [sched])
+    steps.begin_epoch(0)
+    ctx = TrainContext(state=state, steps=steps, net=net, optimizers={"sgd": opt}, schedulers=[sched], monitor=None)
+    return steps, ctx, state, log, receipts, net
 
 
 def _events(state, log):
@@ -57,18 +57,18 @@ def _batches(seed: int = 1):
 
 
 def test_a_window_of_unequal_microbatches_steps_once_on_the_mean_loss_of_its_rows(tmp_path):
-    engine, ctx, state, log, receipts, net = _engine(tmp_path, accumulation=2)
+    steps, ctx, state, log, receipts, net = _engine(tmp_path, accumulation=2)
     reference = nn.Linear(3, 2)
     reference.load_state_dict(net.state_dict())
     batches = _batches()
     for i, batch in enumerate(batches):
         ctx.batch_index, ctx.batch = i, batch
-        state.outcome.new_batch()
-        engine.microbatch(ctx, batch)
-        assert state.outcome.microbatch_recorded
-    assert engine.window_full
-    assert engine.finalize_step(ctx) is True
-    assert state.outcome.committed_update
+        steps.recorded = False
+        steps.train(ctx, batch, i, update=False)
+        assert steps.recorded
+    assert steps.engine.window_full
+    assert finalize_step(ctx) is True
+    assert steps.update.reason is None
 
     # by hand: one SGD step on the mean cross-entropy over the window's 6 rows
     x = torch.cat([b[0] for b in batches])
@@ -89,14 +89,14 @@ def test_a_window_of_unequal_microbatches_steps_once_on_the_mean_loss_of_its_row
 
 
 def test_a_nonfinite_window_is_skipped_without_a_step_or_a_scheduler_step(tmp_path):
-    engine, ctx, state, log, receipts, net = _engine(tmp_path, accumulation=1)
+    steps, ctx, state, log, receipts, net = _engine(tmp_path, accumulation=1)
     before = [p.detach().clone() for p in net.parameters()]
     x, y = _batches()[0]
     x[0, 0] = math.nan
     ctx.batch = (x, y)
-    engine.microbatch(ctx, (x, y))
-    assert engine.finalize_step(ctx) is False
-    assert not state.outcome.committed_update
+    steps.train(ctx, (x, y), 0, update=False)
+    assert finalize_step(ctx) is False
+    assert steps.update.reason is not None
     events = _events(state, log)
     assert [e.KIND for e in events] == ["microbatch_done", "update_skipped"]
     skipped = events[-1]
@@ -104,34 +104,32 @@ def test_a_nonfinite_window_is_skipped_without_a_step_or_a_scheduler_step(tmp_pa
     assert receipts.seen == []
     for a, b in zip(net.parameters(), before):
         assert torch.equal(a, b)
-    assert engine.epoch.skipped == 1 and engine.epoch.updates == 0
+    assert steps.totals.skipped == 1 and steps.totals.updates == 0
 
 
 def _windows_of_a_power_of_two_rows(tmp_path, monkeypatch, *, fold: bool, poison: int | None = None):
     """Three windows of 2 x 4 rows (W = 8, a power of two) through an accumulating engine; ``fold``:
     whether the window's division may ride in the fused finiteness check; ``poison``: a window whose
     gradient is made infinite (a huge input) after its loss is formed (a finite loss: skipped by the check)."""
-    import nnx_es.engine as engine_module
+    import nnx_es.runtime.engine as engine_module
 
     if not fold:
         monkeypatch.setattr(engine_module, "exact_reciprocal", lambda x: False)
     divisions = []
     div = torch._foreach_div_
     monkeypatch.setattr(torch, "_foreach_div_", lambda ts, x: (divisions.append(x), div(ts, x))[1])
-    engine, ctx, state, log, receipts, net = _engine(tmp_path / str(fold), accumulation=2)
+    steps, ctx, state, log, receipts, net = _engine(tmp_path / str(fold), accumulation=2)
     g = torch.Generator().manual_seed(3)
     grads, reasons = [], []
     for w in range(3):
         for i in range(2):
             x, y = torch.randn(4, 3, generator=g), torch.randint(0, 2, (4,), generator=g)
             ctx.batch_index, ctx.batch = 2 * w + i, (x, y)
-            state.outcome.new_batch()
-            engine.microbatch(ctx, (x, y))
+            steps.train(ctx, (x, y), 2 * w + i, update=False)
         if w == poison:
             net.weight.grad[0, 0] = math.inf
-        state.outcome.skipped = None
-        committed = engine.finalize_step(ctx)
-        reasons.append("committed" if committed else state.outcome.skipped)
+        committed = finalize_step(ctx)
+        reasons.append("committed" if committed else steps.update.reason)
         grads.append([p.detach().clone() for p in net.parameters()])
     return grads, reasons, [e for e in _events(state, log)], divisions
 

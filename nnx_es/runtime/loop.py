@@ -1,9 +1,36 @@
 """The training loop of one run: the walk through the lifecycle machine, epoch by epoch.
 
-:class:`TrainingLoop` is built by the trainer for each ``fit`` once the session is open,
-with exactly what it drives: the run state, the update engine, the callbacks, the
-committer, the stage hooks, the validation pass and finalization. Its order is the one
-:mod:`nnx_es.trainer`'s docstring gives as pseudocode (spec 000 "Lifecycle order").
+:class:`TrainingLoop` is built by the run's scope (:class:`nnx_es.runtime.scope.RunScope`) for
+each ``fit`` once the session is open; it drives what the scope built: the step recorder (the
+microbatches and updates), the callbacks, the stage hooks, the committer, the validation pass
+and finalization. Its order is the one :mod:`nnx_es.trainer`'s docstring gives as pseudocode
+(spec 000 "Lifecycle order"). It shows the run to the hooks' view (``ctx``: the epoch, the
+batch, the validation metrics, the decision, the summary) and reads nothing back from it.
+
+The loop, as pseudocode (every arrow is an event in ``runs/<id>/events.lmdb``)::
+
+    -> run_started
+    for each callback (list order): on_train_begin -> callback_began
+    -> train_began ; checkpoint -> checkpoint_stored -> last_committed (initial, synced)
+    for epoch in range(start_epoch, epochs):
+        -> epoch_began ; on_epoch_begin
+        for batch in train_loader:
+            trainer_step_fn(ctx, batch)            # default: microbatch -> microbatch_done,
+                                                   # window end -> update_committed | update_skipped,
+                                                   #   on_optimizer_update, optimizer_update-clock schedulers
+            on_batch_end
+            stop_at_update requested and an update committed -> stop_requested; finalize (no LAST refresh)
+        close a trailing partial window
+        validation (every ``validate_every`` epochs) -> validation_done ; on_validation_end
+        -> epoch_summarized ; one monitor decision -> monitor_decided
+        epoch-clock schedulers (a plateau one on the decision) -> scheduler_stepped
+        on_epoch_end (EarlyStopping may request a stop -> stop_requested)
+        -> history_appended ; checkpoint -> checkpoint_stored -> last_committed
+        -> best_committed (decision improved) -> phase_committed (cadence) -> callback_checkpointed
+        (LAST and this group are synced in one write)
+    finalization: on_train_end in reverse order -> callback_finalized each
+        -> checkpoint_stored -> last_committed(final) -> run_finalized
+    on failure: run_failed -> on_train_end of every begun callback -> run_finalized(failed); re-raise
 """
 
 from __future__ import annotations
@@ -11,14 +38,13 @@ from __future__ import annotations
 import math
 import time
 import warnings
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
 import structlog
 import torch
-from torch import nn
-from torch.optim import Optimizer
 
 from events.schema import (
     CallbackBegan,
@@ -32,25 +58,15 @@ from events.schema import (
     UpdateSkipped,
     ValidationDone,
 )
-from nnx_es.callbacks import CallbackList
-from nnx_es.commit import Committer
-from nnx_es.context import TrainContext
+from nnx_es.argchecks import NONFINITE
 from nnx_es.data import iterate_batches
-from nnx_es.engine import UpdateEngine
 from nnx_es.errors import ConfigError, NonFiniteError, NonFiniteWarning
-from nnx_es.finalize import Finalization
 from nnx_es.loaders import length_of
-from nnx_es.monitor import Monitor
-from nnx_es.progress import Progress
-from nnx_es.rows.recorder import RowRecorder
-from nnx_es.run_state import RunState
-from nnx_es.schedulers import Scheduler, step_epoch_clock
-from nnx_es.stages import StageDispatcher, TrainingStage
+from nnx_es.schedulers import step_epoch_clock
+from nnx_es.stages import TrainingStage
 
-__all__ = ["NONFINITE", "Cadence", "TrainingLoop"]
+__all__ = ["Cadence", "LoopSettings", "TrainingLoop"]
 
-#: what a non-finite loss, gradient or validation metric does (``Trainer(nonfinite=...)``)
-NONFINITE = ("skip", "stop", "raise")
 
 log = structlog.get_logger("nnx_es")
 
@@ -66,21 +82,14 @@ class Cadence(msgspec.Struct, frozen=True):
     every_steps: int | None = None
 
 
-class TrainingLoop:
-    """Runs the epochs of one session, then finalization.
+@dataclass(frozen=True)
+class LoopSettings:
+    """How the loop walks a run (the Trainer's arguments of the same names).
 
     Args:
-        state: the run (recorder, stop request, step outcome).
-        ctx: the context hooks and callbacks receive.
-        net / optimizers / schedulers / monitor: what the epoch trains, records and decides with.
-        engine: microbatches and updates (the default step drives it).
-        callbacks / stages: the run's callbacks and stage hooks.
-        committer: each epoch's durable commit.
-        finalization: run once training ends, however it ends.
-        validate: one validation pass; ``cadence`` says when.
+        cadence: when to validate.
         step_fn / custom_step: the ``trainer_step_fn`` and whether it is the user's.
         batch_gather: see :func:`nnx_es.data.iterate_batches`.
-        progress: the progress display.
         nonfinite: ``"skip"`` an update whose loss or gradient is not finite (warning each epoch
             with the count), ``"stop"`` the run at the first one (the epoch ends there, is
             committed, and the run stops with reason ``nonfinite``), or ``"raise"``
@@ -92,32 +101,47 @@ class TrainingLoop:
             ``AFTER_VALIDATION``; no monitor decision): ``True`` always with a validation loader,
             ``"auto"`` when the final weights were not the ones last validated, ``False`` never
             (spec 004 "Validation": a final pass when validation is configured).
-        rows: the per-row records (:class:`~nnx_es.rows.RowRecorder`): closed with the epoch
-            (before ``on_epoch_end``), handed to the run at its history step (before
-            ``history_appended``); ``None``: none.
     """
 
-    def __init__(self, *, state: RunState, ctx: TrainContext, net: nn.Module, optimizers: dict[str, Optimizer],
-                 schedulers: Sequence[Scheduler], monitor: Monitor | None, engine: UpdateEngine,
-                 callbacks: CallbackList, stages: StageDispatcher, committer: Committer, finalization: Finalization,
-                 validate: Validate, cadence: Cadence, step_fn: Callable[[TrainContext, Any], Any], custom_step: bool,
-                 batch_gather: bool, progress: Progress, nonfinite: str = "skip",
-                 device: torch.device | None = None, final_validation: bool | str = "auto",
-                 digest: Any = None, rows: RowRecorder | None = None) -> None:
-        self.state, self.ctx, self.net, self.optimizers = state, ctx, net, optimizers
-        self.schedulers, self.monitor, self.engine = schedulers, monitor, engine
-        self.callbacks, self.stages, self.committer, self.finalization = callbacks, stages, committer, finalization
-        self.validate, self.cadence = validate, cadence
-        self.step_fn, self.custom_step, self.batch_gather = step_fn, custom_step, batch_gather
-        self.progress, self.device = progress, device
-        self.nonfinite = nonfinite
+    cadence: Cadence = Cadence()
+    step_fn: Callable[[Any, Any], Any] | None = None
+    custom_step: bool = False
+    batch_gather: bool = True
+    nonfinite: str = "skip"
+    device: torch.device | None = None
+    final_validation: bool | str = "auto"
+
+
+class TrainingLoop:
+    """Runs the epochs of one session, then finalization.
+
+    Args:
+        scope: the run (:class:`~nnx_es.runtime.scope.RunScope`): its state, step recorder,
+            context, callbacks, stage hooks, committer, finalization, per-row records (closed
+            with the epoch, before ``on_epoch_end``; handed to the run at its history step, before
+            ``history_appended``), parameter digests, monitor, schedulers, validation pass and
+            progress display.
+        settings: how to walk it (:class:`LoopSettings`).
+    """
+
+    def __init__(self, scope: Any, settings: LoopSettings) -> None:
+        self.state, self.ctx, self.steps = scope.state, scope.ctx, scope.steps
+        self.net, self.optimizers = scope.steps.engine.net, scope.steps.engine.optimizers
+        self.schedulers, self.monitor = scope.schedulers, scope.monitor
+        self.callbacks, self.stages = scope.callbacks, scope.stages
+        self.committer, self.finalization = scope.committer, scope.finalization
+        self.validate, self.progress = scope.validate, scope.progress
         #: data parallelism: the ranks' parameter digests (:class:`nnx_es.distributed.digest.ParamDigest`)
-        self.digest = digest
-        self.final_validation = final_validation
+        self.digest = scope.digest
+        self.rows = scope.rows
+        self.cadence, self.custom_step = settings.cadence, settings.custom_step
+        self.batch_gather = settings.batch_gather
+        self.step_fn, self.device, self.nonfinite = settings.step_fn, settings.device, settings.nonfinite
+        self.final_validation = settings.final_validation
         self._validated_at = 0  # the step count of the latest validation pass
-        self.rows = rows
         self._nonfinite_skips = 0  # this epoch's
         self._epochs = 0
+        self.epoch = 0  # the epoch being trained (finalization records a failure in it)
 
     # --- the run ------------------------------------------------------------------------
 
@@ -139,9 +163,9 @@ class TrainingLoop:
                 rec.emit(opening)
             for event in state.after_opening:  # world_changed (nnx_es.distributed.resize), model_transformed (transforms)
                 rec.emit(event)
-            ctx.epoch = start_epoch
+            ctx.epoch = self.epoch = start_epoch
             self._epochs = epochs
-            self._validated_at = ctx.step_count
+            self._validated_at = rec.live.step
             self.callbacks.train_begin(ctx, lambda i, cb: rec.emit(CallbackBegan(name=cb.name, index=i)))
             n_batches = length_of(train_loader)
             covers = rec.emit(TrainBegan(start_epoch=start_epoch, epochs=epochs, train_batches=n_batches))
@@ -154,7 +178,7 @@ class TrainingLoop:
             rec.flush()
             resumed_stopped = state.stop_requested is not None
             if resumed_stopped:  # resumed after the run had decided to stop: finish it
-                state.record_stop(epoch=start_epoch - 1, step=ctx.step_count)
+                state.record_stop(epoch=start_epoch - 1, step=rec.live.step)
             self.stages(TrainingStage.BEFORE_TRAINING, ctx)
             last_epoch = start_epoch - 1
             for epoch in range(start_epoch, start_epoch if resumed_stopped else epochs):
@@ -165,11 +189,11 @@ class TrainingLoop:
                     break
                 if outcome == "stop":
                     break
-            if self.digest is not None and self.digest.due_at_end(ctx.step_count):
+            if self.digest is not None and self.digest.due_at_end(rec.live.step):
                 # the replicas compared at the final step when the cadence's last comparison was not of it
                 # (digest_every beyond the run, a stop at an update boundary): after the run's last commit
                 self.committer.complete()
-                self.digest.check(rec, epoch=max(last_epoch, 0), step=ctx.step_count, final=True)
+                self.digest.check(rec, epoch=max(last_epoch, 0), step=rec.live.step, final=True)
             self.stages(TrainingStage.AFTER_TRAINING, ctx)
             if val_loader is not None and self._final_validation_due():
                 self.committer.complete()  # a deferred LAST lands first: the pass follows the run's last commit
@@ -178,24 +202,26 @@ class TrainingLoop:
             failure = exc
         finally:
             self.progress.close()
-        self.finalization.run(failure, stopped_at_update, t0)
+        self.finalization.run(failure, stopped_at_update, t0, epoch=self.epoch)
         if failure is not None:
             raise failure
 
     def _stop_at_update(self, epoch: int) -> bool:
         if self.state.stop_at_update_requested:
-            self.state.record_stop(epoch=epoch, step=self.ctx.step_count, reason="update_boundary")
+            self.state.record_stop(epoch=epoch, step=self.state.recorder.live.step, reason="update_boundary")
             return True
         return False
 
     def _epoch(self, epoch: int, train_loader: Iterable[Any], val_loader: Iterable[Any] | None, *,
                last: bool) -> str | None:
-        state, ctx, engine, committer = self.state, self.ctx, self.engine, self.committer
-        rec, outcome = state.recorder, state.outcome
+        state, ctx, steps, committer = self.state, self.ctx, self.steps, self.committer
+        rec = state.recorder
+        live = rec.live
         ctx.epoch, ctx.decision = epoch, None
+        self.epoch = epoch
         t_epoch = time.time()
         rec.emit(EpochBegan(epoch=epoch, wall_time_s=t_epoch))
-        engine.begin_epoch()
+        steps.begin_epoch(epoch)
         self.net.train()
         self.callbacks.epoch_begin(ctx)
         self.stages(TrainingStage.BEFORE_EPOCH, ctx)
@@ -205,6 +231,7 @@ class TrainingLoop:
             set_epoch(epoch)
         self._nonfinite_skips = 0
         step_fn = self.step_fn
+        train = None if self.custom_step else steps.train  # the default step
         # the per-batch loop: what is absent (stage hooks, batch callbacks, progress, step
         # validation) is decided once per epoch, not per batch
         stages = self.stages if self.stages.by_stage else None
@@ -215,28 +242,35 @@ class TrainingLoop:
         digest_each = self.digest if self.digest is not None and self.digest.every is not None else None
         for i, batch in enumerate(iterate_batches(train_loader, gather=self.batch_gather, device=self.device)):
             ctx.batch_index, ctx.batch = i, batch
-            outcome.microbatch_recorded = outcome.committed_update = False  # outcome.new_batch(), inlined
-            outcome.skipped = None
             if stages:
                 stages(TrainingStage.BEFORE_BATCH, ctx)
-            out = step_fn(ctx, batch)
-            if self.custom_step and not outcome.microbatch_recorded:
-                engine.record_microbatch(ctx, loss=float(out) if out is not None else None, examples=0.0)
-            if validate_on_step and outcome.committed_update:
+            if train is not None:
+                update = train(ctx, batch, i)
+            else:
+                steps.recorded, steps.update = False, None
+                out = step_fn(ctx, batch)  # type: ignore[misc]
+                if not steps.recorded:
+                    steps.record_microbatch(ctx, loss=float(out) if out is not None else None, examples=0.0)
+                update = steps.update
+            committed = update is not None and update.reason is None
+            if validate_on_step and committed:
                 self._maybe_validate_on_step(val_loader)
             if batch_end:
                 batch_end(ctx)
             if stages:
                 stages(TrainingStage.AFTER_BATCH, ctx)
             if progress:
-                # the loss is read at updates only (once per update: no host read inside a window)
-                progress.advance(ctx.loss if outcome.committed_update else None, ctx.step_count, ctx.rows)
-            if outcome.skipped == "nonfinite" and self._nonfinite_update(epoch, i):
+                # the loss shown is the update's (no host read inside a window)
+                loss = update.loss if committed else None  # type: ignore[union-attr]
+                progress.advance(loss, live.step, steps.last_rows)
+            if update is None:
+                continue
+            if update.reason == "nonfinite" and self._nonfinite_update(epoch, i):
                 break
-            if outcome.committed_update:
-                outcome.unreported = 0
+            if committed:
+                steps.unreported = 0
                 if digest_each is not None:
-                    digest_each.after_update(rec, epoch=epoch, step=ctx.step_count)
+                    digest_each.after_update(rec, epoch=epoch, step=live.step)
                 if committer.pending is not None:
                     committer.on_update()
                 rec.maybe_flush()
@@ -244,26 +278,26 @@ class TrainingLoop:
                     return "update_boundary"
         if self.custom_step and rec.lifecycle.base_state == "in_window":
             # the custom step recorded microbatches but reported no update for them: say so
-            rec.emit(UpdateSkipped(step=ctx.step_count, epoch=epoch, microbatches=outcome.unreported,
+            rec.emit(UpdateSkipped(step=live.step, epoch=epoch, microbatches=steps.unreported,
                                    reason="unreported", optimizer=",".join(self.optimizers),
                                    data_parallel_size=state.world.size))
-            outcome.unreported = 0
-        outcome.skipped = None
-        if engine.finalize_step(ctx):  # the epoch's trailing window: an update like those above
+            steps.unreported = 0
+        update = steps.finalize(ctx)  # the epoch's trailing window: an update like those above
+        if update is not None and update.reason is None:
             if digest_each is not None:
-                digest_each.after_update(rec, epoch=epoch, step=ctx.step_count)
+                digest_each.after_update(rec, epoch=epoch, step=live.step)
             committer.on_update()
             self._maybe_validate_on_step(val_loader)
             if self._stop_at_update(epoch):
                 return "update_boundary"
-        if outcome.skipped == "nonfinite":
+        if update is not None and update.reason == "nonfinite":
             self._nonfinite_update(epoch, ctx.batch_index)
         validating = val_loader is not None and ((epoch + 1) % self.cadence.every == 0 or last)
         deferred = None
         if self.digest is not None:  # after the epoch's last update, before validation
             # without a validation pass nothing is recorded before the epoch's sums are agreed: the
             # digests' comparison rides in that all-reduce (one collective fewer an epoch)
-            deferred = self.digest.at_epoch_end(rec, epoch=epoch, step=ctx.step_count, defer=not validating)
+            deferred = self.digest.at_epoch_end(rec, epoch=epoch, step=live.step, defer=not validating)
         val: dict[str, float] = {}
         if validating:
             assert val_loader is not None
@@ -281,7 +315,7 @@ class TrainingLoop:
             NonFiniteError: with ``nonfinite="raise"``.
         """
         self._nonfinite_skips += 1
-        where = f"epoch {epoch}, batch {batch}, after {self.ctx.step_count} committed updates"
+        where = f"epoch {epoch}, batch {batch}, after {self.state.recorder.live.step} committed updates"
         if self.nonfinite == "raise":
             raise NonFiniteError(f"a loss or gradient was not finite at {where}: the update was skipped and "
                                  "nonfinite='raise' ends the run (LAST stays at the last committed epoch); check "
@@ -306,7 +340,7 @@ class TrainingLoop:
                               stacklevel=2)
                 log.warning("validation metrics not finite", run_id=self.state.run_id, epoch=epoch, metrics=bad)
         if self._nonfinite_skips and self.nonfinite == "skip":
-            n, total = self._nonfinite_skips, self.engine.epoch.updates + self.engine.epoch.skipped
+            n, total = self._nonfinite_skips, self.steps.totals.updates + self.steps.totals.skipped
             warnings.warn(f"epoch {epoch}: {n} of {total} updates were skipped because a loss or gradient was not "
                           "finite (nonfinite='skip'; pass 'stop' or 'raise' to end the run instead)",
                           NonFiniteWarning, stacklevel=2)
@@ -319,11 +353,11 @@ class TrainingLoop:
         ``digest_values``: the parameter digest's comparison deferred into the sums' all-reduce
         (:meth:`nnx_es.distributed.digest.ParamDigest.at_epoch_end`), settled right after it."""
         state, ctx, rec = self.state, self.ctx, self.state.recorder
-        totals = self.engine.epoch
+        totals = self.steps.totals
         # the union's sums on every rank (and the digests' comparison, when deferred, and whether any rank
         # recorded per-row records: the same all-reduce)
         rows_flag = [float(self.rows.pending)] if self.rows is not None and state.world.distributed else []
-        agreed = totals.sums.agree(state.world, self.engine.objective.terms, [*(digest_values or ()), *rows_flag])
+        agreed = totals.sums.agree(state.world, self.steps.objective.terms, [*(digest_values or ()), *rows_flag])
         digest_sums = agreed[:len(agreed) - len(rows_flag)]
         if digest_values is not None:
             assert self.digest is not None
@@ -356,12 +390,12 @@ class TrainingLoop:
                 raise ConfigError(
                     f"monitor {self.monitor.name!r} is not among the epoch's metrics {sorted(metrics)}"
                 )
-        step_epoch_clock(self.schedulers, decision, rec, epoch=epoch, step=ctx.step_count)
+        step_epoch_clock(self.schedulers, decision, rec, epoch=epoch, step=rec.live.step)
         self.callbacks.epoch_end(ctx)
         self.stages(TrainingStage.AFTER_EPOCH, ctx)
         state.agree_stop()  # a stop one rank asked for (from a rank-local quantity too) stops them all
         if state.stop_requested is not None:
-            state.record_stop(epoch=epoch, step=ctx.step_count)
+            state.record_stop(epoch=epoch, step=rec.live.step)
         record = HistoryRecord(
             epoch=epoch, train=train, val=val,
             monitor_value=decision.value if decision else None, improved=decision.improved if decision else None,
@@ -383,7 +417,7 @@ class TrainingLoop:
         pass (the run stopped at an update boundary, or its last pass was a step-cadence one before
         more updates): the final weights are then scored once more; False never."""
         if self.final_validation == "auto":
-            return self.ctx.step_count != self._validated_at
+            return self.state.recorder.live.step != self._validated_at
         return bool(self.final_validation)
 
     def _validation_pass(self, loader: Iterable[Any], trigger: str = "epoch") -> dict[str, float]:
@@ -396,16 +430,15 @@ class TrainingLoop:
         finally:
             if rows is not None:
                 rows.validating = False
-        self._validated_at = ctx.step_count
+        rec = self.state.recorder
+        self._validated_at = rec.live.step
         ctx.validation = val
-        self.state.recorder.emit(
-            ValidationDone(epoch=ctx.epoch, metrics=val, examples=n_val, step=ctx.step_count, trigger=trigger)
-        )
+        rec.emit(ValidationDone(epoch=self.epoch, metrics=val, examples=n_val, step=rec.live.step, trigger=trigger))
         self.callbacks.validation_end(ctx, val)
         self.stages(TrainingStage.AFTER_VALIDATION, ctx)
         return val
 
     def _maybe_validate_on_step(self, loader: Iterable[Any] | None) -> None:
         n = self.cadence.every_steps
-        if loader is not None and n is not None and self.ctx.step_count % n == 0:
+        if loader is not None and n is not None and self.state.recorder.live.step % n == 0:
             self._validation_pass(loader, "steps")

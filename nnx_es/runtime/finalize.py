@@ -36,9 +36,9 @@ from nnx_es.errors import NoUpdateError
 from nnx_es.stages import StageDispatcher, TrainingStage
 
 if TYPE_CHECKING:
-    from nnx_es.commit import Committer
-    from nnx_es.context import TrainContext
-    from nnx_es.run_state import RunState
+    from nnx_es.runtime.commit import Committer
+    from nnx_es.runtime.context import TrainContext
+    from nnx_es.runtime.run_state import RunState
     from projections.view import Projections
 
 __all__ = ["Finalization", "finalization_may_change_state"]
@@ -92,8 +92,8 @@ class Finalization:
         #: this session of the run, alike on every rank (its opening's seq): where failures are posted
         self.session = f"{state.run_id}@{state.recorder.log.next_seq}"
 
-    def _run_failed(self, exc: BaseException, with_traceback: bool) -> None:
-        rec, ctx = self.state.recorder, self.ctx
+    def _run_failed(self, exc: BaseException, with_traceback: bool, epoch: int) -> None:
+        rec = self.state.recorder
         if rec.accepts("run_failed"):
             message = str(exc) or ("interrupted" if isinstance(exc, KeyboardInterrupt) else repr(exc))
             others = peer_failures(self.state.world, self.session)
@@ -103,12 +103,13 @@ class Finalization:
             error_type, message = cause_first(type(exc).__name__, message, self.state.world.rank, others)
             rec.emit(RunFailed(
                 error_type=error_type, message=message,
-                epoch=ctx.epoch, step=ctx.step_count,
+                epoch=epoch, step=rec.live.step,
                 traceback="".join(traceback.format_exception(exc))[-4000:] if with_traceback else "",
             ))
 
-    def run(self, failure: BaseException | None, stopped_at_update: bool, t0: float) -> None:
-        """Finalize the run; ``t0``: its start (``time.time()``, seconds).
+    def run(self, failure: BaseException | None, stopped_at_update: bool, t0: float, *, epoch: int) -> None:
+        """Finalize the run; ``t0``: its start (``time.time()``, seconds); ``epoch``: the epoch it was in
+        (a failure is recorded in it).
 
         Raises:
             Exception: after a successful run, the first cleanup error, else the first
@@ -123,7 +124,7 @@ class Finalization:
         _attempt(committer.close)
         if failure is not None:
             _log_error("training failed", run_id=state.run_id, error=repr(failure))
-            _attempt(lambda: self._run_failed(failure, True))
+            _attempt(lambda: self._run_failed(failure, True, epoch))
         errors: list[BaseException] = []
 
         def finalized(index: int, cb: Callback, error: BaseException | None) -> None:
@@ -146,7 +147,7 @@ class Finalization:
         if failure is not None:
             status = "interrupted" if isinstance(failure, KeyboardInterrupt) else "failed"
         elif cleanup_error is not None:
-            _attempt(lambda: self._run_failed(cleanup_error, False))
+            _attempt(lambda: self._run_failed(cleanup_error, False, epoch))
             status = "failed"
         else:
             status = "stopped" if (stopped_at_update or state.stop_requested) else "completed"
@@ -161,7 +162,7 @@ class Finalization:
             except BaseException as exc:  # noqa: BLE001 - the run fails; raised once finalized
                 _log_error("final LAST commit failed", run_id=state.run_id, error=f"{type(exc).__name__}: {exc}")
                 closing_error = exc
-                _attempt(lambda e=exc: self._run_failed(e, True))
+                _attempt(lambda e=exc: self._run_failed(e, True, epoch))
                 status = "failed"
         for step in (
             lambda: rec.commit(RunFinalized(

@@ -24,7 +24,7 @@ next epoch (waiting for the thread only if it is not done by then), so the
 log's layout stays deterministic while the fsyncs leave the training thread.
 LAST then ``covers`` its epoch's history only; the next epoch's events before
 it stay uncommitted (:func:`projections.view.committed`). Every
-``nnx_es.recorder.SNAPSHOT_EVERY`` events or more, the epoch's commit completes inline
+``nnx_es.runtime.recording.SNAPSHOT_EVERY`` events or more, the epoch's commit completes inline
 all the same, so that the committed view holds nothing back where the projection snapshot
 is stored (single process; :meth:`Committer._snapshot_due`).
 """
@@ -51,13 +51,13 @@ from nnx_es.checkpoint import INLINE_MAX, Manifest, encode_checkpoint, read_mani
 from nnx_es.distributed.verdict import agree_outcome
 from nnx_es.errors import ConfigError, CorruptCheckpointError
 from nnx_es.retention import prunable
-from nnx_es.snapshot import RunComponents, capture, encode_parts
+from nnx_es.runtime.components import RunComponents, capture, encode_parts
 from projections.checkpoints import CheckpointsState, fold_checkpoints
 
 if TYPE_CHECKING:
     from nnx_es.callbacks import CallbackList
-    from nnx_es.context import TrainContext
-    from nnx_es.run_state import RunState
+    from nnx_es.runtime.context import TrainContext
+    from nnx_es.runtime.run_state import RunState
 
 __all__ = ["Committer", "checkpoint_lag"]
 
@@ -98,7 +98,7 @@ class Committer:
 
     Args:
         state: the run (its recorder, store, id and world).
-        components: what a checkpoint captures (:class:`~nnx_es.snapshot.RunComponents`).
+        components: what a checkpoint captures (:class:`~nnx_es.runtime.components.RunComponents`).
         callbacks: the run's callbacks (their deferred checkpoints join each epoch's commit).
         ctx: the context handed to :meth:`~nnx_es.callbacks.Callback.checkpoint`.
         lag: committed updates of the next epoch after which LAST is appended
@@ -109,12 +109,14 @@ class Committer:
             group's synced write.
         pointers: the run's checkpoints projection so far (a resume's; empty for a new run), folded
             on with every commit event this committer writes.
+        on_durable: called (no arguments) after each commit is durable, on the training thread (live
+            sinks collect then); None: nothing.
     """
 
     def __init__(self, state: RunState, components: RunComponents, callbacks: CallbackList, ctx: TrainContext, *,
                  lag: int = 0, phase_every: int | None = None, keep_phases: int | None = None,
                  keep_last: int | None = 1, keep_best: bool = True,
-                 pointers: CheckpointsState | None = None) -> None:
+                 pointers: CheckpointsState | None = None, on_durable: Callable[[], None] | None = None) -> None:
         self.state = state
         self.components = components
         self.callbacks = callbacks
@@ -130,8 +132,7 @@ class Committer:
         self.pointers = pointers or CheckpointsState()
         self.phases: list[str] = list(self.pointers.phases)
         self._blobs_of: dict[str, set[str]] = {}  # manifest -> the blobs of its components stored apart
-        #: called (no arguments) after each commit is durable, on the training thread (live sinks collect then)
-        self.on_durable: Callable[[], None] | None = None
+        self.on_durable = on_durable
 
     def submit(self, *, epoch: int, covers: int = -1, decision: MonitorDecided | None = None,
                final: bool = False, group: bool = True, opening: bool = False) -> None:
@@ -180,7 +181,7 @@ class Committer:
     def _snapshot_due(self) -> bool:
         """Whether this epoch's commit completes inline for a projection snapshot: one is due, and a
         deferred LAST would leave the next epoch's events pending where it is to be stored
-        (:meth:`nnx_es.recorder.Recorder.snapshot_due`). Single process only: under data
+        (:meth:`nnx_es.runtime.recording.Recorder.snapshot_due`). Single process only: under data
         parallelism every rank must defer alike, and only the writer keeps snapshots."""
         return not self.state.world.distributed and self.state.recorder.snapshot_due()
 

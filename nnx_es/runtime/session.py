@@ -10,6 +10,7 @@ empty log; a run directory that existed before is never touched.
 
 from __future__ import annotations
 
+import os
 import secrets
 import shutil
 import time
@@ -25,24 +26,23 @@ import torch
 
 from events.log import LmdbLog
 from events.schema import RunResumed, RunStarted, SourceRef, UpdateSpec
+from nnx_es.argchecks import RESUME_MODES
 from nnx_es.checkpoint import Manifest
 from nnx_es.distributed.verdict import describe_error, raise_described
 from nnx_es.errors import ConfigError, ResumeError
-from nnx_es.injection import kills_expected
+from nnx_es.injection import ENV_VAR, install_from_environment, kills_expected
 from nnx_es.lifecycle import Lifecycle
 from nnx_es.loaders import check_same_loaders
-from nnx_es.recorder import Recorder
+from nnx_es.runtime.recording import Recorder
 from nnx_es.resume import find_resume_point
 from nnx_es.rng import seed_everything
-from nnx_es.run_state import RunState, World
-from nnx_es.snapshot import RunComponents, apply_state, check_world_size, load_state
+from nnx_es.runtime.run_state import RunState, World
+from nnx_es.runtime.components import RunComponents, apply_state, check_world_size, load_state
 from nnx_es.storage import BlobStore, Lease, check_run_dir, clean_stale_temporaries, fsync_dir, validate_run_id
 from projections.checkpoints import CheckpointsState
 
 __all__ = ["RESUME_MODES", "Session", "apply_loaded", "check_epochs", "library_versions", "new_run_id", "open_session"]
 
-#: ``fit(resume_mode=...)``: continue the run itself, or start a new run from its weights or its whole state
-RESUME_MODES = ("stateful", "weights_only", "fork")
 
 #: builds the run's ``run_started`` declaration: ``declare(run_id, source)``
 Declare = Callable[[str, "SourceRef | None"], RunStarted]
@@ -412,3 +412,9 @@ def _follow(world: World, *, runs_root: Path, run_id: str | None, resume_from: s
         state.request_stop(stop, "resume")
     return Session(state=state, opening=verdict["opening"], start_epoch=verdict["start_epoch"],
                    checkpoints=checkpoints)
+
+
+# NNX_ES_KILL_AT (nnx_es.injection): read once, when the session opener is imported (before any
+# run opens); unset, nothing is installed and the hot path is the recorder as written
+if os.environ.get(ENV_VAR):
+    install_from_environment()

@@ -5,11 +5,11 @@ It also folds the live counters from the same events (the counters projection's 
 so the counters a checkpoint stores are, by construction, the counters projection.
 
 An event whose values still live on a device (a microbatch's loss, read back once per
-window: :mod:`nnx_es.engine`) is emitted *held*: it passes the machine and the counters
+window: :mod:`nnx_es.runtime.window`) is emitted *held*: it passes the machine and the counters
 at once and takes its seq, but it and every event after it wait in order until the
 holder releases it (:meth:`Recorder.release`) with its final values. Before any write
-the recorder asks the holder to settle (``settle``), so nothing is ever written out of
-order or with a placeholder value.
+the recorder asks the holder to settle (the ``settle`` given to :meth:`Recorder.hold`), so
+nothing is ever written out of order or with a placeholder value.
 
 After each synced write (a commit) the recorder folds the events written since the last
 commit (read back from the log, a chunk at a time, partially decoded) and, every
@@ -28,7 +28,6 @@ is dropped with a warning, and the run goes on without snapshots; it never fails
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Callable
 
@@ -83,7 +82,7 @@ class Recorder:
     """
 
     __slots__ = ("log", "lifecycle", "live", "_frozen", "last_seq", "flush_interval_s", "_last_flush", "_written",
-                 "_held", "_hold", "settle", "_snapshots", "_snapshot_start")
+                 "_held", "_hold", "_settle_held", "_snapshots", "_snapshot_start")
 
     def __init__(self, log: EventLog, lifecycle: Lifecycle | None = None, counters: Counters | None = None, *,
                  snapshot_start: Snapshot | None | bool = True) -> None:
@@ -100,8 +99,8 @@ class Recorder:
         #: events waiting for a held one's values, in seq order (see the module docstring)
         self._held: list[Event] = []
         self._hold = False  # the next emitted event is held
-        #: called before a write while events are held; must :meth:`release` them
-        self.settle: Callable[[], None] | None = None
+        #: the holder's settle: called before a write while events are held; must :meth:`release` them
+        self._settle_held: Callable[[], None] | None = None
         #: the fold behind the projection snapshots: None until the first commit, False when off
         self._snapshots: SnapshotFolder | None | bool = None if SNAPSHOT_EVERY > 0 else False
         #: where the snapshot fold starts: True, the log's newest usable snapshot; else this one (None:
@@ -119,10 +118,7 @@ class Recorder:
         """Append ``event`` to the buffer (written at the next flush); held after :meth:`hold`."""
         hold, self._hold = self._hold, False
         lifecycle = self.lifecycle
-        nxt = lifecycle.table.get((lifecycle.state, event.KIND))  # Lifecycle.advance, inlined (every event)
-        if nxt is None:
-            lifecycle.advance(event.KIND)  # raises IllegalTransitionError
-        lifecycle.state = nxt
+        lifecycle.advance(event.KIND)  # raises IllegalTransitionError
         if self.live.apply(event):
             self._frozen = None
         if hold or self._held:
@@ -132,10 +128,12 @@ class Recorder:
             self.last_seq = self.log.append(event)
         return self.last_seq
 
-    def hold(self) -> None:
+    def hold(self, settle: Callable[[], None]) -> None:
         """Hold the next emitted event: its values are not final yet; it (and what follows) waits
-        for :meth:`release` (see the module docstring)."""
+        for :meth:`release`. ``settle()``: called before any write while events are held; it
+        must :meth:`release` them (see the module docstring)."""
         self._hold = True
+        self._settle_held = settle
 
     @property
     def holding(self) -> bool:
@@ -147,13 +145,13 @@ class Recorder:
         held, self._held = self._held, []
         seq = self.log.next_seq
         for i, event in enumerate(held):
-            self.log.append(final.get(seq + i, event))
+            self.log.append(final[seq + i] if seq + i in final else event)
 
     def _settle(self) -> None:
         if self._held:
             try:
-                if self.settle is not None:
-                    self.settle()
+                if self._settle_held is not None:
+                    self._settle_held()
             finally:
                 if self._held:  # nobody settled them (or settling failed): written as they are
                     self.release({})
@@ -202,7 +200,7 @@ class Recorder:
         appended since the last one); False when snapshots are off. Never raises.
 
         The committer completes such a commit inline even with a ``checkpoint_lag``
-        (:meth:`nnx_es.commit.Committer.submit`): a deferred LAST leaves the next epoch's events
+        (:meth:`nnx_es.runtime.commit.Committer.submit`): a deferred LAST leaves the next epoch's events
         pending, and a snapshot can only be stored where the committed view holds nothing back.
         """
         if self._snapshots is False:
@@ -232,7 +230,7 @@ class Recorder:
         """The projections of the whole log from the snapshot fold, when it has folded every
         stored event (after the run's last synced write), else None; the fold is spent then
         (no more snapshots from this recorder). Saves the writer a second fold of its own log
-        at finalization (:mod:`nnx_es.finalize`)."""
+        at finalization (:mod:`nnx_es.runtime.finalize`)."""
         folder = self._snapshots
         if not isinstance(folder, SnapshotFolder) or folder.next_seq != self.log.next_seq or self._held \
                 or self.log.durable_seq != self.log.next_seq:
@@ -260,10 +258,3 @@ class Recorder:
         self.log.flush()
         self._wrote()
 
-
-# NNX_ES_KILL_AT (nnx_es.injection): read once, here; unset, nothing is installed and the hot
-# path is the class above as written
-if os.environ.get("NNX_ES_KILL_AT"):
-    from nnx_es.injection import install_from_environment
-
-    install_from_environment()

@@ -1,4 +1,11 @@
-"""The context every hook, callback and step function receives."""
+"""The context every hook, callback and step function receives: a view of the run and its requests.
+
+The runtime shows the run here (the loop: the epoch, the batch, the validation metrics, the
+decision, the epoch's summary; the engine: the microbatch's outputs, targets and loss, for the
+hooks it runs); nothing in the runtime reads a value back from it. A hook's requests go to
+whoever owns them: a stop to the run state (:meth:`nnx_es.runtime.run_state.RunState.request_stop`), a
+custom step's update to the step recorder (:meth:`nnx_es.runtime.steps.StepRecorder.report_update`).
+"""
 
 from __future__ import annotations
 
@@ -11,11 +18,10 @@ if TYPE_CHECKING:
     from torch import Tensor, nn
     from torch.optim import Optimizer
 
-    from nnx_es.engine import UpdateEngine
     from nnx_es.monitor import Monitor
     from nnx_es.rows.columns import RowView
     from nnx_es.rows.recorder import RowRecorder
-    from nnx_es.run_state import RunState
+    from nnx_es.runtime.run_state import RunState
     from nnx_es.schedulers import Scheduler
 
 __all__ = ["TrainContext"]
@@ -43,34 +49,45 @@ class TrainContext:
 
     ``trainer``: the :class:`~nnx_es.Trainer` that owns the run, for user code; the
     runtime's own collaborators never reach through it. ``state``: the run in progress
-    (:class:`~nnx_es.run_state.RunState`), bound when ``fit`` opens the run.
+    (:class:`~nnx_es.runtime.run_state.RunState`). ``steps``: the run's step recorder
+    (:class:`~nnx_es.runtime.steps.StepRecorder`: what :func:`~nnx_es.default_train_step`,
+    :func:`~nnx_es.finalize_step` and :meth:`report_update` drive); ``engine`` its update engine.
+    One context per ``fit``, built with the run (:mod:`nnx_es.runtime.scope`).
     """
 
-    def __init__(self, *, net: nn.Module, optimizers: dict[str, Optimizer], schedulers: list[Scheduler],
-                 monitor: Monitor | None, engine: UpdateEngine, trainer: Any = None) -> None:
+    def __init__(self, *, state: RunState, steps: Any, net: nn.Module, optimizers: dict[str, Optimizer],
+                 schedulers: list[Scheduler], monitor: Monitor | None, trainer: Any = None,
+                 row_records: RowRecorder | None = None) -> None:
         self.net = net
         self.optimizers = optimizers
         self.schedulers = schedulers
         self.monitor = monitor
-        self.engine = engine
         self.trainer = trainer
-        self.state: RunState = None  # type: ignore[assignment]  # bound by fit()
+        self.state = state
+        self.steps = steps
         self.epoch = 0
         self.batch: Any = None
         self.batch_index = 0
         self.predictions: Tensor | None = None
         self.targets: Tensor | None = None
         self._loss: float | None = None
-        self._loss_deferred: tuple[Tensor, float, Tensor | None] | None = None
+        #: the current microbatch's loss as the engine left it, unread: (its numerator, 0-dim on the
+        #: device; its denominator; its rows of ignored targets, 0-dim, or None) -- :attr:`loss` reads it
+        self.loss_pending: tuple[Tensor, float, Tensor | None] | None = None
         self.rows = 0
         self.validation: dict[str, float] | None = None
         self.decision: MonitorDecided | None = None
         self.epoch_summary: EpochSummarized | None = None
         self.train_metrics: dict[str, float] = {}
         #: the trainer's per-row records (``None``: a context without them)
-        self.row_records: RowRecorder | None = None
+        self.row_records = row_records
         #: the hook running belongs to a callback with ``history_access = "full"`` (set by its dispatch)
         self.full_history = False
+
+    @property
+    def engine(self) -> Any:
+        """The run's update engine (:class:`~nnx_es.runtime.engine.UpdateEngine`)."""
+        return self.steps.engine
 
     @property
     def loss(self) -> float | None:
@@ -80,10 +97,14 @@ class TrainContext:
         window costs one host read (a device sync), once; the window's end reads it with the
         rest of the window at no extra cost.
         """
-        deferred = self._loss_deferred
+        deferred = self.loss_pending
         if deferred is not None:
-            self._loss_deferred = None
+            self.loss_pending = None
             total, den, ignored = deferred
+            read = self.steps.last_loss if self.steps is not None else None
+            if read is not None and read[0] is total:  # read with its window already
+                self._loss = read[1]
+                return self._loss
             if ignored is None:
                 num = total.item()
             else:  # less the rows of ignored targets: read with the loss (one transfer)
@@ -96,18 +117,12 @@ class TrainContext:
 
     @loss.setter
     def loss(self, value: float | None) -> None:
-        self._loss, self._loss_deferred = value, None
+        self._loss, self.loss_pending = value, None
 
     def defer_loss(self, total: Tensor, den: float, ignored: Tensor | None = None) -> None:
         """Set :attr:`loss` to ``total / (den - ignored)``, read from ``total`` (0-dim, any device) and
         ``ignored`` (0-dim: rows of ignored targets; None: none) only when asked for."""
-        self._loss_deferred = (total, den, ignored)
-
-    def settle_loss(self, total: Tensor, value: float) -> None:
-        """``total``'s mean loss is known on the host now: :attr:`loss` is ``value`` if it still waits for ``total``."""
-        deferred = self._loss_deferred
-        if deferred is not None and deferred[0] is total:
-            self._loss, self._loss_deferred = value, None
+        self.loss_pending = (total, den, ignored)
 
     @property
     def idps(self) -> RowView:
@@ -172,12 +187,7 @@ class TrainContext:
             ConfigError: under data parallelism (a stop at an update boundary is not agreed between
                 the ranks; use :meth:`request_stop`, which is decided once for all at the epoch's end).
         """
-        if self.state is not None and self.state.world.distributed:
-            from nnx_es.errors import ConfigError
-
-            raise ConfigError("stop_at_update() is not agreed between the ranks under distributed=DDP(): use "
-                              "ctx.request_stop(reason), which stops every rank after the epoch commits")
-        self.state.stop_at_update_requested = True
+        self.state.stop_at_update()
 
     def report_update(
         self,
@@ -198,7 +208,7 @@ class TrainContext:
         Raises:
             ConfigError: ``optimizer`` is not one of the run's optimizers.
         """
-        self.engine.report_update(
+        self.steps.report_update(
             self,
             loss=loss,
             examples=examples,

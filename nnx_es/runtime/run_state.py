@@ -1,15 +1,14 @@
 """The mutable state of one run in progress, in one object that is passed down.
 
-The session opener (:func:`nnx_es.session.open_session`) makes a :class:`RunState`;
-the trainer hands it to each collaborator that needs it (the update engine, the
-committer, finalization, the context). It holds:
+The session opener (:func:`nnx_es.runtime.session.open_session`) makes a :class:`RunState`;
+the run's scope (:mod:`nnx_es.runtime.scope`) hands it to each collaborator that needs it (the
+committer, finalization, the loop, the context). It holds:
 
 * the run's identity and storage: ``run_id``, ``run_dir``, ``runs_root``, the
-  :class:`~nnx_es.recorder.Recorder` and the :class:`~nnx_es.storage.BlobStore`;
-* the stop request: :meth:`RunState.request_stop` is the one way to stop, for
-  callbacks, hooks and the engine alike (the first request wins);
-* the outcome of the current microbatch and update (:class:`StepOutcome`), which the
-  engine writes and the epoch loop reads;
+  :class:`~nnx_es.runtime.recording.Recorder` and the :class:`~nnx_es.storage.BlobStore`;
+* the stop requests: :meth:`RunState.request_stop` is the one way to stop after an epoch, for
+  callbacks, hooks and the loop alike (the first request wins); :meth:`RunState.stop_at_update`
+  stops at the next update boundary;
 * the :class:`World`: which rank this process is, of how many, and which rank writes.
 
 Seams: STYLE.md "Seams"; torchtnt's ``State`` with its public ``stop()``.
@@ -24,10 +23,10 @@ from typing import TYPE_CHECKING, Any
 from events.schema import StopRequested
 
 if TYPE_CHECKING:
-    from nnx_es.recorder import Recorder
+    from nnx_es.runtime.recording import Recorder
     from nnx_es.storage import BlobStore
 
-__all__ = ["RunState", "StepOutcome", "World"]
+__all__ = ["RunState", "World"]
 
 #: the byte frame of :meth:`World.gather` (the same on every rank: it only grows, from gathered sizes)
 _FRAME = [1 << 15]
@@ -142,31 +141,8 @@ class World:
         return box[0]
 
 
-class StepOutcome:
-    """What the current microbatch and update did, as the engine reports it to the epoch loop.
-
-    ``microbatch_recorded``: a ``microbatch_done`` was emitted for the current batch;
-    ``committed_update``: the current batch closed a window with a committed update;
-    ``unreported``: microbatches a custom step recorded since its last reported update;
-    ``skipped``: the reason of an update the current batch skipped (``"nonfinite"``, ...), or None.
-    """
-
-    __slots__ = ("microbatch_recorded", "committed_update", "unreported", "skipped")
-
-    def __init__(self) -> None:
-        self.microbatch_recorded = False
-        self.committed_update = False
-        self.unreported = 0
-        self.skipped: str | None = None
-
-    def new_batch(self) -> None:
-        self.microbatch_recorded = False
-        self.committed_update = False
-        self.skipped = None
-
-
 class RunState:
-    """One run in progress: identity, recorder, store, stop request, step outcome, world.
+    """One run in progress: identity, recorder, store, stop requests, world.
 
     Args:
         run_id / runs_root: the run is ``runs_root / run_id``.
@@ -183,7 +159,6 @@ class RunState:
         self.recorder = recorder
         self.store = store
         self.world = world or World()
-        self.outcome = StepOutcome()
         self.stop_at_update_requested = False
         self._stop: tuple[str, str] | None = None
         #: events the loop appends right after the session's opening event: an elastic run's ``world_changed``
@@ -200,6 +175,20 @@ class RunState:
         """
         if self._stop is None:
             self._stop = (str(reason), str(by))
+
+    def stop_at_update(self) -> None:
+        """Stop right after the current (or next) committed update.
+
+        Raises:
+            ConfigError: under data parallelism (a stop at an update boundary is not agreed between
+                the ranks; :meth:`request_stop` is decided once for all at the epoch's end).
+        """
+        if self.world.distributed:
+            from nnx_es.errors import ConfigError
+
+            raise ConfigError("stop_at_update() is not agreed between the ranks under distributed=DDP(): use "
+                              "ctx.request_stop(reason), which stops every rank after the epoch commits")
+        self.stop_at_update_requested = True
 
     def agree_stop(self) -> None:
         """Decide the stop request once for every rank (agreement point 2): one all-gather of each

@@ -27,7 +27,7 @@ from nnx_es.distributed.resize import (elastic_topology, global_batch_sampler, r
                                        resume_streams)
 from nnx_es.errors import ConfigError, ResumeError
 from nnx_es.rng import LoaderGenerators, capture_rng, generators_mismatch, restore_rng
-from nnx_es.run_state import World
+from nnx_es.runtime.run_state import World
 from nnx_es.state_codec import encode_state
 from nnx_es.storage import BlobStore
 from nnx_es.transforms.core import apply_pending, pending, probe, recorded
@@ -37,7 +37,7 @@ if TYPE_CHECKING:
     from torch.optim import Optimizer
 
     from nnx_es.callbacks import Callback
-    from nnx_es.engine import UpdateEngine
+    from nnx_es.runtime.engine import UpdateEngine
     from nnx_es.monitor import Monitor
     from nnx_es.schedulers import Scheduler
 
@@ -48,14 +48,18 @@ __all__ = ["RunComponents", "apply_state", "capture", "check_world_size", "detac
 class RunComponents:
     """The objects whose state a checkpoint holds and a resume restores.
 
-    ``generators`` / ``loaders``: the train and validation loaders' own generators and the
-    loaders themselves, set by each ``fit`` (``{"train": ..., "val": ...}``). The GradScaler is read from ``engine`` when a checkpoint
-    is captured (it may be replaced before training).
+    ``loaders``: the train and validation loaders of one ``fit`` (``{"train": ..., "val": ...}``,
+    ``None`` when absent; their geometry goes in ``run_started``); ``generators``: their own
+    generators (:meth:`~nnx_es.rng.LoaderGenerators.of` each, by default). ``world``: the process
+    group of the fit (data parallelism: every rank's RNG streams are gathered into each checkpoint,
+    and each rank restores its own). The GradScaler is read from ``engine`` when a checkpoint is
+    captured (it may be replaced before training).
     """
 
     def __init__(self, *, net: nn.Module, optimizers: Mapping[str, Optimizer], schedulers: Sequence[Scheduler],
                  engine: UpdateEngine, update_hooks: Sequence[UpdateHook], monitor: Monitor | None,
-                 callbacks: Sequence[Callback]) -> None:
+                 callbacks: Sequence[Callback], loaders: dict[str, Any] | None = None,
+                 generators: dict[str, LoaderGenerators] | None = None, world: World | None = None) -> None:
         self.net = net
         self.optimizers = optimizers
         self.schedulers = schedulers
@@ -63,24 +67,12 @@ class RunComponents:
         self.averages = [h for h in update_hooks if isinstance(h, EMA)]
         self.monitor = monitor
         self.callbacks = callbacks
-        self.generators: dict[str, LoaderGenerators] = {}
-        self._loaders: dict[str, Any] = {}
-        #: the process group of the current ``fit`` (data parallelism: every rank's RNG streams are
-        #: gathered into each checkpoint, and each rank restores its own)
-        self.world: World = World()
+        self.loaders: dict[str, Any] = dict(loaders or {})
+        self.generators: dict[str, LoaderGenerators] = generators if generators is not None else {
+            role: LoaderGenerators.of(loader) for role, loader in self.loaders.items()}
+        self.world: World = world or World()
         #: events a restore asks the run to record after its opening (an elastic run's ``world_changed``)
         self.notes: list[Any] = []
-
-    @property
-    def loaders(self) -> dict[str, Any]:
-        """The train and validation loaders themselves (``None`` when absent), set by each ``fit``;
-        setting them starts a fit afresh: the :attr:`notes` of an earlier restore are dropped."""
-        return self._loaders
-
-    @loaders.setter
-    def loaders(self, loaders: dict[str, Any]) -> None:
-        self._loaders = loaders
-        self.notes = []
 
     @property
     def resizable(self) -> bool:
