@@ -9,7 +9,7 @@ from events.errors import CorruptEventError
 from events.plans import PLAN_TYPES, PlanFinished, PlanResumed, PlanStarted, TrialEnded, TrialStarted, decode_plan_event
 from events.schema import RunFinalized
 from projections.plans import FOLDED, PlanState, fold_plan, project_plan
-from conftest import sample_instance
+from samplekit import sample_instance
 
 
 @pytest.mark.parametrize("cls", PLAN_TYPES)
