@@ -30,7 +30,7 @@ from nnx_es.declare import describe_objective
 from nnx_es.device import place_model, resolve_device
 from nnx_es.distributed.alike import check_trainer_alike
 from nnx_es.distributed.roles import check_declared, for_rank
-from nnx_es.distributed.resize import global_batch_accumulation
+from nnx_es.distributed.resize import fit_engine
 from nnx_es.distributed.wrap import check_distributed, data_parallel, is_writer_rank
 from nnx_es.errors import ConfigError
 from nnx_es.evaluation import weights_fingerprint
@@ -58,10 +58,9 @@ from nnx_es.runtime.session import library_versions, new_run_id, open_session
 from nnx_es.runtime.components import RunComponents
 from nnx_es.stages import StageDispatcher
 from nnx_es.storage import BlobStore, validate_run_id
-from nnx_es.transforms.callback import check_trained, opening_events, prepare
-from nnx_es.transforms.core import Transform
+from nnx_es.transforms.callback import Transform, check_trained, opening_events, prepare
 from nnx_es.update_hooks import UpdateOrchestrator, collect, settings_of
-from nnx_es.user_metrics import UserMetric, bind_activation, higher_is_better, metric_names
+from nnx_es.user_metrics import bind_activation, check_recordable, higher_is_better, metric_names
 
 __all__ = ["Trainer"]
 
@@ -140,12 +139,8 @@ class Trainer:
         loss_target_assembler: several models: ``fn(loss, predictions, batch, *, workflow, target_keys)
             -> {key: tensor}`` targets when they do not come from the batch (:func:`nnx_es.models.multi_model_step`).
         target_keys: the target keys handed to the assembler (default: those the ``Keyed`` terms read).
-        transforms: model transforms (:mod:`nnx_es.transforms`: ``Prune``, ``LoRA``, ``ReplaceHead``, ``Quantize``)
-            applied to ``net`` now, in order (those it already carries, applied before its optimizer was
-            built, are kept); every trainable parameter of the transformed net must be in an optimizer.
-            Each is reported as a ``model_transformed`` event after the run's opening, recorded in every
-            checkpoint's topology, and rebuilt by a resume or ``NNModel.load`` on a fresh net. A stateful
-            resume declares them again.
+        transforms: model transforms (:mod:`nnx_es.transforms`) applied to ``net`` now, in order; each is a
+            ``model_transformed`` event, in every checkpoint's topology, rebuilt by a resume or ``NNModel.load``.
 
     Raises:
         ConfigError: a bad argument (named with the value received).
@@ -261,10 +256,7 @@ class Trainer:
             sinks=list(sinks), trainer=self)
         #: the context of the latest ``fit`` (``None`` before the first)
         self.ctx: TrainContext | None = None
-        if (recipe_required or spec is not None) and any(isinstance(m, UserMetric) for m in self.metrics):
-            raise ConfigError(f"metrics {[m.name for m in self.metrics if isinstance(m, UserMetric)]} are callables or "
-                              "metric objects, which a recorded spec cannot hold yet: declare built-in metric names "
-                              "only with recipe_required=True or a spec")
+        check_recordable(self.metrics, recorded=recipe_required or spec is not None)
         self.spec = record_spec(
             recipe_required, spec, net=net, optimizers=self.optimizers, objective=self.objective, monitor=self.monitor,
             metrics=metric_names(self.metrics), schedulers=self.schedulers, callbacks=self.callbacks, update_hooks=self.update_hooks,
@@ -280,16 +272,17 @@ class Trainer:
     @property
     def recorder(self) -> Recorder:
         """The latest run's recorder (raises ``AttributeError`` before the first ``fit``)."""
-        if self.state is None:
-            raise AttributeError("recorder: this trainer has not opened a run yet (call fit)")
-        return self.state.recorder
+        return self._latest("recorder").recorder
 
     @property
     def store(self) -> BlobStore:
         """The latest run's blob store (raises ``AttributeError`` before the first ``fit``)."""
+        return self._latest("store").store
+
+    def _latest(self, what: str) -> RunState:
         if self.state is None:
-            raise AttributeError("store: this trainer has not opened a run yet (call fit)")
-        return self.state.store
+            raise AttributeError(f"{what}: this trainer has not opened a run yet (call fit)")
+        return self.state
 
     def _declare(self, components: RunComponents, run_id: str, source: SourceRef | None) -> RunStarted:
         """This trainer's ``run_started``: what a stateful resume must declare again."""
@@ -332,32 +325,26 @@ class Trainer:
                 the trainer must declare the run's recipe. ``"weights_only"`` starts a new run from
                 its weights alone; ``"fork"`` a new run from its whole state, counting from 0.
                 Semantics: spec 004 "Restart semantics" (:mod:`nnx_es.runtime.session`).
-            resume_at: with ``"weights_only"`` or ``"fork"``, the source's checkpoint to start
-                from: the seq of one of its committed LASTs, or ``"best"`` (default: its latest
-                LAST).
-
+            resume_at: with ``"weights_only"`` or ``"fork"``, the source's checkpoint to start from: the
+                seq of one of its committed LASTs, or ``"best"`` (default: its latest LAST).
             resume: ``"auto"``: resume this trainer's ``run_id`` statefully when it has a committed LAST,
                 otherwise start it afresh (what a run without one left is cleared; a LAST that does
                 not verify is refused, never cleared). Needs ``run_id``; excludes ``resume_from``.
 
         Raises:
-            ConfigError: bad ``epochs``/``resume_mode``/``resume`` (a ``resume_mode`` other than
-                ``"stateful"`` without ``resume_from`` included), an empty train or validation
-                loader, or a run directory in the way.
-            ResumeError: the resume point is missing or does not verify, the recipe
-                differs from the run's, or a loader has or lacks a generator of its own
-                the run's had (the reason is named; nothing is restored or erased).
+            ConfigError: bad ``epochs``/``resume_mode``/``resume`` (a ``resume_mode`` other than ``"stateful"``
+                without ``resume_from`` included), an empty train or validation loader, or a run directory in the way.
+            ResumeError: the resume point is missing or does not verify, the recipe differs from the run's, or a
+                loader has or lacks a generator of its own the run's had (named; nothing is restored or erased).
             LeaseHeldError: another process writes this run (:mod:`nnx_es.lease`).
-            UnsafePathError: the run directory, its lease file, log, blob or view directory, or a blob,
-                is a symbolic link, a FIFO, ...; refused before anything is written.
+            UnsafePathError: a path of the run (directory, lease, log, blob, views) is a link, a FIFO, ...; refused first.
             Exception: whatever training raised, after finalization.
         """
         check_fit_args(train_loader, val_loader, epochs=epochs, monitor=self.monitor, resume_mode=resume_mode,
                        resume=resume, resume_from=resume_from, run_id=self.run_id, distributed=self.distributed)
         ensure_logging()
         with data_parallel(self.distributed, self.net, train_loader, "Trainer.fit", val_loader) as (world, module):
-            window = global_batch_accumulation(self.engine.accumulation, world, train_loader)  # elastic mode
-            engine = self.engine if window is None else self.engine.under(None, accumulation=window)
+            engine = fit_engine(self.engine, world, train_loader)  # an elastic loader's window (elastic mode)
             components = RunComponents(net=self.net, optimizers=self.optimizers, schedulers=self.schedulers,
                                        engine=engine, update_hooks=self.update_hooks, monitor=self.monitor,
                                        callbacks=self.callbacks, loaders={"train": train_loader, "val": val_loader},
@@ -388,11 +375,8 @@ class Trainer:
             scope.run(train_loader, val_loader, epochs)
         if not state.world.is_writer:  # every rank returns the writer's run (its records and provenance)
             return state.world.share(None)  # type: ignore[no-any-return]
-        if scope.finalization.projection is not None:  # the log as finalization projected it for the views
-            projections, n_events = scope.finalization.projection
-            result = result_of(projections, state.run_dir, n_events)
-        else:
-            result = load_result(state.run_dir)
+        projected = scope.finalization.projection  # the log as finalization projected it for the views
+        result = result_of(projected[0], state.run_dir, projected[1]) if projected else load_result(state.run_dir)
         return state.world.share(result) if state.world.distributed else result
 
     # --- validation -----------------------------------------------------------------------

@@ -47,7 +47,7 @@ from torch import Tensor
 
 from nnx_es.errors import ConfigError
 
-__all__ = ["RowMetric", "TorchMetric", "UserMetric", "bind_activation", "higher_is_better", "is_torchmetric",
+__all__ = ["RowMetric", "TorchMetric", "UserMetric", "bind_activation", "check_recordable", "higher_is_better", "is_torchmetric",
            "metric_names", "split_declared", "user_metric"]
 
 
@@ -231,6 +231,18 @@ def user_metric(name: str | None, obj: Any) -> UserMetric:
     if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
         raise ConfigError(f"a metric's name is an identifier, got {name!r}")
     return RowMetric(name, obj)
+
+
+def check_recordable(metrics: Iterable[Any], *, recorded: bool) -> None:
+    """Refuse user metrics (callables, metric objects) in a run whose spec is ``recorded``.
+
+    Raises:
+        ConfigError: naming the user metrics, when ``recorded`` and there are any.
+    """
+    users = [m.name for m in metrics if isinstance(m, UserMetric)]
+    if recorded and users:
+        raise ConfigError(f"metrics {users} are callables or metric objects, which a recorded spec cannot hold yet: "
+                          "declare built-in metric names only with recipe_required=True or a spec")
 
 
 def metric_names(metrics: Iterable[Any]) -> list[str]:

@@ -6,7 +6,7 @@
   (``nnx_es.cli.main.build_parser``, ``nnx_es.cli.inspect.build_parser``,
   ``nnx_es.cli.replay.build_parser``), sub-commands included;
 * ``reference/events.md``: every event kind of ``events.codec.CURRENT_TYPES`` with its fields,
-  their types, defaults and meaning (the docstrings and ``#:`` comments of ``events/schema.py``),
+  their types, defaults and meaning (the docstrings and ``#:`` comments of ``events/schema.py`` and the modules it re-exports),
   the value types they carry, and the lifecycle order (``nnx_es.lifecycle``).
 """
 
@@ -133,7 +133,9 @@ def _table(f, rows) -> None:
     f.write("\n")
 
 
-event_fields = _fields(events.schema)
+# the events live in events/schema.py and the modules it re-exports (commit_events, model_events)
+event_fields = {name: rows for module in sorted({sys.modules[t.__module__] for t in CURRENT_TYPES}, key=str)
+                for name, rows in _fields(module).items()}
 value_fields = _fields(events.values)
 
 with mkdocs_gen_files.open("reference/events.md", "w") as f:

@@ -1,16 +1,15 @@
 """Checks over the committed view (:func:`projections.committed`), with the projections folded so far.
 
 * invariant 4: every manifest a committed LAST / BEST / phase names verifies
-  (:func:`nnx_es.checkpoint.verify_checkpoint`), and every callback checkpoint blob;
+  (:func:`nnx_es.checkpoint.verify_checkpoint`), and every callback checkpoint blob; an exported
+  artifact (``model_exported``) still at its path has its recorded SHA-256;
 * invariant 6: scheduler clocks (epoch: once per summarized epoch, at the epoch
   end, a plateau one once per epoch with a decision; optimizer_update: once
   after each ``update_committed`` of its optimizer); ``steps`` grows by 1;
 * invariant 7: at most one decision per epoch, exactly one per validated epoch
   when the monitor is a ``val_`` metric; the decision is coherent with the
   metric and the previous decision; BEST iff improved; plateau agrees;
-* invariant 4 also: an exported artifact (``model_exported``) still at its path has its recorded SHA-256;
-* invariant 10: counters and the ``schedulers`` component in each committed
-  LAST's manifest equal the projections at that LAST.
+* invariant 10: counters and the ``schedulers`` component in each committed LAST's manifest equal the projections.
 """
 
 from __future__ import annotations
@@ -223,8 +222,7 @@ class CommittedCheck:
                 return None
         return self.manifests[digest]
 
-    def _artifact(self, seq: int, event: ModelExported) -> None:
-        """An exported artifact still at its recorded path has the SHA-256 recorded (absent: not checked)."""
+    def _artifact(self, seq: int, event: ModelExported) -> None:  # an artifact gone from its path is not checked
         try:
             found = file_sha256(event.path)
         except (OSError, UnsafePathError) as exc:

@@ -469,10 +469,8 @@ def add_commands(sub: Any) -> None:
     p.add_argument("--lr-find", action="store_true",
                    help="also run the learning-rate range test (a short exponential sweep of the spec's model, optimizer "
                         "and data in a throwaway run) and suggest a learning rate")
-    p.add_argument("--lr-find-png", default=None, metavar="PATH",
-                   help="where the range test's curve goes (default: SPEC with .lr-find.png)")
-    p.add_argument("--lr-find-steps", type=int, default=100, metavar="N",
-                   help="updates of the sweep, from 1e-8 to 1 (default 100)")
+    p.add_argument("--lr-find-png", default=None, metavar="PATH", help="the range test's curve (default: SPEC with suffix .lr-find.png)")
+    p.add_argument("--lr-find-steps", type=int, default=100, metavar="N", help="updates of the sweep (default 100)")
     p.add_argument("--allow", **allow)
     p.set_defaults(run=guarded("report", _report))
 

@@ -32,7 +32,7 @@ from nnx_es.distributed.global_batch import GlobalBatchSampler
 from nnx_es.errors import ConfigError, ResumeError
 from nnx_es.run_state import World
 
-__all__ = ["KEPT", "elastic_topology", "global_batch_sampler", "global_batch_accumulation", "refuse_elastic_checkpoint",
+__all__ = ["KEPT", "elastic_topology", "global_batch_sampler", "fit_engine", "global_batch_accumulation", "refuse_elastic_checkpoint",
            "resume_streams", "successor_streams"]
 
 #: what an elastic resume keeps from its checkpoint's deal (another world size and microbatch split may differ)
@@ -81,6 +81,13 @@ def global_batch_accumulation(accumulation: int, world: World, train_loader: Any
         why = [w for w in world.gather(mine) if w is not None]
         raise ConfigError(f"{why[0]}; nothing was trained")
     return int(plan.accumulation)
+
+
+def fit_engine(engine: Any, world: World, train_loader: Any) -> Any:
+    """The update engine of one ``fit``: ``engine`` itself, or (an elastic train loader) ``engine``
+    with the loader's window on ``world`` (:func:`global_batch_accumulation`, which raises)."""
+    window = global_batch_accumulation(engine.accumulation, world, train_loader)
+    return engine if window is None else engine.under(None, accumulation=window)
 
 
 def _fresh_streams(donor: Mapping[str, Any], rank: int) -> dict[str, Any]:
