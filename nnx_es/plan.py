@@ -228,7 +228,7 @@ class ExperimentPlan:
         with PlanLog(runs_root, self.name) as plan_log:
             started = plan_log.state.started
             if started is None:
-                from nnx_es.session import library_versions
+                from nnx_es.runtime.session import library_versions
 
                 plan_log.commit(PlanStarted(name=self.name, declaration=declaration, declaration_hash=digest,
                                             trials=len(self.trials), library_versions=library_versions(),

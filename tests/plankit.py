@@ -45,7 +45,7 @@ def kill_in_run(run_id: str, n: int) -> Callable[[], None]:
     """A kill installer: SIGKILL just before the n-th (0-based) event recorded into run ``run_id`` here."""
 
     def install() -> None:
-        from nnx_es.recorder import Recorder
+        from nnx_es.runtime.recording import Recorder
 
         original = Recorder.emit
         count = [0]

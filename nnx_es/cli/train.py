@@ -291,7 +291,7 @@ def _lr_find(spec: Any, allowed: Any, png: Path, steps: int) -> None:
     import tempfile
 
     from nnx_es.diagnostics.lr_range import lr_find
-    from nnx_es.engine import default_forward
+    from nnx_es.runtime.engine import default_forward
     from nnx_es.recipes.runspec import build_run
 
     if steps < 2:

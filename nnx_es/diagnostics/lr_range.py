@@ -47,7 +47,7 @@ from nnx_es.errors import ConfigError, MissingDirectoryError, NonFiniteError
 
 if TYPE_CHECKING:
     from events.schema import UpdateCommitted
-    from nnx_es.context import TrainContext
+    from nnx_es.runtime.context import TrainContext
 
 __all__ = ["LRFinder", "lr_find", "suggest"]
 

@@ -55,7 +55,7 @@ from nnx_es.errors import ConfigError
 
 if TYPE_CHECKING:
     from events.schema import UpdateCommitted
-    from nnx_es.context import TrainContext
+    from nnx_es.runtime.context import TrainContext
 
 __all__ = ["RELU_FAMILY", "ROOT", "Diagnostics", "activation_modules", "parameter_layers"]
 

@@ -30,7 +30,7 @@ from typing import Any
 from events.schema import WorldChanged
 from nnx_es.distributed.global_batch import GlobalBatchSampler
 from nnx_es.errors import ConfigError, ResumeError
-from nnx_es.run_state import World
+from nnx_es.runtime.run_state import World
 
 __all__ = ["KEPT", "elastic_topology", "global_batch_sampler", "fit_engine", "global_batch_accumulation", "refuse_elastic_checkpoint",
            "resume_streams", "successor_streams"]
@@ -136,7 +136,7 @@ def successor_streams(streams: Sequence[Mapping[str, Any]], rank: int) -> dict[s
 
 def resume_streams(run: Any, state: Mapping[str, Any]) -> dict[str, Any]:
     """This rank's RNG streams for an elastic resume of the checkpoint ``state`` into ``run`` (a
-    :class:`~nnx_es.snapshot.RunComponents` whose train loader is elastic), after checking that the
+    :class:`~nnx_es.runtime.components.RunComponents` whose train loader is elastic), after checking that the
     checkpoint is an elastic run's with the same global batch, rows, seed and shuffling; when the
     world size or the microbatch split changed, ``run.notes`` gets the :class:`~events.schema.WorldChanged`
     the run records after its opening.

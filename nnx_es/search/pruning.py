@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 from nnx_es.callbacks import Callback
 
 if TYPE_CHECKING:
-    from nnx_es.context import TrainContext
+    from nnx_es.runtime.context import TrainContext
 
 __all__ = ["TrialPruning"]
 

@@ -5,7 +5,7 @@ A transform changes a net in place (a submodule swapped for another, a pruning m
 frozen); the root module is never replaced, so whoever holds the net holds the transformed one. Each
 application is recorded on the net itself (:func:`applications`) with the net's topology before and
 after (:func:`topology`). A checkpoint's ``topology`` component lists them (``"transforms"``:
-``[{"transform": recipe document, "epoch": int}]``, written by :func:`nnx_es.snapshot.capture` only when
+``[{"transform": recipe document, "epoch": int}]``, written by :func:`nnx_es.runtime.components.capture` only when
 there is one), and every reader of a checkpoint rebuilds that list on its fresh net before it loads the
 weights (:func:`pending`): a stateful resume, a fork, ``NNModel.load``.
 

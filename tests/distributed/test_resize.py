@@ -18,7 +18,7 @@ from nnx_es.audit import audit_run
 from nnx_es.distributed.global_batch import global_batches
 from nnx_es.errors import ResumeError
 from nnx_es.rows import read_rows
-from nnx_es.snapshot import check_world_size
+from nnx_es.runtime.components import check_world_size
 from trainkit import of_kind
 
 SCRIPT = REPO / "tests" / "distributed" / "resize_script.py"
