@@ -30,7 +30,7 @@ from typing import Any
 from events.schema import WorldChanged
 from nnx_es.distributed.global_batch import GlobalBatchSampler
 from nnx_es.errors import ConfigError, ResumeError
-from nnx_es.run_state import World
+from nnx_es.runtime.run_state import World
 
 __all__ = ["KEPT", "elastic_topology", "global_batch_sampler", "fit_engine", "global_batch_accumulation", "refuse_elastic_checkpoint",
            "resume_streams", "successor_streams"]
