@@ -27,14 +27,16 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from events.paths import check_entry, open_dir
-from nnx_es.errors import LeaseHeldError
+from events.paths import check_entry, open_dir, read_file
+from nnx_es.errors import LeaseHeldError, NnxError
 from nnx_es.lease import Lease, validate_run_id
 
-__all__ = ["STUDIES_DIR", "Claims", "default_storage", "study_dir"]
+__all__ = ["JOURNAL_READ_LIMIT", "STUDIES_DIR", "Claims", "default_storage", "journal_copy", "study_dir", "study_names"]
 
 #: the directory of a runs root that holds the studies (``studies/<name>/``)
 STUDIES_DIR = "studies"
+#: the longest study journal :func:`journal_copy` reads (bytes)
+JOURNAL_READ_LIMIT = 1 << 30
 #: how long a worker waits between two tries of the study's claim lease (seconds)
 _CLAIM_POLL_S = 0.01
 
@@ -62,6 +64,60 @@ def default_storage(directory: Path) -> Any:
 
     check_entry(directory / "journal.log", "file")
     return JournalStorage(JournalFileBackend(str(directory / "journal.log")))
+
+
+def study_names(runs_root: Path) -> list[str]:
+    """The studies under ``runs_root`` (``studies/<name>/journal.log``, no part a link), by name."""
+    directory = Path(runs_root) / STUDIES_DIR
+    if check_entry(directory, "dir") is None:
+        return []
+    names = []
+    for entry in sorted(os.scandir(directory), key=lambda e: e.name):
+        if entry.name.startswith(".") or not entry.is_dir(follow_symlinks=False):
+            continue
+        try:
+            if check_entry(directory / validate_run_id(entry.name) / "journal.log", "file") is not None:
+                names.append(entry.name)
+        except NnxError:  # no study name, or a link where the journal goes: not listed
+            continue
+    return names
+
+
+def journal_copy(runs_root: Path, name: str) -> Any | None:
+    """Optuna's journal storage over a copy in memory of study ``name``'s ``journal.log``, or None: no such
+    journal. Writes nothing: Optuna's :class:`JournalFileBackend` would create the file if missing and
+    take its lock file to append; this reads the journal's bytes once (``O_NOFOLLOW`` on every part, so
+    a read-only runs root is read too) and replays its complete lines -- a line a worker is appending is
+    left out, as Optuna's file reader does. The storage refuses to append.
+
+    Raises:
+        InvalidRunIdError: ``name`` is no safe directory name. UnsafePathError: a link on the way.
+        ValueError: the journal is longer than :data:`JOURNAL_READ_LIMIT`, or a complete line is no JSON.
+    """
+    import json
+
+    from optuna.storages import JournalStorage
+    from optuna.storages.journal import BaseJournalBackend
+
+    data = read_file(runs_root, (STUDIES_DIR, validate_run_id(name), "journal.log"), limit=JOURNAL_READ_LIMIT)
+    if data is None:
+        return None
+    if len(data) > JOURNAL_READ_LIMIT:
+        raise ValueError(f"study {name!r}: its journal is longer than {JOURNAL_READ_LIMIT} bytes: not read")
+    lines = data.split(b"\n")[:-1]  # the part after the last newline is a line being written
+
+    class _Copy(BaseJournalBackend):
+        def read_logs(self, log_number_from: int) -> Iterator[dict[str, Any]]:
+            for line in lines[log_number_from:]:
+                try:
+                    yield json.loads(line)
+                except json.JSONDecodeError as exc:
+                    raise ValueError(f"study {name!r}: a damaged journal line: {exc}") from None
+
+        def append_logs(self, logs: list[dict[str, Any]]) -> None:
+            raise PermissionError(f"study {name!r} was opened read-only (a copy of its journal)")
+
+    return JournalStorage(_Copy())
 
 
 class Claims:

@@ -3,7 +3,8 @@ time travel, audit, diff and data map -- and the JSON API behind each page (the 
 Starlette and uvicorn). See docs/guides/web.md.
 
 Modules: :mod:`~nnx_es.web.reading` (the runs root, confined and read quietly), :mod:`~nnx_es.web.api`
-(what each page shows, built on the readers of ``tools/inspect`` and ``tools/replay``),
+(what each page shows, built on the readers of ``tools/inspect`` and ``tools/replay``), :mod:`~nnx_es.web.studies`
+(the studies of ``nnx-es search``, built on :mod:`nnx_es.search`),
 :mod:`~nnx_es.web.app` (the Starlette app), :mod:`~nnx_es.web.serve` (the command).
 """
 

@@ -12,6 +12,8 @@ Pages (one HTML shell; ``static/app.js`` draws each from the API, with uPlot, sh
 | ``/runs/{id}/audit`` ``tools/replay``'s verdict | ``GET /api/runs/{id}/audit`` |
 | ``/runs/{id}/rows`` the data map | ``GET /api/runs/{id}/rows`` |
 | ``/diff?a=&b=`` two runs from their first difference | ``GET /api/diff?a=&b=`` |
+| ``/studies`` the studies of ``nnx-es search`` | ``GET /api/studies`` |
+| ``/studies/{name}`` a study's trials beside their runs | ``GET /api/studies/{name}`` |
 
 Only ``GET`` (and ``HEAD``) is served; nothing under the runs root is written (:mod:`nnx_es.web.reading`).
 Requests must name this machine (``Host``: a loopback name, or the address the server was bound to), so a
@@ -49,6 +51,7 @@ from nnx_es.cli._common import writer_alive
 from nnx_es.cli._format import json_line
 from nnx_es.errors import CorruptCheckpointError, InvalidRunIdError
 import nnx_es.web.api as api
+import nnx_es.web.studies as study_pages
 from nnx_es.web.reading import RunsRoot
 
 __all__ = ["LOOPBACK_HOSTS", "STATIC", "create_app", "hosts_for", "is_loopback"]
@@ -65,7 +68,7 @@ _STATUSES: tuple[tuple[tuple[type[BaseException], ...], int], ...] = (
     ((WriterAppearedError,), 503),
     ((InvalidRunIdError,), 400),
     ((UnsafePathError,), 403),
-    ((NotARunError, api.NoSuchEventError), 404),
+    ((NotARunError, api.NoSuchEventError, study_pages.NoSuchStudyError), 404),
     ((EventLogError, SequenceGapError, CorruptEventError, CorruptCheckpointError), 422),
     ((ValueError,), 400),
 )
@@ -159,7 +162,9 @@ def create_app(runs_root: str | Path, *, allowed_hosts: tuple[str, ...] = LOOPBA
                 rows.append(root.read(cached("row", api.run_row), run_id))
             except Exception as exc:  # noqa: BLE001 - one unreadable run does not hide the others
                 rows.append(api.unreadable_row(run_id, exc))
-        return {"root": str(root.path), **api.runs(rows)}
+        from nnx_es.search.study import study_names
+
+        return {"root": str(root.path), **api.runs(rows), "studies": study_names(root.path)}
 
     def one(request: Request) -> Any:
         return root.read(cached("run", api.run), request.path_params["run_id"])
@@ -200,6 +205,12 @@ def create_app(runs_root: str | Path, *, allowed_hosts: tuple[str, ...] = LOOPBA
             raise ValueError("diff takes two runs: /api/diff?a=RUN_ID&b=RUN_ID")
         return root.read(api.diff, a, b)
 
+    def studies(request: Request) -> Any:
+        return study_pages.studies(root)
+
+    def study(request: Request) -> Any:
+        return study_pages.study(root, request.path_params["name"])
+
     async def page(request: Request) -> Response:
         return FileResponse(STATIC / "index.html", headers=_HEADERS)
 
@@ -216,8 +227,12 @@ def create_app(runs_root: str | Path, *, allowed_hosts: tuple[str, ...] = LOOPBA
         Route("/api/runs/{run_id}/audit", endpoint(audit)),
         Route("/api/runs/{run_id}/rows", endpoint(rows)),
         Route("/api/diff", endpoint(diff)),
+        Route("/api/studies", endpoint(studies)),
+        Route("/api/studies/{name}", endpoint(study)),
         Route("/", page),
         Route("/diff", page),
+        Route("/studies", page),
+        Route("/studies/{name}", page),
         Route("/runs/{run_id}", page),
         Route("/runs/{run_id}/{view:str}", page),
         Route("/runs/{run_id}/events/{seq:int}", page),

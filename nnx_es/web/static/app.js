@@ -21,6 +21,7 @@ function h(tag, attrs, ...kids) {
 const enc = encodeURIComponent;
 const runHref = (id, view) => "/runs/" + enc(id) + (view ? "/" + view : "");
 const eventHref = (id, seq) => runHref(id, "events/" + seq);
+const studyHref = (name) => "/studies/" + enc(name);
 
 function fmt(v) {
   if (v === null || v === undefined) return "–";
@@ -62,6 +63,7 @@ function nav(runId, here) {
     }
   }
   items.push(["diff", "/diff" + (runId ? "?a=" + enc(runId) : "")]);
+  items.push(["studies", "/studies"]);
   n.replaceChildren(...items.map(([label, href]) => h("a", { href, class: label === here ? "here" : null }, label)));
 }
 
@@ -106,6 +108,8 @@ async function pageRuns() {
   show(h("h1", {}, "runs under ", h("code", {}, doc.root)),
     doc.runs.length ? h("table", { id: "runs" }, h("tr", {}, ["run", "status", "epochs", "best", "best epoch", "events", "started (UTC)", "lineage"].map((t, i) => h("th", { class: [2, 3, 4, 5].includes(i) ? "num" : null }, t))), rows)
       : h("p", { class: "muted" }, "no runs here yet: a run's directory appears when it starts."),
+    doc.studies && doc.studies.length ? h("p", { id: "studies-link" }, "searches (nnx-es search): ",
+      doc.studies.flatMap((n, i) => [i ? ", " : "", h("a", { href: studyHref(n) }, n)]), " · ", h("a", { href: "/studies" }, "all studies")) : null,
     ids.length > 1 ? h("div", { class: "controls" }, h("label", {}, "run A", a), h("label", {}, "run B", b),
       h("button", { onclick: () => { location.href = "/diff?a=" + enc(a.value) + "&b=" + enc(b.value); } }, "diff")) : null);
   liveNote(doc.live ? "a run is training: refreshing every 2 s" : "");
@@ -410,12 +414,52 @@ async function pageDiff() {
       h("div", {}, h("h2", {}, h("a", { href: runHref(doc.b) }, doc.b)), eventsSide(doc.b, doc.b_events, f.seq))));
 }
 
+// ---------------------------------------------------------------- studies (nnx-es search)
+
+async function pageStudies() {
+  nav(null, "studies");
+  let doc;
+  try { doc = await api("/api/studies"); } catch (e) { return fail(e); }
+  const rows = doc.studies.map((s) => h("tr", { class: "study", "data-study": s.name },
+    h("td", {}, h("a", { href: studyHref(s.name) }, s.name)),
+    h("td", {}, s.direction || "–", s.error ? h("div", { class: "error" }, s.error) : null),
+    num(s.trials), num(s.complete), num(s.best), h("td", { class: "num" }, s.best_trial === null ? "–" : String(s.best_trial))));
+  show(h("h1", {}, "studies under ", h("code", {}, doc.root)),
+    doc.studies.length ? h("table", { id: "studies" }, h("tr", {}, ["study", "direction", "trials", "complete", "best", "best trial"].map((t, i) => h("th", { class: i >= 2 ? "num" : null }, t))), rows)
+      : h("p", { class: "muted" }, "no studies here: nnx-es search keeps each under studies/<name>/."));
+  liveNote("");
+  poll(pageStudies, 15000);
+}
+
+async function pageStudy(name) {
+  nav(null, "studies");
+  let doc;
+  try { doc = await api("/api/studies/" + enc(name)); } catch (e) { return fail(e); }
+  const keys = [...new Set(doc.trials.flatMap((t) => Object.keys(t.params)))].sort();
+  const rows = doc.trials.map((t) => h("tr", { class: "trial" + (doc.best && doc.best.trial === t.number ? " best" : ""), "data-trial": String(t.number) },
+    num(t.number),
+    h("td", {}, h("span", { class: "badge " + t.state.toLowerCase() }, t.state), t.error ? h("div", { class: "error" }, t.error) : null),
+    num(t.value),
+    keys.map((k) => (typeof t.params[k] === "number" ? num(t.params[k]) : h("td", {}, fmt(t.params[k])))),
+    h("td", {}, t.run_url ? h("a", { href: t.run_url }, t.run_id) : (t.run_id || "–")),
+    h("td", {}, t.run_status ? t.run_status + (t.run_stop_reason ? " (" + t.run_stop_reason + ")" : "") : "–"),
+    num(t.run_best)));
+  const best = doc.best ? ["trial " + doc.best.trial + ", value " + fmt(doc.best.value) + " (run ", doc.best.run_id ? h("a", { href: runHref(doc.best.run_id) }, doc.best.run_id) : "–", ")"] : "no complete trial yet";
+  show(h("h1", {}, "study ", h("code", {}, doc.name), " (" + doc.direction + ")"),
+    h("p", {}, "best: ", best),
+    h("table", { id: "trials" }, h("tr", {}, ["trial", "state", "value", ...keys, "run", "run status", "run BEST"].map((t) => h("th", {}, t))), rows));
+  liveNote(doc.trials.some((t) => t.state === "RUNNING") ? "a trial is running: refreshing every 5 s" : "");
+  poll(() => pageStudy(name), doc.trials.some((t) => t.state === "RUNNING") ? 5000 : 15000);
+}
+
 // ---------------------------------------------------------------- routing
 
 function route() {
   const parts = location.pathname.split("/").filter(Boolean).map(decodeURIComponent);
   if (!parts.length) return pageRuns();
   if (parts[0] === "diff") return pageDiff();
+  if (parts[0] === "studies" && parts.length === 1) return pageStudies();
+  if (parts[0] === "studies" && parts.length === 2) return pageStudy(parts[1]);
   if (parts[0] === "runs" && parts.length >= 2) {
     const id = parts[1];
     if (parts.length === 2) return pageRun(id);
