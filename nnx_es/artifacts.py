@@ -15,12 +15,14 @@ from __future__ import annotations
 import hashlib
 import os
 import secrets
+import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 from events.paths import create_file, open_dir, open_file
 from nnx_es.errors import ConfigError
 
-__all__ = ["RUN_PARTS", "Destination", "destination", "file_sha256", "write_artifact"]
+__all__ = ["RUN_PARTS", "Destination", "destination", "file_sha256", "write_artifact", "write_output"]
 
 #: a run directory's own parts: an artifact is never written there
 RUN_PARTS = frozenset({"events.lmdb", "blobs", "views"})
@@ -66,8 +68,8 @@ def destination(out: str | os.PathLike[str], run_dir: str | os.PathLike[str] | N
             assert own is not None
             return Destination(lexical, own, parts)
     for found in {_run_above(lexical.parent), _run_above(real_parent)} - {None}:
-        raise ConfigError(f"--out {str(out)!r} lies inside another run ({found}): an export never writes into a "
-                          "run but its own; give a path outside it")
+        raise ConfigError(f"--out {str(out)!r} lies inside another run ({found}): nothing is written into a "
+                          "run but its own (it may be someone else's); give a path outside it")
     return Destination(lexical)
 
 
@@ -109,6 +111,24 @@ def write_artifact(source: Path, dest: Destination) -> None:
         raise
     finally:
         os.close(dir_fd)
+
+
+def write_output(out: str | os.PathLike[str], write: Callable[[Path], object], *,
+                 run_dir: str | os.PathLike[str] | None = None) -> Path:
+    """Write a user's output file ``out`` (predictions, a plot) by ``write(path)`` into a private temporary
+    directory, then :func:`write_artifact` it to ``out``: checked by :func:`destination` (never inside a run
+    but ``run_dir``'s, nor its own parts), renamed over ``out`` (a link there is replaced, never followed).
+
+    Raises:
+        ConfigError: ``out`` is a directory or lies inside another run (:func:`destination`).
+        UnsafePathError, OSError: as :func:`write_artifact`.
+    """
+    dest = destination(out, run_dir)
+    with tempfile.TemporaryDirectory(prefix="nnx_es-out-") as tmp:
+        staged = Path(tmp) / dest.path.name
+        write(staged)
+        write_artifact(staged, dest)
+    return dest.path
 
 
 def file_sha256(path: str | os.PathLike[str]) -> str | None:

@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from nnx_es.artifacts import destination, write_output
 from nnx_es.cli._common import EXIT_OK, EXIT_VIOLATIONS
 from nnx_es.cli._format import printable
 from nnx_es.cli.train import BadInput, allowed_packages, guarded, read_spec_file, stored_spec
@@ -137,6 +138,7 @@ def _predict(args: argparse.Namespace) -> int:
         raise BadInput(f"--batch-size must be >= 1, got {args.batch_size}")
     if Path(args.out).suffix not in (".npy", ".csv"):
         raise BadInput(f"--out {args.out!r} must end in .npy or .csv")
+    destination(args.out, None)  # never inside a run: refused before anything is loaded
     x = read_rows(args.input)
     model, _ = _model(args)
     if args.device is not None:
@@ -145,14 +147,14 @@ def _predict(args: argparse.Namespace) -> int:
         model.net.to(resolve_device(args.device, model.net))
     loader = DataLoader(TensorDataset(x), batch_size=args.batch_size)
     t0 = time.perf_counter()
-    if args.output == "raw":
-        values = model.outputs(loader)
-    elif args.output == "proba":
-        values = model.predict_proba(loader)
-    else:
-        values = model.predict(loader)
+    predict = {"raw": model.outputs, "proba": model.predict_proba}.get(args.output, model.predict)
+    try:
+        values = predict(loader)
+    except RuntimeError as exc:  # rows the net cannot take (a shape mismatch): the user's input, not a crash
+        raise BadInput(f"INPUT {str(args.input)!r}: rows of shape {tuple(x.shape[1:])} do not fit the run's model "
+                       f"({' '.join(str(exc).split())[:200]})") from None
     seconds = time.perf_counter() - t0
-    write_rows(args.out, values)
+    write_output(args.out, lambda path: write_rows(path, values))
     print(printable(f"wrote {args.out}: {args.output} of {len(x)} rows, shape {tuple(values.shape)} ({seconds:.3f} s; "
                     f"{model.source.checkpoint} checkpoint, epoch {model.source.epoch})"))
     return EXIT_OK

@@ -22,6 +22,7 @@ from typing import Any
 
 import msgspec
 
+from nnx_es.artifacts import write_output
 from nnx_es.cli._common import EXIT_OK, EXIT_UNUSABLE, EXIT_VIOLATIONS
 from nnx_es.cli._format import printable
 from nnx_es.errors import ConfigError, LeaseHeldError, NnxError, ResumeError, UnsafePathError
@@ -44,9 +45,7 @@ def allowed_packages(args: argparse.Namespace) -> Any:
     """The guard for ``--allow``: the user's own packages (never the standard library: ``--allow os`` would make
     ``os.popen`` a data factory; never torch or nnx_es, see :class:`~nnx_es.recipes.Allowed`).
 
-    Raises:
-        BadInput: ``--allow`` names the standard library.
-    """
+    Raises BadInput when ``--allow`` names the standard library."""
     from nnx_es.recipes import Allowed
 
     stdlib = [p for p in args.allow or () if p.split(".")[0] in sys.stdlib_module_names]
@@ -335,7 +334,7 @@ def _plot(curves: dict[str, list[float]], png: Path, per_epoch: int, known: bool
                  fontsize=8)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(png)
+    write_output(png, fig.savefig)  # never into a run, no link followed
     plt.close(fig)
 
 

@@ -42,6 +42,7 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
+from nnx_es.artifacts import write_output
 from nnx_es.callbacks import Callback
 from nnx_es.errors import ConfigError, MissingDirectoryError, NonFiniteError
 
@@ -117,7 +118,7 @@ class LRFinder:
             low, high = min(finite), min(max(finite), 2 * self.losses[0])
             ax.set_ylim(low - 0.05 * (high - low), high + 0.05 * (high - low) + 1e-12)
         ax.legend()
-        fig.savefig(out, dpi=110)
+        write_output(out, lambda path: fig.savefig(path, dpi=110))  # never into a run, no link followed
         plt.close(fig)
         return out
 

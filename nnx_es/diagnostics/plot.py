@@ -6,6 +6,7 @@ import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from nnx_es.artifacts import write_output
 from nnx_es.errors import MissingDirectoryError, UnsafePathError
 
 if TYPE_CHECKING:
@@ -122,6 +123,6 @@ def plot_diagnosis(diagnosis: Diagnosis, out: str | Path) -> Path:
     codes = ", ".join(diagnosis.codes) or "no findings"
     marked = " -- red lines: skipped non-finite updates" if skipped else ""
     fig.suptitle(f"run {_label(run.run_id)} ({_label(run.status)}): {codes}{marked}")
-    fig.savefig(out, dpi=100)
+    write_output(out, lambda path: fig.savefig(path, dpi=100))  # never into a run, no link followed
     plt.close(fig)
     return out

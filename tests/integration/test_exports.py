@@ -191,3 +191,26 @@ def test_predict_writes_the_pruned_models_predictions_as_nnmodel_gives_them(mlp_
     assert np.loadtxt(tmp_path / "c.csv", dtype=np.int64).tolist() == best.predict(x).tolist()
     assert np.array_equal(np.load(tmp_path / "p.npy"), last.predict_proba(x).numpy())
     assert nnx_es(["predict", str(mlp_run.run_dir), str(tmp_path / "x.txt"), "--out", str(tmp_path / "c.csv")]) == 2
+
+
+def test_predict_never_writes_into_a_run_nor_through_a_link_and_names_rows_that_do_not_fit(mlp_run, tmp_path, capsys):
+    """A fresh user's findings: ``--out`` inside another run was written, ``--out`` a link overwrote its target,
+    and rows of the wrong width ended in a traceback."""
+    x = tabular("digits", seed=5)[1].dataset.tensors[0][:8]
+    np.save(tmp_path / "x.npy", x.numpy())
+    np.save(tmp_path / "narrow.npy", x[:, :63].numpy())
+    other = tmp_path / "other"
+    (other / "events.lmdb").mkdir(parents=True)
+    run = str(mlp_run.run_dir)
+    assert nnx_es(["predict", run, str(tmp_path / "x.npy"), "--out", str(other / "p.npy")]) == 2
+    assert "inside another run" in capsys.readouterr().err and not (other / "p.npy").exists()
+    victim = tmp_path / "victim.csv"
+    victim.write_text("keep me\n")
+    (tmp_path / "link.csv").symlink_to(victim)
+    assert nnx_es(["predict", run, str(tmp_path / "x.npy"), "--out", str(tmp_path / "link.csv")]) == 0
+    assert victim.read_text() == "keep me\n" and not (tmp_path / "link.csv").is_symlink()
+    assert len(np.loadtxt(tmp_path / "link.csv", dtype=np.int64)) == 8
+    capsys.readouterr()
+    assert nnx_es(["predict", run, str(tmp_path / "narrow.npy"), "--out", str(tmp_path / "n.npy")]) == 2
+    err = capsys.readouterr().err
+    assert "rows of shape (63,) do not fit" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
