@@ -17,6 +17,9 @@ import pytest
 
 from snippets import REPO
 
+#: one worker builds the site once for every test here (``make test`` runs ``-n 2 --dist loadgroup``)
+pytestmark = pytest.mark.xdist_group("docs-site")
+
 ENV = {**os.environ, "DISABLE_MKDOCS_2_WARNING": "true", "NO_MKDOCS_2_WARNING": "1"}
 
 
