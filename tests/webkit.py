@@ -84,3 +84,19 @@ def tree_state(root: Path) -> dict[str, Any]:
             else:
                 out[rel] = ("dir", st.st_mtime_ns)
     return out
+
+
+def app_client(root: Path) -> Any:
+    """A Starlette test client of the web app over ``root``, addressed as loopback (the Host check)."""
+    from starlette.testclient import TestClient
+
+    from nnx_es.web.app import create_app
+
+    return TestClient(create_app(root), base_url="http://127.0.0.1")
+
+
+def get_json(client: Any, path: str, status: int = 200) -> Any:
+    """``GET path``: assert its status (naming the path and body), return its JSON."""
+    r = client.get(path)
+    assert r.status_code == status, (path, r.text)
+    return r.json()

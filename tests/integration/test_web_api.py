@@ -24,9 +24,9 @@ from nnx_es.cli.many import first_difference, list_runs  # noqa: E402
 from nnx_es.result import load_result  # noqa: E402
 from nnx_es.rows.dynamics import cartography  # noqa: E402
 from nnx_es.rows.reader import read_rows  # noqa: E402
-from nnx_es.web.app import create_app, hosts_for, is_loopback  # noqa: E402
+from nnx_es.web.app import hosts_for, is_loopback  # noqa: E402
 from projections import committed  # noqa: E402
-from webkit import RUN_IDS, build_root, tree_state  # noqa: E402
+from webkit import RUN_IDS, app_client, build_root, get_json as _get, tree_state  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore:Using `httpx` with `starlette.testclient`")
 
@@ -38,15 +38,7 @@ def root(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def client(root):
-    from starlette.testclient import TestClient
-
-    return TestClient(create_app(root), base_url="http://127.0.0.1")
-
-
-def _get(client, path, status=200):
-    r = client.get(path)
-    assert r.status_code == status, (path, r.text)
-    return r.json()
+    return app_client(root)
 
 
 def _inspect(capsys, *argv):
@@ -241,14 +233,12 @@ Trainer(net, torch.optim.SGD(net.parameters(), lr=0.1), nn.CrossEntropyLoss(), r
 
 
 def test_a_live_run_is_read_beside_its_writer_and_listed_live(tmp_path):
-    from starlette.testclient import TestClient
-
     root = tmp_path / "runs"
     root.mkdir()
     tests = str(Path(__file__).resolve().parent.parent)
     code = _SLOW_WRITER.format(paths=[str(Path(tests).parent), tests], root=str(root))
     writer = subprocess.Popen([sys.executable, "-c", code], env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    client = TestClient(create_app(root), base_url="http://127.0.0.1")
+    client = app_client(root)
     seen: list[tuple[bool, int]] = []
     try:
         deadline = time.monotonic() + 60

@@ -15,9 +15,8 @@ pytest.importorskip("optuna")
 
 from nnx_es.result import load_result  # noqa: E402
 from nnx_es.search import search  # noqa: E402
-from nnx_es.web.app import create_app  # noqa: E402
 from plankit import spec  # noqa: E402
-from webkit import tree_state  # noqa: E402
+from webkit import app_client, get_json as _get, tree_state  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore:Using `httpx` with `starlette.testclient`")
 torch.set_num_threads(1)
@@ -34,15 +33,7 @@ def root(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def client(root):
-    from starlette.testclient import TestClient
-
-    return TestClient(create_app(root), base_url="http://127.0.0.1")
-
-
-def _get(client, path, status=200):
-    r = client.get(path)
-    assert r.status_code == status, (path, r.text)
-    return r.json()
+    return app_client(root)
 
 
 def test_the_studies_list_and_a_studys_trials_are_their_runs_best_values(client, root):
