@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import re
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -32,6 +33,7 @@ import numpy as np
 
 from events.codec import KINDS, decode, decode_many
 from events.errors import CorruptEventError, NnxError
+from events.lmdbfile import MAX_SEQ
 from events.log import LmdbLog
 from events.schema import Event, HistoryRecord, LastCommitted, RunResumed, RunStarted
 from nnx_es.audit import INVARIANTS, audit_run, decoded, open_run_log, project_log
@@ -44,8 +46,8 @@ from projections import committed
 from projections.commits import CLOSING_KINDS, GROUP_KINDS
 from projections.status import UNFINISHED
 
-__all__ = ["CURVES", "MAX_LIMIT", "NoSuchEventError", "MAX_POINTS", "SCAN_BUDGET", "at", "audit", "curves", "diff", "event", "events", "rows",
-           "run", "runs"]
+__all__ = ["CURVES", "MAX_LIMIT", "NoSuchEventError", "MAX_POINTS", "SCAN_BUDGET", "at", "audit", "curves", "diff", "event", "events",
+           "in_range", "rows", "run", "runs"]
 
 #: most events one page of :func:`events` holds
 MAX_LIMIT = 1000
@@ -58,6 +60,7 @@ CURVE_BUCKETS = 2048
 MAX_POINTS = 20000
 #: events shown on each side of where two runs first differ
 DIFF_CONTEXT = 12
+_INTEGER = re.compile(r"-?[0-9]{1,20}")
 
 
 class NoSuchEventError(NnxError, LookupError):
@@ -224,6 +227,25 @@ def _epoch_series(history: tuple[HistoryRecord, ...]) -> dict[str, Any]:
 # --- events --------------------------------------------------------------------------------------------------
 
 
+def in_range(name: str, value: int | str | None, lo: int, hi: int, default: int | None = None) -> int:
+    """The integer parameter ``name`` (an int, or the text of a query parameter) checked to lie in ``lo..hi``;
+    ``default`` when it is missing (None or empty text). Every integer parameter of the API is read here, so a
+    bad one is always said the same way.
+
+    Raises:
+        ValueError: ``"<name>: expected an integer in <lo>..<hi>, got <value>"`` -- not an integer (text that
+            is not an optional minus and digits), out of range, or missing without a default.
+    """
+    if value is None or value == "":
+        if default is None:
+            raise ValueError(f"{name}: expected an integer in {lo}..{hi}, got nothing")
+        return default
+    n = value if type(value) is int else int(value) if isinstance(value, str) and _INTEGER.fullmatch(value) else None
+    if n is None or not lo <= n <= hi:
+        raise ValueError(f"{name}: expected an integer in {lo}..{hi}, got {value!r}")
+    return n
+
+
 def parse_kinds(text: str | None) -> frozenset[str] | None:
     """``"a,b"`` -> the kinds named (None: every kind).
 
@@ -283,12 +305,9 @@ def events(run_dir: Path, *, start: int = 0, limit: int = 100, kinds: frozenset[
     O(seq)); a filter that matches few events of a long log reads up to ``budget`` and says where to go on.
 
     Raises:
-        ValueError: ``limit`` not in 1..:data:`MAX_LIMIT`, or ``start`` negative.
+        ValueError: ``limit`` not in 1..:data:`MAX_LIMIT`, or ``start`` not a seq (:func:`in_range`).
     """
-    if not 1 <= limit <= MAX_LIMIT:
-        raise ValueError(f"limit: expected 1..{MAX_LIMIT}, got {limit}")
-    if start < 0:
-        raise ValueError(f"from: expected a seq >= 0, got {start}")
+    limit, start = in_range("limit", limit, 1, MAX_LIMIT), in_range("from", start, 0, MAX_SEQ - 1)
     with open_run_log(run_dir) as log:
         total = log.next_seq
         found: list[dict[str, Any]] = []

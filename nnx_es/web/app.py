@@ -117,21 +117,6 @@ def _log_state(run_dir: Path) -> tuple[Any, ...] | None:
     return None if st is None else (st.st_size, st.st_mtime_ns, st.st_ino, writer_alive(run_dir))
 
 
-def _int(request: Request, name: str, default: int | None = None) -> int:
-    text = request.query_params.get(name)
-    if text is None or text == "":
-        if default is None:
-            raise ValueError(f"{name}: required (a non-negative integer)")
-        return default
-    try:
-        value = int(text)
-    except ValueError:
-        raise ValueError(f"{name}: expected a non-negative integer, got {text!r}") from None
-    if not 0 <= value < MAX_SEQ:
-        raise ValueError(f"{name}: expected an integer in 0..{MAX_SEQ - 1}, got {text!r}")
-    return value
-
-
 def create_app(runs_root: str | Path, *, allowed_hosts: tuple[str, ...] = LOOPBACK_HOSTS) -> Starlette:
     """The app serving ``runs_root`` (see the module docstring); ``allowed_hosts``: the ``Host`` names it
     answers (``"*"``: any; a request naming another gets 400).
@@ -179,7 +164,8 @@ def create_app(runs_root: str | Path, *, allowed_hosts: tuple[str, ...] = LOOPBA
     def events(request: Request) -> Any:
         q = request.query_params
         kinds, epochs = api.parse_kinds(q.get("kind")), api.parse_epochs(q.get("epoch"))
-        start, limit = _int(request, "from", 0), _int(request, "limit", 100)
+        start = api.in_range("from", q.get("from"), 0, MAX_SEQ - 1, default=0)
+        limit = api.in_range("limit", q.get("limit"), 1, api.MAX_LIMIT, default=100)
         return root.read(lambda d: api.events(d, start=start, limit=limit, kinds=kinds, epochs=epochs),
                          request.path_params["run_id"])
 
@@ -190,7 +176,7 @@ def create_app(runs_root: str | Path, *, allowed_hosts: tuple[str, ...] = LOOPBA
         return root.read(lambda d: api.event(d, seq), request.path_params["run_id"])
 
     def at(request: Request) -> Any:
-        seq = _int(request, "seq")
+        seq = api.in_range("seq", request.query_params.get("seq"), 0, MAX_SEQ - 1)
         return root.read(lambda d: api.at(d, seq), request.path_params["run_id"])
 
     def audit(request: Request) -> Any:

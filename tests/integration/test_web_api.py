@@ -186,6 +186,25 @@ def test_paths_stay_inside_the_runs_root(client, root, tmp_path):
     assert client.get("/static/../webkit.py").status_code == 404
 
 
+@pytest.mark.parametrize("text", ["0", "1001", "-1", "abc", "1.5", "1_0", " 5", str(2**64)])
+def test_every_integer_parameter_is_refused_in_one_message_naming_the_value_and_the_range(client, text):
+    from urllib.parse import quote
+
+    from events.lmdbfile import MAX_SEQ
+    from nnx_es.web.api import MAX_LIMIT
+
+    asks = [("/api/runs/base/events?limit=", "limit", 1, MAX_LIMIT), ("/api/runs/base/events?from=", "from", 0, MAX_SEQ - 1),
+            ("/api/runs/base/at?seq=", "seq", 0, MAX_SEQ - 1)]
+    for path, name, lo, hi in asks:
+        r = client.get(path + quote(text))
+        if text in ("0", "1001") and name != "limit":  # in range there
+            assert r.status_code == 200, r.text
+            continue
+        assert r.status_code == 400 and r.json()["error"] == {
+            "type": "ValueError", "message": f"{name}: expected an integer in {lo}..{hi}, got {text!r}"}, (path, r.text)
+    assert _get(client, "/api/runs/base/at", 400)["error"]["message"] == f"seq: expected an integer in 0..{MAX_SEQ - 1}, got nothing"
+
+
 def test_only_reads_from_this_machine_with_a_strict_policy(client, root):
     assert client.get("/api/runs", headers={"host": "attacker.example"}).status_code == 400
     assert client.post("/api/runs").status_code == 405
