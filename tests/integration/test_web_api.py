@@ -86,6 +86,23 @@ def test_curves_equal_the_history_and_the_committed_receipts(client, root):
     assert epoch_only == {"epoch": doc["epoch"]}
     assert _get(client, "/api/runs/base/curves?per=update") == {"update": doc["update"]}
     _get(client, "/api/runs/base/curves?per=step", 400)
+    assert doc["update"]["complete"] and doc["update"]["steps_per_bucket"] == 1  # 36 updates: not downsampled
+
+
+def test_the_per_update_curves_are_read_a_bounded_part_an_answer_until_complete(root, client):
+    """Each answer reads at most ``curve_budget`` events: the page asks again until ``complete``, and the last
+    answer equals the whole log read in one (``tests/integration/test_web_curves.py`` checks the values)."""
+    from nnx_es.web.app import create_app
+    from starlette.testclient import TestClient
+
+    whole = _get(client, "/api/runs/resumed/curves?per=update")["update"]
+    small = TestClient(create_app(root, curve_budget=16), base_url="http://127.0.0.1")
+    answers = []
+    while not (answers and answers[-1]["complete"]):
+        answers.append(_get(small, "/api/runs/resumed/curves?per=update")["update"])
+    assert len(answers) == -(-whole["total"] // 16)  # one part (the log is short), 16 events an answer
+    assert [a["complete"] for a in answers] == [False] * (len(answers) - 1) + [True]
+    assert answers[-1] == whole
 
 
 def test_event_pages_are_inspects_rows_filtered_and_chained(client, root, capsys):
@@ -275,3 +292,5 @@ def test_a_live_run_is_read_beside_its_writer_and_listed_live(tmp_path):
     assert len(set(live_epochs)) >= 2, seen  # listed live, its epochs growing while it trains
     final = _get(client, "/api/runs")["runs"][0]
     assert (final["status"], final["live"], final["epochs"]) == ("completed", False, 6)
+    followed = _get(client, "/api/runs/live/curves?per=update")["update"]  # read on while the run grew
+    assert followed["complete"] and followed == _get(app_client(root), "/api/runs/live/curves?per=update")["update"]
