@@ -60,8 +60,8 @@ __all__ = ["CURVE_BUCKETS", "PART", "READ_BUDGET", "READ_STEP", "UpdateCurves", 
 CURVE_BUCKETS = 2048
 #: seqs in a part of the log (the unit read in coarse-to-fine order)
 PART = 1 << 16
-#: most events one request reads (two parts: about a quarter of a second of CPU on an idle 2-core machine of 2026)
-READ_BUDGET = 1 << 17
+#: most events one request reads (a part: about a quarter of a second of CPU on a 2-core machine of 2026)
+READ_BUDGET = PART
 #: most events one read transaction reads (held in memory until the transaction ends, then folded)
 READ_STEP = 1 << 14
 
@@ -180,7 +180,7 @@ class UpdateCurves:
         return p is not None and p.next >= self.total
 
     def read(self, log: LmdbLog, budget: int = READ_BUDGET) -> None:
-        """Read up to about ``budget`` more events of ``log`` (the log read before, grown since), part by part
+        """Read at most ``budget`` more events of ``log`` (the log read before, grown since), part by part
         in coarse-to-fine order. A log now shorter than it was (its writer took back a batch whose sync
         failed) is read again from the start.
 
