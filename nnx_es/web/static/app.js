@@ -160,10 +160,11 @@ function updateCharts(u) {
 function updateNote(u) {
   const loss = Object.keys(u.series).find((n) => n.startsWith("loss/"));
   const updates = loss ? u.series[loss].updates : 0, points = loss ? u.series[loss].x.length : 0;
+  const n = (v) => v.toLocaleString("en-US");
   const parts = [u.steps_per_bucket > 1
-    ? "downsampled: each curve keeps the least and the greatest value of each bucket of " + u.steps_per_bucket + " steps (" + points + " points for " + updates + " committed updates)"
-    : "every committed update (" + updates + "), not downsampled"];
-  if (!u.complete) parts.push("read " + u.parts_read + " of " + u.parts + " parts of the log (newest and first first, then the gaps): reading on…");
+    ? "downsampled: each curve keeps the least and the greatest value of each bucket of " + n(u.steps_per_bucket) + " steps (" + n(points) + " points for " + n(updates) + " committed updates)"
+    : "every committed update (" + n(updates) + "), not downsampled"];
+  if (!u.complete) parts.push("read " + u.parts_read + " of " + u.parts + " parts of the log (the newest and the first first, then the gaps): reading on…");
   return parts.join(" · ");
 }
 
