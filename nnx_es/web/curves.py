@@ -16,7 +16,8 @@ which of a part's receipts are committed depends only on the LASTs and resumes a
 needs nothing from before the part; it reads on past the part's end until none of the part's receipts is
 pending (up to the next LAST: about an epoch), and keeps only the part's own. A part whose receipts still
 wait at the log's end (the uncommitted tail) waits there for its writer, and counts as read: what is
-pending there is not drawn.
+pending there is not drawn. So what a part reads beyond itself, and holds meanwhile, is bounded by the
+run's epochs, not by the run: a run of one epoch as long as the run reads each part to that epoch's end.
 
 **What is committed.** The committed view is fed only the receipts, the LASTs and the resumes: over those
 events alone it commits the same receipts as over the whole log (:func:`nnx_es.plotting.committed_of` says
@@ -28,7 +29,8 @@ never drawn.
 the steps ``s`` with ``s // steps_per_bucket == i``). A bucket is drawn as its least and its greatest value
 (NaN left out), both at the mean of its steps: once the log is read, the true extremes of the committed
 updates it holds, so a spike is never lost; before, the extremes of those read so far. While a run has
-fewer steps than buckets, a bucket is one step: the curve is exact.
+fewer steps than buckets, a bucket is one step: the curve is exact. The gradient-norm curve holds the
+updates that computed one (``grad_norm`` not None); the learning-rate curve is each update's first group's.
 
 Reads happen inside :meth:`nnx_es.web.reading.RunsRoot.read` (one reader of a run at a time). What one read
 transaction read (:data:`READ_STEP` events at most) is folded only once it ended without a writer opening the
