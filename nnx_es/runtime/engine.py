@@ -51,6 +51,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
+import msgspec
 import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
@@ -116,20 +117,23 @@ class UpdateSettings:
             raise ConfigError(f"precision must be 'fp32', 'bf16' or 'fp16', got {self.precision!r}")
 
 
-class UpdateResult:
+class UpdateResult(msgspec.Struct):
     """What one window's end did: ``reason`` None (committed) or why it was skipped
     (``"masked"``, ``"nonfinite"``, ``"vetoed"``) with ``detail``; ``optimizers`` stepped (or
     skipped) by name; ``microbatches``; ``loss`` the window's mean loss; ``grad_norm`` (None when not
     computed), ``clipped``; ``lrs`` each optimizer's learning rates at the step; ``counts`` the step
     receipt's accounting (local / global examples, data-parallel size, accumulation steps,
-    collective bytes)."""
+    collective bytes). A struct: built without a Python call, once per update."""
 
-    __slots__ = ("reason", "detail", "optimizers", "microbatches", "loss", "grad_norm", "clipped", "lrs", "counts")
-
-    def __init__(self, reason: str | None, detail: str, optimizers: list[str], microbatches: int, loss: float,
-                 grad_norm: float | None, clipped: bool, lrs: dict[str, list[float]], counts: dict[str, Any]) -> None:
-        self.reason, self.detail, self.optimizers, self.microbatches = reason, detail, optimizers, microbatches
-        self.loss, self.grad_norm, self.clipped, self.lrs, self.counts = loss, grad_norm, clipped, lrs, counts
+    reason: str | None
+    detail: str
+    optimizers: list[str]
+    microbatches: int
+    loss: float
+    grad_norm: float | None
+    clipped: bool
+    lrs: dict[str, list[float]]
+    counts: dict[str, Any]
 
     @property
     def committed(self) -> bool:
