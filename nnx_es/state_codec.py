@@ -97,10 +97,13 @@ class _Packer:
         name = _NAMES.get(t.dtype)
         if name is None or t.layout != torch.strided or t.is_quantized or t.is_meta:
             raise _Unsupported
-        if t.device.type == "cpu" and name in _AS_NUMPY and t.is_contiguous() and not (t.is_conj() or t.is_neg()):
-            # the usual state tensor: its memory as it is (the same bytes as the general path's view)
-            raw = t.detach().numpy()
-        else:
+        raw = None
+        if t.device.type == "cpu" and name in _AS_NUMPY and t.is_contiguous():
+            try:  # the usual state tensor: its memory as it is (the same bytes as the general path's view)
+                raw = t.numpy()
+            except RuntimeError:  # it requires grad, or has its conjugate or negative bit set
+                pass
+        if raw is None:
             flat = t.detach().resolve_conj().resolve_neg().cpu().contiguous().reshape(-1)
             raw = flat.view(torch.uint8).numpy()
         # a view of the tensor's memory: copied once, by encode_state's join
