@@ -126,6 +126,7 @@ class _Packer:
         return msgspec.msgpack.Ext(_NUMPY, _plain.encode([dtype.name, shape, offset, nbytes]))
 
     def pack(self, obj: Any) -> Any:
+        """``obj`` as msgpack-able values (a container's leaves are taken as they are, no call each)."""
         t = type(obj)
         if t in _LEAVES:
             return obj
@@ -138,15 +139,14 @@ class _Packer:
             for k, v in obj.items():
                 if type(k) is not str and type(k) is not int:
                     raise _Unsupported
-                items[k] = self.pack(v)
+                items[k] = v if type(v) in _LEAVES else self.pack(v)
             metadata = getattr(obj, "_metadata", None)
             if metadata is None:
                 return items
             return msgspec.msgpack.Ext(_STATE_DICT, _encoder.encode([items, self.pack(dict(metadata))]))
-        if t is list:
-            return [self.pack(v) for v in obj]
-        if t is tuple:
-            return msgspec.msgpack.Ext(_TUPLE, _encoder.encode([self.pack(v) for v in obj]))
+        if t is list or t is tuple:
+            values = [v if type(v) in _LEAVES else self.pack(v) for v in obj]
+            return values if t is list else msgspec.msgpack.Ext(_TUPLE, _encoder.encode(values))
         raise _Unsupported
 
 
