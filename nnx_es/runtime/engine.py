@@ -49,6 +49,7 @@ import math
 import operator
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -77,6 +78,8 @@ MicrobatchResult = tuple[Any, Any, "Tensor | None", LossParts, Tensor]
 PRECISIONS = ("fp32", "bf16", "fp16")
 
 _LR = operator.itemgetter("lr")
+#: a window's gradients, those that are set: ``filter(_IS_SET, map(_GRAD, params))`` (no Python call per parameter)
+_GRAD, _IS_SET = operator.attrgetter("grad"), partial(operator.is_not, None)
 
 
 def default_forward(net: nn.Module, batch: Any) -> tuple[Tensor, Tensor, Tensor | None]:
@@ -353,7 +356,7 @@ class UpdateEngine:
             unscaled = True
         wg = self.grads
         seen = not wg.unseen  # every gradient's layout known before this window (strided() learns new ones)
-        grads = wg.strided() if wg.sparse or not seen else [p.grad for p in wg.params if p.grad is not None]
+        grads = wg.strided() if wg.sparse or not seen else list(filter(_IS_SET, map(_GRAD, wg.params)))
         divide_by = 1.0  # the division left to the fused finiteness check (bitwise the same), if any
         if not window.divided:
             if W != size:
