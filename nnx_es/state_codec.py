@@ -132,8 +132,6 @@ class _Packer:
             return obj
         if t is Tensor:
             return self.tensor(obj)
-        if isinstance(obj, (np.generic, np.ndarray)) and (t is np.ndarray or t in _NUMPY_SCALARS):
-            return self.numpy(obj)
         if t is dict or t is OrderedDict:
             items = {}
             for k, v in obj.items():
@@ -147,6 +145,8 @@ class _Packer:
         if t is list or t is tuple:
             values = [v if type(v) in _LEAVES else self.pack(v) for v in obj]
             return values if t is list else msgspec.msgpack.Ext(_TUPLE, _encoder.encode(values))
+        if isinstance(obj, (np.generic, np.ndarray)) and (t is np.ndarray or t in _NUMPY_SCALARS):
+            return self.numpy(obj)
         raise _Unsupported
 
 
