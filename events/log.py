@@ -58,7 +58,7 @@ from events.keys import check_items, check_keys
 from events.lmdbcursor import covering, nearest, passing, stored, sum_records
 from events.lmdbenv import BLOBS_DB, SNAPSHOTS_DB, check_files, open_environment, quiet_readers
 from events.lmdbread import Reads
-from events.logbase import EventLog, MemoryLog, LogBase, seq_key  # noqa: F401 (EventLog, MemoryLog: re-exported)
+from events.logbase import EventLog, MemoryLog, LogBase, keyed, seq_key  # noqa: F401 (EventLog, MemoryLog: re-exported)
 from events.sums import SUMS_DB, SumProblem, SumRecord, batch_crc, pack_sum, unpack_sum, verify
 
 __all__ = ["EventLog", "LmdbLog", "MemoryLog", "quiet_readers", "seq_key"]
@@ -156,13 +156,12 @@ class LmdbLog(LogBase):
                         # the blobs this write adds (a key stored before keeps its value)
                         added = {key: value for key, value in self._staged.items()
                                  if txn.put(key, value, db=self._blobs, overwrite=False)}
-                        # one C call for the batch (seq_key inlined); MDB_APPEND refuses a key at or
-                        # below the last one stored (another writer stored it) and goes on: a refusal
+                        # one C call for the batch (no Python call per event); MDB_APPEND refuses a key
+                        # at or below the last one stored (another writer stored it) and goes on: a refusal
                         # aborts the whole batch, never drops silently. The buffer's seqs ascend by
                         # one, so the refused ones are its first: its first seq is named.
                         buffer = self._buffer
-                        consumed, added_events = txn.cursor().putmulti(
-                            [(seq.to_bytes(8, "big"), raw) for seq, raw in buffer], append=True)
+                        consumed, added_events = txn.cursor().putmulti(keyed(buffer), append=True)
                         if added_events != consumed:
                             raise EventLogError(
                                 f"write to {self.path} refused: seq {buffer[0][0]} is already stored "
