@@ -44,7 +44,7 @@ import bisect
 import itertools
 import math
 from collections.abc import Callable, Sequence
-from operator import attrgetter
+from operator import attrgetter, itemgetter
 from typing import Any
 
 import numpy as np
@@ -74,7 +74,8 @@ _RECEIPT = TYPE_CODES[UpdateCommitted]
 #: ``bytes.translate`` tables over type codes: the events fed to the committed view; the receipts
 _FED = bytes(int(c in (_RECEIPT, TYPE_CODES[LastCommitted], TYPE_CODES[RunResumed])) for c in range(256))
 _IS_RECEIPT = bytes(int(c == _RECEIPT) for c in range(256))
-_STEP, _LOSS, _LRS, _OPTIMIZER = map(attrgetter, ("step", "loss", "lrs", "optimizer"))
+_STEP, _LOSS, _LRS, _GRAD_NORM, _OPTIMIZER = map(attrgetter, ("step", "loss", "lrs", "grad_norm", "optimizer"))
+_FIRST = itemgetter(0)
 
 
 def finite(values: Any) -> list[float | None]:
@@ -162,16 +163,16 @@ class UpdateCurves:
         for opt, rs in groups.items():
             n = len(rs)
             steps = np.fromiter(map(_STEP, rs), dtype=np.int64, count=n)
-            columns = {f"loss/{opt}": np.fromiter(map(_LOSS, rs), dtype=np.float64, count=n),
-                       f"lr/{opt}": np.fromiter((v[0] if v else math.nan for v in map(_LRS, rs)), dtype=np.float64,
-                                                count=n)}
-            for name, values in columns.items():
-                self.envelopes.setdefault(name, Envelope(self.buckets)).add(steps, values)
-            norms = [(r.step, r.grad_norm) for r in rs if r.grad_norm is not None]  # the updates that computed one
-            if norms:
-                self.envelopes.setdefault(f"grad_norm/{opt}", Envelope(self.buckets)).add(
-                    np.fromiter((s for s, _ in norms), dtype=np.int64, count=len(norms)),
-                    np.fromiter((v for _, v in norms), dtype=np.float64, count=len(norms)))
+            lrs = list(map(_LRS, rs))
+            first_lrs = map(_FIRST, lrs) if all(lrs) else (v[0] if v else math.nan for v in lrs)
+            norms = np.array(list(map(_GRAD_NORM, rs)), dtype=object)
+            computed = norms != None  # noqa: E711 - elementwise: the updates that computed a gradient norm
+            columns = {f"loss/{opt}": (steps, np.fromiter(map(_LOSS, rs), dtype=np.float64, count=n)),
+                       f"lr/{opt}": (steps, np.fromiter(first_lrs, dtype=np.float64, count=n))}
+            if computed.any():
+                columns[f"grad_norm/{opt}"] = (steps[computed], norms[computed].astype(np.float64))
+            for name, (xs, ys) in columns.items():
+                self.envelopes.setdefault(name, Envelope(self.buckets)).add(xs, ys)
 
     def _parts(self) -> int:
         return -(-self.total // self.part)
