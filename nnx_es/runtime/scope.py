@@ -19,6 +19,7 @@ from nnx_es.callbacks import Callback, CallbackList
 from nnx_es.runtime.commit import Committer
 from nnx_es.runtime.finalize import Finalization
 from nnx_es.progress import Progress
+from nnx_es.rows.dataset import carries_row_ids
 from nnx_es.runtime.context import TrainContext
 from nnx_es.runtime.engine import UpdateEngine
 from nnx_es.runtime.loop import LoopSettings, TrainingLoop
@@ -94,8 +95,10 @@ class RunScope:
 
             engine = engine.under(DataParallel(ddp_module, world))
         self.callbacks = CallbackList(plan.callbacks)
+        # training's per-row records: none asked of each microbatch when the train loader's batches cannot carry ids
+        train_rows = plan.rows if carries_row_ids(components.loaders.get("train")) else None
         self.steps = StepRecorder(engine, state.recorder, self.callbacks, plan.schedulers, metrics=plan.metrics,
-                                  rows=plan.rows, world_size=world.size)
+                                  rows=train_rows, world_size=world.size)
         self.ctx = TrainContext(state=state, steps=self.steps, net=engine.net, optimizers=engine.optimizers,
                                 schedulers=list(plan.schedulers), monitor=plan.monitor, trainer=plan.trainer,
                                 row_records=plan.rows)
