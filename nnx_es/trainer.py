@@ -263,7 +263,7 @@ class Trainer:
             recipe_required, spec, net=net, optimizers=self.optimizers, objective=self.objective, monitor=self.monitor,
             metrics=metric_names(self.metrics), schedulers=self.schedulers, callbacks=self.callbacks, update_hooks=self.update_hooks,
             hooks=hooks, steps={"train_step_fn": train_step_fn, "eval_step_fn": eval_step_fn,
-                                "trainer_step_fn": trainer_step_fn}, seed=self.seed,
+                                "trainer_step_fn": trainer_step_fn}, seed=self.seed, transforms=self.transforms,
             settings=dict(validate_every=validate_every, validate_every_steps=validate_every_steps, phase_every=phase_every,
                           keep_phases=keep_phases, checkpoint_lag=checkpoint_lag, sample_weights=sample_weights,
                           track_grad_norm=track_grad_norm, batch_gather=batch_gather, keep_last=keep_last,
