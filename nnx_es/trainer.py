@@ -37,7 +37,7 @@ from nnx_es.evaluation import weights_fingerprint
 from nnx_es.finetune import group_names, initial_weights
 from nnx_es.loaders import loader_geometries
 from nnx_es.logs import ensure_logging
-from nnx_es.metrics import check_accuracy, check_metric_names, check_monitor, evaluate, validate_metrics
+from nnx_es.metrics import check_accuracy, check_metric_names, check_monitor, validate_metrics
 from nnx_es.models import ModelSet, step_functions
 from nnx_es.monitor import Monitor
 from nnx_es.objective import Objective
@@ -53,6 +53,7 @@ from nnx_es.runtime.engine import UpdateEngine, default_forward
 from nnx_es.runtime.loop import Cadence, LoopSettings
 from nnx_es.runtime.scope import CommitSettings, RunPlan, RunScope
 from nnx_es.runtime.steps import default_train_step
+from nnx_es.runtime.validation import Validation
 from nnx_es.schedulers import wrap_schedulers
 from nnx_es.runtime.session import library_versions, new_run_id, open_session
 from nnx_es.runtime.components import RunComponents
@@ -247,7 +248,10 @@ class Trainer:
         #: what every fit runs with
         self.plan = RunPlan(
             engine=self.engine, schedulers=self.schedulers, monitor=self.monitor, metrics=self.metrics,
-            callbacks=self.callbacks, stages=self.stages, history=self.history, validate=self.validate,
+            callbacks=self.callbacks, stages=self.stages, history=self.history,
+            validation=Validation(net, self.objective, self.eval_step_fn, self.metrics,
+                                  self.engine.orchestrator.averaged_module, gather=batch_gather, device=self.device,
+                                  batch_callback=self.val_batch_callback),
             loop=LoopSettings(cadence=Cadence(validate_every, validate_every_steps),
                               step_fn=trainer_step_fn or default_train_step, custom_step=self.custom_step,
                               batch_gather=batch_gather, nonfinite=nonfinite, device=self.device,
@@ -370,9 +374,9 @@ class Trainer:
                           resume_mode=resume_mode, auto=resume == "auto", resume_at=resume_at, epochs=epochs,
                           components=components, world=components.world,
                           declare=lambda run_id, source: self._declare(components, run_id, source)) as session:
-            scope = RunScope(self.plan, session, components, module)
+            scope = RunScope(self.plan, session, components, module,
+                             after_opening=[*components.take_notes(), *opening_events(self.net)])
             state, self.state, self.ctx, self.rows = scope.state, scope.state, scope.ctx, scope.rows
-            state.after_opening = [*components.take_notes(), *opening_events(self.net)]
             self.run_id, self.runs_root, self.run_dir = state.run_id, state.runs_root, state.run_dir
             scope.run(train_loader, val_loader, epochs)
         if not state.world.is_writer:  # every rank returns the writer's run (its records and provenance)
@@ -386,15 +390,8 @@ class Trainer:
     def validate(self, loader: Iterable[Any]) -> tuple[dict[str, float], int]:
         """Evaluate on ``loader`` in eval mode; return (``val_`` metrics, rows scored).
 
-        With an :class:`~nnx_es.update_hooks.EMA` update hook, the averaged weights are evaluated.
+        With an :class:`~nnx_es.update_hooks.EMA` update hook, the averaged weights are evaluated
+        (:class:`nnx_es.runtime.validation.Validation`, the pass the loop runs too).
         """
-        net = self.engine.orchestrator.averaged_module() or self.net
-        on_batch = None
-        if self.val_batch_callback is not None:
-            cb, ctx = self.val_batch_callback, self.ctx
-
-            def on_batch(**seen: Any) -> None:
-                cb(**seen, step_count=ctx.step_count, epoch=ctx.epoch)
-        return evaluate(net, loader, self.objective, self.eval_step_fn, self.metrics, gather=self.batch_gather,
-                        device=self.device, world=self.state.world if self.state is not None else None,
-                        on_batch=on_batch, rows=self.rows.val_batch if self.rows is not None else None)
+        return self.plan.validation.run(loader, world=self.state.world if self.state is not None else None,
+                                        ctx=self.ctx)

@@ -145,7 +145,6 @@ class RowRecorder:
         self.world = world = world or World()
         self._batches: dict[str, list[tuple[Tensor, Tensor]]] = {s: [] for s in SPLITS}
         self._plain = dict.fromkeys(SPLITS, 0)  # batches without ids, this epoch
-        self.validating = False  # the epoch's own validation pass is running
         self.current: list[EpochRows] = []  # the epoch being closed (until its history step)
         self._window: deque[list[EpochRows]] = deque(maxlen=journal.window if journal else None)
         published: list[tuple[int, str]] = []
@@ -180,15 +179,6 @@ class RowRecorder:
             self._plain[s] = 0
 
     # --- per batch (no host read) -------------------------------------------------------------
-
-    def train_batch(self, batch: Any, outputs: Tensor, targets: Tensor) -> None:
-        """A training microbatch (the step recorder calls :meth:`add` with ``"train"``)."""
-        self.add("train", batch, outputs, targets)
-
-    def val_batch(self, batch: Any, outputs: Tensor, targets: Tensor) -> None:
-        """A validation batch (recorded during the epoch's own validation only)."""
-        if self.validating:
-            self.add("val", batch, outputs, targets)
 
     def add(self, split: str, batch: Any, outputs: Tensor, targets: Tensor) -> None:
         """One batch of ``split`` (``"train"`` or ``"val"``): its row values, when it carries row ids."""

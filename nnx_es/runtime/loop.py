@@ -134,6 +134,7 @@ class TrainingLoop:
         #: data parallelism: the ranks' parameter digests (:class:`nnx_es.distributed.digest.ParamDigest`)
         self.digest = scope.digest
         self.rows = scope.rows
+        self.after_opening = scope.after_opening
         self.cadence, self.custom_step = settings.cadence, settings.custom_step
         self.batch_gather = settings.batch_gather
         self.step_fn, self.device, self.nonfinite = settings.step_fn, settings.device, settings.nonfinite
@@ -161,7 +162,7 @@ class TrainingLoop:
                 rec.commit(opening)  # the discarded range is durable before anything new is written
             else:
                 rec.emit(opening)
-            for event in state.after_opening:  # world_changed (nnx_es.distributed.resize), model_transformed (transforms)
+            for event in self.after_opening:  # world_changed (nnx_es.distributed.resize), model_transformed (transforms)
                 rec.emit(event)
             ctx.epoch = self.epoch = start_epoch
             self._epochs = epochs
@@ -423,14 +424,8 @@ class TrainingLoop:
 
     def _validation_pass(self, loader: Iterable[Any], trigger: str = "epoch") -> dict[str, float]:
         ctx = self.ctx
-        rows = self.rows
-        if rows is not None:
-            rows.validating = trigger == "epoch"  # the epoch's validation scores each row once per epoch
-        try:
-            val, n_val = self.validate(loader)
-        finally:
-            if rows is not None:
-                rows.validating = False
+        # per-row records: the epoch's own pass scores each row once per epoch
+        val, n_val = self.validate(loader, rows=self.rows if trigger == "epoch" else None)
         rec = self.state.recorder
         self._validated_at = rec.live.step
         ctx.validation = val

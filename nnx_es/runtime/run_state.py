@@ -161,10 +161,6 @@ class RunState:
         self.world = world or World()
         self.stop_at_update_requested = False
         self._stop: tuple[str, str] | None = None
-        #: events the loop appends right after the session's opening event: an elastic run's ``world_changed``
-        #: (:mod:`nnx_es.distributed.resize`), then ``model_transformed`` of the transforms the net carries
-        #: (:func:`nnx_es.transforms.callback.opening_events`)
-        self.after_opening: list[Any] = []
 
     # --- the stop request ---------------------------------------------------------------
 

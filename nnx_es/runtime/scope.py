@@ -12,8 +12,9 @@ nothing bound to it afterwards.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from nnx_es.callbacks import Callback, CallbackList
@@ -26,6 +27,7 @@ from nnx_es.runtime.context import TrainContext
 from nnx_es.runtime.engine import UpdateEngine
 from nnx_es.runtime.loop import LoopSettings, TrainingLoop
 from nnx_es.runtime.steps import StepRecorder
+from nnx_es.runtime.validation import Validation
 from nnx_es.stages import StageDispatcher
 
 if TYPE_CHECKING:
@@ -55,7 +57,7 @@ class RunPlan:
 
     ``history``: the per-row records' journal (None: records in the log; each fit's
     :class:`~nnx_es.rows.recorder.RowRecorder` is built by its scope).
-    ``validate(loader) -> (val_ metrics, rows)``: one validation pass. ``progress``: show a
+    ``validation``: how a validation pass runs. ``progress``: show a
     progress display (None: when stderr is a terminal). ``digest_every``: under data
     parallelism, compare the ranks' parameters every N updates (None: each epoch's end).
     ``sinks``: live logging sinks (the writer rank's). ``trainer``: shown to hooks as ``ctx.trainer``.
@@ -68,7 +70,7 @@ class RunPlan:
     callbacks: Sequence[Callback]
     stages: StageDispatcher
     history: HistoryJournal | None
-    validate: Callable[[Iterable[Any]], tuple[dict[str, float], int]]
+    validation: Validation
     loop: LoopSettings
     commit: CommitSettings
     progress: bool | None = None
@@ -85,9 +87,13 @@ class RunScope:
         session: the open session (its state, opening event, first epoch, checkpoints so far).
         components: what this fit's checkpoints hold.
         ddp_module: the ``DistributedDataParallel`` wrapper of this fit (None: one process).
+        after_opening: events the loop appends right after the session's opening event: an elastic
+            run's ``world_changed`` (:mod:`nnx_es.distributed.resize`), then ``model_transformed`` of
+            the transforms the net carries (:func:`nnx_es.transforms.callback.opening_events`).
     """
 
-    def __init__(self, plan: RunPlan, session: Session, components: RunComponents, ddp_module: Any = None) -> None:
+    def __init__(self, plan: RunPlan, session: Session, components: RunComponents, ddp_module: Any = None, *,
+                 after_opening: Sequence[Any] = ()) -> None:
         from nnx_es.sinks import LiveSinks
 
         self.session = session
@@ -109,7 +115,9 @@ class RunScope:
                                 schedulers=list(plan.schedulers), monitor=plan.monitor, trainer=plan.trainer,
                                 row_records=self.rows)
         self.stages, self.monitor, self.schedulers = plan.stages, plan.monitor, plan.schedulers
-        self.validate = plan.validate
+        #: one validation pass of this fit: ``validate(loader, rows=None) -> (val_ metrics, rows scored)``
+        self.validate = partial(plan.validation.run, world=world, ctx=self.ctx)
+        self.after_opening = list(after_opening)
         self.progress = Progress(plan.progress)
         self.live = LiveSinks(state.run_dir, rec.log, rec.log.next_seq, plan.sinks) \
             if plan.sinks and world.is_writer else None
