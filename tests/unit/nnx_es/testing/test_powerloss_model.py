@@ -13,7 +13,7 @@ import pytest
 from nnx_es.testing.crashstates import PAGE, SECTOR, TraceError, crash_states, persistence_points
 from nnx_es.testing.tracer import NoCompilerError, Op, build_shim, read_trace, traced_env
 
-REPO = Path(__file__).resolve().parents[3]
+REPO = Path(__file__).resolve().parents[4]
 ROOT = "/r"
 
 

@@ -17,7 +17,7 @@ from events.log import LmdbLog
 from nnx_es.cli import inspect as inspect_cli
 from nnx_es.cli import replay as replay_cli
 
-REPO = Path(__file__).resolve().parents[3]
+REPO = Path(__file__).resolve().parents[4]
 
 
 @pytest.fixture

@@ -26,7 +26,7 @@ from nnx_es.storage import Lease
 from trainkit import loaders, small_net
 
 torch.set_num_threads(1)
-REPO = Path(__file__).resolve().parents[3]
+REPO = Path(__file__).resolve().parents[4]
 
 
 @pytest.fixture(scope="module")
@@ -390,7 +390,7 @@ def test_the_docs_and_inspect_help_say_a_killed_cli_run_resumes_with_nnx_es_resu
     """What ``summary`` prints for a killed ``nnx-es run`` (``nnx-es resume``) is what its help and the
     inspect guide (once the README's Tools section) say, beside ``fit(..., resume_from=...)`` for a run
     started from Python."""
-    readme = " ".join((Path(__file__).resolve().parents[3] / "docs" / "guides" / "inspect.md").read_text().split())
+    readme = " ".join((Path(__file__).resolve().parents[4] / "docs" / "guides" / "inspect.md").read_text().split())
     assert ("killed or crashed? resume it with `nnx-es resume runs/<id>` when `nnx-es run` started it, "
             "else `fit(..., resume_from=...)`") in readme
     assert main(["--help"]) == 0

@@ -27,7 +27,7 @@ from nnx_es.distributed.contracts import (
 )
 from nnx_es.errors import ConfigError, NnxError
 
-REPO = Path(__file__).resolve().parents[3]
+REPO = Path(__file__).resolve().parents[4]
 
 
 @pytest.fixture
