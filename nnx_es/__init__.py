@@ -37,7 +37,7 @@ if TYPE_CHECKING:
     from nnx_es.runtime.steps import default_train_step, finalize_step
     from nnx_es.finetune import Freeze, WeightsFrom, param_groups
     from nnx_es.loss_weights import Constant, Cosine, LinearWarmup, StepWeight
-    from nnx_es.model import NNModel
+    from nnx_es.nnmodel import NNModel
     from nnx_es.models import Keyed
     from nnx_es.monitor import Monitor
     from nnx_es.objective import Objective, Term
@@ -57,7 +57,7 @@ _LAZY = {
     "TrainContext": "nnx_es.runtime.context",
     "default_forward": "nnx_es.runtime.engine", "default_train_step": "nnx_es.runtime.steps",
     "finalize_step": "nnx_es.runtime.steps",
-    "NNModel": "nnx_es.model", "ExperimentPlan": "nnx_es.plan", "Monitor": "nnx_es.monitor",
+    "NNModel": "nnx_es.nnmodel", "ExperimentPlan": "nnx_es.plan", "Monitor": "nnx_es.monitor",
     "Objective": "nnx_es.objective",
     "Term": "nnx_es.objective", "RunResult": "nnx_es.result", "load_result": "nnx_es.result",
     "Scheduler": "nnx_es.schedulers", "TrainingStage": "nnx_es.stages", "Trainer": "nnx_es.trainer",

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from nnx_es.errors import ConfigError
-from nnx_es.model import NNModel
+from nnx_es.nnmodel import NNModel
 from nnx_es.result import load_result
 
 __all__ = ["ClassifyAnswer", "ClassifyQuestion", "DecisionProvider", "FixedHeadProvider", "Source"]

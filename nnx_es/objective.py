@@ -301,7 +301,7 @@ class Objective:
 def _declares_ignore_index(fn: Any) -> bool:
     """A loss function (not a module: only torch's ``CrossEntropyLoss`` / ``NLLLoss`` are read for it) that
     declares an ``ignore_index`` int attribute: per-row losses that are 0 at targets equal to it, which
-    count in no mean (e.g. :func:`nnx_es.model`'s inferred classifier loss, ``F.cross_entropy``)."""
+    count in no mean (e.g. :class:`nnx_es.NNModel`'s inferred classifier loss, ``F.cross_entropy``)."""
     value = getattr(fn, "ignore_index", None)
     return not isinstance(fn, nn.Module) and isinstance(value, int) and not isinstance(value, bool)
 

@@ -181,7 +181,7 @@ class EMA(UpdateHook):
     weights in ``model``: a stateful resume restores the raw weights into the net and the
     averaged ones into this hook (spec 004: EMA weights are hook state; a ``weights_only``
     continuation, which restores no hook state, starts from the raw ones), while
-    :meth:`nnx_es.model.NNModel.load` gives the averaged ones by default -- the weights
+    :meth:`nnx_es.nnmodel.NNModel.load` gives the averaged ones by default -- the weights
     that were scored -- and the raw ones with ``weights="raw"``.
 
     Several averages (``EMA(0.9, name="fast"), EMA(0.999, name="slow")``) need distinct

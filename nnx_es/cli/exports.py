@@ -89,7 +89,7 @@ def write_rows(path: str | Path, values: torch.Tensor) -> None:
 
 def _model(args: argparse.Namespace) -> Any:
     """The run's net rebuilt from its spec, the checkpoint loaded into it (:meth:`nnx_es.NNModel.load`)."""
-    from nnx_es.model import NNModel
+    from nnx_es.nnmodel import NNModel
     from nnx_es.recipes import from_spec
     from nnx_es.recipes.runspec import validate_spec
 

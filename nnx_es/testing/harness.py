@@ -52,8 +52,8 @@ _STEP_NAMES = {("write", "atomic_write_all"): "write of a temporary file", ("fsy
 @dataclass(frozen=True)
 class Fit:
     """What one fit needs. trainer: a :class:`~nnx_es.trainer.Trainer` or an
-    :class:`~nnx_es.model.NNModel`; train_loader / val_loader: as ``fit`` takes them;
-    kwargs: for an ``NNModel``, the keywords of :meth:`~nnx_es.model.NNModel.train`
+    :class:`~nnx_es.nnmodel.NNModel`; train_loader / val_loader: as ``fit`` takes them;
+    kwargs: for an ``NNModel``, the keywords of :meth:`~nnx_es.nnmodel.NNModel.train`
     (optimizer, loss, monitor, callbacks, ``runs_root``, ``run_id``...; not ``epochs`` or
     ``resume_from``, which the harness gives)."""
 
@@ -64,7 +64,7 @@ class Fit:
 
     def run(self, *, epochs: int, resume_from: Path | None = None) -> Any:
         """Fit (or resume) and return the :class:`~nnx_es.result.RunResult`."""
-        from nnx_es.model import NNModel
+        from nnx_es.nnmodel import NNModel
 
         if isinstance(self.trainer, NNModel):
             return self.trainer.train(self.train_loader, self.val_loader, epochs=epochs, resume_from=resume_from,

@@ -210,7 +210,7 @@ class PageRunner:
 
 
 #: what the warm process imports once (a page imports them again for free); names absent are skipped
-PRELOAD = ("torch", "numpy", "sklearn.datasets", "matplotlib.pyplot", "nnx_es.trainer", "nnx_es.model",
+PRELOAD = ("torch", "numpy", "sklearn.datasets", "matplotlib.pyplot", "nnx_es.trainer", "nnx_es.nnmodel",
            "nnx_es.testing", "torch.utils.data")
 
 

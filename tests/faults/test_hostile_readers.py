@@ -38,7 +38,7 @@ from nnx_es.cli import inspect as inspect_cli
 from nnx_es.cli import replay as replay_cli
 from nnx_es.cli.main import main as nnx_es_main
 from nnx_es.errors import ConfigError, CorruptCheckpointError, NnxError
-from nnx_es.model import NNModel
+from nnx_es.nnmodel import NNModel
 
 EVIL = "cb\x1b]0;pwned\x07\x1b[2J"
 RAW_CONTROLS = ("\x1b", "\x07")

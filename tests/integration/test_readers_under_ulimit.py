@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from trainkit import loaders, small_net
 
-from nnx_es.model import NNModel
+from nnx_es.nnmodel import NNModel
 
 REPO = Path(__file__).resolve().parents[2]
 LIMIT = 4 << 30  # bytes of address space
@@ -47,7 +47,7 @@ import sys
 from pathlib import Path
 from nnx_es.cli import inspect
 from trainkit import loaders, small_net
-from nnx_es.model import NNModel
+from nnx_es.nnmodel import NNModel
 root = Path(sys.argv[1])
 for argv in ([str(root / "a")], [str(root / "a"), "--json"], [str(root / "a"), "--at", "10"], [str(root)],
              ["diff", str(root / "a"), str(root / "b")]):

@@ -179,7 +179,7 @@ def test_importing_events_and_projections_loads_no_torch_or_runtime() -> None:
 # --- seams of the runtime (STYLE.md "Seams"; docs/ARCHITECTURE.md) ------------------------------
 
 #: the composition root, the model facade over it, and the package's lazy public API
-TRAINER_IMPORTERS = frozenset({"nnx_es/trainer.py", "nnx_es/model.py", "nnx_es/__init__.py"})
+TRAINER_IMPORTERS = frozenset({"nnx_es/trainer.py", "nnx_es/nnmodel.py", "nnx_es/__init__.py"})
 
 
 def imported_modules(source: str, package: str, path: Path) -> set[str]:
