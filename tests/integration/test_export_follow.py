@@ -44,7 +44,9 @@ def _writer(runs: Path, *, pause_s: float = 0.3, hang_after: int | None = None) 
         finally:
             os._exit(code)
     deadline = time.time() + 30
-    while not (runs / "live" / "events.lmdb" / "data.mdb").exists() and time.time() < deadline:
+    data = runs / "live" / "events.lmdb" / "data.mdb"
+    # LMDB creates data.mdb empty and sizes it a moment later: readers refuse an empty one as truncated
+    while not (data.exists() and data.stat().st_size > 0) and time.time() < deadline:
         time.sleep(0.02)
     return pid
 
