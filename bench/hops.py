@@ -8,9 +8,14 @@ under ``sys.setprofile`` and prints, per microbatch in steady state (the 4-epoch
 (``nnx_es/``, ``events/``, ``projections/``) into another of its files, the files visited, and
 how many of those calls went **back up**: into a file that was already on the call stack (a
 callee calling its caller's module again). Calls into torch and the standard library are not
-counted; calls at an epoch's end show as a fraction (1/57 a microbatch) and are left out below
-``--min`` (default 0.5), except calls back up, which are listed however rare (an epoch's
-validation and commit included).
+counted; a key's count includes its calls at an epoch's end, spread over the epoch's 57
+microbatches (``emit``'s folds show 2.12, not 2: seven epoch-level events), and a key rarer than
+``--min`` (default 0.5) a microbatch is left out -- except calls back up, which are listed however
+rare (an epoch's validation and commit included). ``--min 0`` gives every call of a steady-state
+epoch, amortized. What it cannot see: a call whose immediate caller is not the project's (through a
+torch decorator, ``contextlib`` or structlog), and other threads (the commit thread of
+``checkpoint_lag > 0``). The workload sets ``batch_gather=False``, so a batch is moved by
+``device.move_batch`` where the default gathers it (``data._gathered``).
 
 Like :mod:`bench.calls` this is a count, not a time: it does not move with the machine's load.
 It answers issue 29's "a microbatch walks N files in M hops" the same way on any commit (the
@@ -102,7 +107,7 @@ def hops(short: int = 2, long: int = 4, minimum: float = 0.5) -> tuple[dict[tupl
 
     def per(x: Counter[tuple[str, str]], y: Counter[tuple[str, str]], least: float) -> dict[tuple[str, str], float]:
         out = {k: (y[k] - x[k]) / n for k in set(x) | set(y)}
-        return {k: v for k, v in sorted(out.items()) if v >= least}
+        return {k: v for k, v in sorted(out.items()) if v > 0 and v >= least}
     return per(a, b, minimum), per(a_back, b_back, 1 / n)
 
 

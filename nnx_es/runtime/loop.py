@@ -3,9 +3,9 @@
 :class:`TrainingLoop` is built by the run's scope (:class:`nnx_es.runtime.scope.RunScope`) for
 each ``fit`` once the session is open; it drives what the scope built: the step recorder (the
 microbatches and updates), the callbacks, the stage hooks, the committer, the validation pass
-and finalization. Its order is the one :mod:`nnx_es.trainer`'s docstring gives as pseudocode
-(spec 000 "Lifecycle order"). It shows the run to the hooks' view (``ctx``: the epoch, the
-batch, the validation metrics, the decision, the summary) and reads nothing back from it.
+and finalization, in the order below (spec 000 "Lifecycle order"). It shows the run to the
+hooks' view (``ctx``: the epoch, the batch, the validation metrics, the decision, the summary)
+and reads back only the batch index after a non-finite trailing window.
 
 The loop, as pseudocode (every arrow is an event in ``runs/<id>/events.lmdb``)::
 
