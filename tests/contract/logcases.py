@@ -11,6 +11,7 @@ from typing import Any
 
 from events import EpochBegan, Event, MicrobatchDone, UpdateCommitted
 
+
 __all__ = ["REPO", "Reader", "microbatch", "mixed", "receipt"]
 
 REPO = Path(__file__).resolve().parents[2]

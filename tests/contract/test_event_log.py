@@ -13,6 +13,8 @@ from typing import Any
 import pytest
 
 from events import (
+
+
     CorruptEventError,
     EventLogError,
     LmdbLog,

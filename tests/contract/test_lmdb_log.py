@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 
 from events import (
+
+
     EpochBegan,
     EventLogError,
     LmdbLog,

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+
 from events import (
+
+
     BestCommitted,
     CallbackBegan,
     CheckpointStored,

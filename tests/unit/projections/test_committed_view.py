@@ -6,7 +6,10 @@ from __future__ import annotations
 import msgspec
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from events import (
+
+
     BestCommitted,
     CallbackBegan,
     CallbackCheckpointed,

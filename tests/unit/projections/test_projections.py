@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 from typing import Any
+
 import pytest
+
 from events import (
+
+
     BestCommitted,
     CallbackCheckpointed,
     Counters,
