@@ -26,7 +26,6 @@ import torch
 
 from events.log import LmdbLog
 from events.schema import RunResumed, RunStarted, SourceRef, UpdateSpec
-from nnx_es.argchecks import RESUME_MODES
 from nnx_es.checkpoint import Manifest
 from nnx_es.distributed.verdict import describe_error, raise_described
 from nnx_es.errors import ConfigError, ResumeError
@@ -41,7 +40,7 @@ from nnx_es.runtime.components import RunComponents, apply_state, check_world_si
 from nnx_es.storage import BlobStore, Lease, check_run_dir, clean_stale_temporaries, fsync_dir, validate_run_id
 from projections.checkpoints import CheckpointsState
 
-__all__ = ["RESUME_MODES", "Session", "apply_loaded", "check_epochs", "library_versions", "new_run_id", "open_session"]
+__all__ = ["Session", "apply_loaded", "check_epochs", "library_versions", "new_run_id", "open_session"]
 
 
 #: builds the run's ``run_started`` declaration: ``declare(run_id, source)``
@@ -131,9 +130,7 @@ def open_session(
         UnsafePathError: the run directory, its lease file, log, blob or view directory is a
             symbolic link or of the wrong kind; nothing was read or written under it.
     """
-    if resume_mode not in RESUME_MODES:
-        raise ConfigError(f"resume_mode must be one of {RESUME_MODES}, got {resume_mode!r}")
-    world = world or World()
+    world = world or World()  # resume_mode is one of RESUME_MODES: checked before (argchecks.check_fit_args)
     if not world.is_writer:
         yield _follow(world, runs_root=runs_root, run_id=run_id, resume_from=resume_from, seed=seed,
                       components=components)
