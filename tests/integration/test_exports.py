@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from nnx_es import NNModel, Trainer
-from nnx_es.audit import audit_run
+from nnx_es.audit import INVARIANTS, audit_run
 from nnx_es.cli.main import main as nnx_es
 from nnx_es.errors import ConfigError, ExportMismatchError, UnsafePathError
 from nnx_es.export import FORMATS, WRITERS
@@ -216,3 +216,24 @@ def test_predict_never_writes_into_a_run_nor_through_a_link_and_names_rows_that_
     assert nnx_es(["predict", run, str(tmp_path / "narrow.npy"), "--out", str(tmp_path / "n.npy")]) == 2
     err = capsys.readouterr().err
     assert "rows of shape (63,) do not fit" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_later_export_to_the_same_path_supersedes_the_earlier_one_and_replay_checks_only_the_latest(
+        mlp_run, tmp_path):
+    run_dir = mlp_run.run_dir
+    out = tmp_path / "m.onnx"
+    assert nnx_es(["export", str(run_dir), "--format", "safetensors", "--out", str(out)]) == 0
+    assert nnx_es(["export", str(run_dir), "--format", "onnx", "--out", str(out)]) == 0
+    first, latest = [e for e in of_kind(run_dir, "model_exported") if e.path == str(out)]
+    assert first.sha256 != latest.sha256
+    report = audit_run(run_dir)
+    assert report.ok, [v.line() for v in report.violations]
+    assert f"model_exported of {str(out)!r} was superseded by a later export to the same path: not checked" in "".join(
+        report.notes)
+    # the latest export is still checked, under the invariant that names exported artifacts
+    out.write_bytes(out.read_bytes() + b"\0")
+    report = audit_run(run_dir)
+    assert [(v.invariant, v.message) for v in report.violations] == [
+        (4, f"the onnx artifact {str(out)!r} is not the file its latest export recorded (changed since)")]
+    assert "exported artifact" in INVARIANTS[4]
+    out.unlink()
