@@ -237,3 +237,28 @@ def test_one_spec_run_twice_is_one_run_twice(tmp_path: Path) -> None:
     differ = diff("runs/a", "runs/c")
     assert differ.returncode == 1 and differ.stdout.startswith("initial weights differ: first difference at seq 0"), \
         differ.stdout + differ.stderr
+
+
+def test_init_and_run_on_a_dataset_file_holding_an_object_array_exit_2_in_one_line_naming_it(
+        tmp_path: Path, monkeypatch, capsys) -> None:
+    import numpy as np
+
+    from nnx_es.cli.main import main as cli
+
+    monkeypatch.chdir(tmp_path)
+    np.savez("obj.npz", x=np.array([[1, "a"]], dtype=object), y=np.array([0]))
+    said = ("dataset file 'obj.npz' cannot be read: Object arrays cannot be loaded when allow_pickle=False (save x "
+            "and y as numeric arrays, np.savez(path, x=x, y=y))")
+    assert cli(["init", "--out", "s.json", "--dataset", "obj.npz"]) == 2
+    assert capsys.readouterr().err == f"nnx-es init: {said}\n"
+    assert not (tmp_path / "s.json").exists()
+    assert cli(["init", "--out", "s.json"]) == 0
+    spec = json.loads((tmp_path / "s.json").read_text())
+    spec["data"]["kwargs"]["dataset"] = "obj.npz"
+    (tmp_path / "s.json").write_text(json.dumps(spec))
+    capsys.readouterr()
+    assert cli(["run", "s.json"]) == 2
+    assert capsys.readouterr().err == f"nnx-es run: {said}\n"
+    np.savez("text.npz", x=np.array([["1", "a"]]), y=np.array([0]))
+    assert cli(["init", "--out", "t.json", "--dataset", "text.npz"]) == 2
+    assert capsys.readouterr().err == "nnx-es init: dataset file 'text.npz': x and y must hold numbers, got <U1 and int64\n"
