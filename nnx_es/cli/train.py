@@ -22,12 +22,13 @@ from typing import Any
 
 import msgspec
 
-from nnx_es.artifacts import write_output
+from nnx_es.artifacts import refuse_inside_run, write_output
 from nnx_es.cli._common import EXIT_OK, EXIT_UNUSABLE, EXIT_VIOLATIONS
 from nnx_es.cli._format import printable
 from nnx_es.errors import ConfigError, LeaseHeldError, NnxError, ResumeError, UnsafePathError
 
-__all__ = ["BadInput", "add_commands", "allowed_packages", "guarded", "read_spec_file", "stored_spec"]
+__all__ = ["BadInput", "add_commands", "allowed_packages", "guarded", "read_spec_file", "runs_dir",
+           "stored_spec"]
 
 #: a learning rate outside this range is reported as unusual
 LR_RANGE = (1e-6, 1.0)
@@ -355,11 +356,23 @@ def _train(built: Any, command: str, **fit: Any) -> int:
     return EXIT_OK if run.status in ("completed", "stopped") else EXIT_VIOLATIONS
 
 
+def runs_dir(args: argparse.Namespace) -> str:
+    """``--runs-dir``, where a command creates runs: refused when it is or lies inside a run
+    (:func:`nnx_es.artifacts.refuse_inside_run`, the check ``export`` makes of ``--out``).
+
+    Raises:
+        ConfigError: ``--runs-dir`` lies inside a run.
+    """
+    refuse_inside_run(args.runs_dir, f"--runs-dir {args.runs_dir!r}")
+    return str(args.runs_dir)
+
+
 def _run(args: argparse.Namespace) -> int:
     from nnx_es.recipes.runspec import build_run
 
+    root = runs_dir(args)
     spec = read_spec_file(args.spec)
-    built = build_run(spec, allowed=allowed_packages(args), runs_root=args.runs_dir, run_id=args.run_id)
+    built = build_run(spec, allowed=allowed_packages(args), runs_root=root, run_id=args.run_id)
     return _train(built, "run")
 
 

@@ -262,3 +262,21 @@ def test_init_and_run_on_a_dataset_file_holding_an_object_array_exit_2_in_one_li
     np.savez("text.npz", x=np.array([["1", "a"]]), y=np.array([0]))
     assert cli(["init", "--out", "t.json", "--dataset", "text.npz"]) == 2
     assert capsys.readouterr().err == "nnx-es init: dataset file 'text.npz': x and y must hold numbers, got <U1 and int64\n"
+
+
+def test_run_plan_and_search_refuse_a_runs_dir_inside_a_run_as_export_refuses_an_out_there(
+        tmp_path: Path, monkeypatch, capsys) -> None:
+    from nnx_es.cli.main import main as cli
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "runs" / "bc-2" / "events.lmdb").mkdir(parents=True)  # a run, as the check knows one
+    before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+    run = tmp_path / "runs" / "bc-2"
+    for runs_dir in ("runs/bc-2", "runs/bc-2/views"):
+        said = (f"--runs-dir {runs_dir!r} lies inside a run ({run}): nothing is written into a run but its own (it "
+                "may be someone else's); give a path outside it\n")
+        for command in (["run", "spec.json", "--run-id", "nested"], ["plan", "plan.json"],
+                        ["search", "spec.json", "--space", "space.json", "--trials", "1"]):
+            assert cli([*command, "--runs-dir", runs_dir]) == 2
+            assert capsys.readouterr().err == f"nnx-es {command[0]}: {said}"
+    assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before
