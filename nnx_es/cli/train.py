@@ -25,7 +25,7 @@ import msgspec
 from nnx_es.artifacts import refuse_inside_run, write_output
 from nnx_es.cli._common import EXIT_OK, EXIT_UNUSABLE, EXIT_VIOLATIONS
 from nnx_es.cli._format import printable
-from nnx_es.errors import ConfigError, LeaseHeldError, NnxError, ResumeError, UnsafePathError
+from nnx_es.errors import ConfigError, LeaseHeldError, NnxError, ResumeError, RunExistsError, UnsafePathError
 
 __all__ = ["BadInput", "add_commands", "allowed_packages", "guarded", "read_spec_file", "runs_dir",
            "stored_spec"]
@@ -345,6 +345,10 @@ def _plot(curves: dict[str, list[float]], png: Path, per_epoch: int, known: bool
 def _train(built: Any, command: str, **fit: Any) -> int:
     try:
         run = built.trainer.fit(built.train_loader, built.val_loader, epochs=fit.pop("epochs", built.epochs), **fit)
+    except RunExistsError as exc:  # said as the command line continues a run, not as fit(...) does
+        raise BadInput(f"run {Path(exc.run_dir).name!r} already exists at {exc.run_dir}: continue it with nnx-es "
+                       f"resume {exc.run_dir}, fork it with nnx-es resume {exc.run_dir} --from best|SEQ --run-id NEW, "
+                       "or pass another --run-id") from None
     except (ConfigError, ResumeError, LeaseHeldError, UnsafePathError) as exc:  # refused before it began: exit 2
         raise BadInput(str(exc)) from None
     except Exception as exc:  # the run failed: it is recorded in its log

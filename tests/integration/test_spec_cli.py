@@ -280,3 +280,17 @@ def test_run_plan_and_search_refuse_a_runs_dir_inside_a_run_as_export_refuses_an
             assert cli([*command, "--runs-dir", runs_dir]) == 2
             assert capsys.readouterr().err == f"nnx-es {command[0]}: {said}"
     assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before
+
+
+def test_run_on_an_existing_run_id_says_the_command_line_way_to_continue_it(
+        digits_run: Path, monkeypatch, capsys) -> None:
+    from nnx_es.cli.main import main as cli
+
+    monkeypatch.chdir(digits_run.parent.parent)
+    events = (digits_run / "events.lmdb" / "data.mdb").read_bytes()
+    assert cli(["run", "spec.json", "--run-id", "digits"]) == 2
+    assert capsys.readouterr().err == (
+        f"nnx-es run: run 'digits' already exists at {Path('runs') / 'digits'}: continue it with nnx-es resume "
+        "runs/digits, fork it with nnx-es resume runs/digits --from best|SEQ --run-id NEW, or pass another --run-id\n")
+    assert (digits_run / "events.lmdb" / "data.mdb").read_bytes() == events
+
