@@ -23,7 +23,7 @@ from typing import Any
 import msgspec
 
 from nnx_es.artifacts import refuse_inside_run, write_output
-from nnx_es.cli._common import EXIT_OK, EXIT_UNUSABLE, EXIT_VIOLATIONS
+from nnx_es.cli._common import EXIT_OK, EXIT_UNUSABLE, EXIT_VIOLATIONS, reader_left
 from nnx_es.cli._format import printable
 from nnx_es.errors import ConfigError, LeaseHeldError, NnxError, ResumeError, RunExistsError, UnsafePathError
 
@@ -447,10 +447,14 @@ def _where_allowed_is_looked_for(args: argparse.Namespace, exc: BaseException) -
 
 def guarded(command: str, fn: Any) -> Any:
     """``fn(args)`` as a sub-command's ``run``: bad input (:class:`BadInput`, an ``NnxError``, an ``OSError``)
-    is said in one line on stderr, exit 2."""
+    is said in one line on stderr, exit 2; stdout's reader leaving (``nnx-es report spec.json | head -1``) ends
+    it quietly, exit 0, as ``nnx-inspect`` does (:func:`nnx_es.cli._common.reader_left`)."""
     def run(args: argparse.Namespace) -> int:
         try:
             return int(fn(args))
+        except BrokenPipeError:
+            reader_left()
+            return EXIT_OK
         except (BadInput, NnxError, OSError) as exc:
             _say(command, BadInput(f"{exc}{_where_allowed_is_looked_for(args, exc)}"))
             return EXIT_UNUSABLE

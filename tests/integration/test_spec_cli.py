@@ -294,3 +294,15 @@ def test_run_on_an_existing_run_id_says_the_command_line_way_to_continue_it(
         "runs/digits, fork it with nnx-es resume runs/digits --from best|SEQ --run-id NEW, or pass another --run-id\n")
     assert (digits_run / "events.lmdb" / "data.mdb").read_bytes() == events
 
+
+@pytest.mark.parametrize("command", [["report", "spec.json"], ["plan", "plan.json", "--report"]])
+def test_a_reader_that_left_ends_the_command_quietly(tmp_path: Path, command) -> None:
+    """``nnx-es report spec.json | head -1``: stdout closed before the command writes -- no error, exit 0."""
+    assert nnx_es(tmp_path, "init", "--out", "spec.json", "--epochs", "1").returncode == 0
+    (tmp_path / "plan.json").write_text(json.dumps({"name": "p", "spec": "spec.json", "seeds": [0, 1]}))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.Popen([sys.executable, "-m", "nnx_es", *command], cwd=tmp_path, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.close()  # the reader is gone before the first line
+    err = proc.stderr.read()
+    assert (proc.wait(timeout=300), err) == (0, b"")
