@@ -237,3 +237,17 @@ def test_a_later_export_to_the_same_path_supersedes_the_earlier_one_and_replay_c
         (4, f"the onnx artifact {str(out)!r} is not the file its latest export recorded (changed since)")]
     assert "exported artifact" in INVARIANTS[4]
     out.unlink()
+
+
+def test_predict_and_export_of_a_run_without_a_recorded_spec_say_the_command_line_way(cnn_model, tmp_path, capsys):
+    model, sample = cnn_model
+    run_dir = model.source.run_dir
+    rows = tmp_path / "x.npy"
+    np.save(rows, sample.numpy())
+    assert nnx_es(["predict", str(run_dir), str(rows), "--out", str(tmp_path / "p.npy")]) == 2
+    assert capsys.readouterr().err == (
+        f"nnx-es predict: run 'cnn' recorded no spec (it was not started by nnx-es run, nor with "
+        f"recipe_required=True): pass --spec FILE, the spec its model was built from (nnx-es predict {run_dir} "
+        "--spec FILE ...)\n")
+    assert nnx_es(["export", str(run_dir), "--format", "onnx", "--out", str(tmp_path / "m.onnx")]) == 2
+    assert "(nnx-es export " in capsys.readouterr().err
