@@ -49,7 +49,8 @@ class ModelExported(Event, frozen=True, kw_only=True, tag="model_exported"):
     Appended (synced) behind ``run_finalized`` like :class:`EvaluationRecorded`, under the run's
     writer lease, by ``nnx-es export`` / ``NNModel.export(..., record=True)`` (``nnx_es.export``);
     it belongs to no commit and changes no projection. ``tools/replay`` checks that ``manifest``
-    verifies and, when the file at ``path`` is present, that its SHA-256 is ``sha256``.
+    verifies and, when the file at ``path`` is present, that its SHA-256 is ``sha256`` -- for the latest
+    ``model_exported`` naming that path only: a later export to the same path supersedes an earlier one.
 
     format: ``"onnx"``, ``"torch-export"`` or ``"safetensors"``. path: where the artifact was written
     (as given, resolved). sha256: the artifact's SHA-256 (hex). size_bytes: its size.

@@ -22,7 +22,8 @@ from pathlib import Path
 from events.paths import create_file, open_dir, open_file
 from nnx_es.errors import ConfigError
 
-__all__ = ["RUN_PARTS", "Destination", "destination", "file_sha256", "write_artifact", "write_output"]
+__all__ = ["RUN_PARTS", "Destination", "destination", "file_sha256", "refuse_inside_run", "write_artifact",
+           "write_output"]
 
 #: a run directory's own parts: an artifact is never written there
 RUN_PARTS = frozenset({"events.lmdb", "blobs", "views"})
@@ -46,12 +47,27 @@ def _run_above(path: Path) -> Path | None:
     return None
 
 
+def refuse_inside_run(directory: str | os.PathLike[str], said: str) -> None:
+    """Refuse to write in ``directory`` when it is, or lies inside, a run directory (one holding ``events.lmdb``),
+    looked for both as written and with its links resolved: nothing is written into a run but its own (an
+    artifact, a predictions file, a runs root a command would create runs under). ``said``: how the user gave
+    it (``"--out 'm.onnx'"``, ``"--runs-dir 'runs/a'"``).
+
+    Raises:
+        ConfigError: naming ``said`` and the run found.
+    """
+    lexical = Path(os.path.abspath(directory))
+    for found in {_run_above(lexical), _run_above(lexical.resolve())} - {None}:
+        raise ConfigError(f"{said} lies inside a run ({found}): nothing is written into a run but its own (it may "
+                          "be someone else's); give a path outside it")
+
+
 def destination(out: str | os.PathLike[str], run_dir: str | os.PathLike[str] | None) -> Destination:
     """Check the user's output path ``out`` for an artifact of the run at ``run_dir`` (None: no run).
 
     Raises:
-        ConfigError: ``out`` is a directory, lies inside another run (looked for both as written and
-            with its directories' links resolved), or inside this run's own parts.
+        ConfigError: ``out`` is a directory, lies inside another run (:func:`refuse_inside_run`), or inside
+            this run's own parts.
     """
     lexical = Path(os.path.abspath(out))
     if lexical.is_dir():
@@ -67,9 +83,7 @@ def destination(out: str | os.PathLike[str], run_dir: str | os.PathLike[str] | N
                                   f"elsewhere (e.g. {str(base / 'exports' / lexical.name)!r})")
             assert own is not None
             return Destination(lexical, own, parts)
-    for found in {_run_above(lexical.parent), _run_above(real_parent)} - {None}:
-        raise ConfigError(f"--out {str(out)!r} lies inside another run ({found}): nothing is written into a "
-                          "run but its own (it may be someone else's); give a path outside it")
+    refuse_inside_run(lexical.parent, f"--out {str(out)!r}")
     return Destination(lexical)
 
 

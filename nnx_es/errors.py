@@ -22,6 +22,7 @@ __all__ = [
     "NonFiniteWarning",
     "RecipeError",
     "ResumeError",
+    "RunExistsError",
     "UnsafePathError",
     "UnsafePayloadError",
     "UnsafeRecipeError",
@@ -30,6 +31,17 @@ __all__ = [
 
 class ConfigError(NnxError, ValueError):
     """A trainer, monitor, scheduler or callback was configured with a bad value."""
+
+
+class RunExistsError(ConfigError):
+    """A new run (not a resume) was asked for a run id whose directory already holds an event log.
+
+    run_dir: that run's directory (a front end says how to continue it in its own terms).
+    """
+
+    def __init__(self, message: str, run_dir: str = "") -> None:
+        super().__init__(message)
+        self.run_dir = run_dir
 
 
 class InvalidRunIdError(NnxError, ValueError):

@@ -2,7 +2,8 @@
 
 * invariant 4: every manifest a committed LAST / BEST / phase names verifies
   (:func:`nnx_es.checkpoint.verify_checkpoint`), and every callback checkpoint blob; an exported
-  artifact (``model_exported``) still at its path has its recorded SHA-256;
+  artifact still at its path has the SHA-256 its path's latest ``model_exported`` recorded (a later
+  export to the same path supersedes an earlier one: that one is noted, not checked);
 * invariant 6: scheduler clocks (epoch: once per summarized epoch, at the epoch
   end, a plateau one once per epoch with a decision; optimizer_update: once
   after each ``update_committed`` of its optimizer); ``steps`` grows by 1;
@@ -111,6 +112,7 @@ class CommittedCheck:
         self.pending_best: tuple[int, int, int] | None = None  # (LAST seq, epoch, decision seq)
         self.journal_head = ""  # the manifest of the newest committed journal_published
         self.update_clocked = False  # a scheduler on the optimizer_update clock is declared
+        self.exports: dict[str, tuple[int, ModelExported]] = {}  # path -> its latest model_exported (seq, event)
 
     def hot_inert(self) -> bool:
         """Whether :meth:`feed` of a ``microbatch_done`` or an ``update_committed`` would only set ``prev_kind``
@@ -190,7 +192,7 @@ class CommittedCheck:
                 self._manifest(seq, "evaluation_recorded", m)
             case ModelExported(manifest=m):  # the checkpoint it exported must verify, and the artifact where present
                 self._manifest(seq, "model_exported", m)
-                self._artifact(seq, event)
+                self._exported(seq, event)
             case _:
                 pass
         self.prev_kind = kind
@@ -205,6 +207,8 @@ class CommittedCheck:
     def finish(self) -> None:
         if self.owed:
             self._close_window()
+        for seq, event in self.exports.values():
+            self._artifact(seq, event)
         for digest, (seq, kind, why) in self.unverified.items():
             if digest not in self.pruned:  # gone on purpose when pruned; missing otherwise
                 self.sink.add(seq, 4, f"{kind} names a checkpoint that does not verify: {why}",
@@ -222,6 +226,15 @@ class CommittedCheck:
                 return None
         return self.manifests[digest]
 
+    def _exported(self, seq: int, event: ModelExported) -> None:
+        """An export to a path supersedes the one recorded before it to the same path (the file was
+        replaced on purpose): that one is noted; only each path's latest is checked, at :meth:`finish`."""
+        earlier = self.exports.get(event.path)
+        if earlier is not None:
+            self.sink.note(f"model_exported of {event.path!r} was superseded by a later export to the same path: "
+                           f"not checked (seq {earlier[0]}, superseded at seq {seq})")
+        self.exports[event.path] = (seq, event)
+
     def _artifact(self, seq: int, event: ModelExported) -> None:  # an artifact gone from its path is not checked
         try:
             found = file_sha256(event.path)
@@ -230,8 +243,8 @@ class CommittedCheck:
                           expected=f"a regular file with SHA-256 {event.sha256}", found=str(exc))
             return
         if found is not None and found != event.sha256:
-            self.sink.add(seq, 4, f"the {event.format} artifact {event.path!r} is not the file that was exported",
-                          expected=f"SHA-256 {event.sha256}", found=f"SHA-256 {found}")
+            self.sink.add(seq, 4, f"the {event.format} artifact {event.path!r} is not the file its latest export "
+                          "recorded (changed since)", expected=f"SHA-256 {event.sha256}", found=f"SHA-256 {found}")
 
     def _pruned(self, seq: int, digest: str, p: Projections) -> None:
         """A ``checkpoint_pruned`` never names a checkpoint a pointer still needs (LAST, BEST, a kept phase)."""

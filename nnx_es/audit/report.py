@@ -16,7 +16,8 @@ INVARIANTS: dict[int, str] = {
     1: "sequence numbers are contiguous from 0, every value decodes and matches its checksum",
     2: "the event sequence is a path through the lifecycle machine",
     3: "commit order per epoch: history -> LAST -> BEST/phase -> callback checkpoints",
-    4: "every manifest LAST/BEST/phase name, and every callback blob, exists and verifies",
+    4: "every manifest LAST/BEST/phase (or an evaluation, an export) names, every callback blob, and each path's "
+       "latest exported artifact still there, exists and verifies",
     5: "the uncommitted tail changes no projection",
     6: "each scheduler steps exactly once per tick of its clock",
     7: "one monitor decision per epoch; BEST, plateau and early stopping agree with it",
@@ -93,12 +94,17 @@ def show(value: Any, limit: int = 200) -> str:
 
 
 class Sink:
-    """Collects violations from every check."""
+    """Collects violations from every check, and notes: what a check left unchecked on purpose (not a violation)."""
 
-    __slots__ = ("violations",)
+    __slots__ = ("notes", "violations")
 
     def __init__(self) -> None:
         self.violations: list[Violation] = []
+        self.notes: list[str] = []
+
+    def note(self, text: str) -> None:
+        """Say ``text`` in the report's notes."""
+        self.notes.append(text)
 
     def add(self, seq: int | None, invariant: int, message: str, expected: Any = None, found: Any = None) -> None:
         self.violations.append(

@@ -146,7 +146,7 @@ def _report(run_dir: Path, sink: Sink, p: Projections, events: int, tail: int, n
         committed_epoch=last.epoch if last is not None and last.epoch >= 0 else None,
         tail=tail,
         violations=violations,
-        notes=notes,
+        notes=[*notes, *sink.notes],
     )
 
 

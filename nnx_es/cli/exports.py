@@ -96,8 +96,9 @@ def _model(args: argparse.Namespace) -> Any:
     run_dir = Path(args.run_dir)
     spec = read_spec_file(args.spec) if args.spec else stored_spec(run_dir)
     if spec is None:
-        raise BadInput(f"run {run_dir.name!r} recorded no spec (it was not run with recipe_required=True): pass "
-                       "--spec FILE, or export from Python with NNModel(net).load(...).export(...)")
+        raise BadInput(f"run {run_dir.name!r} recorded no spec (it was not started by nnx-es run, nor with "
+                       f"recipe_required=True): pass --spec FILE, the spec its model was built from "
+                       f"(nnx-es {args.command} {run_dir} --spec FILE ...)")
     allowed = allowed_packages(args)
     validate_spec(spec, allowed)
     net = from_spec(spec.model, allowed=allowed, slot="model")

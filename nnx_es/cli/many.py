@@ -240,9 +240,22 @@ def _print_runs(rows: list[RunRow], as_json: bool) -> None:
                              + "\n")
 
 
+_DIFF_HELP = """usage: inspect diff RUN_A RUN_B [--json]
+
+The first event where two runs differ (seq, kind, field, both values), wall clock times, ids and checkpoint
+hashes aside. --json: one object {"same": ..., "first_difference": ...}.
+
+Exit status: 0 the same, 1 they differ, 2 unusable input or a damaged log (keys or checksums that do not
+verify, a value that does not decode: said as damage, never as a difference).
+"""
+
+
 def diff_command(argv: list[str], as_json: bool) -> int:
     """``inspect diff RUN_A RUN_B [--json]``: exit 0 the same, 1 they differ, 2 unusable input or a damaged log
     (keys or checksums that do not verify, a value that does not decode: said as damage, never as a difference)."""
+    if "-h" in argv or "--help" in argv:
+        sys.stdout.write(_DIFF_HELP)
+        return EXIT_OK
     runs = [a for a in argv if a != "--json"]
     if len(runs) != 2 or len(argv) - len(runs) > 1:
         return fail("inspect", "diff takes two run directories (and --json): inspect diff RUN_A RUN_B",

@@ -18,7 +18,7 @@ from typing import Any
 
 from nnx_es.cli._common import EXIT_INTERRUPTED, EXIT_OK, EXIT_VIOLATIONS
 from nnx_es.cli._format import printable
-from nnx_es.cli.train import allowed_packages, guarded
+from nnx_es.cli.train import allowed_packages, guarded, runs_dir
 
 __all__ = ["add_plan_command", "interruptible", "say"]
 
@@ -42,9 +42,10 @@ def interruptible(command: str, fn: Any) -> Any:
 def _plan(args: argparse.Namespace) -> int:
     from nnx_es.plan import ExperimentPlan
 
+    root = args.runs_dir if args.report else runs_dir(args)  # a report only reads
     allowed = allowed_packages(args)
     plan = ExperimentPlan.load(args.plan, allow=allowed.user)
-    report = plan.report(args.runs_dir) if args.report else plan.fit(args.runs_dir, echo=say)
+    report = plan.report(root) if args.report else plan.fit(root, echo=say)
     for line in report.table().splitlines():
         say(line)
     bad = [r for r in report.rows if r.status not in ("completed", "stopped")]

@@ -24,7 +24,7 @@ from typing import Any
 
 from nnx_es.cli._common import EXIT_OK, EXIT_VIOLATIONS
 from nnx_es.cli.plan import interruptible, say
-from nnx_es.cli.train import BadInput, allowed_packages, guarded
+from nnx_es.cli.train import BadInput, allowed_packages, guarded, runs_dir
 
 __all__ = ["add_search_command"]
 
@@ -49,6 +49,7 @@ def _search(args: argparse.Namespace) -> int:
         raise BadInput("a search needs SPEC, --space SPACE and --trials N (or --audit STUDY)")
     if args.workers < 1:
         raise BadInput(f"--workers takes an int >= 1, got {args.workers}")
+    runs_dir(args)  # before a worker starts
     import optuna
 
     from nnx_es.search import search

@@ -22,12 +22,13 @@ from typing import Any
 
 import msgspec
 
-from nnx_es.artifacts import write_output
-from nnx_es.cli._common import EXIT_OK, EXIT_UNUSABLE, EXIT_VIOLATIONS
+from nnx_es.artifacts import refuse_inside_run, write_output
+from nnx_es.cli._common import EXIT_OK, EXIT_UNUSABLE, EXIT_VIOLATIONS, reader_left
 from nnx_es.cli._format import printable
-from nnx_es.errors import ConfigError, LeaseHeldError, NnxError, ResumeError, UnsafePathError
+from nnx_es.errors import ConfigError, LeaseHeldError, NnxError, ResumeError, RunExistsError, UnsafePathError
 
-__all__ = ["BadInput", "add_commands", "allowed_packages", "guarded", "read_spec_file", "stored_spec"]
+__all__ = ["BadInput", "add_commands", "allowed_packages", "guarded", "read_spec_file", "runs_dir",
+           "stored_spec"]
 
 #: a learning rate outside this range is reported as unusual
 LR_RANGE = (1e-6, 1.0)
@@ -344,6 +345,10 @@ def _plot(curves: dict[str, list[float]], png: Path, per_epoch: int, known: bool
 def _train(built: Any, command: str, **fit: Any) -> int:
     try:
         run = built.trainer.fit(built.train_loader, built.val_loader, epochs=fit.pop("epochs", built.epochs), **fit)
+    except RunExistsError as exc:  # said as the command line continues a run, not as fit(...) does
+        raise BadInput(f"run {Path(exc.run_dir).name!r} already exists at {exc.run_dir}: continue it with nnx-es "
+                       f"resume {exc.run_dir}, fork it with nnx-es resume {exc.run_dir} --from best|SEQ --run-id NEW, "
+                       "or pass another --run-id") from None
     except (ConfigError, ResumeError, LeaseHeldError, UnsafePathError) as exc:  # refused before it began: exit 2
         raise BadInput(str(exc)) from None
     except Exception as exc:  # the run failed: it is recorded in its log
@@ -355,11 +360,23 @@ def _train(built: Any, command: str, **fit: Any) -> int:
     return EXIT_OK if run.status in ("completed", "stopped") else EXIT_VIOLATIONS
 
 
+def runs_dir(args: argparse.Namespace) -> str:
+    """``--runs-dir``, where a command creates runs: refused when it is or lies inside a run
+    (:func:`nnx_es.artifacts.refuse_inside_run`, the check ``export`` makes of ``--out``).
+
+    Raises:
+        ConfigError: ``--runs-dir`` lies inside a run.
+    """
+    refuse_inside_run(args.runs_dir, f"--runs-dir {args.runs_dir!r}")
+    return str(args.runs_dir)
+
+
 def _run(args: argparse.Namespace) -> int:
     from nnx_es.recipes.runspec import build_run
 
+    root = runs_dir(args)
     spec = read_spec_file(args.spec)
-    built = build_run(spec, allowed=allowed_packages(args), runs_root=args.runs_dir, run_id=args.run_id)
+    built = build_run(spec, allowed=allowed_packages(args), runs_root=root, run_id=args.run_id)
     return _train(built, "run")
 
 
@@ -430,10 +447,14 @@ def _where_allowed_is_looked_for(args: argparse.Namespace, exc: BaseException) -
 
 def guarded(command: str, fn: Any) -> Any:
     """``fn(args)`` as a sub-command's ``run``: bad input (:class:`BadInput`, an ``NnxError``, an ``OSError``)
-    is said in one line on stderr, exit 2."""
+    is said in one line on stderr, exit 2; stdout's reader leaving (``nnx-es report spec.json | head -1``) ends
+    it quietly, exit 0, as ``nnx-inspect`` does (:func:`nnx_es.cli._common.reader_left`)."""
     def run(args: argparse.Namespace) -> int:
         try:
             return int(fn(args))
+        except BrokenPipeError:
+            reader_left()
+            return EXIT_OK
         except (BadInput, NnxError, OSError) as exc:
             _say(command, BadInput(f"{exc}{_where_allowed_is_looked_for(args, exc)}"))
             return EXIT_UNUSABLE

@@ -6,6 +6,7 @@ the scaffold the input width and class count without building loaders.
 
 from __future__ import annotations
 
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +27,8 @@ def load_arrays(dataset: str) -> tuple[np.ndarray, np.ndarray]:
     ``"breast_cancer"`` (standardized features) or a ``.npz`` file holding arrays ``x`` and ``y``.
 
     Raises:
-        ConfigError: an unknown name, a missing file, or arrays of the wrong shape.
+        ConfigError: an unknown name, a missing or unreadable file (an object array: no pickles), arrays that
+            are not numbers or of the wrong shape.
     """
     if dataset == "digits":
         from sklearn.datasets import load_digits
@@ -44,10 +46,17 @@ def load_arrays(dataset: str) -> tuple[np.ndarray, np.ndarray]:
         raise ConfigError(f"dataset must be 'digits', 'breast_cancer' or a .npz file, got {dataset!r}")
     if not path.is_file():
         raise ConfigError(f"dataset file {dataset!r} does not exist")
-    with np.load(path, allow_pickle=False) as arrays:
-        if "x" not in arrays or "y" not in arrays:
-            raise ConfigError(f"dataset file {dataset!r} must hold arrays 'x' (N, F) and 'y' (N,), has {arrays.files}")
-        x, y = arrays["x"], arrays["y"]
+    try:  # no pickles: an object array is refused by numpy with a ValueError
+        with np.load(path, allow_pickle=False) as arrays:
+            if "x" not in arrays or "y" not in arrays:
+                raise ConfigError(f"dataset file {dataset!r} must hold arrays 'x' (N, F) and 'y' (N,), has "
+                                  f"{arrays.files}")
+            x, y = arrays["x"], arrays["y"]
+    except (ValueError, OSError, EOFError, zipfile.BadZipFile) as exc:
+        raise ConfigError(f"dataset file {dataset!r} cannot be read: {exc} (save x and y as numeric arrays, "
+                          "np.savez(path, x=x, y=y))") from None
+    if x.dtype.kind not in "fiub" or y.dtype.kind not in "fiub":
+        raise ConfigError(f"dataset file {dataset!r}: x and y must hold numbers, got {x.dtype} and {y.dtype}")
     if x.ndim != 2 or y.ndim != 1 or len(x) != len(y):
         raise ConfigError(f"dataset file {dataset!r}: x must be (N, F) and y (N,), got {x.shape} and {y.shape}")
     return x.astype(np.float32), y.astype(np.int64)

@@ -86,7 +86,17 @@ class Slot:
             UnsafeRecipeError: naming the path, the slot and what it takes.
         """
         if not self.admits_text(dotted, user):
-            raise UnsafeRecipeError(f"recipe path {path!r} is not {self.describe()}; refused, nothing imported")
+            raise UnsafeRecipeError(f"recipe path {path!r} is not {self.describe()}; refused, nothing imported"
+                                    f"{self._did_you_mean(dotted)}")
+
+    def _did_you_mean(self, dotted: str) -> str:
+        """The paths of this slot's own classes and factories with the name ``dotted`` ends in, as a hint
+        (`` (did you mean 'nnx_es.diagnostics.recorder:Diagnostics'?)``), read from the registry's text:
+        what ``dotted`` itself would import to is not looked at (nothing refused is imported)."""
+        name = dotted.rpartition(".")[2]
+        near = [":".join(h.rpartition(".")[::2]) for h in (*self.homes, *self.factories)
+                if h.rpartition(".")[2] == name and h != dotted]
+        return f" (did you mean {' or '.join(map(repr, near))}?)" if near else ""
 
     def check_object(self, obj: Any, path: str, real: str, user: Iterable[str]) -> None:
         """Refuse what ``path`` imported (``real``: its own ``__module__.__qualname__``) unless it is of this slot.

@@ -28,7 +28,7 @@ from events.log import LmdbLog
 from events.schema import RunResumed, RunStarted, SourceRef, UpdateSpec
 from nnx_es.checkpoint import Manifest
 from nnx_es.distributed.verdict import describe_error, raise_described
-from nnx_es.errors import ConfigError, ResumeError
+from nnx_es.errors import ConfigError, ResumeError, RunExistsError
 from nnx_es.injection import ENV_VAR, install_from_environment, kills_expected
 from nnx_es.lifecycle import Lifecycle
 from nnx_es.loaders import check_same_loaders
@@ -164,12 +164,12 @@ def open_session(
         if stateful and not has_log:
             raise ResumeError(f"cannot resume {run_dir}: it has no event log")
         if not stateful and has_log:
-            raise ConfigError(
+            raise RunExistsError(
                 f"run {run_id!r} already has an event log at {run_dir}; a new run, a fork or a weights_only "
                 f"continuation writes its own run: continue this one with fit(..., resume_from="
                 f"{str(run_dir)!r}) or fit(..., resume='auto'), choose another run_id, or delete "
                 f"{str(run_dir)!r} to start it over (a run has nothing to resume until its first LAST commit; "
-                "resume='auto' clears such a run and starts it afresh)"
+                "resume='auto' clears such a run and starts it afresh)", str(run_dir)
             )
         removed = clean_stale_temporaries(run_dir)
         if removed:  # a crash harness's resumes remove what its kills left, by design: not a warning there

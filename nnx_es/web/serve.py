@@ -10,18 +10,24 @@ import time
 from pathlib import Path
 from typing import Any
 
-__all__ = ["add_command", "serve", "serve_in_thread"]
+from nnx_es.cli._common import EXIT_INTERRUPTED, EXIT_OK, EXIT_UNUSABLE
+from nnx_es.cli._format import printable
+
+__all__ = ["add_command", "listening_socket", "serve", "serve_in_thread"]
 
 
 def serve(runs_root: str | Path, *, host: str = "127.0.0.1", port: int = 8000) -> None:
     """Serve ``runs_root`` read-only at ``http://host:port/`` until interrupted (uvicorn, one process).
 
     Bound to loopback by default: only this machine reaches it. Another ``host`` is said on stderr
-    (whoever reaches the address reads every run under the root; there is no log-in).
+    (whoever reaches the address reads every run under the root; there is no log-in). The socket is
+    bound and listening before the URL is printed (``port`` 0: the port picked is in it), so a client
+    that reads that line connects at once.
 
     Raises:
         MissingDirectoryError: ``runs_root`` is not a directory (before anything is bound).
         ImportError: the ``web`` extra is not installed (``pip install 'nnx_es[web]'``).
+        ConfigError: ``host:port`` cannot be bound (the OS's reason said; nothing printed on stdout).
     """
     try:
         import uvicorn
@@ -30,14 +36,16 @@ def serve(runs_root: str | Path, *, host: str = "127.0.0.1", port: int = 8000) -
     from nnx_es.web.app import create_app, hosts_for, is_loopback
 
     app = create_app(runs_root, allowed_hosts=hosts_for(host))
-    if port == 0:  # said in the URL printed below: pick the free port here
-        port = _free_port(host)
-    if not is_loopback(host):
-        print(f"nnx-es serve: listening on {host}, not loopback: anyone who reaches it reads every run under "
-              f"{Path(runs_root).resolve()} (read-only, no log-in)", file=sys.stderr)
-    shown = f"[{host}]" if ":" in host else host
-    print(f"nnx-es serve: {Path(runs_root).resolve()} at http://{shown}:{port}/ (read-only; Ctrl-C stops)", flush=True)
-    uvicorn.run(app, host=host, port=port, log_level="warning", access_log=False)
+    sock = listening_socket(host, port)
+    with sock:
+        port = int(sock.getsockname()[1])
+        if not is_loopback(host):
+            print(f"nnx-es serve: listening on {host}, not loopback: anyone who reaches it reads every run under "
+                  f"{Path(runs_root).resolve()} (read-only, no log-in)", file=sys.stderr)
+        print(f"nnx-es serve: {Path(runs_root).resolve()} at {_url(host, port)}/ (read-only; Ctrl-C stops)",
+              flush=True)
+        server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False))
+        server.run(sockets=[sock])
 
 
 def serve_in_thread(app: Any, host: str = "127.0.0.1", start_timeout_s: float = 20.0) -> tuple[str, Any]:
@@ -46,13 +54,15 @@ def serve_in_thread(app: Any, host: str = "127.0.0.1", start_timeout_s: float = 
     (``server.should_exit = True`` stops it).
 
     Raises:
+        ConfigError: ``host`` cannot be bound.
         RuntimeError: the server did not start within ``start_timeout_s`` seconds.
     """
     import uvicorn
 
-    port = _free_port(host)
+    sock = listening_socket(host, 0)
+    port = int(sock.getsockname()[1])
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False))
-    thread = threading.Thread(target=server.run, daemon=True, name="nnx-es-serve")
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True, name="nnx-es-serve")
     thread.start()
     deadline = time.monotonic() + start_timeout_s
     while not server.started:
@@ -60,13 +70,34 @@ def serve_in_thread(app: Any, host: str = "127.0.0.1", start_timeout_s: float = 
             server.should_exit = True
             raise RuntimeError(f"the web app did not start on {host}:{port} within {start_timeout_s} s")
         time.sleep(0.02)
-    return f"http://{f'[{host}]' if ':' in host else host}:{port}", server
+    return _url(host, port), server
 
 
-def _free_port(host: str) -> int:
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
+def listening_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to ``host:port`` (0: a free port) and listening, as uvicorn binds one
+    (``SO_REUSEADDR``; IPv6 when ``host`` holds a colon).
+
+    Raises:
+        ConfigError: the address cannot be bound (in use, not this machine's, a name that does not
+            resolve): ``host:port`` and the OS's reason.
+    """
+    from nnx_es.errors import ConfigError
+
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(2048)
+    except OSError as exc:
+        sock.close()
+        raise ConfigError(f"cannot listen on {_url(host, port)[7:]}: {exc.strerror or exc} (pass another --port, 0 "
+                          "for any free one, or a --host address of this machine)") from None
+    sock.set_inheritable(True)
+    return sock
+
+
+def _url(host: str, port: int) -> str:
+    return f"http://{f'[{host}]' if ':' in host else host}:{port}"
 
 
 def _port(text: str) -> int:
@@ -77,16 +108,16 @@ def _port(text: str) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from nnx_es.errors import MissingDirectoryError
+    from nnx_es.errors import ConfigError, MissingDirectoryError
 
     try:
         serve(args.runs_root, host=args.host, port=args.port)
-    except (MissingDirectoryError, ImportError) as exc:
-        print(f"nnx-es serve: {exc}", file=sys.stderr)
-        return 2
+    except (MissingDirectoryError, ImportError, ConfigError) as exc:
+        print(printable(f"nnx-es serve: {exc}"), file=sys.stderr)
+        return EXIT_UNUSABLE
     except KeyboardInterrupt:
-        return 130
-    return 0
+        return EXIT_INTERRUPTED
+    return EXIT_OK
 
 
 def add_command(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -94,7 +125,9 @@ def add_command(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-a
     p = sub.add_parser("serve", help="a read-only web app over a runs root: runs, curves, events, time travel, audit",
                        description="Serve RUNS_ROOT read-only over HTTP: the runs, each run's curves, events, time "
                        "travel over seq, the audit, the diff of two runs and the data map; the JSON API under /api. "
-                       "Nothing under RUNS_ROOT is written. Needs the web extra (pip install 'nnx_es[web]').")
+                       "Nothing under RUNS_ROOT is written. Needs the web extra (pip install 'nnx_es[web]'). The URL "
+                       "is printed once the socket listens. Exit status: 0 stopped, 2 bad input (RUNS_ROOT not a "
+                       "directory, the web extra missing, --host:--port cannot be bound), 130 Ctrl-C.")
     p.add_argument("runs_root", type=Path, metavar="RUNS_ROOT", help="the directory the runs are under (runs/)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=_port, default=8000, help="port (default 8000; 0: any free one)")

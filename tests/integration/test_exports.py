@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from nnx_es import NNModel, Trainer
-from nnx_es.audit import audit_run
+from nnx_es.audit import INVARIANTS, audit_run
 from nnx_es.cli.main import main as nnx_es
 from nnx_es.errors import ConfigError, ExportMismatchError, UnsafePathError
 from nnx_es.export import FORMATS, WRITERS
@@ -163,7 +163,7 @@ def test_an_output_path_inside_another_run_or_through_a_link_inside_its_own_is_r
     sample = torch.rand(4, 64)
     other = tmp_path / "other"
     (other / "events.lmdb").mkdir(parents=True)
-    with pytest.raises(ConfigError, match="inside another run"):
+    with pytest.raises(ConfigError, match="inside a run"):
         model.export(other / "m.safetensors", "safetensors", sample=sample)
     with pytest.raises(ConfigError, match="run's own 'events.lmdb'"):
         model.export(run_dir / "events.lmdb" / "m.safetensors", "safetensors", sample=sample)
@@ -205,7 +205,7 @@ def test_predict_never_writes_into_a_run_nor_through_a_link_and_names_rows_that_
     (other / "events.lmdb").mkdir(parents=True)
     run = str(mlp_run.run_dir)
     assert nnx_es(["predict", run, str(tmp_path / "x.npy"), "--out", str(other / "p.npy")]) == 2
-    assert "inside another run" in capsys.readouterr().err and not (other / "p.npy").exists()
+    assert "inside a run" in capsys.readouterr().err and not (other / "p.npy").exists()
     victim = tmp_path / "victim.csv"
     victim.write_text("keep me\n")
     (tmp_path / "link.csv").symlink_to(victim)
@@ -216,3 +216,38 @@ def test_predict_never_writes_into_a_run_nor_through_a_link_and_names_rows_that_
     assert nnx_es(["predict", run, str(tmp_path / "narrow.npy"), "--out", str(tmp_path / "n.npy")]) == 2
     err = capsys.readouterr().err
     assert "rows of shape (63,) do not fit" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_later_export_to_the_same_path_supersedes_the_earlier_one_and_replay_checks_only_the_latest(
+        mlp_run, tmp_path):
+    run_dir = mlp_run.run_dir
+    out = tmp_path / "m.onnx"
+    assert nnx_es(["export", str(run_dir), "--format", "safetensors", "--out", str(out)]) == 0
+    assert nnx_es(["export", str(run_dir), "--format", "onnx", "--out", str(out)]) == 0
+    first, latest = [e for e in of_kind(run_dir, "model_exported") if e.path == str(out)]
+    assert first.sha256 != latest.sha256
+    report = audit_run(run_dir)
+    assert report.ok, [v.line() for v in report.violations]
+    assert f"model_exported of {str(out)!r} was superseded by a later export to the same path: not checked" in "".join(
+        report.notes)
+    # the latest export is still checked, under the invariant that names exported artifacts
+    out.write_bytes(out.read_bytes() + b"\0")
+    report = audit_run(run_dir)
+    assert [(v.invariant, v.message) for v in report.violations] == [
+        (4, f"the onnx artifact {str(out)!r} is not the file its latest export recorded (changed since)")]
+    assert "exported artifact" in INVARIANTS[4]
+    out.unlink()
+
+
+def test_predict_and_export_of_a_run_without_a_recorded_spec_say_the_command_line_way(cnn_model, tmp_path, capsys):
+    model, sample = cnn_model
+    run_dir = model.source.run_dir
+    rows = tmp_path / "x.npy"
+    np.save(rows, sample.numpy())
+    assert nnx_es(["predict", str(run_dir), str(rows), "--out", str(tmp_path / "p.npy")]) == 2
+    assert capsys.readouterr().err == (
+        f"nnx-es predict: run 'cnn' recorded no spec (it was not started by nnx-es run, nor with "
+        f"recipe_required=True): pass --spec FILE, the spec its model was built from (nnx-es predict {run_dir} "
+        "--spec FILE ...)\n")
+    assert nnx_es(["export", str(run_dir), "--format", "onnx", "--out", str(tmp_path / "m.onnx")]) == 2
+    assert "(nnx-es export " in capsys.readouterr().err

@@ -237,3 +237,72 @@ def test_one_spec_run_twice_is_one_run_twice(tmp_path: Path) -> None:
     differ = diff("runs/a", "runs/c")
     assert differ.returncode == 1 and differ.stdout.startswith("initial weights differ: first difference at seq 0"), \
         differ.stdout + differ.stderr
+
+
+def test_init_and_run_on_a_dataset_file_holding_an_object_array_exit_2_in_one_line_naming_it(
+        tmp_path: Path, monkeypatch, capsys) -> None:
+    import numpy as np
+
+    from nnx_es.cli.main import main as cli
+
+    monkeypatch.chdir(tmp_path)
+    np.savez("obj.npz", x=np.array([[1, "a"]], dtype=object), y=np.array([0]))
+    said = ("dataset file 'obj.npz' cannot be read: Object arrays cannot be loaded when allow_pickle=False (save x "
+            "and y as numeric arrays, np.savez(path, x=x, y=y))")
+    assert cli(["init", "--out", "s.json", "--dataset", "obj.npz"]) == 2
+    assert capsys.readouterr().err == f"nnx-es init: {said}\n"
+    assert not (tmp_path / "s.json").exists()
+    assert cli(["init", "--out", "s.json"]) == 0
+    spec = json.loads((tmp_path / "s.json").read_text())
+    spec["data"]["kwargs"]["dataset"] = "obj.npz"
+    (tmp_path / "s.json").write_text(json.dumps(spec))
+    capsys.readouterr()
+    assert cli(["run", "s.json"]) == 2
+    assert capsys.readouterr().err == f"nnx-es run: {said}\n"
+    np.savez("text.npz", x=np.array([["1", "a"]]), y=np.array([0]))
+    assert cli(["init", "--out", "t.json", "--dataset", "text.npz"]) == 2
+    assert capsys.readouterr().err == "nnx-es init: dataset file 'text.npz': x and y must hold numbers, got <U1 and int64\n"
+
+
+def test_run_plan_and_search_refuse_a_runs_dir_inside_a_run_as_export_refuses_an_out_there(
+        tmp_path: Path, monkeypatch, capsys) -> None:
+    from nnx_es.cli.main import main as cli
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "runs" / "bc-2" / "events.lmdb").mkdir(parents=True)  # a run, as the check knows one
+    before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+    run = tmp_path / "runs" / "bc-2"
+    for runs_dir in ("runs/bc-2", "runs/bc-2/views"):
+        said = (f"--runs-dir {runs_dir!r} lies inside a run ({run}): nothing is written into a run but its own (it "
+                "may be someone else's); give a path outside it\n")
+        for command in (["run", "spec.json", "--run-id", "nested"], ["plan", "plan.json"],
+                        ["search", "spec.json", "--space", "space.json", "--trials", "1"]):
+            assert cli([*command, "--runs-dir", runs_dir]) == 2
+            assert capsys.readouterr().err == f"nnx-es {command[0]}: {said}"
+    assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before
+
+
+def test_run_on_an_existing_run_id_says_the_command_line_way_to_continue_it(
+        digits_run: Path, monkeypatch, capsys) -> None:
+    from nnx_es.cli.main import main as cli
+
+    monkeypatch.chdir(digits_run.parent.parent)
+    events = (digits_run / "events.lmdb" / "data.mdb").read_bytes()
+    assert cli(["run", "spec.json", "--run-id", "digits"]) == 2
+    assert capsys.readouterr().err == (
+        f"nnx-es run: run 'digits' already exists at {Path('runs') / 'digits'}: continue it with nnx-es resume "
+        "runs/digits, fork it with nnx-es resume runs/digits --from best|SEQ --run-id NEW, or pass another --run-id\n")
+    assert (digits_run / "events.lmdb" / "data.mdb").read_bytes() == events
+
+
+@pytest.mark.parametrize("command", [["report", "spec.json"], ["plan", "plan.json", "--report"]])
+def test_a_reader_that_left_ends_the_command_quietly(tmp_path: Path, command) -> None:
+    """``nnx-es report spec.json | head -1``: stdout closed before the command writes -- no error, exit 0."""
+    assert nnx_es(tmp_path, "init", "--out", "spec.json", "--epochs", "1").returncode == 0
+    (tmp_path / "plan.json").write_text(json.dumps({"name": "p", "spec": "spec.json", "seeds": [0, 1]}))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.Popen([sys.executable, "-m", "nnx_es", *command], cwd=tmp_path, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.close()  # the reader is gone before the first line
+    err = proc.stderr.read()
+    assert (proc.wait(timeout=300), err) == (0, b"")

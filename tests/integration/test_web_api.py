@@ -240,6 +240,47 @@ def test_nnx_es_serve_refuses_a_runs_root_that_is_not_a_directory(tmp_path, caps
         main(["serve", str(tmp_path), "--port", "70000"])
 
 
+def test_nnx_es_serve_on_an_address_it_cannot_bind_says_host_port_and_why_in_one_line_exit_2(tmp_path, capsys):
+    import socket
+
+    from nnx_es.cli.main import main
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert main(["serve", str(tmp_path), "--port", str(port)]) == 2
+    said = capsys.readouterr()
+    assert said.out == ""  # no URL printed for a server that never listened
+    assert said.err == (f"nnx-es serve: cannot listen on 127.0.0.1:{port}: Address already in use (pass another "
+                        "--port, 0 for any free one, or a --host address of this machine)\n")
+    assert main(["serve", str(tmp_path), "--host", "10.255.255.1", "--port", "0"]) == 2
+    assert capsys.readouterr().err == ("nnx-es serve: cannot listen on 10.255.255.1:0: Cannot assign requested "
+                                       "address (pass another --port, 0 for any free one, or a --host address of "
+                                       "this machine)\n")
+
+
+def test_nnx_es_serve_prints_its_url_only_once_the_socket_listens(tmp_path, capsys, monkeypatch):
+    import socket
+
+    import uvicorn
+
+    from nnx_es.cli.main import main
+
+    seen = {}
+
+    def run(server, sockets=None):  # in place of the server's loop: what a client reading stdout would meet now
+        url = capsys.readouterr().out.split(" at ")[1].split("/ ")[0]
+        host, port = url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port))):  # refused unless already listening
+            seen["url"] = url
+        seen["socket"] = sockets[0].getsockname()
+
+    monkeypatch.setattr(uvicorn.Server, "run", run)
+    assert main(["serve", str(tmp_path), "--port", "0"]) == 0
+    assert seen["url"] == f"http://127.0.0.1:{seen['socket'][1]}" and seen["socket"][1] != 0
+
+
 def test_serving_every_page_changes_nothing_under_the_root_lock_files_included(client, root):
     before = tree_state(root)
     assert any(k.endswith("lock.mdb") for k in before)  # the runs' writers left them: they must stay byte-identical

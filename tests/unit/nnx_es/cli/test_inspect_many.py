@@ -195,3 +195,12 @@ def test_a_runs_root_listing_ends_quietly_when_its_reader_leaves(tmp_path, monke
     finally:
         monkeypatch.undo()
         out.close()
+
+
+def test_diff_help_prints_its_usage_and_exit_statuses_exit_0(capsys):
+    for flag in ("--help", "-h"):
+        assert main(["diff", flag]) == 0
+        said = capsys.readouterr()
+        assert said.err == ""
+        assert said.out.startswith("usage: inspect diff RUN_A RUN_B [--json]\n")
+        assert "Exit status: 0 the same, 1 they differ, 2 unusable input or a damaged log" in said.out

@@ -249,3 +249,19 @@ def test_a_spec_path_that_is_a_fifo_or_too_big_is_refused_without_reading_it(tmp
         load_spec(tmp_path / "big.json")
     with pytest.raises(RecipeError, match="cannot read spec"):
         load_spec(tmp_path / "missing.json")
+
+
+def test_a_callback_at_a_path_it_does_not_live_at_is_refused_unimported_with_the_slots_own_path_suggested() -> None:
+    recipe = Recipe(target="nnx_es.diagnostics:Diagnostics", kwargs={})
+    with pytest.raises(UnsafeRecipeError) as refused:
+        from_spec(recipe, allowed=Allowed(), slot="callback")
+    assert str(refused.value) == (
+        "recipe path 'nnx_es.diagnostics:Diagnostics' is not a callback: a subclass of nnx_es.callbacks:Callback or a "
+        "factory registered for it; refused, nothing imported (did you mean 'nnx_es.diagnostics.recorder:Diagnostics'?)")
+    with pytest.raises(UnsafeRecipeError) as refused:  # no class of the slot by that name: no suggestion
+        from_spec(Recipe(target="nnx_es.diagnostics:Nothing", kwargs={}), allowed=Allowed(), slot="callback")
+    assert str(refused.value).endswith("refused, nothing imported")
+    with pytest.raises(UnsafeRecipeError) as refused:  # imported (a trusted home): what it is, is named
+        from_spec(Recipe(target="nnx_es.callbacks:CallbackList", kwargs={}), allowed=Allowed(), slot="callback")
+    assert str(refused.value).startswith("recipe path 'nnx_es.callbacks:CallbackList' is the class "
+                                         "'nnx_es.callbacks.CallbackList', not a callback")
