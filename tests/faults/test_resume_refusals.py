@@ -417,3 +417,18 @@ def test_a_resume_whose_recorded_spec_differs_only_in_epochs_continues(tmp_path)
     _recorded_fit(runs, 0.1, 1)
     assert _recorded_fit(runs, 0.1, 2, resume_from=runs / "r").status == "completed"
 
+
+def test_a_run_copied_under_another_name_is_refused_saying_its_directory_is_not_its_run_id(tmp_path):
+    """Before: "LAST ... is refused: manifest ... is mixed: it belongs to run 'r', not 'r-backup'"."""
+    runs = tmp_path / "runs"
+    train(runs, 1, [])
+    shutil.copytree(runs / "r", runs / "r-backup")
+    before = _tree(runs / "r-backup")
+    with pytest.raises(ResumeError) as err:
+        train(runs, 2, [], run_id=None, resume_from=runs / "r-backup")
+    said = str(err.value)
+    assert "is named 'r-backup', not after its run: the run in it was started with run id 'r'" in said
+    assert "Resume it under its own name" in said and "resume_mode='fork'" in said and "mixed" not in said
+    assert _tree(runs / "r-backup") == before
+    fork = train(tmp_path / "forks", 2, [], run_id="f", resume_from=runs / "r-backup", resume_mode="fork")
+    assert fork.status == "completed"  # the way out it names works
