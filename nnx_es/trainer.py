@@ -37,7 +37,7 @@ from nnx_es.evaluation import weights_fingerprint
 from nnx_es.finetune import group_names, initial_weights
 from nnx_es.loaders import loader_geometries
 from nnx_es.logs import ensure_logging
-from nnx_es.metrics import check_accuracy, check_metric_names, check_monitor, validate_metrics
+from nnx_es.metrics import check_monitor, checked_metrics
 from nnx_es.models import ModelSet, step_functions
 from nnx_es.monitor import Monitor
 from nnx_es.objective import Objective
@@ -205,9 +205,8 @@ class Trainer:
                        nonfinite=nonfinite, sinks=sinks, track_grad_norm=track_grad_norm)
         self.objective = loss if isinstance(loss, Objective) else Objective(loss)
         self.val_batch_callback = check_batch_callback(val_batch_callback)
-        self.metrics = validate_metrics(metrics)
-        check_metric_names(self.objective, self.metrics)
-        check_accuracy(self.objective, self.metrics, models=list(net.models) if isinstance(net, ModelSet) else ())
+        self.metrics = checked_metrics(self.objective, metrics, models=list(net.models) if isinstance(net, ModelSet)
+                                       else ())
         bind_activation(self.metrics, (t.fn for t in self.objective.terms.values()))
         self.monitor: Monitor | None = monitor_of(monitor, higher_is_better(self.metrics))
         self.schedulers = wrap_schedulers(schedulers, self.optimizers, self.monitor)

@@ -232,9 +232,10 @@ def _out(line: str) -> None:
 def _report(args: argparse.Namespace) -> int:
     spec = read_spec_file(args.spec)
     allowed = allowed_packages(args)
-    from nnx_es.recipes.runspec import validate_spec
+    from nnx_es.recipes.runspec import build_model_and_optimizers, check_spec_metrics, validate_spec
 
     validate_spec(spec, allowed)
+    check_spec_metrics(spec, allowed, *build_model_and_optimizers(spec, allowed)[:2])  # as a run checks them
     _out(f"spec {args.spec}: valid (imports allowed from {', '.join(allowed.prefixes)})")
     _out(f"model       {spec.model.target}  {_fmt(spec.model.kwargs)}")
     for name, o in spec.optimizers.items():
