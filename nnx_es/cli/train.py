@@ -489,7 +489,9 @@ def add_commands(sub: Any) -> None:
                        "streams, callback state; its epochs and counters from 0), recording its source (run id, LAST "
                        "seq, manifest hash); the source run is never written.")
     p.add_argument("run_dir", help="the run directory, runs/<id>")
-    p.add_argument("--spec", default=None, help="the spec (default: the one the run recorded)")
+    p.add_argument("--spec", default=None, help="the spec (default: the one the run recorded); it must be the "
+                   "run's own but for epochs: any other difference is refused, named (a resume or a fork restores "
+                   "the run's whole state, its optimizers' settings among it)")
     p.add_argument("--from", dest="from_", type=_from, default="last", help="last (default), best or SEQ")
     p.add_argument("--run-id", default=None, help="the new run's id with --from best|SEQ")
     p.add_argument("--epochs", type=int, default=None,

@@ -257,3 +257,8 @@ def test_one_spec_run_twice_is_one_run_twice(tmp_path: Path) -> None:
     differ = diff("runs/a", "runs/c")
     assert differ.returncode == 1 and differ.stdout.startswith("initial weights differ: first difference at seq 0"), \
         differ.stdout + differ.stderr
+
+
+def test_resume_help_says_the_spec_must_be_the_runs_own_but_for_epochs(tmp_path: Path) -> None:
+    text = " ".join(nnx_es(tmp_path, "resume", "--help").stdout.split())
+    assert "it must be the run's own but for epochs: any other difference is refused" in text
