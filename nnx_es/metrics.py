@@ -32,7 +32,7 @@ from nnx_es.monitor import Monitor
 from nnx_es.objective import LossParts, Objective, accuracy, accuracy_kind, batch_rows, hits, ignored_mask
 from nnx_es.user_metrics import RowMetric, UserMetric, metric_names, split_declared, user_metric
 
-__all__ = ["METRICS", "MetricSums", "check_accuracy", "check_metric_names", "check_monitor", "evaluate", "reported_metrics",
+__all__ = ["METRICS", "MetricSums", "check_accuracy", "checked_metrics", "check_metric_names", "check_monitor", "evaluate", "reported_metrics",
            "validate_metrics"]
 
 #: Metrics a run may declare (beyond the loss, which is always reported).
@@ -70,6 +70,20 @@ def validate_metrics(metrics: Any) -> tuple[Any, ...]:
     if dup:
         raise ConfigError(f"metric names must be unique and not 'loss', got {dup} twice (name them: metrics={{name: m}})")
     return tuple(out)
+
+
+def checked_metrics(objective: Objective, metrics: Any, *, models: Sequence[str] = ()) -> tuple[Any, ...]:
+    """``metrics`` validated (:func:`validate_metrics`) and checked against ``objective`` and the run's
+    ``models`` (:func:`check_metric_names`, :func:`check_accuracy`): what a trainer checks before anything
+    runs, and what ``nnx-es report`` checks of a spec (:func:`nnx_es.recipes.runspec.check_spec_metrics`).
+
+    Raises:
+        ConfigError: see the three checks.
+    """
+    out = validate_metrics(metrics)
+    check_metric_names(objective, out)
+    check_accuracy(objective, out, models=models)
+    return out
 
 
 def reported_metrics(objective: Objective, metrics: tuple[Any, ...]) -> set[str]:

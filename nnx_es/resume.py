@@ -32,7 +32,7 @@ from projections.view import Projections, committed, fold
 
 _log = structlog.get_logger("nnx_es")
 
-__all__ = ["ResumePoint", "find_resume_point"]
+__all__ = ["ResumePoint", "find_resume_point", "renamed_run_problem"]
 
 
 class ResumePoint(msgspec.Struct, kw_only=True):
@@ -131,6 +131,20 @@ _SUM_PROBLEMS = {
 }
 
 
+def renamed_run_problem(run_dir: Path, run_id: str) -> str:
+    """What a run directory named other than its run's id (copied or renamed: ``cp -a runs/a runs/a-backup``)
+    is, and what to do: a stateful resume continues a run under the id it was started with (its
+    checkpoints and lease name it), so such a copy cannot be resumed as is (``nnx-es resume`` refuses it,
+    ``nnx-replay`` notes it)."""
+    name = run_dir.resolve().name
+    return (f"the directory {str(run_dir)!r} is named {name!r}, not after its run: the run in it was started "
+            f"with run id {run_id!r} (the directory was copied or renamed), and a stateful resume continues a "
+            f"run only under its own id. Resume it under its own name (put it in another runs root as "
+            f"{run_id!r}, e.g. cp -a {str(run_dir)!r} OTHER_ROOT/{run_id}, then nnx-es resume OTHER_ROOT/{run_id}),"
+            f" or fork a new run from it (nnx-es resume {str(run_dir)!r} --from best|SEQ --run-id NEW, or "
+            "fit(resume_from=..., resume_mode='fork'))")
+
+
 def find_resume_point(run_dir: Path, log: LmdbLog, *, expect_run_id: str | None = None,
                       at: int | str | None = None) -> ResumePoint:
     """Locate and verify the LAST commit of the run whose log is ``log``.
@@ -156,6 +170,9 @@ def find_resume_point(run_dir: Path, log: LmdbLog, *, expect_run_id: str | None 
     problem = spec_hash_problem(scan.started.spec, scan.started.spec_hash) if scan.started is not None else None
     if problem is not None:  # a spec rewritten after it was written: the run is not the one it says (docs/SECURITY.md)
         raise ResumeError(f"cannot resume {run_dir}: {problem}; nothing was restored or written")
+    if expect_run_id is not None and scan.started is not None and scan.started.run_id != expect_run_id:
+        raise ResumeError(f"cannot resume statefully: {renamed_run_problem(Path(run_dir), scan.started.run_id)}; "
+                          "nothing was restored or written")
     run_id = expect_run_id or (scan.started.run_id if scan.started is not None else None)
     if not scan.lasts:
         raise ResumeError(f"run at {run_dir} has no committed LAST checkpoint to resume from")

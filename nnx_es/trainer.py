@@ -26,7 +26,7 @@ from nnx_es.argchecks import (check_batch_callback, check_cadences, check_fit_ar
 from nnx_es.batches import weighted_forward
 from nnx_es.callbacks import Callback, CallbackList
 from nnx_es.runtime.commit import checkpoint_lag as lag_in_updates
-from nnx_es.declare import describe_objective
+from nnx_es.declare import describe_objective, describe_optimizers
 from nnx_es.device import place_model, resolve_device
 from nnx_es.distributed.alike import check_trainer_alike
 from nnx_es.distributed.roles import check_declared, for_rank
@@ -37,7 +37,7 @@ from nnx_es.evaluation import weights_fingerprint
 from nnx_es.finetune import group_names, initial_weights
 from nnx_es.loaders import loader_geometries
 from nnx_es.logs import ensure_logging
-from nnx_es.metrics import check_accuracy, check_metric_names, check_monitor, validate_metrics
+from nnx_es.metrics import check_monitor, checked_metrics
 from nnx_es.models import ModelSet, step_functions
 from nnx_es.monitor import Monitor
 from nnx_es.objective import Objective
@@ -205,12 +205,13 @@ class Trainer:
                        nonfinite=nonfinite, sinks=sinks, track_grad_norm=track_grad_norm)
         self.objective = loss if isinstance(loss, Objective) else Objective(loss)
         self.val_batch_callback = check_batch_callback(val_batch_callback)
-        self.metrics = validate_metrics(metrics)
-        check_metric_names(self.objective, self.metrics)
-        check_accuracy(self.objective, self.metrics, models=list(net.models) if isinstance(net, ModelSet) else ())
+        self.metrics = checked_metrics(self.objective, metrics, models=list(net.models) if isinstance(net, ModelSet)
+                                       else ())
         bind_activation(self.metrics, (t.fn for t in self.objective.terms.values()))
         self.monitor: Monitor | None = monitor_of(monitor, higher_is_better(self.metrics))
         self.schedulers = wrap_schedulers(schedulers, self.optimizers, self.monitor)
+        #: the optimizers' settings as built (before any fit steps them): what run_started declares
+        self._optimizer_settings = describe_optimizers(self.optimizers)
         callbacks = CallbackList(callbacks).callbacks  # checked now; listed again per fit
         if self.distributed is not None:
             check_declared(callbacks, history)  # on every rank, before training
@@ -307,6 +308,7 @@ class Trainer:
             digests=DigestCadence(every=self.distributed.digest_every)
             if self.distributed is not None and components.world.distributed else None,
             initial_weights=weights_fingerprint(self.net) if source is None else "",
+            optimizer_settings=self._optimizer_settings,
         )
 
     # --- the run ------------------------------------------------------------------------

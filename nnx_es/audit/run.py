@@ -53,6 +53,7 @@ from nnx_es.audit.sequence import CommitOrderCheck, FinalizationCheck, Lifecycle
 from nnx_es.audit.snapshots import SnapshotCheck
 from nnx_es.audit.spec import SpecHashCheck
 from nnx_es.audit.world import WorldCheck
+from nnx_es.resume import renamed_run_problem
 from nnx_es.storage import BlobStore
 from nnx_es.views import expected_views, read_views
 from projections import Projections, project, tail_length
@@ -138,6 +139,8 @@ def _report(run_dir: Path, sink: Sink, p: Projections, events: int, tail: int, n
     _check_views(run_dir, sink, p)
     last = p.checkpoints.last
     violations = sink.sorted()
+    if p.status.run_id and p.status.run_id != run_dir.resolve().name:  # intact, but not resumable as it stands
+        notes = [*notes, renamed_run_problem(run_dir, p.status.run_id)]
     return AuditReport(
         ok=not violations,
         run_id=p.status.run_id or run_dir.name,

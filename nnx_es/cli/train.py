@@ -233,9 +233,10 @@ def _out(line: str) -> None:
 def _report(args: argparse.Namespace) -> int:
     spec = read_spec_file(args.spec)
     allowed = allowed_packages(args)
-    from nnx_es.recipes.runspec import validate_spec
+    from nnx_es.recipes.runspec import build_model_and_optimizers, check_spec_metrics, validate_spec
 
     validate_spec(spec, allowed)
+    check_spec_metrics(spec, allowed, *build_model_and_optimizers(spec, allowed)[:2])  # as a run checks them
     _out(f"spec {args.spec}: valid (imports allowed from {', '.join(allowed.prefixes)})")
     _out(f"model       {spec.model.target}  {_fmt(spec.model.kwargs)}")
     for name, o in spec.optimizers.items():
@@ -509,7 +510,9 @@ def add_commands(sub: Any) -> None:
                        "streams, callback state; its epochs and counters from 0), recording its source (run id, LAST "
                        "seq, manifest hash); the source run is never written.")
     p.add_argument("run_dir", help="the run directory, runs/<id>")
-    p.add_argument("--spec", default=None, help="the spec (default: the one the run recorded)")
+    p.add_argument("--spec", default=None, help="the spec (default: the one the run recorded); it must be the "
+                   "run's own but for epochs: any other difference is refused, named (a resume or a fork restores "
+                   "the run's whole state, its optimizers' settings among it)")
     p.add_argument("--from", dest="from_", type=_from, default="last", help="last (default), best or SEQ")
     p.add_argument("--run-id", default=None, help="the new run's id with --from best|SEQ")
     p.add_argument("--epochs", type=int, default=None,

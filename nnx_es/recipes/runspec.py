@@ -31,9 +31,9 @@ from nnx_es.recipes.imports import Allowed, path_of
 from nnx_es.recipes.slots import slot
 from nnx_es.rng import seed_everything
 
-__all__ = ["FIELD_SLOTS", "STEP_FUNCTIONS", "TRAINER_SETTINGS", "BuiltRun", "RunSpec", "build_model_and_optimizers",
-           "build_run", "decode_spec",
-           "load_spec", "read_document", "record_spec", "scaffold", "spec_hash", "spec_of_run", "validate_spec"]
+__all__ = ["FIELD_SLOTS", "SPEC_FORMATS", "STEP_FUNCTIONS", "TRAINER_SETTINGS", "BuiltRun", "RunSpec",
+           "build_model_and_optimizers", "build_run", "check_spec_metrics", "decode_spec", "load_spec", "read_document",
+           "record_spec", "scaffold", "spec_hash", "spec_of_run", "validate_spec"]
 
 #: Trainer keywords a spec's ``trainer`` section may set
 TRAINER_SETTINGS = ("validate_every", "validate_every_steps", "phase_every", "keep_phases", "checkpoint_lag",
@@ -73,6 +73,10 @@ class RunSpec(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     epochs: int = 10
     seed: int = 0
     format: int = 1
+
+
+#: the spec format versions this version reads (``RunSpec.format``)
+SPEC_FORMATS = (1,)
 
 
 def decode_spec(document: Any) -> RunSpec:
@@ -183,6 +187,9 @@ def validate_spec(spec: RunSpec, allowed: Allowed) -> None:
         ConfigError: ``epochs`` out of range.
     """
     check_depth(spec, "spec")
+    if spec.format not in SPEC_FORMATS or isinstance(spec.format, bool):
+        raise RecipeError(f"spec format: {spec.format!r} is not a spec format this version reads (supported: "
+                          f"{', '.join(map(str, SPEC_FORMATS))}); write \"format\": {SPEC_FORMATS[-1]} (or leave it out)")
     check_epochs(spec.epochs, "spec epochs")
     unknown = sorted(set(spec.steps) - set(STEP_FUNCTIONS))
     if unknown:
@@ -199,6 +206,29 @@ def validate_spec(spec: RunSpec, allowed: Allowed) -> None:
         _said(where, validate_recipe, recipe, allowed=allowed, slot=name)
     for name, path in spec.steps.items():
         _said(f"spec steps[{name!r}]", allowed.resolve, path, slot("step"))
+
+
+def check_spec_metrics(spec: RunSpec, allowed: Allowed, net: Any, ctx: BuildContext) -> None:
+    """What a trainer built from ``spec`` checks of its metrics and monitor before anything runs -- the
+    same functions (:func:`nnx_es.metrics.checked_metrics`, :func:`nnx_es.metrics.check_monitor`), no
+    data needed: ``nnx-es report`` refuses what ``nnx-es run`` would. ``net`` / ``ctx``: the spec's model
+    and optimizers (:func:`build_model_and_optimizers`); the loss and the monitor are built from them.
+
+    Raises:
+        ConfigError: an unknown metric, a monitor that names no reported metric (named);
+            RecipeError: the loss or monitor recipe does not build.
+    """
+    from nnx_es.metrics import check_monitor, checked_metrics
+    from nnx_es.models import ModelSet
+    from nnx_es.objective import Objective
+
+    loss = _said("spec loss", from_spec, spec.loss, allowed=allowed, context=ctx, slot="loss")
+    objective = loss if isinstance(loss, Objective) else Objective(loss)
+    metrics = checked_metrics(objective, tuple(spec.metrics),
+                              models=list(net.models) if isinstance(net, ModelSet) else ())
+    if spec.monitor is not None:
+        check_monitor(_said("spec monitor", from_spec, spec.monitor, allowed=allowed, context=ctx, slot="monitor"), objective,
+                      metrics)
 
 
 @dataclass

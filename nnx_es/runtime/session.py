@@ -26,7 +26,9 @@ import torch
 
 from events.log import LmdbLog
 from events.schema import RunResumed, RunStarted, SourceRef, UpdateSpec
+from events.specs import spec_differences
 from nnx_es.checkpoint import Manifest
+from nnx_es.declare import optimizer_differences
 from nnx_es.distributed.verdict import describe_error, raise_described
 from nnx_es.errors import ConfigError, ResumeError, RunExistsError
 from nnx_es.injection import ENV_VAR, install_from_environment, kills_expected
@@ -325,6 +327,16 @@ def _check_same_recipe(components: RunComponents, mine: RunStarted, started: Run
     check_same_loaders(manifest.run_id, started.loaders if started else None, components.loaders)
     if started is None:
         return
+    _check_same_spec(started, mine, fork=fork)
+    differs = optimizer_differences(started.optimizer_settings or {}, mine.optimizer_settings or {})
+    if differs:  # the optimizers' settings as built: a trainer that records no spec is held to them too
+        raise ResumeError(
+            f"cannot {'fork' if fork else 'resume'} run {started.run_id!r} with other optimizer settings "
+            f"({'; '.join(differs[:8])}{f'; and {len(differs) - 8} more' if len(differs) > 8 else ''}): the LAST's "
+            "optimizer state would silently put the run's settings back over these; build the optimizers as the run "
+            "did, or use resume_mode='weights_only' to start a new run from its weights; nothing was restored or "
+            "written"
+        )
     for field, label in (("optimizers", "optimizers"), ("schedulers", "schedulers"), ("monitor", "monitor"),
                          ("accumulation", "accumulation window"), ("update", "precision or gradient clipping"),
                          ("objective", "loss"), ("models", "models (a frozen model's weights, by hash)"),
@@ -339,6 +351,33 @@ def _check_same_recipe(components: RunComponents, mine: RunStarted, started: Run
                 f"{theirs!r}, this trainer has {ours!r} (use resume_mode='weights_only' to start a new run); "
                 "nothing was restored or written"
             )
+
+
+def _check_same_spec(started: RunStarted, mine: RunStarted, *, fork: bool) -> None:
+    """A stateful resume or a fork restores the run's whole state -- its optimizers' learning rates and
+    other settings among it -- so a spec other than the one the run recorded would be silently overridden
+    or mixed with it: refused, naming every path that differs (:func:`events.specs.spec_differences`).
+    Only :data:`~events.specs.RESUMABLE_SPEC_FIELDS` (``epochs``) may differ. Compared when both the run
+    and this trainer record a spec (``recipe_required=True``, ``Trainer(spec=...)``, the ``nnx-es`` CLI).
+
+    Raises:
+        ResumeError: naming the differing paths, each with the run's value and the one given.
+    """
+    if started.spec is None or mine.spec is None:
+        return
+    differs = spec_differences(started.spec, mine.spec)
+    if not differs:
+        return
+    shown = "; ".join(differs[:8]) + (f"; and {len(differs) - 8} more" if len(differs) > 8 else "")
+    what = "fork" if fork else "resume"
+    raise ResumeError(
+        f"cannot {what} run {started.run_id!r} with a spec other than the one it recorded ({shown}): a "
+        f"{'fork' if fork else 'stateful resume'} restores the run's whole state (its optimizers' learning rates "
+        "among it), which would silently override or mix with these; only 'epochs' may differ. Continue it with "
+        "its own spec (nnx-es resume without --spec), or train the new settings as a new run: nnx-es run SPEC from "
+        "scratch, or from Python fit(resume_from=..., resume_mode='weights_only') from its weights; nothing was "
+        "restored or written"
+    )
 
 
 def _load_from(components: RunComponents, source: Path, *, own: Path, at: int | str | None, fork: bool,

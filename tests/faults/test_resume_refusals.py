@@ -384,3 +384,69 @@ def test_a_run_recorded_before_the_journal_was_declared_resumes_with_any(tmp_pat
         _journal_fit(runs, 1, None)
     assert next(e for _, e in read_events(runs / "r") if e.KIND == "run_started").history is None
     assert len(_journal_fit(runs, 2, (2, 16), resume_from=runs / "r").history) == 2
+
+
+def _recorded_fit(runs: Path, lr: float, epochs: int, **kw):
+    """A trainer that records its spec (``recipe_required=True``): an MLP and SGD at ``lr``."""
+    from nnx_es.recipes.models import MLP
+
+    torch.manual_seed(0)
+    net = MLP(4, 3, hidden=[8])
+    trainer = Trainer(net, torch.optim.SGD(net.parameters(), lr=lr), torch.nn.CrossEntropyLoss(),
+                      recipe_required=True, runs_root=runs, run_id="r", seed=0, progress=False)
+    return trainer.fit(loaders(batch_size=8)[0], epochs=epochs, **kw)
+
+
+@pytest.mark.parametrize("mode", ["stateful", "fork"])
+def test_a_resume_whose_recorded_spec_has_another_learning_rate_is_refused_naming_it(tmp_path, mode):
+    """Its LAST's optimizer state would silently put the run's learning rate back (every update after the
+    resume at 0.1, not 0.5); a fork restores the same state."""
+    runs = tmp_path / "runs"
+    _recorded_fit(runs, 0.1, 1)
+    before = _tree(runs / "r")
+    kw = {"resume_mode": "fork"} if mode == "fork" else {}
+    with pytest.raises(ResumeError) as err:
+        _recorded_fit(tmp_path / "forks" if mode == "fork" else runs, 0.5, 2, resume_from=runs / "r", **kw)
+    assert "optimizers.sgd.kwargs.lr: 0.1 in the run, 0.5 given" in str(err.value)
+    assert "resume_mode='weights_only'" in str(err.value) and "nothing was restored or written" in str(err.value)
+    assert _tree(runs / "r") == before
+
+
+def test_a_resume_whose_recorded_spec_differs_only_in_epochs_continues(tmp_path):
+    runs = tmp_path / "runs"
+    _recorded_fit(runs, 0.1, 1)
+    assert _recorded_fit(runs, 0.1, 2, resume_from=runs / "r").status == "completed"
+
+
+def test_a_run_copied_under_another_name_is_refused_saying_its_directory_is_not_its_run_id(tmp_path):
+    """Before: "LAST ... is refused: manifest ... is mixed: it belongs to run 'r', not 'r-backup'"."""
+    runs = tmp_path / "runs"
+    train(runs, 1, [])
+    shutil.copytree(runs / "r", runs / "r-backup")
+    before = _tree(runs / "r-backup")
+    with pytest.raises(ResumeError) as err:
+        train(runs, 2, [], run_id=None, resume_from=runs / "r-backup")
+    said = str(err.value)
+    assert "is named 'r-backup', not after its run: the run in it was started with run id 'r'" in said
+    assert "Resume it under its own name" in said and "resume_mode='fork'" in said and "mixed" not in said
+    assert _tree(runs / "r-backup") == before
+    fork = train(tmp_path / "forks", 2, [], run_id="f", resume_from=runs / "r-backup", resume_mode="fork")
+    assert fork.status == "completed"  # the way out it names works
+
+
+@pytest.mark.parametrize("mode", ["stateful", "fork"])
+def test_a_resume_of_a_run_without_a_spec_with_another_learning_rate_is_refused_naming_it(tmp_path, mode):
+    """No spec recorded: the optimizers' settings as built are declared; the LAST's optimizer state
+    would silently put lr=0.1 back over 0.5."""
+    runs = tmp_path / "runs"
+    train(runs, 1, [])
+    before = _tree(runs / "r")
+    kw = {"resume_mode": "fork", "run_id": "f"} if mode == "fork" else {}
+    with pytest.raises(ResumeError) as err:
+        NNModel(small_net(0)).train(*loaders(batch_size=8), epochs=2, resume_from=runs / "r",
+                                    optimizer=lambda ps: torch.optim.SGD(ps, lr=0.5), runs_root=runs,
+                                    seed=0, progress=False, **{"run_id": "r", **kw})
+    assert "with other optimizer settings (" in str(err.value)
+    assert "group 0 lr: 0.1 in the run, 0.5 given" in str(err.value)
+    assert _tree(runs / "r") == before and not (runs / "f").exists()
+    assert train(runs, 2, [], resume_from=runs / "r").status == "completed"  # the same settings continue

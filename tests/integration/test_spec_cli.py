@@ -78,6 +78,26 @@ def test_resume_from_an_older_last_forks_a_new_run_recording_its_source(digits_r
     assert bad.returncode == 2 and "no committed LAST at seq 3" in bad.stderr
 
 
+def test_resume_with_a_spec_whose_learning_rate_differs_is_refused_naming_it_before_training(digits_run: Path) -> None:
+    """The LAST's optimizer state would put the run's learning rate back: every update after the resume
+    would have run at 0.003 while the command said 0.1, and exited 0."""
+    tmp = digits_run.parents[1]
+    spec = started(digits_run).spec
+    assert spec is not None
+    changed = json.loads(json.dumps(spec))
+    changed["optimizers"]["main"]["kwargs"]["lr"] = 0.1
+    changed["epochs"] = 9  # the budget may differ
+    (tmp / "spec_lr.json").write_text(json.dumps(changed))
+    before = (digits_run / "events.lmdb" / "data.mdb").read_bytes()
+    for extra in ((), ("--from", "best", "--run-id", "lr-fork")):
+        bad = nnx_es(tmp, "resume", "runs/digits", "--spec", "spec_lr.json", *extra)
+        assert bad.returncode == 2, bad.stdout + bad.stderr
+        assert "optimizers.main.kwargs.lr: 0.003 in the run, 0.1 given" in bad.stderr
+        assert "Traceback" not in bad.stderr and "nothing was restored or written" in bad.stderr
+    assert (digits_run / "events.lmdb" / "data.mdb").read_bytes() == before
+    assert not (tmp / "runs" / "lr-fork").exists()
+
+
 def test_resume_help_says_what_epochs_counts_for_a_resume_and_for_a_fork(tmp_path: Path) -> None:
     out = nnx_es(tmp_path, "resume", "--help")
     text = " ".join(out.stdout.split())
@@ -306,3 +326,8 @@ def test_a_reader_that_left_ends_the_command_quietly(tmp_path: Path, command) ->
     proc.stdout.close()  # the reader is gone before the first line
     err = proc.stderr.read()
     assert (proc.wait(timeout=300), err) == (0, b"")
+
+
+def test_resume_help_says_the_spec_must_be_the_runs_own_but_for_epochs(tmp_path: Path) -> None:
+    text = " ".join(nnx_es(tmp_path, "resume", "--help").stdout.split())
+    assert "it must be the run's own but for epochs: any other difference is refused" in text

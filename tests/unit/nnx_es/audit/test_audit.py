@@ -57,6 +57,19 @@ def test_clean_two_epoch_run_has_no_violation(clean: Run) -> None:
     assert report.run_id == RUN_ID
 
 
+def test_a_run_copied_under_another_name_audits_clean_with_a_note_that_it_cannot_be_resumed_as_is(
+        clean: Run) -> None:
+    assert audit_run(clean.run_dir).notes == []
+    backup = clean.run_dir.with_name(f"{RUN_ID}-backup")
+    shutil.copytree(clean.run_dir, backup)
+    report = audit_run(backup)
+    assert report.ok and report.violations == [] and report.run_id == RUN_ID
+    assert len(report.notes) == 1
+    assert f"is named '{RUN_ID}-backup', not after its run: the run in it was started with run id '{RUN_ID}'" \
+        in report.notes[0]
+    assert "Resume it under its own name" in report.notes[0] and "--from best|SEQ --run-id NEW" in report.notes[0]
+
+
 def test_resumed_run_with_discarded_tail_is_clean(tmp_path: Path) -> None:
     run_dir = tmp_path / "runs" / RUN_ID
     write_run(run_dir, resumed_events(run_dir))

@@ -3,6 +3,7 @@ keywords are typed by their parameter; the user's own package (--allow) is type-
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import textwrap
@@ -265,3 +266,29 @@ def test_a_callback_at_a_path_it_does_not_live_at_is_refused_unimported_with_the
         from_spec(Recipe(target="nnx_es.callbacks:CallbackList", kwargs={}), allowed=Allowed(), slot="callback")
     assert str(refused.value).startswith("recipe path 'nnx_es.callbacks:CallbackList' is the class "
                                          "'nnx_es.callbacks.CallbackList', not a callback")
+
+
+@pytest.mark.parametrize("field, value, said", [
+    ("metrics", ["acuracy"], "unknown metrics ['acuracy']; known: ['accuracy']"),
+    ("monitor", "val_los", "monitor 'val_los' names no reported metric"),
+    ("format", 2, "spec format: 2 is not a spec format this version reads (supported: 1)"),
+], ids=["unknown_metric", "unknown_monitor", "unknown_format"])
+def test_report_refuses_what_run_refuses_without_data(tmp_path, capsys, field, value, said) -> None:
+    """Before: nnx-es report said "valid" (and a format 2 spec even ran)."""
+    from nnx_es.cli.main import main
+    from nnx_es.errors import NnxError
+    from nnx_es.recipes.runspec import build_run
+
+    spec = msgspec.to_builtins(scaffold(epochs=1))
+    if field == "monitor":
+        spec["monitor"]["kwargs"]["name"] = value
+    else:
+        spec[field] = value
+    path = tmp_path / "spec.json"
+    path.write_bytes(msgspec.json.encode(spec))
+    assert main(["report", str(path), "--png", str(tmp_path / "lr.png")]) == 2
+    err = capsys.readouterr()
+    assert said in err.err and "valid" not in err.out and "Traceback" not in err.err
+    with pytest.raises(NnxError, match=re.escape(said)):  # what run says, from the same check
+        build_run(decode_spec(spec), runs_root=tmp_path / "runs")
+    assert not (tmp_path / "runs").exists()
