@@ -285,7 +285,7 @@ def validation_sample(run_dir: str | os.PathLike[str], rows: int, allowed: Any =
     Raises:
         RecipeError: the recorded spec does not verify, or its data recipe is refused.
     """
-    from nnx_es.cli.train import BadInput, stored_spec
+    from nnx_es.cli._specs import BadInput, stored_spec
     from nnx_es.evaluation import input_of
     from nnx_es.recipes import from_spec
     from nnx_es.recipes.runspec import validate_spec

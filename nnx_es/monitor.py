@@ -17,7 +17,18 @@ from torch.optim.lr_scheduler import ReduceLROnPlateau
 from events.schema import MonitorDecided, MonitorSpec
 from nnx_es.errors import ConfigError
 
-__all__ = ["Monitor", "step_plateau"]
+__all__ = ["Monitor", "improves", "step_plateau"]
+
+
+def improves(value: float, best: float, mode: str, min_delta: float) -> bool:
+    """Whether monitor ``value`` improves on ``best`` by more than ``min_delta`` in ``mode`` (``"min"``:
+    lower is better; ``"max"``: higher); a value that is not finite never improves. The rule the
+    monitor decides by and the audit checks its decisions against (spec 000 "Monitor")."""
+    if not math.isfinite(value):
+        return False
+    if mode == "min":
+        return value < best - min_delta
+    return value > best + min_delta
 
 
 class Monitor:
@@ -51,11 +62,7 @@ class Monitor:
         return MonitorSpec(name=self.name, mode=self.mode, min_delta=self.min_delta)
 
     def improves(self, value: float) -> bool:
-        if not math.isfinite(value):
-            return False
-        if self.mode == "min":
-            return value < self.best - self.min_delta
-        return value > self.best + self.min_delta
+        return improves(value, self.best, self.mode, self.min_delta)
 
     def decide(self, epoch: int, value: float) -> MonitorDecided:
         """Make the epoch's decision and update the monitor's state."""

@@ -15,7 +15,6 @@
 
 from __future__ import annotations
 
-import math
 from typing import Any, Protocol
 
 from events.schema import (
@@ -45,14 +44,16 @@ from events.schema import (
 from events.errors import UnsafePathError
 from nnx_es.artifacts import file_sha256
 from nnx_es.audit.report import Sink
+from nnx_es.audit.states import same_float, same_scheduler_state
 from nnx_es.checkpoint import Manifest, load_component, verify_checkpoint
 from nnx_es.errors import CorruptCheckpointError
+from nnx_es.monitor import improves
 from nnx_es.rows.columns import check_columns
 from nnx_es.rows.journal import verify_manifest
 from nnx_es.storage import BlobStore
 from projections import Projections
 
-__all__ = ["CommittedCheck", "Folded", "same_float"]
+__all__ = ["CommittedCheck", "Folded"]
 
 
 class Folded(Protocol):
@@ -63,21 +64,6 @@ class Folded(Protocol):
 
 
 _WINDOW_KINDS = frozenset({"update_committed", "scheduler_stepped"})
-
-
-def same_float(a: Any, b: Any) -> bool:
-    """Exact equality where two NaNs are the same value."""
-    if not isinstance(a, (int, float)) or not isinstance(b, (int, float)):
-        return a == b
-    return a == b or (math.isnan(a) and math.isnan(b))
-
-
-def _better(value: float, best: float, spec: MonitorSpec) -> bool:
-    if math.isnan(value):
-        return False
-    if spec.mode == "max":
-        return value > best + spec.min_delta
-    return value < best - spec.min_delta
 
 
 class CommittedCheck:
@@ -376,12 +362,12 @@ class CommittedCheck:
         prev = self.prev_decision
         if d.improved:
             want = (d.value, d.epoch, 0)
-            if prev is not None and not _better(d.value, prev.best, spec):
+            if prev is not None and not improves(d.value, prev.best, spec.mode, spec.min_delta):
                 self.sink.add(seq, 7, f"decision says improved but {d.value!r} is not better than the best so far",
                               expected=f"{spec.mode} better than {prev.best!r} by {spec.min_delta!r}", found=d.value)
         elif prev is not None:
             want = (prev.best, prev.best_epoch, prev.bad_epochs + 1)
-            if _better(d.value, prev.best, spec):
+            if improves(d.value, prev.best, spec.mode, spec.min_delta):
                 self.sink.add(seq, 7, f"decision says not improved but {d.value!r} beats the best so far",
                               expected="improved=true", found="improved=false")
         else:
@@ -482,32 +468,6 @@ class CommittedCheck:
                           expected=sorted(projected), found=sorted(map(str, stored)))
         for name in sorted(set(stored) & set(projected)):
             want, got = projected[name], stored[name]
-            if not _same_state(want, got):
+            if not same_scheduler_state(want, got):
                 self.sink.add(seq, 10, f"scheduler {name!r} state in LAST's checkpoint differs from the projection",
                               expected=want, found=got)
-
-
-def _same_state(want: dict[str, Any], got: Any) -> bool:
-    """Whether a stored scheduler state equals the projected one.
-
-    Before its first step the log says nothing of a scheduler's learning rates
-    or plateau state (``run_started`` declares neither), so only ``steps`` is compared.
-    """
-    if not isinstance(got, dict) or got.get("steps") != want["steps"]:
-        return False
-    if want["steps"] == 0:
-        return True
-    lrs = got.get("lrs")
-    if not isinstance(lrs, list) or len(lrs) != len(want["lrs"]):
-        return False
-    if not all(isinstance(a, (int, float)) and same_float(float(a), b) for a, b in zip(lrs, want["lrs"])):
-        return False
-    wp, gp = want["plateau"], got.get("plateau")
-    if wp is None or gp is None:
-        return wp is None and gp is None
-    return (
-        isinstance(gp, dict)
-        and same_float(gp.get("best"), wp["best"])
-        and gp.get("num_bad_epochs") == wp["num_bad_epochs"]
-        and gp.get("cooldown_counter") == wp["cooldown_counter"]
-    )

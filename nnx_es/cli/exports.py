@@ -26,7 +26,7 @@ import torch
 from nnx_es.artifacts import destination, write_output
 from nnx_es.cli._common import EXIT_OK, EXIT_VIOLATIONS
 from nnx_es.cli._format import printable
-from nnx_es.cli.train import BadInput, allowed_packages, guarded, read_spec_file, stored_spec
+from nnx_es.cli._specs import BadInput, allowed_packages, guarded, read_spec_file, stored_spec
 
 __all__ = ["add_commands", "read_rows", "write_rows"]
 

@@ -18,7 +18,7 @@ from typing import Any
 
 from nnx_es.cli._common import EXIT_INTERRUPTED, EXIT_OK, EXIT_VIOLATIONS
 from nnx_es.cli._format import printable
-from nnx_es.cli.train import allowed_packages, guarded, runs_dir
+from nnx_es.cli._specs import allowed_packages, guarded, runs_dir
 
 __all__ = ["add_plan_command", "interruptible", "say"]
 

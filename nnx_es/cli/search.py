@@ -24,7 +24,7 @@ from typing import Any
 
 from nnx_es.cli._common import EXIT_OK, EXIT_VIOLATIONS
 from nnx_es.cli.plan import interruptible, say
-from nnx_es.cli.train import BadInput, allowed_packages, guarded, runs_dir
+from nnx_es.cli._specs import BadInput, allowed_packages, guarded, runs_dir
 
 __all__ = ["add_search_command"]
 

@@ -462,3 +462,17 @@ def test_audit_streams_a_long_run(tmp_path: Path) -> None:
     write_run(run_dir, b.events)
     report = audit_run(run_dir)
     assert report.violations == [] and report.committed_epoch == 29
+
+
+@pytest.mark.parametrize("mode, value", [("min", float("-inf")), ("max", float("inf")), ("min", float("nan"))])
+def test_the_audit_judges_a_decision_by_the_monitors_own_rule_a_value_not_finite_never_improves(mode, value) -> None:
+    # the audit once had a copy of the rule that let -inf improve a "min" monitor (and +inf a "max" one):
+    # it would have called the monitor's "not improved" a violation
+    import nnx_es.audit.committed as committed
+    from nnx_es.monitor import Monitor, improves
+
+    assert committed.improves is improves  # one rule
+    monitor = Monitor("val_loss", mode=mode)
+    assert not improves(value, monitor.best, mode, 0.0)
+    assert monitor.decide(0, value).improved is False
+    assert improves(1.0, monitor.best, mode, 0.0)  # a finite value improves on the start
