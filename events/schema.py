@@ -147,10 +147,6 @@ class RunStarted(Event, frozen=True, kw_only=True, tag="run_started"):
     #: start from other weights differ here first. "": a run started from a source run's checkpoint
     #: (``source`` names it), and every run recorded before it was declared here
     initial_weights: str = ""
-    #: each optimizer's parameter groups' settings as the trainer built them (``lr``, ``momentum``, ``betas``...,
-    #: plain data), by optimizer name, in group order: a stateful resume or a fork with other settings is refused
-    #: (the LAST's optimizer state would put the run's back). None: a run recorded before it was declared here
-    optimizer_settings: dict[str, list[dict[str, Any]]] | None = None
 
 
 class RunResumed(Event, frozen=True, kw_only=True, tag="run_resumed"):

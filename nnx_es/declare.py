@@ -1,4 +1,4 @@
-"""What a run declares about its loss and its optimizers' settings, so that a stateful resume can refuse another.
+"""What a run declares about its loss, so that a stateful resume can refuse another one.
 
 A stateful resume continues *the same* run: a different loss would make the rest of its history,
 BEST and the monitor's decisions compare numbers of another kind, and the run would still end
@@ -11,13 +11,11 @@ the term's weight.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Mapping
 from typing import Any
 
-import torch
 from torch import nn
 
-__all__ = ["describe_loss", "describe_objective", "describe_optimizers", "optimizer_differences"]
+__all__ = ["describe_loss", "describe_objective"]
 
 #: module attributes that are state of the module, not settings of the loss
 _NOT_SETTINGS = frozenset({"training", "reduction"})
@@ -48,43 +46,3 @@ def describe_objective(objective: Any) -> dict[str, str]:
     return {name: f"{describe_loss(term.fn)} x "
                   f"{term.schedule.describe() if getattr(term, 'schedule', None) is not None else repr(term.weight)}"
             for name, term in objective.terms.items()}
-
-
-def _plain(value: Any) -> Any:
-    """A group setting as plain data (a one-element tensor as its float), or ``_SKIP`` when it is none."""
-    if isinstance(value, bool | int | float | str) or value is None:
-        return value
-    if isinstance(value, torch.Tensor) and value.numel() == 1:
-        return float(value)
-    if isinstance(value, tuple | list) and all(isinstance(v, bool | int | float) for v in value):
-        return list(value)
-    return _SKIP
-
-
-_SKIP = object()
-#: group keys that are no setting: the parameters, and what a torch scheduler adds (its own ``initial_lr``)
-_NOT_GROUP_SETTINGS = frozenset({"params", "initial_lr"})
-
-
-def describe_optimizers(optimizers: Mapping[str, Any]) -> dict[str, list[dict[str, Any]]]:
-    """Each optimizer's parameter groups' settings as built (``lr``, ``momentum``, ``betas``,
-    ``weight_decay``..., plain data only), by optimizer name, in group order: what a stateful resume
-    compares (:func:`optimizer_differences`), since loading a LAST's optimizer state puts the run's
-    settings back over the trainer's."""
-    return {name: [{k: v for k, v in ((k, _plain(v)) for k, v in sorted(g.items()) if k not in _NOT_GROUP_SETTINGS)
-                    if v is not _SKIP} for g in opt.param_groups]
-            for name, opt in optimizers.items()}
-
-
-def optimizer_differences(run: Mapping[str, Any], given: Mapping[str, Any]) -> list[str]:
-    """Where ``given``'s optimizer settings (:func:`describe_optimizers`) differ from the ``run``'s, one line
-    each: ``"sgd group 0 lr: 0.1 in the run, 0.5 given"``. Only the optimizers, groups and keys both
-    hold are compared (a key a newer torch adds is no difference)."""
-    out = []
-    for name in sorted(set(run) & set(given)):
-        for i, (a, b) in enumerate(zip(run[name], given[name])):
-            for key in sorted(set(a) & set(b)):
-                x, y = a[key], b[key]
-                if x != y or isinstance(x, bool) != isinstance(y, bool):
-                    out.append(f"{name} group {i} {key}: {x!r} in the run, {y!r} given")
-    return out

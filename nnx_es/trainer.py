@@ -26,7 +26,7 @@ from nnx_es.argchecks import (check_batch_callback, check_cadences, check_fit_ar
 from nnx_es.batches import weighted_forward
 from nnx_es.callbacks import Callback, CallbackList
 from nnx_es.runtime.commit import checkpoint_lag as lag_in_updates
-from nnx_es.declare import describe_objective, describe_optimizers
+from nnx_es.declare import describe_objective
 from nnx_es.device import place_model, resolve_device
 from nnx_es.distributed.alike import check_trainer_alike
 from nnx_es.distributed.roles import check_declared, for_rank
@@ -210,8 +210,6 @@ class Trainer:
         bind_activation(self.metrics, (t.fn for t in self.objective.terms.values()))
         self.monitor: Monitor | None = monitor_of(monitor, higher_is_better(self.metrics))
         self.schedulers = wrap_schedulers(schedulers, self.optimizers, self.monitor)
-        #: the optimizers' settings as built (before any fit steps them): what run_started declares
-        self._optimizer_settings = describe_optimizers(self.optimizers)
         callbacks = CallbackList(callbacks).callbacks  # checked now; listed again per fit
         if self.distributed is not None:
             check_declared(callbacks, history)  # on every rank, before training
@@ -308,7 +306,6 @@ class Trainer:
             digests=DigestCadence(every=self.distributed.digest_every)
             if self.distributed is not None and components.world.distributed else None,
             initial_weights=weights_fingerprint(self.net) if source is None else "",
-            optimizer_settings=self._optimizer_settings,
         )
 
     # --- the run ------------------------------------------------------------------------

@@ -28,7 +28,6 @@ from events.log import LmdbLog
 from events.schema import RunResumed, RunStarted, SourceRef, UpdateSpec
 from events.specs import spec_differences
 from nnx_es.checkpoint import Manifest
-from nnx_es.declare import optimizer_differences
 from nnx_es.distributed.verdict import describe_error, raise_described
 from nnx_es.errors import ConfigError, ResumeError, RunExistsError
 from nnx_es.injection import ENV_VAR, install_from_environment, kills_expected
@@ -328,15 +327,6 @@ def _check_same_recipe(components: RunComponents, mine: RunStarted, started: Run
     if started is None:
         return
     _check_same_spec(started, mine, fork=fork)
-    differs = optimizer_differences(started.optimizer_settings or {}, mine.optimizer_settings or {})
-    if differs:  # the optimizers' settings as built: a trainer that records no spec is held to them too
-        raise ResumeError(
-            f"cannot {'fork' if fork else 'resume'} run {started.run_id!r} with other optimizer settings "
-            f"({'; '.join(differs[:8])}{f'; and {len(differs) - 8} more' if len(differs) > 8 else ''}): the LAST's "
-            "optimizer state would silently put the run's settings back over these; build the optimizers as the run "
-            "did, or use resume_mode='weights_only' to start a new run from its weights; nothing was restored or "
-            "written"
-        )
     for field, label in (("optimizers", "optimizers"), ("schedulers", "schedulers"), ("monitor", "monitor"),
                          ("accumulation", "accumulation window"), ("update", "precision or gradient clipping"),
                          ("objective", "loss"), ("models", "models (a frozen model's weights, by hash)"),

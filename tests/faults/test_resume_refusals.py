@@ -432,21 +432,3 @@ def test_a_run_copied_under_another_name_is_refused_saying_its_directory_is_not_
     assert _tree(runs / "r-backup") == before
     fork = train(tmp_path / "forks", 2, [], run_id="f", resume_from=runs / "r-backup", resume_mode="fork")
     assert fork.status == "completed"  # the way out it names works
-
-
-@pytest.mark.parametrize("mode", ["stateful", "fork"])
-def test_a_resume_of_a_run_without_a_spec_with_another_learning_rate_is_refused_naming_it(tmp_path, mode):
-    """No spec recorded: the optimizers' settings as built are declared; the LAST's optimizer state
-    would silently put lr=0.1 back over 0.5."""
-    runs = tmp_path / "runs"
-    train(runs, 1, [])
-    before = _tree(runs / "r")
-    kw = {"resume_mode": "fork", "run_id": "f"} if mode == "fork" else {}
-    with pytest.raises(ResumeError) as err:
-        NNModel(small_net(0)).train(*loaders(batch_size=8), epochs=2, resume_from=runs / "r",
-                                    optimizer=lambda ps: torch.optim.SGD(ps, lr=0.5), runs_root=runs,
-                                    seed=0, progress=False, **{"run_id": "r", **kw})
-    assert "with other optimizer settings (" in str(err.value)
-    assert "group 0 lr: 0.1 in the run, 0.5 given" in str(err.value)
-    assert _tree(runs / "r") == before and not (runs / "f").exists()
-    assert train(runs, 2, [], resume_from=runs / "r").status == "completed"  # the same settings continue
