@@ -10,6 +10,8 @@ import math
 from pathlib import Path
 from typing import Any
 
+import msgspec
+
 from nnx_es.artifacts import write_output
 from nnx_es.cli._common import EXIT_OK
 from nnx_es.cli._format import printable

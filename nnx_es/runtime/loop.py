@@ -58,7 +58,6 @@ from events.schema import (
     UpdateSkipped,
     ValidationDone,
 )
-from nnx_es.argchecks import NONFINITE
 from nnx_es.data import iterate_batches
 from nnx_es.errors import ConfigError, NonFiniteError, NonFiniteWarning
 from nnx_es.loaders import length_of

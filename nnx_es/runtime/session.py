@@ -25,7 +25,7 @@ import structlog
 import torch
 
 from events.log import LmdbLog
-from events.schema import RunResumed, RunStarted, SourceRef, UpdateSpec
+from events.schema import RunResumed, RunStarted, SourceRef
 from events.specs import spec_differences
 from nnx_es.checkpoint import Manifest
 from nnx_es.distributed.verdict import describe_error, raise_described

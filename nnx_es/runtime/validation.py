@@ -63,13 +63,14 @@ class Validation:
         Raises:
             ConfigError: see :func:`nnx_es.metrics.evaluate`.
         """
-        on_batch = None
+        on_batch: Callable[..., None] | None = None
         if self.batch_callback is not None:
             cb = self.batch_callback
 
-            def on_batch(**seen: Any) -> None:
+            def tap(**seen: Any) -> None:
                 cb(**seen, step_count=ctx.step_count if ctx is not None else 0,
                    epoch=ctx.epoch if ctx is not None else 0)
+            on_batch = tap
         return evaluate(self.averaged() or self.net, loader, self.objective, self.step_fn, self.metrics,
                         gather=self.gather, device=self.device, world=world, on_batch=on_batch,
                         rows=partial(rows.add, "val") if rows is not None else None)

@@ -15,7 +15,6 @@ import pytest
 from events import (
 
 
-    EpochBegan,
     EventLogError,
     LmdbLog,
     RunStarted,

@@ -16,7 +16,6 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-import lmdb
 import msgspec
 import pytest
 from hypothesis import HealthCheck, given, settings

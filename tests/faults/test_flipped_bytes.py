@@ -8,7 +8,6 @@ restores nothing and writes nothing. Truncations, unknown kinds, changed keys an
 from __future__ import annotations
 
 import json
-import re
 import struct
 from pathlib import Path
 from typing import Any

@@ -170,8 +170,8 @@ def test_report_shows_each_parameter_groups_learning_rate(tmp_path):
 
     spec = msgspec.to_builtins(scaffold(epochs=1))
     opt = next(iter(spec["optimizers"].values()))
-    opt["kwargs"]["params"] = {"@params": [{"names": ["net.0.weight", "net.0.bias"], "lr": 0.0003},
-                                           {"names": ["net.2.weight", "net.2.bias"]}]}
+    opt["kwargs"]["params"] = {"@params": [{"names": ["layers.0.weight", "layers.0.bias"], "lr": 0.0003},
+                                           {"names": ["layers.2.weight", "layers.2.bias"]}]}
     (tmp_path / "spec.json").write_text(json.dumps(spec))
     out = io.StringIO()
     cwd = os.getcwd()
@@ -183,5 +183,5 @@ def test_report_shows_each_parameter_groups_learning_rate(tmp_path):
         os.chdir(cwd)
     text = out.getvalue()
     assert "2 parameter group(s)" in text
-    assert "group 0   lr=0.0003  2 parameter(s): net.0.weight, net.0.bias" in text
-    assert f"group 1   lr={opt['kwargs']['lr']}  2 parameter(s): net.2.weight, net.2.bias" in text
+    assert "group 0   lr=0.0003  2 parameter(s): layers.0.weight, layers.0.bias" in text
+    assert f"group 1   lr={opt['kwargs']['lr']}  2 parameter(s): layers.2.weight, layers.2.bias" in text

@@ -27,7 +27,7 @@ from events import (
     UpdateCommitted,
     ValidationDone,
 )
-from projections import Projections, committed, fold
+from projections import Projections, fold
 
 __all__ = ["fold_all", "half_epoch_tail", "manifest_id", "receipt_at", "RunLog", "SCHEDULERS", "seq_pairs", "two_epochs"]
 

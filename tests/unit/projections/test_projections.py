@@ -34,7 +34,6 @@ from projections import (
     Pointer,
     SchedulersState,
     StatusState,
-    fold,
     fold_checkpoints,
     fold_counters,
     fold_history,
