@@ -31,6 +31,12 @@ def sample_events() -> dict[type, Any]:
     return {t: sample_instance(t) for t in EVENT_TYPES}
 
 
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """The warm process of tests/warmkit.py ends with the session that started it (if it did)."""
+    if "warmkit" in sys.modules:
+        sys.modules["warmkit"].close_shared()
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Under ``pytest -n 2 --dist loadgroup`` (``make test``) the torchrun tests run on one worker, one
     launch at a time: two 2-rank launches side by side would put four ranks on the two cores and stretch

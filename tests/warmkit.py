@@ -1,0 +1,310 @@
+"""A warm process that forks a child per job: commands and docs pages start with torch imported.
+
+A fresh interpreter spends ~4 s of CPU importing torch before a command starts (several times that
+in wall time on a loaded 2-core machine). The warm process (``python tests/warmkit.py``, started by
+:class:`Warm`) imports :data:`PRELOAD` once and never runs a tensor op itself, so a forked child
+starts with no thread pool to inherit. It is a plain interpreter, not pytest's: no output capture,
+warning filters, log handlers or threads of a test run reach the child.
+
+One job at a time: the client writes a request (one JSON line: the job, its arguments, the working
+directory, the environment, the files for stdin/stdout/stderr, ``sys.path[0]``); the warm process
+forks, says ``pid N``, waits, and says ``rc N`` (``-N`` for a child killed by signal N, as
+:mod:`subprocess` says). The child, in a process group of its own, starts as a fresh interpreter
+would with that environment (:func:`_start_as_fresh`), runs the job and ends as one does (atexit
+handlers, stdio flushed, the exit status).
+
+Jobs: ``console`` runs a console script's function (``nnx-es`` is ``nnx_es.cli.main:main``, read from
+the installed entry points) with ``sys.argv`` set, as the script does (:func:`command`); ``c`` runs code
+as ``python -c`` does (:func:`python_c`); ``file`` runs a function of a Python file (:func:`call`; the
+docs runner's ``tests/docs/snippets.py:run_page``).
+
+What differs from a new interpreter, and why it does not matter here: modules are imported before
+the environment is known. Those that read it at import are re-read at the start
+(``OMP_NUM_THREADS`` -> torch's thread count; ``NNX_ES_KILL_AT``, which nnx_es.runtime.session
+installs when imported); ``sys.path`` beyond ``[0]`` is the warm process's (its ``PYTHONPATH``: the
+repository root). A test of the console scripts themselves, of a fresh interpreter's imports or of
+an environment read otherwise runs a real subprocess (``python -m nnx_es``, the installed script).
+"""
+
+from __future__ import annotations
+
+import atexit
+import importlib
+import importlib.util
+import io
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+
+#: what the warm process imports once (a child imports them again for free); names absent are skipped
+PRELOAD = ("torch", "numpy", "sklearn.datasets", "matplotlib.pyplot", "torch.utils.data", "nnx_es.trainer",
+           "nnx_es.model", "nnx_es.testing", "nnx_es.cli.main", "nnx_es.cli.replay", "nnx_es.cli.inspect")
+
+
+def environment(extra: Mapping[str, str] | None = None) -> dict[str, str]:
+    """This process's environment with the repository root first on ``PYTHONPATH`` (and ``extra``)."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in [str(REPO), env.get("PYTHONPATH", "")] if p)
+    env.update(extra or {})
+    return env
+
+
+class Warm:
+    """The client of one warm process (started here, with ``python``'s interpreter and ``env``)."""
+
+    def __init__(self, python: str | Path = sys.executable, env: Mapping[str, str] | None = None) -> None:
+        env = dict(environment() if env is None else env)
+        env.pop("OMP_NUM_THREADS", None)  # a child sets its own thread count from its environment
+        env["MPLBACKEND"] = env.get("MPLBACKEND", "Agg")
+        self.python = str(python)
+        self._proc = subprocess.Popen([self.python, str(Path(__file__).resolve()), "--serve"], env=env,
+                                      cwd=tempfile.gettempdir(), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                      bufsize=0)
+        self._buffer = b""
+        ready = self._line(timeout_s=300)
+        if ready != "ready":
+            raise RuntimeError(f"the warm process did not start: {ready!r}")
+
+    def _line(self, timeout_s: float) -> str | None:
+        """The warm process's next line, or None after ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        fd = self._proc.stdout.fileno()  # type: ignore[union-attr]
+        while b"\n" not in self._buffer:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or not select.select([fd], [], [], remaining)[0]:
+                return None
+            chunk = os.read(fd, 4096)
+            if not chunk:
+                raise RuntimeError(f"the warm process exited ({self._proc.wait()})")
+            self._buffer += chunk
+        line, _, self._buffer = self._buffer.partition(b"\n")
+        return line.decode()
+
+    def run(self, job: str, args: Sequence[str], *, cwd: str | Path, env: Mapping[str, str] | None,
+            stdout: str | Path, stderr: str | Path | None = None, stdin: str | Path | None = None,
+            path0: str | Path | None = None, timeout_s: float) -> int | None:
+        """Run ``job`` (``console:<entry point>`` or ``file:<path>:<function>``) with ``args`` in a forked
+        child; return its exit status (``-N``: killed by signal N), or None when it outran ``timeout_s``
+        (its process group is then killed). ``stderr`` None: into ``stdout``'s file (``2>&1``).
+        ``env`` None: the warm process's. ``path0``: ``sys.path[0]`` (default ``cwd``, as ``python -m``)."""
+        request = {"job": job, "args": list(args), "cwd": str(cwd), "env": None if env is None else dict(env),
+                   "stdout": str(stdout), "stderr": None if stderr is None else str(stderr),
+                   "stdin": None if stdin is None else str(stdin), "path0": str(path0 if path0 is not None else cwd)}
+        self._proc.stdin.write(json.dumps(request).encode() + b"\n")  # type: ignore[union-attr]
+        self._proc.stdin.flush()  # type: ignore[union-attr]
+        pid = int((self._line(timeout_s=60) or "pid -1").split()[1])
+        done = self._line(timeout_s)
+        if done is None:
+            try:
+                os.killpg(pid, signal.SIGKILL)  # the child and whatever it started
+            except ProcessLookupError:
+                pass
+            self._line(timeout_s=60)
+            return None
+        return int(done.split()[1])
+
+    def close(self) -> None:
+        self._proc.stdin.close()  # type: ignore[union-attr]
+        self._proc.wait(timeout=60)
+
+
+_SHARED: list[Warm] = []
+
+
+def shared() -> Warm:
+    """This test process's warm process, started on first use (closed by tests/conftest.py at the session's end)."""
+    if not _SHARED:
+        _SHARED.append(Warm())
+    return _SHARED[0]
+
+
+def close_shared() -> None:
+    while _SHARED:
+        _SHARED.pop().close()
+
+
+# --- the commands, as their tests call them ----------------------------------------------------------
+
+
+def entry_point(script: str) -> str:
+    """``module:function`` of the installed console script ``script`` (pyproject's [project.scripts])."""
+    from importlib.metadata import entry_points
+
+    found = [ep.value for ep in entry_points(group="console_scripts") if ep.name == script]
+    if not found:
+        raise LookupError(f"no console script {script!r} installed")
+    return found[0]
+
+
+def command(script: str, *args: str, cwd: str | Path, env: Mapping[str, str] | None = None, input: str | None = None,
+            timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    """Run the console script ``script`` (``nnx-es``, ``nnx-replay``, ``nnx-inspect``) with ``args`` in ``cwd``,
+    as ``subprocess.run(..., capture_output=True, text=True)`` would, in a child of the warm process.
+    ``env`` defaults to :func:`environment`; a run past ``timeout`` seconds is killed and raises
+    ``subprocess.TimeoutExpired`` (with what it wrote so far)."""
+    return _captured(f"console:{entry_point(script)}", [script, *args], cwd=cwd, env=env, input=input, timeout=timeout)
+
+
+def call(path: str | Path, function: str, *args: str, cwd: str | Path, env: Mapping[str, str] | None = None,
+         input: str | None = None, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    """Run ``function(list(args))`` of the Python file ``path`` (imported in the child, under its stem's name)
+    in a child of the warm process, as :func:`command` runs a script: its return value is the exit status."""
+    return _captured(f"file:{Path(path).resolve()}:{function}", list(args), cwd=cwd, env=env, input=input,
+                     timeout=timeout)
+
+
+def python_c(code: str, *args: str, cwd: str | Path, env: Mapping[str, str] | None = None, input: str | None = None,
+             timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    """``python -c CODE ARGS`` in ``cwd``, as :func:`command` runs a script: ``CODE`` runs as ``__main__``
+    with ``sys.argv == ["-c", *args]``; its exit status is ``sys.exit``'s (0 when it ends)."""
+    return _captured("c:", [code, *args], cwd=cwd, env=env, input=input, timeout=timeout)
+
+
+def _captured(job: str, args: list[str], *, cwd: str | Path, env: Mapping[str, str] | None, input: str | None,
+              timeout: float) -> subprocess.CompletedProcess[str]:
+    warm = shared()
+    with tempfile.TemporaryDirectory(prefix="nnx-warm-") as tmp:
+        out, err, inp = Path(tmp) / "stdout", Path(tmp) / "stderr", None
+        if input is not None:
+            inp = Path(tmp) / "stdin"
+            inp.write_text(input)
+        rc = warm.run(job, args, cwd=cwd, env=environment() if env is None else env, stdout=out, stderr=err,
+                      stdin=inp, timeout_s=timeout)
+        stdout = out.read_text(errors="replace") if out.exists() else ""
+        stderr = err.read_text(errors="replace") if err.exists() else ""
+    if rc is None:
+        raise subprocess.TimeoutExpired(args, timeout, output=stdout, stderr=stderr)
+    return subprocess.CompletedProcess(args, rc, stdout, stderr)
+
+
+# --- the warm process and its children ---------------------------------------------------------------
+
+
+def _serve() -> int:
+    """The warm process: one request a line; a child forked for each."""
+    for name in PRELOAD:
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            pass
+    out = sys.stdout.buffer
+    out.write(b"ready\n")
+    out.flush()
+    for line in sys.stdin:
+        request = json.loads(line)
+        pid = os.fork()
+        if pid == 0:
+            _child(request)  # never returns
+        out.write(f"pid {pid}\n".encode())
+        out.flush()
+        _, status = os.waitpid(pid, 0)
+        out.write(f"rc {os.waitstatus_to_exitcode(status)}\n".encode())
+        out.flush()
+    return 0
+
+
+def _child(request: dict[str, Any]) -> None:
+    rc = 1
+    try:
+        os.setpgid(0, 0)
+        os.chdir(request["cwd"])
+        _stdio(request["stdin"], request["stdout"], request["stderr"])
+        if request["env"] is not None:
+            os.environ.clear()
+            os.environ.update(request["env"])
+        sys.path[0] = request["path0"]
+        _start_as_fresh()
+        rc = _exit_status(_job(request["job"], request["args"]))
+    except SystemExit as exc:
+        rc = _exit_status(exc.code)
+    except BaseException:  # noqa: BLE001 - as an interpreter ends on an uncaught exception
+        import traceback
+
+        traceback.print_exc()
+        rc = 1
+    finally:
+        try:
+            atexit._run_exitfuncs()  # as an interpreter ends
+            sys.stdout.flush()
+            sys.stderr.flush()
+        finally:
+            os._exit(rc)
+
+
+def _stdio(stdin: str | None, stdout: str, stderr: str | None) -> None:
+    """fds 0, 1, 2 on the request's files, and ``sys.std*`` new on them (as a fresh interpreter's)."""
+    fd_in = os.open(stdin or os.devnull, os.O_RDONLY)
+    fd_out = os.open(stdout, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    fd_err = fd_out if stderr is None else os.open(stderr, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    for fd, target in ((fd_in, 0), (fd_out, 1), (fd_err, 2)):
+        os.dup2(fd, target)
+    for fd in {fd_in, fd_out, fd_err}:
+        os.close(fd)
+    sys.stdin = sys.__stdin__ = io.TextIOWrapper(io.FileIO(0, "r", closefd=False))
+    sys.stdout = sys.__stdout__ = io.TextIOWrapper(io.FileIO(1, "w", closefd=False))
+    sys.stderr = sys.__stderr__ = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), errors="backslashreplace",
+                                                   line_buffering=True)
+
+
+def _start_as_fresh() -> None:
+    """Apply what preloaded modules read from the environment when imported, now that it is known."""
+    threads = os.environ.get("OMP_NUM_THREADS", "")
+    if threads.isdigit() and int(threads) > 0 and "torch" in sys.modules:
+        sys.modules["torch"].set_num_threads(int(threads))
+    if "nnx_es.runtime.session" in sys.modules:  # it installs NNX_ES_KILL_AT's point when imported
+        from nnx_es.injection import ENV_VAR, install_from_environment
+
+        if os.environ.get(ENV_VAR):
+            install_from_environment()
+
+
+def _job(job: str, args: list[str]) -> object:
+    kind, _, target = job.partition(":")
+    if kind == "console":  # a console script: sys.exit(main()) with sys.argv = [script, *args]
+        module, _, name = target.partition(":")
+        sys.argv = list(args)
+        return getattr(importlib.import_module(module), name)()
+    if kind == "c":  # python -c CODE ARGS
+        import types
+
+        main = types.ModuleType("__main__")
+        sys.modules["__main__"] = main
+        sys.argv = ["-c", *args[1:]]
+        exec(compile(args[0], "<string>", "exec"), main.__dict__)  # noqa: S102 - the test's own code
+        return None
+    if kind == "file":
+        path, _, name = target.rpartition(":")
+        spec = importlib.util.spec_from_file_location(Path(path).stem, path)
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module
+        spec.loader.exec_module(module)
+        return getattr(module, name)(args)
+    raise ValueError(f"unknown job {job!r}")
+
+
+def _exit_status(code: object) -> int:
+    """``sys.exit(code)``'s status: None 0, an int itself, anything else printed to stderr and 1."""
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code & 0xFF
+    print(code, file=sys.stderr)
+    return 1
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] != ["--serve"]:
+        sys.exit("usage: warmkit.py --serve (started by warmkit.Warm)")
+    sys.path[0] = str(REPO)  # the warm process is not a script of tests/: the repository's packages, as PYTHONPATH gives
+    sys.exit(_serve())
