@@ -152,7 +152,9 @@ def command(script: str, *args: str, cwd: str | Path, env: Mapping[str, str] | N
     as ``subprocess.run(..., capture_output=True, text=True)`` would, in a child of the warm process.
     ``env`` defaults to :func:`environment`; a run past ``timeout`` seconds is killed and raises
     ``subprocess.TimeoutExpired`` (with what it wrote so far)."""
-    return _captured(f"console:{entry_point(script)}", [script, *args], cwd=cwd, env=env, input=input, timeout=timeout)
+    bin_dir = Path(shared().python).parent  # sys.path[0] of an installed console script: its bin/
+    return _captured(f"console:{entry_point(script)}", [script, *args], cwd=cwd, env=env, input=input, timeout=timeout,
+                     path0=bin_dir)
 
 
 def call(path: str | Path, function: str, *args: str, cwd: str | Path, env: Mapping[str, str] | None = None,
@@ -171,7 +173,7 @@ def python_c(code: str, *args: str, cwd: str | Path, env: Mapping[str, str] | No
 
 
 def _captured(job: str, args: list[str], *, cwd: str | Path, env: Mapping[str, str] | None, input: str | None,
-              timeout: float) -> subprocess.CompletedProcess[str]:
+              timeout: float, path0: str | Path | None = None) -> subprocess.CompletedProcess[str]:
     warm = shared()
     with tempfile.TemporaryDirectory(prefix="nnx-warm-") as tmp:
         out, err, inp = Path(tmp) / "stdout", Path(tmp) / "stderr", None
@@ -179,7 +181,7 @@ def _captured(job: str, args: list[str], *, cwd: str | Path, env: Mapping[str, s
             inp = Path(tmp) / "stdin"
             inp.write_text(input)
         rc = warm.run(job, args, cwd=cwd, env=environment() if env is None else env, stdout=out, stderr=err,
-                      stdin=inp, timeout_s=timeout)
+                      stdin=inp, path0=path0, timeout_s=timeout)
         stdout = out.read_text(errors="replace") if out.exists() else ""
         stderr = err.read_text(errors="replace") if err.exists() else ""
     if rc is None:
