@@ -35,6 +35,7 @@ import io
 import json
 import os
 import select
+import shutil
 import signal
 import subprocess
 import sys
@@ -72,8 +73,18 @@ class Warm:
                                       bufsize=0)
         self._buffer = b""
         ready = self._line(timeout_s=300)
-        if ready != "ready":
+        if ready is None or not ready.startswith("ready "):
             raise RuntimeError(f"the warm process did not start: {ready!r}")
+        #: the warm process's socket, where a :func:`shim` hands it a shell's command
+        self.socket = ready.split(" ", 1)[1]
+        self._shims: Path | None = None
+
+    def shim_env(self, env: Mapping[str, str]) -> dict[str, str]:
+        """``env`` for a shell whose ``nnx-es`` runs in a child of this warm process: a directory of
+        :func:`shim` scripts first on ``PATH``, :data:`SOCKET_VAR` naming the socket."""
+        if self._shims is None:
+            self._shims = write_shims(Path(tempfile.mkdtemp(prefix="nnx-shims-")) / "bin", python=self.python)
+        return {**env, "PATH": os.pathsep.join([str(self._shims), env.get("PATH", "")]), SOCKET_VAR: self.socket}
 
     def _line(self, timeout_s: float) -> str | None:
         """The warm process's next line, or None after ``timeout_s``."""
@@ -116,6 +127,8 @@ class Warm:
     def close(self) -> None:
         self._proc.stdin.close()  # type: ignore[union-attr]
         self._proc.wait(timeout=60)
+        if self._shims is not None:
+            shutil.rmtree(self._shims.parent, ignore_errors=True)
 
 
 _SHARED: list[Warm] = []
@@ -189,38 +202,193 @@ def _captured(job: str, args: list[str], *, cwd: str | Path, env: Mapping[str, s
     return subprocess.CompletedProcess(args, rc, stdout, stderr)
 
 
+# --- the console scripts of a shell (a docs page's shell blocks) ----------------------------------------
+
+#: the environment variable naming the warm process's socket, for :func:`shim`
+SOCKET_VAR = "NNX_ES_WARM_SOCKET"
+
+
+def shim(script: str) -> None:
+    """``script`` as a shell runs it (``nnx-es ...`` in a docs page's shell block), in a child of the warm process.
+
+    This process (``python -S``: no site-packages, no torch) hands its argv, working directory, environment,
+    process group and stdin/stdout/stderr (the descriptors themselves) to the warm process at
+    :data:`SOCKET_VAR`, forwards SIGTERM/SIGINT/SIGHUP to the command, and ends as it ended: its exit status,
+    or killed by the same signal (``|| echo "killed: exit $?"`` says 137). Without a warm process it execs
+    the installed script."""
+    import signal
+    import socket
+
+    path = os.environ.get(SOCKET_VAR, "")
+    if not path or not os.path.exists(path):
+        real = os.path.join(os.path.dirname(sys.executable), script)
+        os.execv(real, [real, *sys.argv[1:]])
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    conn.connect(path)
+    data = json.dumps({"script": script, "args": sys.argv[1:], "cwd": os.getcwd(), "env": dict(os.environ),
+                       "pgid": os.getpgrp()}).encode()
+    socket.send_fds(conn, [len(data).to_bytes(8, "big") + data], [0, 1, 2])
+    replies = conn.makefile("rb")
+    pid = int(replies.readline().split()[1])
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, lambda n, _frame: os.kill(pid, n))
+    line = replies.readline()
+    rc = int(line.split()[1]) if line else 1
+    if rc < 0:
+        if -rc not in (signal.SIGKILL, signal.SIGSTOP):
+            signal.signal(-rc, signal.SIG_DFL)
+        os.kill(os.getpid(), -rc)
+    sys.exit(rc)
+
+
+def write_shims(directory: Path, scripts: Sequence[str] = ("nnx-es",), python: str = sys.executable) -> Path:
+    """Write :func:`shim` scripts named ``scripts`` into ``directory`` (put it first on a shell's ``PATH``,
+    with :data:`SOCKET_VAR` naming :attr:`Warm.socket`); return it."""
+    directory.mkdir(parents=True, exist_ok=True)
+    here = str(Path(__file__).resolve().parent)
+    for script in scripts:
+        path = directory / script
+        path.write_text(f"#!{python} -S\nimport sys\nsys.path.insert(0, {here!r})\nfrom warmkit import shim\n"
+                        f"shim({script!r})\n")
+        path.chmod(0o755)
+    return directory
+
+
 # --- the warm process and its children ---------------------------------------------------------------
 
 
 def _serve() -> int:
-    """The warm process: one request a line; a child forked for each."""
+    """The warm process: one request a line on stdin, one connection at a time on its socket (a :func:`shim`);
+    a child forked for each. Waits in ``select``; SIGCHLD wakes it."""
+    import signal
+    import socket
+
     for name in PRELOAD:
         try:
             importlib.import_module(name)
         except ImportError:
             pass
+    sock_dir = tempfile.mkdtemp(prefix="nnx-warm-")
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(os.path.join(sock_dir, "socket"))
+    listener.listen(16)
+    wake_r, wake_w = os.pipe()
+    os.set_blocking(wake_w, False)
+    signal.set_wakeup_fd(wake_w)
+    signal.signal(signal.SIGCHLD, lambda *_: None)
     out = sys.stdout.buffer
-    out.write(b"ready\n")
+    out.write(f"ready {listener.getsockname()}\n".encode())
     out.flush()
-    for line in sys.stdin:
-        request = json.loads(line)
+    buffer, current, reading = b"", None, True
+
+    def fork(serve: Any) -> int:
         pid = os.fork()
         if pid == 0:
-            _child(request)  # never returns
-        out.write(f"pid {pid}\n".encode())
-        out.flush()
-        _, status = os.waitpid(pid, 0)
-        out.write(f"rc {os.waitstatus_to_exitcode(status)}\n".encode())
-        out.flush()
+            signal.set_wakeup_fd(-1)
+            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+            for fd in (wake_r, wake_w):
+                os.close(fd)
+            listener.close()
+            serve()  # never returns
+        return pid
+
+    try:
+        while reading or current is not None:
+            fds = [listener.fileno(), wake_r] + ([0] if reading and current is None else [])
+            ready = select.select(fds, [], [])[0]
+            if wake_r in ready:
+                os.read(wake_r, 4096)
+            if listener.fileno() in ready:
+                conn, _ = listener.accept()
+                fork(lambda: _connection(conn))
+                conn.close()
+            if 0 in ready:
+                chunk = os.read(0, 65536)
+                buffer += chunk
+                reading = bool(chunk)
+                if b"\n" in buffer:
+                    line, _, buffer = buffer.partition(b"\n")
+                    request = json.loads(line)
+                    current = fork(lambda: _child(request))
+                    out.write(f"pid {current}\n".encode())
+                    out.flush()
+            while True:  # reap: the stdin job's status goes back to the client
+                try:
+                    pid, status = os.waitpid(-1, os.WNOHANG)
+                except ChildProcessError:
+                    break
+                if pid == 0:
+                    break
+                if pid == current:
+                    out.write(f"rc {os.waitstatus_to_exitcode(status)}\n".encode())
+                    out.flush()
+                    current = None
+    finally:
+        listener.close()
+        shutil.rmtree(sock_dir, ignore_errors=True)
     return 0
+
+
+def _connection(conn: Any) -> None:
+    """A :func:`shim`'s connection (in a child of the warm process): run its command in a child with the
+    shim's descriptors and process group, say ``pid N``, then ``rc N``; a shim gone first takes the command along."""
+    import socket
+
+    rc = 0
+    try:
+        data, fds, _, _ = socket.recv_fds(conn, 1 << 16, 3)
+        size = int.from_bytes(data[:8], "big")
+        data = data[8:]
+        while len(data) < size:
+            chunk = conn.recv(size - len(data))
+            if not chunk:
+                raise EOFError("the shim went away")
+            data += chunk
+        for fd in (0, 1):  # the warm process's request and reply pipes: not this child's to hold
+            os.dup2(os.open(os.devnull, os.O_RDWR), fd)
+        asked = json.loads(data)
+        script = asked["script"]
+        bin_dir = os.path.dirname(sys.executable)
+        request = {"job": f"console:{entry_point(script)}", "args": [os.path.join(bin_dir, script), *asked["args"]],
+                   "cwd": asked["cwd"], "env": asked["env"], "path0": bin_dir, "pgid": asked["pgid"], "fds": fds}
+        pid = os.fork()
+        if pid == 0:
+            conn.close()
+            _child(request)
+        for fd in fds:
+            os.close(fd)
+        conn.sendall(f"pid {pid}\n".encode())
+        while True:
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                conn.sendall(f"rc {os.waitstatus_to_exitcode(status)}\n".encode())
+                break
+            if select.select([conn], [], [], 0.2)[0] and not conn.recv(1):  # the shim died: so does its command
+                os.kill(pid, 9)
+    except BaseException:  # noqa: BLE001 - said on the warm process's stderr; the shim sees its end
+        import traceback
+
+        traceback.print_exc()
+        rc = 1
+    finally:
+        os._exit(rc)
 
 
 def _child(request: dict[str, Any]) -> None:
     rc = 1
     try:
-        os.setpgid(0, 0)
+        if request.get("pgid") is not None:  # a shim's command: in the shell's process group, killed with it
+            try:
+                os.setpgid(0, request["pgid"])
+            except OSError:
+                os.setpgid(0, 0)
+        else:
+            os.setpgid(0, 0)
         os.chdir(request["cwd"])
-        _stdio(request["stdin"], request["stdout"], request["stderr"])
+        if request.get("fds") is not None:
+            _stdio_fds(*request["fds"])
+        else:
+            _stdio(request["stdin"], request["stdout"], request["stderr"])
         if request["env"] is not None:
             os.environ.clear()
             os.environ.update(request["env"])
@@ -244,13 +412,18 @@ def _child(request: dict[str, Any]) -> None:
 
 
 def _stdio(stdin: str | None, stdout: str, stderr: str | None) -> None:
-    """fds 0, 1, 2 on the request's files, and ``sys.std*`` new on them (as a fresh interpreter's)."""
+    """fds 0, 1, 2 on the request's files (``stderr`` None: ``stdout``'s)."""
     fd_in = os.open(stdin or os.devnull, os.O_RDONLY)
     fd_out = os.open(stdout, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     fd_err = fd_out if stderr is None else os.open(stderr, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    _stdio_fds(fd_in, fd_out, fd_err)
+
+
+def _stdio_fds(fd_in: int, fd_out: int, fd_err: int) -> None:
+    """fds 0, 1, 2 on these (closed here), and ``sys.std*`` new on them, as a fresh interpreter's."""
     for fd, target in ((fd_in, 0), (fd_out, 1), (fd_err, 2)):
         os.dup2(fd, target)
-    for fd in {fd_in, fd_out, fd_err}:
+    for fd in {fd_in, fd_out, fd_err} - {0, 1, 2}:
         os.close(fd)
     sys.stdin = sys.__stdin__ = io.TextIOWrapper(io.FileIO(0, "r", closefd=False))
     sys.stdout = sys.__stdout__ = io.TextIOWrapper(io.FileIO(1, "w", closefd=False))

@@ -5,11 +5,13 @@ The convention (docs/contributing.md, "Writing a docs page"):
 * every fenced ```` ```python ```` (or ``py``) and ```` ```bash ```` (or ``sh``, ``shell``) block of
   README.md and of every page under ``docs/`` is executed, in page order;
 * a page runs in a fresh temporary working directory, with the repository's ``.venv/bin`` first on
-  ``PATH`` and the repository root on ``PYTHONPATH``;
+  ``PATH`` (after the warm ``nnx-es``: see the shell blocks) and the repository root on ``PYTHONPATH``;
 * the Python blocks of one page share one namespace (a page builds on its earlier blocks, as a
   reader's session would), run in one process whose ``__name__`` is ``"__main__"``; each shell
   block is its own ``bash -e -o pipefail`` (its ``cd`` and ``export`` end with it; the working
-  directory and its files are the page's);
+  directory and its files are the page's); its ``nnx-es`` runs in a child of the warm process
+  (``warmkit.shim``: the installed command's function, with the shell's arguments, directory,
+  environment and descriptors; its exit status or signal is the shell's);
 * a block preceded, on the line just above its fence, by ``<!-- skip: reason -->`` is not run
   (the reason is required); ```` ```text ```` and every other language are output or data, never run;
 * a block with a file name, ```` ```python title="train.py" ```` (any language; Material shows the
@@ -172,7 +174,7 @@ class PageRunner:
         workdir.mkdir(parents=True, exist_ok=True)
         log = workdir.parent / f"{workdir.name}.snippets.log"
         rc = self._warm.run(f"file:{Path(__file__).resolve()}:run_page", [str(page.resolve())], cwd=workdir.resolve(),
-                            env=environment(), stdout=log, timeout_s=timeout_s)
+                            env=self._warm.shim_env(environment()), stdout=log, timeout_s=timeout_s)
         output = log.read_text(errors="replace") if log.exists() else ""
         if rc is None:
             raise SnippetError(f"{_shown(page)} took more than {timeout_s} s\n{output[-6000:]}")
