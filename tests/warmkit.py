@@ -14,16 +14,19 @@ would with that environment (:func:`_start_as_fresh`), runs the job and ends as 
 handlers, stdio flushed, the exit status).
 
 Jobs: ``console`` runs a console script's function (``nnx-es`` is ``nnx_es.cli.main:main``, read from
-the installed entry points) with ``sys.argv`` set, as the script does (:func:`command`); ``c`` runs code
-as ``python -c`` does (:func:`python_c`); ``file`` runs a function of a Python file (:func:`call`; the
-docs runner's ``tests/docs/snippets.py:run_page``).
+the installed entry points) with ``sys.argv`` set, as the script does (:func:`command`); ``script`` runs a
+file as ``python FILE`` does (:func:`python`); ``c`` runs code as ``python -c`` does (:func:`python_c`);
+``file`` runs a function of a Python file (:func:`call`; the docs runner's ``tests/docs/snippets.py:run_page``).
+A shell's command reaches the warm process through a :func:`shim` on its ``PATH`` (a docs page's
+``nnx-es``), a torchrun rank through the ``python`` shim (``torchrun --no-python``).
 
 What differs from a new interpreter, and why it does not matter here: modules are imported before
 the environment is known. Those that read it at import are re-read at the start
 (``OMP_NUM_THREADS`` -> torch's thread count; ``NNX_ES_KILL_AT``, which nnx_es.runtime.session
-installs when imported); ``sys.path`` beyond ``[0]`` is the warm process's (its ``PYTHONPATH``: the
-repository root). A test of the console scripts themselves, of a fresh interpreter's imports or of
-an environment read otherwise runs a real subprocess (``python -m nnx_es``, the installed script).
+installs when imported; ``PYTHONPATH`` and ``PYTHONUNBUFFERED``); torch's C++ log level
+(``TORCH_CPP_LOG_LEVEL``) stays the warm process's. A module imported by the warm process stays the one
+it found. A test of the console scripts themselves, of a fresh interpreter's imports or of an
+environment read otherwise runs a real subprocess (``python -m nnx_es``, the installed script).
 """
 
 from __future__ import annotations
@@ -79,12 +82,23 @@ class Warm:
         self.socket = ready.split(" ", 1)[1]
         self._shims: Path | None = None
 
+    def _shim_root(self) -> Path:
+        if self._shims is None:
+            self._shims = Path(tempfile.mkdtemp(prefix="nnx-shims-"))
+            write_shims(self._shims / "bin", ("nnx-es",), python=self.python)
+            write_shims(self._shims / "python", ("python",), python=self.python)
+        return self._shims
+
     def shim_env(self, env: Mapping[str, str]) -> dict[str, str]:
         """``env`` for a shell whose ``nnx-es`` runs in a child of this warm process: a directory of
         :func:`shim` scripts first on ``PATH``, :data:`SOCKET_VAR` naming the socket."""
-        if self._shims is None:
-            self._shims = write_shims(Path(tempfile.mkdtemp(prefix="nnx-shims-")) / "bin", python=self.python)
-        return {**env, "PATH": os.pathsep.join([str(self._shims), env.get("PATH", "")]), SOCKET_VAR: self.socket}
+        shims = self._shim_root() / "bin"
+        return {**env, "PATH": os.pathsep.join([str(shims), env.get("PATH", "")]), SOCKET_VAR: self.socket}
+
+    def python_shim(self) -> Path:
+        """An executable that runs ``[-u] SCRIPT ARGS`` as ``python`` would, in a child of this warm process
+        (with :data:`SOCKET_VAR` in its environment; ``torchrun --no-python`` starts ranks with it)."""
+        return self._shim_root() / "python" / "python"
 
     def _line(self, timeout_s: float) -> str | None:
         """The warm process's next line, or None after ``timeout_s``."""
@@ -128,7 +142,7 @@ class Warm:
         self._proc.stdin.close()  # type: ignore[union-attr]
         self._proc.wait(timeout=60)
         if self._shims is not None:
-            shutil.rmtree(self._shims.parent, ignore_errors=True)
+            shutil.rmtree(self._shims, ignore_errors=True)
 
 
 _SHARED: list[Warm] = []
@@ -185,6 +199,15 @@ def python_c(code: str, *args: str, cwd: str | Path, env: Mapping[str, str] | No
     return _captured("c:", [code, *args], cwd=cwd, env=env, input=input, timeout=timeout)
 
 
+def python(script: str | Path, *args: str, cwd: str | Path, env: Mapping[str, str] | None = None,
+           input: str | None = None, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    """``python SCRIPT ARGS`` in ``cwd``, as :func:`command` runs a console script: the script runs as
+    ``__main__``, ``sys.path[0]`` its directory."""
+    script = str(script)
+    return _captured("script:", [script, *args], cwd=cwd, env=env, input=input, timeout=timeout,
+                     path0=os.path.dirname(os.path.abspath(os.path.join(cwd, script))))
+
+
 def _captured(job: str, args: list[str], *, cwd: str | Path, env: Mapping[str, str] | None, input: str | None,
               timeout: float, path0: str | Path | None = None) -> subprocess.CompletedProcess[str]:
     warm = shared()
@@ -220,12 +243,19 @@ def shim(script: str) -> None:
     import socket
 
     path = os.environ.get(SOCKET_VAR, "")
+    args = sys.argv[1:]
+    if script == "python":  # python [-u] SCRIPT ARGS, nothing else: -u is PYTHONUNBUFFERED
+        while args[:1] == ["-u"]:
+            os.environ["PYTHONUNBUFFERED"] = "1"
+            args = args[1:]
+        if not args or args[0].startswith("-") or not os.path.isfile(args[0]):
+            path = ""
     if not path or not os.path.exists(path):
-        real = os.path.join(os.path.dirname(sys.executable), script)
+        real = sys.executable if script == "python" else os.path.join(os.path.dirname(sys.executable), script)
         os.execv(real, [real, *sys.argv[1:]])
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     conn.connect(path)
-    data = json.dumps({"script": script, "args": sys.argv[1:], "cwd": os.getcwd(), "env": dict(os.environ),
+    data = json.dumps({"script": script, "args": args, "cwd": os.getcwd(), "env": dict(os.environ),
                        "pgid": os.getpgrp()}).encode()
     socket.send_fds(conn, [len(data).to_bytes(8, "big") + data], [0, 1, 2])
     replies = conn.makefile("rb")
@@ -347,10 +377,14 @@ def _connection(conn: Any) -> None:
         for fd in (0, 1):  # the warm process's request and reply pipes: not this child's to hold
             os.dup2(os.open(os.devnull, os.O_RDWR), fd)
         asked = json.loads(data)
-        script = asked["script"]
-        bin_dir = os.path.dirname(sys.executable)
-        request = {"job": f"console:{entry_point(script)}", "args": [os.path.join(bin_dir, script), *asked["args"]],
-                   "cwd": asked["cwd"], "env": asked["env"], "path0": bin_dir, "pgid": asked["pgid"], "fds": fds}
+        script, args, cwd = asked["script"], asked["args"], asked["cwd"]
+        request = {"cwd": cwd, "env": asked["env"], "pgid": asked["pgid"], "fds": fds}
+        if script == "python":
+            request.update(job="script:", args=args, path0=os.path.dirname(os.path.abspath(os.path.join(cwd, args[0]))))
+        else:
+            bin_dir = os.path.dirname(sys.executable)
+            request.update(job=f"console:{entry_point(script)}", args=[os.path.join(bin_dir, script), *args],
+                           path0=bin_dir)
         pid = os.fork()
         if pid == 0:
             conn.close()
@@ -385,15 +419,14 @@ def _child(request: dict[str, Any]) -> None:
         else:
             os.setpgid(0, 0)
         os.chdir(request["cwd"])
+        if request["env"] is not None:
+            os.environ.clear()
+            os.environ.update(request["env"])
         if request.get("fds") is not None:
             _stdio_fds(*request["fds"])
         else:
             _stdio(request["stdin"], request["stdout"], request["stderr"])
-        if request["env"] is not None:
-            os.environ.clear()
-            os.environ.update(request["env"])
-        sys.path[0] = request["path0"]
-        _start_as_fresh()
+        _start_as_fresh(request["path0"])
         rc = _exit_status(_job(request["job"], request["args"]))
     except SystemExit as exc:
         rc = _exit_status(exc.code)
@@ -425,14 +458,22 @@ def _stdio_fds(fd_in: int, fd_out: int, fd_err: int) -> None:
         os.dup2(fd, target)
     for fd in {fd_in, fd_out, fd_err} - {0, 1, 2}:
         os.close(fd)
+    unbuffered = bool(os.environ.get("PYTHONUNBUFFERED"))  # python -u
     sys.stdin = sys.__stdin__ = io.TextIOWrapper(io.FileIO(0, "r", closefd=False))
-    sys.stdout = sys.__stdout__ = io.TextIOWrapper(io.FileIO(1, "w", closefd=False))
+    sys.stdout = sys.__stdout__ = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), write_through=unbuffered)
     sys.stderr = sys.__stderr__ = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), errors="backslashreplace",
-                                                   line_buffering=True)
+                                                   line_buffering=True, write_through=unbuffered)
 
 
-def _start_as_fresh() -> None:
-    """Apply what preloaded modules read from the environment when imported, now that it is known."""
+#: the warm process's sys.path past [0] and its own PYTHONPATH: the interpreter's and site's directories
+_BASE_PATH: list[str] = []
+
+
+def _start_as_fresh(path0: str) -> None:
+    """``sys.path`` as a fresh interpreter builds it from this environment (``path0``, ``PYTHONPATH``, then the
+    interpreter's own), and what preloaded modules read from the environment when imported, now that it is known."""
+    extra = [os.path.abspath(p) for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    sys.path[:] = [path0, *extra, *(p for p in _BASE_PATH if p not in extra)]
     threads = os.environ.get("OMP_NUM_THREADS", "")
     if threads.isdigit() and int(threads) > 0 and "torch" in sys.modules:
         sys.modules["torch"].set_num_threads(int(threads))
@@ -449,6 +490,12 @@ def _job(job: str, args: list[str]) -> object:
         module, _, name = target.partition(":")
         sys.argv = list(args)
         return getattr(importlib.import_module(module), name)()
+    if kind == "script":  # python SCRIPT ARGS
+        import runpy
+
+        sys.argv = list(args)
+        runpy.run_path(args[0], run_name="__main__")
+        return None
     if kind == "c":  # python -c CODE ARGS
         import types
 
@@ -481,5 +528,7 @@ def _exit_status(code: object) -> int:
 if __name__ == "__main__":
     if sys.argv[1:] != ["--serve"]:
         sys.exit("usage: warmkit.py --serve (started by warmkit.Warm)")
+    own = {os.path.abspath(p) for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p}
+    _BASE_PATH[:] = [p for p in sys.path[1:] if os.path.abspath(p or ".") not in own]
     sys.path[0] = str(REPO)  # the warm process is not a script of tests/: the repository's packages, as PYTHONPATH gives
     sys.exit(_serve())
