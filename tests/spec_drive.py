@@ -2,7 +2,7 @@
 (the spec tests' check in a separate process: nothing ran, nothing was imported past the registry check).
 
 The process is a child of the suite's warm process (tests/warmkit.py): a watched module the warm process has
-imported already could not be seen being imported, so that is refused (take it out of ``warmkit.PRELOAD``)."""
+imported already could not be seen being imported, so that is refused (take it out of ``warmserver.PRELOAD``)."""
 
 from __future__ import annotations
 

@@ -10,7 +10,7 @@ The convention (docs/contributing.md, "Writing a docs page"):
   reader's session would), run in one process whose ``__name__`` is ``"__main__"``; each shell
   block is its own ``bash -e -o pipefail`` (its ``cd`` and ``export`` end with it; the working
   directory and its files are the page's); its ``nnx-es`` runs in a child of the warm process
-  (``warmkit.shim``: the installed command's function, with the shell's arguments, directory,
+  (``warmserver.shim``: the installed command's function, with the shell's arguments, directory,
   environment and descriptors; its exit status or signal is the shell's);
 * a block preceded, on the line just above its fence, by ``<!-- skip: reason -->`` is not run
   (the reason is required); ```` ```text ```` and every other language are output or data, never run;
@@ -150,7 +150,7 @@ def environment(repo: Path = REPO) -> dict[str, str]:
 class PageRunner:
     """Runs pages, each in a child forked from a warm process (``tests/warmkit.py``).
 
-    The warm process imports what pages commonly import (``warmkit.PRELOAD``) once and never runs
+    The warm process imports what pages commonly import (``warmserver.PRELOAD``) once and never runs
     a tensor op itself, so a forked child starts with no thread pool to inherit. Each child enters
     its page's working directory, sends its output to a log file and runs the blocks
     (:func:`run_blocks`) with a fresh ``__main__``: what a page does stays in its child. ``warm``:
