@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 BVENV  ?= .venv-bench
 BSTAMP := $(BVENV)/.installed
 
-.PHONY: demo test browser docs docs-serve bench bench-ddp clean
+.PHONY: demo test browser screenshots docs docs-serve bench bench-ddp clean
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -36,6 +36,11 @@ browser:
 	    echo "no chromium, and not root with apt-get: the browser tests will be skipped"; \
 	  fi; \
 	fi
+
+# the web app's screenshots in README.md and docs/guides/web.md (docs/images/web-*.png), taken by its browser
+# tests: only here (a test run writes nothing into the tree)
+screenshots: $(STAMP) browser
+	NNX_ES_SCREENSHOTS=1 $(PY) -m pytest -q -p no:cacheprovider tests/integration/test_web_browser.py
 
 # the documentation site, built in strict mode (a broken link or reference fails) into site/
 docs: $(STAMP)

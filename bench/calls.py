@@ -10,6 +10,9 @@ does not move with the load of a shared machine, so a change to the hot path can
 by it; a call is not a fixed cost (a kernel launch is dearer than ``len``), so read it beside
 the CPU-time ratio of ``bench.run`` and the stage table of ``bench.stages``.
 
+``--callers`` keys each function by its caller too (``"function <- caller's file:function"``): who
+makes the extra calls.
+
 ``python -m bench.calls --side-by-side`` prints, from one run, the calls per microbatch of nnx_es
 (like for like), the hand loop, the durable hand loop (an atomic ``torch.save`` each epoch) and
 Ignite with ``Checkpoint`` (when installed: the bench venv, ``make .venv-bench/.installed``), each
@@ -100,13 +103,14 @@ def count_calls(fn: Callable[[], None], *, callers: bool = False) -> Counter[tup
     return calls
 
 
-def extra_calls(short: int = 2, long: int = 4) -> tuple[dict[tuple[str, str], float], float]:
-    """``({(file, function): extra calls per microbatch}, the hand loop's calls per microbatch)``."""
+def extra_calls(short: int = 2, long: int = 4, *, callers: bool = False) -> tuple[dict[tuple[str, str], float], float]:
+    """``({(file, function): extra calls per microbatch}, the hand loop's calls per microbatch)``;
+    ``callers``: each function keyed by its caller too (:func:`count_calls`)."""
     torch.set_num_threads(1)
     _nnx(1)()  # warm: lazy imports and first-call caches are not the steady state
     _hand(1)()
-    a_short, a_long = count_calls(_nnx(short)), count_calls(_nnx(long))
-    h_short, h_long = count_calls(_hand(short)), count_calls(_hand(long))
+    a_short, a_long = count_calls(_nnx(short), callers=callers), count_calls(_nnx(long), callers=callers)
+    h_short, h_long = count_calls(_hand(short), callers=callers), count_calls(_hand(long), callers=callers)
     microbatches = len(digits_loader()) * (long - short)
     extra = {k: ((a_long[k] - a_short[k]) - (h_long[k] - h_short[k])) / microbatches
              for k in set(a_long) | set(h_long)}
@@ -165,6 +169,7 @@ def side_by_side(short: int = 2, long: int = 4, repeats: int = 3) -> list[tuple[
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="calls per microbatch nnx_es adds to the hand loop")
     ap.add_argument("--top", type=int, default=40)
+    ap.add_argument("--callers", action="store_true", help="each function keyed by its caller too")
     ap.add_argument("--side-by-side", action="store_true",
                     help="nnx_es, the hand loop, the durable hand loop and Ignite + Checkpoint: calls and time ratios")
     args = ap.parse_args(argv)
@@ -175,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
         for name, calls, ratio in rows:
             print(f"{name:<22}{calls:>18.1f}{calls - hand:>+14.1f}{ratio:>15.2f}x")
         return 0
-    extra, hand = extra_calls()
+    extra, hand = extra_calls(callers=args.callers)
     py = sum(v for (f, _), v in extra.items() if f != "C")
     c = sum(v for (f, _), v in extra.items() if f == "C")
     print(f"calls per microbatch: the hand loop {hand:.1f}; nnx_es adds {py + c:.1f} ({py:.1f} Python, {c:.1f} C)")

@@ -4,7 +4,7 @@
     .venv/bin/python -m bench.powerloss --explore [--states 2000] [--seed 0]     # the exploration
 
 **Cost.** The digits MLP (64-128-10, batch 32, 1797 rows, one thread) trains ``--epochs`` epochs
-with the log's LMDB flags (``events.log._DURABILITY``) of before 2026-12-03 (``sync=False,
+with the log's LMDB flags (``events.lmdbenv.DURABILITY``) of before 2026-12-03 (``sync=False,
 metasync=True``: MDB_NOSYNC, ``env.sync`` at commits only) and of now (``sync=True,
 metasync=False``: every write transaction syncs its pages, MDB_NOMETASYNC), alternating in one
 process (the order flips every rep: paired reps); ms/epoch is the fit's wall time over its epochs.
@@ -39,10 +39,10 @@ FLAGS = {"old": {"sync": False, "metasync": True}, "new": {"sync": True, "metasy
 
 
 def _set_flags(name: str) -> None:
-    import events.log
+    import events.lmdbenv
 
-    events.log._DURABILITY.clear()
-    events.log._DURABILITY.update(FLAGS[name])
+    events.lmdbenv.DURABILITY.clear()
+    events.lmdbenv.DURABILITY.update(FLAGS[name])
 
 
 def _digits_fit(runs: Path, run_id: str, epochs: int) -> float:

@@ -5,7 +5,7 @@ writer to grow into (:data:`HEADROOM_MIN` .. :data:`HEADROOM_MAX`), never a fixe
 a reader runs under any ``ulimit -v`` that holds the file (a 4 GB limit holds a small run's
 reader with torch imported). A writer that outgrows the map makes the reader's next
 transaction fail with ``MapResizedError``; the reader maps :func:`reader_map_size` of the file
-as it is then (:meth:`events.log.LmdbLog._txn`), and LMDB raises that to the pages in use.
+as it is then (:class:`events.lmdbread.Reads`), and LMDB raises that to the pages in use.
 
 :func:`meta_damage` reads LMDB's two meta pages itself when LMDB refuses to open a file as
 not an LMDB file or of another data format: a byte changed in a meta page (bit rot) reads

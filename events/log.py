@@ -35,9 +35,12 @@ so losing one to a crash costs a longer fold, nothing else.
 A reader takes LMDB's lock file (``lock.mdb``: a slot in its table of readers, created when
 missing) as LMDB prescribes beside a live writer. Inside :func:`quiet_readers` (a server that
 must leave what it reads untouched: ``nnx-es serve``), a read-only handle of a log that no other
-process has open (:func:`events.lmdbfile.env_in_use`) is opened without it (``MDB_NOLOCK``): it
-creates no ``lock.mdb`` and writes none, and raises :class:`~events.errors.WriterAppearedError`
-when a process opened the log during one of its reads (read again: the new handle takes the lock).
+process has open is opened without it and writes nothing; it raises
+:class:`~events.errors.WriterAppearedError` when a process opened the log during one of its reads
+(read again: the new handle takes the lock).
+
+Opening (the checks before LMDB, the sync flags, quiet readers) is :mod:`events.lmdbenv`; the reads
+inside one transaction are :mod:`events.lmdbcursor`.
 """
 
 from __future__ import annotations
@@ -45,60 +48,22 @@ from __future__ import annotations
 import itertools
 import os
 from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager
-from contextvars import ContextVar
 from pathlib import Path
 
 import lmdb
 
-from events.chunks import RawChunk, StoredPairs, cursor_chunks, ends_read
-from events.errors import (
-    DamagedLogError,
-    EventLogError,
-    LogClosedError,
-    NewLogError,
-    TruncatedLogError,
-    WriterAppearedError,
-)
+from events.chunks import RawChunk, StoredPairs, cursor_chunks
+from events.errors import EventLogError, LogClosedError
 from events.keys import check_items, check_keys
-from events.lmdbfile import env_in_use, meta_damage, reader_map_size, valid_key
-from events.paths import check_entry
-from events.logbase import EventLog, MemoryLog, LogBase, seq_key  # noqa: F401 (EventLog, MemoryLog: re-exported)
+from events.lmdbcursor import covering, nearest, passing, stored, sum_records
+from events.lmdbenv import BLOBS_DB, SNAPSHOTS_DB, check_files, open_environment, quiet_readers
+from events.lmdbread import Reads
+from events.logbase import EventLog, MemoryLog, LogBase, keyed, seq_key  # noqa: F401 (EventLog, MemoryLog: re-exported)
 from events.sums import SUMS_DB, SumProblem, SumRecord, batch_crc, pack_sum, unpack_sum, verify
 
 __all__ = ["EventLog", "LmdbLog", "MemoryLog", "quiet_readers", "seq_key"]
 
-_EVENTS_DB = b"events"
-_SNAPSHOTS_DB = b"snapshots"
-_BLOBS_DB = b"blobs"
-_DEFAULT_MAP_SIZE = 32 << 20  # bytes; doubled on demand
-#: LMDB's sync flags for every handle (docs/INVARIANTS.md "Power loss"). Each write transaction
-#: syncs its data pages before its meta page points at them: with MDB_NOSYNC (``sync=False``, what
-#: this log used before) a power cut could keep a meta page whose pages never reached the disk, or
-#: the synced snapshot's pages reused by later unsynced transactions -- committed events lost. The
-#: meta page itself is written unsynced (MDB_NOMETASYNC: a cut may undo the newest transaction, never
-#: corrupt the file); ``flush(sync=True)`` syncs it, so a commit marker is durable when ``commit``
-#: returns. Benchmarks and the power-loss tests swap in the old flags to measure and to plant the bug.
-_DURABILITY: dict[str, bool] = {"sync": True, "metasync": False}
 _WRITERS: dict[str, LmdbLog] = {}  # resolved path -> the writable log this process has open there
-_QUIET: ContextVar[bool] = ContextVar("events_quiet_readers", default=False)
-
-
-@contextmanager
-def quiet_readers() -> Iterator[None]:
-    """Within it (in this thread or task), a read-only :class:`LmdbLog` of a log no other process has
-    open is opened without LMDB's lock file: nothing under the log is created or written (LMDB's
-    ``MDB_NOLOCK``). A log another process has open (a live writer) is read with LMDB's lock as
-    always. Such a quiet handle checks, as each of its reads ends, that no process opened the log
-    meanwhile, and raises :class:`~events.errors.WriterAppearedError` when one did (its pages may
-    have been reused under the read); a handle opened beside a writer never does.
-    """
-    token = _QUIET.set(True)
-    try:
-        yield
-    finally:
-        _QUIET.reset(token)
-
 
 
 class LmdbLog(LogBase):
@@ -129,64 +94,22 @@ class LmdbLog(LogBase):
     ) -> None:
         self.path = Path(path)
         self.readonly = readonly
-        for entry, kind in ((self.path, None), (self.path / "data.mdb", "file"), (self.path / "lock.mdb", "file")):
-            check_entry(entry, kind)  # LMDB opens them itself: a link (or a FIFO) is refused first
-        data = self.path / "data.mdb"
-        if readonly and not data.exists():
-            raise EventLogError(f"no event log at {self.path}: expected {data}")
-        if data.is_file() and data.stat().st_size == 0:
-            raise TruncatedLogError(f"event log at {self.path} is truncated: {data} is empty (0 bytes; a truncated "
-                                    "write or copy?): not opened, nothing was written")
+        check_files(self.path, readonly=readonly)
         self._shared = False
-        self._quiet = False  # opened without LMDB's lock file (quiet_readers)
         writer = _WRITERS.get(str(self.path.resolve())) if readonly else None
         if writer is not None:  # LMDB allows one handle an environment per process: read through the writer's
-            self._env, self._shared = writer._env, True
+            self._env, self._shared, self._reads = writer._env, True, Reads(writer._env, self.path, remap_to_file=False,
+                                                                             quiet=False)
             self._events, self._sums, self._blobs = writer._events, writer._sums, writer._blobs
             self._snapshots = writer._snapshots
-            super().__init__(self._count_stored())
+            super().__init__(self._reads.count(self._events))
             return
+        (self._env, self._events, self._sums, self._blobs, self._snapshots,
+         quiet) = open_environment(self.path, readonly=readonly, map_size=map_size)
+        self._reads = Reads(self._env, self.path, remap_to_file=readonly, quiet=quiet)
         try:
-            if not readonly:
-                self.path.mkdir(parents=True, exist_ok=True)
-            self._quiet = readonly and _QUIET.get() and not env_in_use(self.path)
-            self._env = lmdb.open(
-                str(self.path),
-                # a reader maps the file and room to grow (events.lmdbfile), not more: it runs under a ulimit -v
-                map_size=map_size or (reader_map_size(data) if readonly else _DEFAULT_MAP_SIZE),
-                subdir=True,
-                readonly=readonly,
-                max_dbs=8,
-                **_DURABILITY,
-                lock=not self._quiet,
-                readahead=False,
-            )
-            self._check_size()
-            self._sums: lmdb._Database | None = None
-            self._blobs: lmdb._Database | None = None
-            self._snapshots: lmdb._Database | None = None
-            if readonly:  # creates nothing: an older log has no sums (or blobs) database
-                self._events = self._env.open_db(_EVENTS_DB, create=False)
-                self._open_sums()
-            else:
-                self._events = self._env.open_db(_EVENTS_DB)
-                self._snapshots = self._env.open_db(_SNAPSHOTS_DB)
-                self._sums = self._env.open_db(SUMS_DB)
-                self._blobs = self._env.open_db(_BLOBS_DB)
-        except (lmdb.Error, OSError) as exc:
-            if hasattr(self, "_env"):
-                self._env.close()
-            if isinstance(exc, EventLogError):
-                raise
-            if isinstance(exc, lmdb.NotFoundError):  # only a read-only open looks its databases up
-                raise NewLogError(f"event log at {self.path} has no events database yet: its writer is creating it "
-                                  "(a run starting now: try again), or it is another LMDB environment") from None
-            if isinstance(exc, lmdb.Error) and (why := meta_damage(data)):  # bit rot reads as a data format
-                raise DamagedLogError(f"event log at {self.path} is damaged: {why}: not opened; restore the run "
-                                      "directory from a copy") from None
-            raise EventLogError(f"cannot open event log at {self.path}: {exc}") from None
-        try:
-            super().__init__(self._count_stored())
+            self._open_sums()
+            super().__init__(self._reads.count(self._events))
         except EventLogError:
             self._env.close()
             raise
@@ -196,99 +119,16 @@ class LmdbLog(LogBase):
     def _open_sums(self) -> None:
         """Open the sums database of a read-only log when it exists (a writer may create it later)."""
         if self._sums is None:
-            self._sums = self._existing_db(SUMS_DB)
-
-    def _existing_db(self, name: bytes) -> lmdb._Database | None:
-        """A named database of a read-only log, or None while no writer has created it (a map a writer
-        outgrew is remapped first, by :meth:`_txn`: LMDB's own lookup transaction would fail)."""
-        try:
-            with self._reading():
-                with self._txn():
-                    pass
-                return self._env.open_db(name, create=False)  # (one opened in a read of ours is not kept)
-        except EventLogError as exc:
-            if not isinstance(exc.__cause__, lmdb.NotFoundError):
-                raise
-        return None
-
-    def _check_size(self) -> None:
-        """Refuse a data file shorter than the pages its environment says are in use.
-
-        LMDB reads pages through a memory map: a page past the end of a truncated
-        ``data.mdb`` would kill the process with SIGBUS instead of raising.
-
-        Raises:
-            TruncatedLogError: the file is truncated (sizes named).
-        """
-        used = (self._env.info()["last_pgno"] + 1) * self._env.stat()["psize"]
-        size = (self.path / "data.mdb").stat().st_size
-        if size < used:
-            raise TruncatedLogError(
-                f"event log at {self.path} is truncated: data.mdb has {size} bytes, its pages need {used}"
-            )
-
-    @contextmanager
-    def _reading(self) -> Iterator[None]:
-        """Turn LMDB's errors while reading (a corrupted page) into :class:`EventLogError`."""
-        try:
-            yield
-        except lmdb.Error as exc:
-            raise EventLogError(f"read of event log at {self.path} failed: {type(exc).__name__}: {exc}") from exc
-
-    def _count_stored(self) -> int:
-        with self._reading(), self._txn() as txn:
-            cur = txn.cursor(self._events)
-            if not cur.last():
-                return 0
-            if not valid_key(key := cur.key()):  # the log's length would be no count (2^63, 2^64 + 1, ...)
-                raise DamagedLogError(f"event log at {self.path} is damaged: its last key, {bytes(key).hex()}, is not "
-                                      "a seq (8 bytes below 2^62): not read; restore the run directory from a copy")
-            return int.from_bytes(key, "big") + 1
-
-    _reads = 0  # read transactions this handle has open (a generator suspended mid-read holds one)
-
-    @contextmanager
-    def _txn(self) -> Iterator[lmdb.Transaction]:
-        """A read transaction. A writer that grew the file past a reader's map makes LMDB refuse it
-        (``MapResizedError``): the reader maps the file as it is now (:func:`events.lmdbfile.reader_map_size`)
-        and begins again, unless another of its reads is open (a remap would end it).
-
-        Raises:
-            EventLogError: the map must grow while another read of this handle is open (read again).
-        """
-        try:
-            txn = self._env.begin()
-        except lmdb.MapResizedError:
-            if self._reads:
-                raise EventLogError(f"event log at {self.path} grew past this reader's map while one of its reads "
-                                    "was open (remapping would end that read): read again") from None
-            self._env.set_mapsize(reader_map_size(self.path / "data.mdb") if self.readonly and not self._shared else 0)
-            txn = self._env.begin()
-        self._reads += 1
-        try:
-            with txn:
-                yield txn
-        except Exception as exc:  # garbage read from reused pages is said as the writer that reused them
-            if self._quiet and env_in_use(self.path):
-                raise self._writer_appeared() from exc
-            raise
-        finally:
-            self._reads -= 1
-        if self._quiet and env_in_use(self.path):
-            raise self._writer_appeared()
+            self._sums = self._reads.existing_db(SUMS_DB)
 
     @property
     def quiet(self) -> bool:
         """Whether this handle reads without LMDB's lock file (:func:`quiet_readers`, no other process there)."""
-        return self._quiet
-
-    def _writer_appeared(self) -> WriterAppearedError:
-        return WriterAppearedError(f"a process opened the event log at {self.path} while this reader read it without "
-                                   "LMDB's lock file (no process had it open when it was opened): read again")
+        return self._reads.quiet
 
     def refresh(self) -> int:
         """Re-read the stored length (a reader following a live writer); return it."""
-        n = self._count_stored()
+        n = self._reads.count(self._events)
         self._flushed = self._next = n
         return n
 
@@ -316,13 +156,12 @@ class LmdbLog(LogBase):
                         # the blobs this write adds (a key stored before keeps its value)
                         added = {key: value for key, value in self._staged.items()
                                  if txn.put(key, value, db=self._blobs, overwrite=False)}
-                        # one C call for the batch (seq_key inlined); MDB_APPEND refuses a key at or
-                        # below the last one stored (another writer stored it) and goes on: a refusal
+                        # one C call for the batch (no Python call per event); MDB_APPEND refuses a key
+                        # at or below the last one stored (another writer stored it) and goes on: a refusal
                         # aborts the whole batch, never drops silently. The buffer's seqs ascend by
                         # one, so the refused ones are its first: its first seq is named.
                         buffer = self._buffer
-                        consumed, added_events = txn.cursor().putmulti(
-                            [(seq.to_bytes(8, "big"), raw) for seq, raw in buffer], append=True)
+                        consumed, added_events = txn.cursor().putmulti(keyed(buffer), append=True)
                         if added_events != consumed:
                             raise EventLogError(
                                 f"write to {self.path} refused: seq {buffer[0][0]} is already stored "
@@ -383,28 +222,8 @@ class LmdbLog(LogBase):
         """
         if self._closed:
             raise LogClosedError("read on a closed event log")
-        with self._reading(), self._txn() as txn:
-            yield from self._stored(txn, start, stop)
-
-    def _stored(self, txn: lmdb.Transaction, start: int, stop: int | None) -> Iterator[tuple[int, bytes]]:
-        cur = txn.cursor(self._events)
-        if stop is None:
-            if cur.set_range(seq_key(max(start, 0))):
-                yield from ((int.from_bytes(key, "big"), value) for key, value in cur)
-            return
-        if not cur.last():
-            return
-        final = int.from_bytes(cur.key(), "big")
-        if not cur.set_range(seq_key(max(start, 0))):
-            return
-        entries = iter(cur)
-        entry = next(entries, None)
-        while entry is not None:
-            seq, following = int.from_bytes(entry[0], "big"), next(entries, None)
-            if seq >= stop and ends_read(seq, final, None if following is None else int.from_bytes(following[0], "big")):
-                return  # in order: the end of the range (a changed key past it does not end the read)
-            yield seq, entry[1]
-            entry = following
+        with self._reads.txn() as txn:
+            yield from stored(txn, self._events, start, stop)
 
     def read_chunks(self, start: int = 0, stop: int | None = None) -> Iterator[RawChunk]:
         """Yield the stored values with ``start <= seq < stop`` as ``(first_seq, values)`` chunks.
@@ -424,7 +243,7 @@ class LmdbLog(LogBase):
         """
         if self._closed:
             raise LogClosedError("read on a closed event log")
-        with self._reading(), self._txn() as txn:
+        with self._reads.txn() as txn:
             yield from cursor_chunks(txn.cursor(self._events), start, stop, self.read_chunk)
 
     def check_keys(
@@ -448,7 +267,7 @@ class LmdbLog(LogBase):
         """
         if self._closed:
             raise LogClosedError("read on a closed event log")
-        with self._reading(), self._txn() as txn:
+        with self._reads.txn() as txn:
             cur = txn.cursor(self._events)
             if start > 0 and not cur.set_range(seq_key(start)):
                 return 0
@@ -480,20 +299,8 @@ class LmdbLog(LogBase):
         if self._closed:
             raise LogClosedError("read on a closed event log")
         self._open_sums()  # before the transaction: a database opened during one is not valid in it
-        with self._reading(), self._txn() as txn:
-            yield from self._sum_records(txn, start, stop)
-
-    def _sum_records(self, txn: lmdb.Transaction, start: int, stop: int | None) -> Iterator[SumRecord]:
-        if self._sums is None:
-            return
-        cur = txn.cursor(self._sums)
-        if not cur.set_range(seq_key(max(start, 0))):
-            return
-        for key, value in cur:
-            record = unpack_sum(key, value)
-            if stop is not None and record.first >= stop:
-                return
-            yield record
+        with self._reads.txn() as txn:
+            yield from sum_records(txn, self._sums, start, stop)
 
     def verify_sums(
         self, stop: int | None = None, *, start: int = 0,
@@ -519,20 +326,12 @@ class LmdbLog(LogBase):
         if self._closed:
             raise LogClosedError("read on a closed event log")
         self._open_sums()  # before the transaction: a database opened during one is not valid in it
-        with self._reading(), self._txn() as txn:
-            begin = self._covering(txn, start) if start > 0 else 0
+        with self._reads.txn() as txn:
+            begin = covering(txn, self._sums, start) if start > 0 else 0
             chunks = cursor_chunks(txn.cursor(self._events), begin, stop, self.read_chunk)
             if each_chunk is not None:
-                chunks = _passing(chunks, each_chunk)
-            yield from verify(self._sum_records(txn, begin, stop), chunks, stop)
-
-    def _covering(self, txn: lmdb.Transaction, seq: int) -> int:
-        """The first seq of the last sum record starting at or before ``seq`` (``seq`` when there is none)."""
-        if self._sums is None:
-            return seq
-        cur = txn.cursor(self._sums)
-        found = cur.prev() if cur.set_range(seq_key(seq + 1)) else cur.last()
-        return int.from_bytes(cur.key(), "big") if found else seq
+                chunks = passing(chunks, each_chunk)
+            yield from verify(sum_records(txn, self._sums, begin, stop), chunks, stop)
 
     def put_snapshot(self, seq: int, value: bytes) -> None:
         """Store the projection snapshot ``value`` under ``seq`` (replacing one there), in one unsynced
@@ -567,21 +366,17 @@ class LmdbLog(LogBase):
         if self._closed:
             raise LogClosedError("read on a closed event log")
         if self._snapshots is None:
-            self._snapshots = self._existing_db(_SNAPSHOTS_DB)
+            self._snapshots = self._reads.existing_db(SNAPSHOTS_DB)
             if self._snapshots is None:
                 return
         end = (1 << 64) - 1 if stop is None else stop
         key = seq_key(end) if newest_first else seq_key(0)  # where the next one is looked for
         while True:
-            with self._reading(), self._txn() as txn:
-                cur = txn.cursor(self._snapshots)
-                if newest_first:  # the last key below ``key``
-                    found = cur.prev() if cur.set_range(key) else cur.last()
-                else:  # the first key at or past ``key``
-                    found = cur.set_range(key)
-                if not found:
-                    return
-                found_key, value = cur.key(), bytes(cur.value())
+            with self._reads.txn() as txn:
+                found = nearest(txn, self._snapshots, key, below=newest_first)
+            if found is None:
+                return
+            found_key, value = found
             seq = int.from_bytes(found_key, "big")
             if seq >= end:
                 return
@@ -605,13 +400,13 @@ class LmdbLog(LogBase):
         """
         with self._env.begin(write=True, db=self._events) as txn:
             txn.put(seq_key(seq), raw)
-            cur = txn.cursor(self._sums)
-            if not (cur.prev() if cur.set_range(seq_key(seq + 1)) else cur.last()):
+            record = nearest(txn, self._sums, seq_key(seq + 1), below=True)
+            if record is None:
                 return  # before every record (written before checksums): stays uncovered
-            first, last, _ = unpack_sum(cur.key(), cur.value())
+            first, last, _ = unpack_sum(*record)
             if last < seq:
                 first = last = seq
-            values = [v for _, v in self._stored(txn, first, last + 1)]
+            values = [v for _, v in stored(txn, self._events, first, last + 1)]
             txn.put(seq_key(first), pack_sum(last, batch_crc(values)), db=self._sums)
 
     def get_blob(self, key: bytes) -> bytes | None:
@@ -623,10 +418,10 @@ class LmdbLog(LogBase):
         if self._closed:
             raise LogClosedError("read on a closed event log")
         if self._blobs is None:
-            self._blobs = self._existing_db(_BLOBS_DB)  # a writer may have created it since
+            self._blobs = self._reads.existing_db(BLOBS_DB)  # a writer may have created it since
             if self._blobs is None:
                 return None
-        with self._reading(), self._txn() as txn:
+        with self._reads.txn() as txn:
             value = txn.get(bytes(key), db=self._blobs)
         return None if value is None else bytes(value)
 
@@ -665,9 +460,3 @@ class LmdbLog(LogBase):
             self._env.close()
         super().close()
 
-
-def _passing(chunks: Iterator[RawChunk], each: Callable[[int, list[bytes]], None]) -> Iterator[RawChunk]:
-    """``chunks``, each handed to ``each`` before it is yielded."""
-    for first, values in chunks:
-        each(first, values)
-        yield first, values

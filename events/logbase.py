@@ -6,7 +6,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+import operator
+import struct
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Protocol
 
 from events.chunks import RawChunk, runs
@@ -18,9 +20,18 @@ from events.sums import SumProblem
 __all__ = ["EventLog", "LogBase", "MemoryLog", "seq_key"]
 
 
+_KEY = struct.Struct(">Q")  # a key: 8 bytes, big-endian
+_SEQ, _VALUE = operator.itemgetter(0), operator.itemgetter(1)
+
+
 def seq_key(seq: int) -> bytes:
     """The 8-byte big-endian key of sequence number ``seq``."""
-    return seq.to_bytes(8, "big")
+    return _KEY.pack(seq)
+
+
+def keyed(buffer: Sequence[tuple[int, bytes]]) -> Iterator[tuple[bytes, bytes]]:
+    """``(seq_key(seq), value)`` of each buffered ``(seq, value)``, in order: no Python call per item."""
+    return zip(map(_KEY.pack, map(_SEQ, buffer)), map(_VALUE, buffer))
 
 
 class EventLog(Protocol):
@@ -36,6 +47,8 @@ class EventLog(Protocol):
     def syncs(self) -> int: ...
 
     def append(self, event: Event) -> int: ...
+
+    def extend(self, events: Sequence[Event]) -> int: ...
 
     def flush(self, *, sync: bool = False) -> None: ...
 
@@ -97,14 +110,20 @@ class LogBase:
 
     def append(self, event: Event) -> int:
         """Buffer ``event``; return its seq. Nothing is written until ``flush``."""
+        return self.extend((event,))
+
+    def extend(self, events: Sequence[Event]) -> int:
+        """Buffer ``events`` in order, all or none (each is encoded first); return the last one's seq.
+        Nothing is written until ``flush``."""
         if self._closed:
             raise LogClosedError("append on a closed event log")
         if self.readonly:
             raise EventLogError("append on an event log opened read-only")
+        raws = list(map(encode, events))  # no Python call per event
         seq = self._next
-        self._buffer.append((seq, encode(event)))
-        self._next = seq + 1
-        return seq
+        self._next = end = seq + len(raws)
+        self._buffer.extend(zip(range(seq, end), raws))
+        return end - 1
 
     def stage_blob(self, key: bytes, value: bytes) -> None:
         """Buffer blob ``value`` under ``key``: the next flush writes it with the buffered events

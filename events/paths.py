@@ -19,7 +19,7 @@ from __future__ import annotations
 import errno
 import os
 import stat
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from events.errors import UnsafePathError
@@ -52,6 +52,12 @@ def _refuse(path: Path, found: str, want: str) -> UnsafePathError:
                            "remove it (or restore the run directory from a copy)")
 
 
+#: what :func:`check_entry` wants of each kind: (in words, the test of an ``st_mode``)
+_WANTED: dict[str, tuple[str, Callable[[int], bool]]] = {"dir": ("a directory", stat.S_ISDIR),
+                                                          "file": ("a regular file", stat.S_ISREG)}
+_ANY: tuple[str, Callable[[int], bool]] = ("what it names", lambda mode: not stat.S_ISLNK(mode))
+
+
 def check_entry(path: str | os.PathLike[str], kind: str | None) -> os.stat_result | None:
     """``lstat`` ``path``; return its stat, or ``None`` when it does not exist.
 
@@ -61,15 +67,13 @@ def check_entry(path: str | os.PathLike[str], kind: str | None) -> os.stat_resul
     Raises:
         UnsafePathError: ``path`` is a symbolic link, or exists and is not of ``kind``.
     """
-    path = Path(path)
     try:
-        st = os.lstat(path)
+        st = os.lstat(path)  # the name as given: no Path built unless it is refused (a commit checks every blob)
     except (FileNotFoundError, NotADirectoryError):  # (a parent is not a directory: nothing is there)
         return None
-    want, ok = {"dir": ("a directory", stat.S_ISDIR), "file": ("a regular file", stat.S_ISREG)}.get(
-        kind or "", ("what it names", lambda mode: not stat.S_ISLNK(mode)))
+    want, ok = _WANTED[kind] if kind in _WANTED else _ANY
     if not ok(st.st_mode):
-        raise _refuse(path, describe(st.st_mode), want)
+        raise _refuse(Path(path), describe(st.st_mode), want)
     return st
 
 

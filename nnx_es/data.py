@@ -31,6 +31,7 @@ fresh workers would be (:func:`nnx_es.workers.reseed_workers`), so a resume is e
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
+from functools import partial
 from typing import Any
 
 import torch
@@ -69,18 +70,17 @@ def iterate_batches(loader: Iterable[Any], *, gather: bool = True, device: torch
     when the loader pins memory); ``None``: batches as they come.
     """
     non_blocking = device is not None and bool(getattr(loader, "pin_memory", False)) and device.type != "cpu"
-    return _batches(loader, gather, device, non_blocking)
-
-
-def _batches(loader: Iterable[Any], gather: bool, device: torch.device | None, non_blocking: bool) -> Iterator[Any]:
     reseed_workers(loader)
     if not (gather and gatherable(loader)):
         if device is None:
-            yield from loader
-        else:  # moved here, not by a generator around this one: one generator frame per batch
-            for batch in loader:
-                yield move_batch(batch, device, non_blocking)
-        return
+            return iter(loader)
+        # no generator frame around the loader's: one call per batch, the move's
+        return map(partial(move_batch, device=device, non_blocking=non_blocking), loader)
+    return _gathered(loader, device, non_blocking)
+
+
+def _gathered(loader: Iterable[Any], device: torch.device | None, non_blocking: bool) -> Iterator[Any]:
+    """The batches of a :func:`gatherable` loader, gathered (see the module docstring)."""
     if device is not None and device.type == "cpu":
         device = None  # gatherable: every tensor of the data set is on the CPU already
     assert isinstance(loader, DataLoader)

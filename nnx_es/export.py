@@ -166,7 +166,9 @@ def _write_safetensors(form: nn.Module, sample: Tensor, path: Path) -> None:
     from safetensors.torch import save_file
 
     state = {k: v.detach().cpu().contiguous() for k, v in form.state_dict().items()}
-    save_file(state, str(path), metadata={"format": "pt", "module": type(form).__qualname__})
+    # one metadata key: safetensors 0.8 writes several in a varying order (a Rust HashMap), so the same
+    # weights gave files of different SHA-256s; with one, the file is a function of the weights
+    save_file(state, str(path), metadata={"format": "pt"})
 
 
 def _run_safetensors(path: Path, form: nn.Module, sample: Tensor) -> Tensor:

@@ -28,6 +28,7 @@ import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import msgspec
 import numpy as np
 import torch
 from torch import Tensor, nn
@@ -151,8 +152,9 @@ class Term:
         return losses
 
 
-class LossParts:
-    """What one microbatch contributes: the backward numerator and the bookkeeping.
+class LossParts(msgspec.Struct):
+    """What one microbatch contributes: the backward numerator and the bookkeeping (a struct: built
+    without a Python call, once per microbatch).
 
     total: ``sum_t weight_t * num_t`` (0-dim tensor, grad-carrying).
     den: the denominator (float). terms: per-term numerators (0-dim tensors,
@@ -160,15 +162,12 @@ class LossParts:
     ``float`` when needed, which syncs a device).
     """
 
-    __slots__ = ("total", "den", "terms", "ignored")
-
-    def __init__(self, total: Tensor, den: float, terms: dict[str, Tensor], ignored: Tensor | None = None) -> None:
-        self.total = total
-        self.den = den
-        self.terms = terms
-        #: rows' worth of targets a term's ``ignore_index`` leaves out (0-dim float64 on the targets' device,
-        #: unread): the true denominator is ``den - ignored``; None: ``den`` is exact
-        self.ignored = ignored
+    total: Tensor
+    den: float
+    terms: dict[str, Tensor]
+    #: rows' worth of targets a term's ``ignore_index`` leaves out (0-dim float64 on the targets' device,
+    #: unread): the true denominator is ``den - ignored``; None: ``den`` is exact
+    ignored: Tensor | None = None
 
     def exact_den(self) -> float:
         """``den`` less the ignored targets (reads ``ignored`` on the host: one sync when there is one)."""

@@ -97,10 +97,13 @@ class _Packer:
         name = _NAMES.get(t.dtype)
         if name is None or t.layout != torch.strided or t.is_quantized or t.is_meta:
             raise _Unsupported
-        if t.device.type == "cpu" and name in _AS_NUMPY and t.is_contiguous() and not (t.is_conj() or t.is_neg()):
-            # the usual state tensor: its memory as it is (the same bytes as the general path's view)
-            raw = t.detach().numpy()
-        else:
+        raw = None
+        if t.device.type == "cpu" and name in _AS_NUMPY and t.is_contiguous():
+            try:  # the usual state tensor: its memory as it is (the same bytes as the general path's view)
+                raw = t.numpy()
+            except RuntimeError:  # it requires grad, or has its conjugate or negative bit set
+                pass
+        if raw is None:
             flat = t.detach().resolve_conj().resolve_neg().cpu().contiguous().reshape(-1)
             raw = flat.view(torch.uint8).numpy()
         # a view of the tensor's memory: copied once, by encode_state's join
@@ -123,27 +126,27 @@ class _Packer:
         return msgspec.msgpack.Ext(_NUMPY, _plain.encode([dtype.name, shape, offset, nbytes]))
 
     def pack(self, obj: Any) -> Any:
+        """``obj`` as msgpack-able values (a container's leaves are taken as they are, no call each)."""
         t = type(obj)
         if t in _LEAVES:
             return obj
         if t is Tensor:
             return self.tensor(obj)
-        if isinstance(obj, (np.generic, np.ndarray)) and (t is np.ndarray or t in _NUMPY_SCALARS):
-            return self.numpy(obj)
         if t is dict or t is OrderedDict:
             items = {}
             for k, v in obj.items():
                 if type(k) is not str and type(k) is not int:
                     raise _Unsupported
-                items[k] = self.pack(v)
+                items[k] = v if type(v) in _LEAVES else self.pack(v)
             metadata = getattr(obj, "_metadata", None)
             if metadata is None:
                 return items
             return msgspec.msgpack.Ext(_STATE_DICT, _encoder.encode([items, self.pack(dict(metadata))]))
-        if t is list:
-            return [self.pack(v) for v in obj]
-        if t is tuple:
-            return msgspec.msgpack.Ext(_TUPLE, _encoder.encode([self.pack(v) for v in obj]))
+        if t is list or t is tuple:
+            values = [v if type(v) in _LEAVES else self.pack(v) for v in obj]
+            return values if t is list else msgspec.msgpack.Ext(_TUPLE, _encoder.encode(values))
+        if isinstance(obj, (np.generic, np.ndarray)) and (t is np.ndarray or t in _NUMPY_SCALARS):
+            return self.numpy(obj)
         raise _Unsupported
 
 

@@ -202,6 +202,7 @@ class BlobStore:
     def __init__(self, root: Path, log: EventLog | None = None) -> None:
         self.root = Path(root)
         self.log = log
+        self._files = os.path.join(self.root, "sha256")  # a string: a commit looks for every blob it stages here
 
     def _in_log(self, digest: str) -> bytes | None:
         if self.log is not None:
@@ -240,7 +241,7 @@ class BlobStore:
         """Where the blob is stored: this layout's path or the sharded one; ``None`` when absent."""
         if not _DIGEST.fullmatch(digest):
             self.path(digest)  # raises, naming it
-        base = os.path.join(self.root, "sha256")  # strings: a commit asks this for every blob it stages
+        base = self._files
         if check_entry(os.path.join(base, digest), "file") is not None:  # a link or a FIFO: refused, never taken
             return Path(base, digest)
         shard = os.path.join(base, digest[:2])  # the sharded layout: its directory no more followed than the file

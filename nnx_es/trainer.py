@@ -45,7 +45,7 @@ from nnx_es.recipes.runspec import record_spec, spec_hash
 from nnx_es.runtime.recording import Recorder
 from nnx_es.result import RunResult, load_result, result_of
 from nnx_es.retention import check_retention
-from nnx_es.rows.journal import HistoryJournal
+from nnx_es.rows.journal import HistoryJournal, check_history
 from nnx_es.rows.recorder import RowRecorder
 from nnx_es.runtime.run_state import RunState
 from nnx_es.runtime.context import TrainContext
@@ -241,11 +241,13 @@ class Trainer:
                                    orchestrator=UpdateOrchestrator(self.update_hooks))
         for h in self.update_hooks:
             h.configure(self.engine)
-        self.rows = RowRecorder(self.objective, history)
+        self.history = check_history(history)
+        #: the per-row records of the latest ``fit`` (``None`` before the first)
+        self.rows: RowRecorder | None = None
         #: what every fit runs with
         self.plan = RunPlan(
             engine=self.engine, schedulers=self.schedulers, monitor=self.monitor, metrics=self.metrics,
-            callbacks=self.callbacks, stages=self.stages, rows=self.rows, validate=self.validate,
+            callbacks=self.callbacks, stages=self.stages, history=self.history, validate=self.validate,
             loop=LoopSettings(cadence=Cadence(validate_every, validate_every_steps),
                               step_fn=trainer_step_fn or default_train_step, custom_step=self.custom_step,
                               batch_gather=batch_gather, nonfinite=nonfinite, device=self.device,
@@ -261,7 +263,7 @@ class Trainer:
             recipe_required, spec, net=net, optimizers=self.optimizers, objective=self.objective, monitor=self.monitor,
             metrics=metric_names(self.metrics), schedulers=self.schedulers, callbacks=self.callbacks, update_hooks=self.update_hooks,
             hooks=hooks, steps={"train_step_fn": train_step_fn, "eval_step_fn": eval_step_fn,
-                                "trainer_step_fn": trainer_step_fn}, seed=self.seed,
+                                "trainer_step_fn": trainer_step_fn}, seed=self.seed, transforms=self.transforms,
             settings=dict(validate_every=validate_every, validate_every_steps=validate_every_steps, phase_every=phase_every,
                           keep_phases=keep_phases, checkpoint_lag=checkpoint_lag, sample_weights=sample_weights,
                           track_grad_norm=track_grad_norm, batch_gather=batch_gather, keep_last=keep_last,
@@ -297,7 +299,7 @@ class Trainer:
             lineage=self.lineage, param_groups=group_names(self.optimizers),
             models=self.net.declare() if isinstance(self.net, ModelSet) else None,
             world_size=components.world.size, writer_rank=components.world.writer_rank,
-            history=repr(self.rows.journal) if self.rows.journal is not None else "none",
+            history=repr(self.history) if self.history is not None else "none",
             digests=DigestCadence(every=self.distributed.digest_every)
             if self.distributed is not None and components.world.distributed else None,
             initial_weights=weights_fingerprint(self.net) if source is None else "",
@@ -369,7 +371,7 @@ class Trainer:
                           components=components, world=components.world,
                           declare=lambda run_id, source: self._declare(components, run_id, source)) as session:
             scope = RunScope(self.plan, session, components, module)
-            state, self.state, self.ctx = scope.state, scope.state, scope.ctx
+            state, self.state, self.ctx, self.rows = scope.state, scope.state, scope.ctx, scope.rows
             state.after_opening = [*components.take_notes(), *opening_events(self.net)]
             self.run_id, self.runs_root, self.run_dir = state.run_id, state.runs_root, state.run_dir
             scope.run(train_loader, val_loader, epochs)
@@ -395,4 +397,4 @@ class Trainer:
                 cb(**seen, step_count=ctx.step_count, epoch=ctx.epoch)
         return evaluate(net, loader, self.objective, self.eval_step_fn, self.metrics, gather=self.batch_gather,
                         device=self.device, world=self.state.world if self.state is not None else None,
-                        on_batch=on_batch, rows=self.rows.val_batch)
+                        on_batch=on_batch, rows=self.rows.val_batch if self.rows is not None else None)

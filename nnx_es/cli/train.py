@@ -201,7 +201,7 @@ def lr_curve(spec: Any, allowed: Any) -> tuple[dict[str, list[float]], int]:
     from nnx_es.recipes import from_spec
     from nnx_es.recipes.runspec import build_model_and_optimizers
 
-    _net, ctx = build_model_and_optimizers(spec, allowed)
+    _net, ctx, _ = build_model_and_optimizers(spec, allowed)
     schedulers = [from_spec(r, allowed=allowed, context=ctx, slot="scheduler") for r in spec.schedulers]
     per_epoch, _ = _updates_per_epoch(spec)
     curves: dict[str, list[float]] = {name: [] for name in ctx.optimizers}

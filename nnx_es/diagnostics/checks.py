@@ -9,6 +9,12 @@ The checks and their thresholds (:class:`Thresholds`; each finding names the one
   (2013), "On the difficulty of training recurrent neural networks". Measured here on the
   digits MLP (10 epochs, every update): healthy runs (Adam 3e-3..3e-2, SGD 0.1..1) peak at
   2.3-5.8x, too high rates (SGD 5, Adam 0.1) at 19-24x.
+* ``loss_diverged``: the median training loss of ``diverge_window`` (5) consecutive committed updates
+  reaches ``diverge_factor`` (4) times the first update's loss (the loss of the initial weights): the
+  divergence rule of the learning-rate range test (Smith 2017; fastai's and Lightning's
+  ``early_stop_threshold`` of 4), held against where the run started, so a healthy run's noise
+  around a low loss never reaches it. A run that diverged has weights so large that their updates
+  look small: ``update_ratio_low`` is not said of it (raising the rate would be the wrong advice).
 * ``vanishing_gradients``: a layer whose gradient norm is below ``vanishing_ratio`` (1e-3) times
   the largest layer's (the median over the run's second half): the layer-wise decay Glorot &
   Bengio (2010), "Understanding the difficulty of training deep feedforward neural networks",
@@ -55,6 +61,8 @@ class Thresholds:
     """The thresholds of :func:`diagnose` (see the module docstring for their sources)."""
 
     exploding_factor: float = 10.0
+    diverge_factor: float = 4.0
+    diverge_window: int = 5
     vanishing_ratio: float = 1e-3
     dead_fraction: float = 0.4
     ratio_guide: float = 1e-3
@@ -171,6 +179,42 @@ def _exploding(run: RunRecord, th: Thresholds) -> Finding | str:
     )
 
 
+def _divergence(run: RunRecord, th: Thresholds) -> tuple[int, float] | None:
+    """``(step, median loss)`` of the first window of ``diverge_window`` committed updates whose median loss is
+    at least ``diverge_factor`` times the first update's, or None (also without a finite first loss)."""
+    finite = [(s, v) for s, v in zip(run.steps, run.losses) if math.isfinite(v)]
+    if not finite or not run.losses or not math.isfinite(run.losses[0]) or run.losses[0] <= 0:
+        return None
+    limit, k = th.diverge_factor * run.losses[0], th.diverge_window
+    for i in range(max(len(finite) - k + 1, 0)):
+        window = [v for _, v in finite[i:i + k]]
+        if (median := statistics.median(window)) >= limit:
+            return finite[i + k - 1][0], median
+    return None
+
+
+def _diverged(run: RunRecord, th: Thresholds) -> Finding | str:
+    if len(run.losses) < th.diverge_window + 1:
+        return f"needs more than {th.diverge_window} committed updates, found {len(run.losses)}"
+    found = _divergence(run, th)
+    if found is None:
+        return ""
+    step, median = found
+    first = run.losses[0]
+    finite = _finite(run.losses)
+    return Finding(
+        code="loss_diverged",
+        title=f"the training loss diverged: its median over {th.diverge_window} updates reached {median:.3g} at step "
+              f"{step}, {median / first:.3g}x the first update's {first:.3g}",
+        evidence=(f"{len(run.losses)} committed updates; the loss at the last: {run.losses[-1]:.3g}",
+                  f"largest finite loss: {max(finite):.3g}"),
+        advice="lower the learning rate (nnx-es report SPEC --lr-find suggests one), clip the gradient norm "
+               "(clip_grad_norm=) or warm the learning rate up",
+        threshold=f"median of {th.diverge_window} updates >= {th.diverge_factor:g}x the first update's loss (the "
+                  "range test's divergence rule: Smith 2017, fastai, Lightning)",
+    )
+
+
 def _second_half(records: Sequence[DiagnosticsRecorded]) -> Sequence[DiagnosticsRecorded]:
     return records[len(records) // 2:]
 
@@ -267,7 +311,7 @@ def _ratio(run: RunRecord, th: Thresholds) -> list[Finding] | str:
             advice="lower the learning rate (nnx-es report SPEC --lr-find suggests one)",
             threshold=f"median >= {th.ratio_high:g} or a layer's ratio >= {th.ratio_spike:g}; {guide}",
         ))
-    elif median < th.ratio_low:
+    elif median < th.ratio_low and _divergence(run, th) is None:  # diverged: huge weights, not a slow rate
         out.append(Finding(
             code="update_ratio_low",
             title=f"updates barely move the weights (median update/weight ratio {median:.2g})",
@@ -335,7 +379,8 @@ def _plateau(run: RunRecord, th: Thresholds) -> Finding | str:
 
 #: in the order a cause comes before its effects: a too large update kills units, which starve a layer of gradient
 CHECKS = (
-    ("skipped non-finite updates", _nonfinite), ("exploding gradients", _exploding), ("update ratio", _ratio),
+    ("skipped non-finite updates", _nonfinite), ("diverged loss", _diverged), ("exploding gradients", _exploding),
+    ("update ratio", _ratio),
     ("dead units", _dead), ("vanishing gradients", _vanishing), ("train/validation gap", _gap),
     ("plateau", _plateau),
 )

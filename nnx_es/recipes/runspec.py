@@ -41,7 +41,7 @@ TRAINER_SETTINGS = ("validate_every", "validate_every_steps", "phase_every", "ke
 #: step functions a spec names by import path
 STEP_FUNCTIONS = ("train_step_fn", "eval_step_fn", "trainer_step_fn")
 #: each recipe field of a :class:`RunSpec` -> the slot its recipes stand in (steps: the ``"step"`` slot)
-FIELD_SLOTS = {"model": "model", "optimizers": "optimizer", "loss": "loss", "schedulers": "scheduler",
+FIELD_SLOTS = {"model": "model", "transforms": "transform", "optimizers": "optimizer", "loss": "loss", "schedulers": "scheduler",
                "callbacks": "callback", "hooks": "hook", "monitor": "monitor", "data": "data"}
 
 
@@ -53,9 +53,13 @@ class RunSpec(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     :class:`nnx_es.Scheduler` (a torch scheduler with its clock), their optimizer given as
     ``{"@optimizer": name}``. loss: a loss recipe or an :class:`nnx_es.Objective` of named terms.
     data: a recipe returning ``(train_loader, val_loader or None)``. steps: step function -> path.
+    transforms: model transforms (:mod:`nnx_es.transforms`, slot ``"transform"``) applied to the model, in
+    order, before its optimizers are built (``Trainer(transforms=...)``); a run recorded without any
+    records no ``transforms`` key (its spec and ``spec_hash`` are as before the field existed).
     """
 
     model: Recipe
+    transforms: list[Recipe] = []
     optimizers: dict[str, Recipe]
     loss: Recipe
     schedulers: list[Recipe] = []
@@ -230,7 +234,7 @@ def build_run(spec: RunSpec, *, allowed: Allowed | None = None, runs_root: str |
     # come from the spec's seed, so one spec run twice is one run twice (Trainer(seed=) seeds
     # again before training)
     seed_everything(spec.seed)
-    net, ctx = build_model_and_optimizers(spec, allowed)
+    net, ctx, transforms = build_model_and_optimizers(spec, allowed)
 
     def build(where: str, r: Recipe, slot_name: str) -> Any:
         return _said(where, from_spec, r, allowed=allowed, context=ctx, slot=slot_name)
@@ -247,7 +251,7 @@ def build_run(spec: RunSpec, *, allowed: Allowed | None = None, runs_root: str |
         trainer = nnx_es.Trainer(
             net, dict(ctx.optimizers), built["loss"][0], monitor=built.get("monitor", [None])[0],
             metrics=tuple(spec.metrics), schedulers=built.get("scheduler", []), callbacks=built.get("callback", []),
-            hooks=built.get("hook", []),
+            hooks=built.get("hook", []), transforms=transforms,
             **steps, **spec.trainer, runs_root=runs_root, run_id=run_id, seed=spec.seed, progress=progress,
             recipe_required=True, spec=spec,
         )
@@ -258,27 +262,33 @@ def build_run(spec: RunSpec, *, allowed: Allowed | None = None, runs_root: str |
     return BuiltRun(trainer, loaders[0], loaders[1], spec.epochs, spec)
 
 
-def build_model_and_optimizers(spec: RunSpec, allowed: Allowed) -> tuple[Any, BuildContext]:
-    """The net (slot ``model``) and its optimizers (slot ``optimizer``; one without ``params`` takes all
-    the net's parameters), as ``(net, context)``; what ``nnx-es report`` previews too.
+def build_model_and_optimizers(spec: RunSpec, allowed: Allowed) -> tuple[Any, BuildContext, list[Any]]:
+    """The net (slot ``model``) with the spec's transforms applied (slot ``transform``), then its optimizers
+    (slot ``optimizer``; one without ``params`` takes all the net's parameters, adapters included), as
+    ``(net, context, transforms)``; what ``nnx-es report`` previews too.
 
     Raises:
-        UnsafeRecipeError / RecipeError: naming the spec field.
+        UnsafeRecipeError / RecipeError: naming the spec field; ConfigError: a transform refuses the net.
     """
+    from nnx_es.transforms.callback import prepare
+
     net = _said("spec model", from_spec, spec.model, allowed=allowed, slot="model")
+    transforms = prepare(net, [_said(f"spec transforms[{i}]", from_spec, r, allowed=allowed, slot="transform")
+                               for i, r in enumerate(spec.transforms)])
     ctx = BuildContext(net=net)
     for name, recipe in spec.optimizers.items():
         if "params" not in recipe.kwargs:
             recipe = Recipe(target=recipe.target, kwargs={**recipe.kwargs, "params": {"@params": None}})
         ctx.optimizers[name] = _said(f"spec optimizers[{name!r}]", from_spec, recipe, allowed=allowed, context=ctx,
                                      slot="optimizer")
-    return net, ctx
+    return net, ctx, transforms
 
 
 def record_spec(required: bool, given: RunSpec | Mapping[str, Any] | None, *, net: Any, optimizers: Mapping[str, Any],
                 objective: Any, monitor: Any, metrics: Sequence[str], schedulers: Sequence[Any],
                 callbacks: Sequence[Any], update_hooks: Sequence[Any], hooks: Sequence[Any],
-                steps: Mapping[str, Any], settings: Mapping[str, Any], seed: int) -> dict[str, Any] | None:
+                steps: Mapping[str, Any], settings: Mapping[str, Any], seed: int,
+                transforms: Sequence[Any] = ()) -> dict[str, Any] | None:
     """The spec a trainer records in ``run_started``, read back from its live components; None
     when no recipe is required and none was given.
 
@@ -308,6 +318,7 @@ def record_spec(required: bool, given: RunSpec | Mapping[str, Any] | None, *, ne
                 raise RecipeError(f"a recipe is required: {name}: {exc}") from None
     spec = RunSpec(
         model=model,
+        transforms=[to_spec(t) for t in transforms],
         optimizers={name: to_spec(o, net=net) for name, o in opts.items()},
         loss=to_spec(objective, net=net, optimizers=opts),
         schedulers=[to_spec(s, net=net, optimizers=opts) for s in schedulers],
@@ -318,6 +329,8 @@ def record_spec(required: bool, given: RunSpec | Mapping[str, Any] | None, *, ne
         data=given.data if given is not None else None, epochs=given.epochs if given is not None else 0, seed=seed,
     )
     document = msgspec.to_builtins(spec)
+    if not document["transforms"]:  # a run without transforms records the spec it did before the field
+        del document["transforms"]
     _check_recordable(document, "spec")
     return document  # type: ignore[no-any-return]
 

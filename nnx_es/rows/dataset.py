@@ -13,11 +13,12 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from torch.utils.data import TensorDataset
+from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data._utils.collate import default_collate
 
 from nnx_es.errors import ConfigError
 
-__all__ = ["RowIdDataset", "with_row_ids"]
+__all__ = ["RowIdDataset", "carries_row_ids", "with_row_ids"]
 
 
 class RowIdDataset(TensorDataset):
@@ -71,3 +72,13 @@ def with_row_ids(dataset: TensorDataset, ids: Tensor | None = None) -> RowIdData
         ConfigError: see :class:`RowIdDataset`.
     """
     return RowIdDataset(dataset, ids)
+
+
+def carries_row_ids(loader: Any) -> bool:
+    """Whether ``loader``'s batches may carry row ids (:func:`nnx_es.batches.row_ids_of`). False only
+    where they cannot: a ``DataLoader`` whose default collate stacks a plain ``TensorDataset``'s rows
+    into a list of other than four tensors (no mapping, no fourth element); anything else may."""
+    if type(loader) is not DataLoader or loader.collate_fn is not default_collate:
+        return True
+    dataset = loader.dataset
+    return type(dataset) is not TensorDataset or len(dataset.tensors) == 4

@@ -31,8 +31,8 @@ from nnx_es.errors import ConfigError, CorruptCheckpointError
 from nnx_es.rows.columns import SPLITS, EpochRows, Part
 from nnx_es.storage import BlobStore
 
-__all__ = ["ChunkRef", "HistoryJournal", "JournalChunk", "JournalManifest", "JournalPart", "manifest_parts",
-           "read_manifest", "verify_manifest"]
+__all__ = ["ChunkRef", "HistoryJournal", "JournalChunk", "JournalManifest", "JournalPart", "RunJournal",
+           "check_history", "manifest_parts", "read_manifest", "verify_manifest"]
 
 
 class ChunkRef(msgspec.Struct, frozen=True, kw_only=True):
@@ -77,7 +77,8 @@ _chunk_dec = msgspec.msgpack.Decoder(JournalChunk)
 
 
 class HistoryJournal:
-    """Opt-in storage of per-row records in chunks (see the module docstring).
+    """Opt-in storage of per-row records in chunks (see the module docstring): the settings a
+    trainer keeps; each fit writes through a :class:`RunJournal` of its own (:meth:`open`).
 
     Args:
         window: epochs of records the trainer keeps in memory (``ctx.idps``), >= 1.
@@ -93,17 +94,38 @@ class HistoryJournal:
                 raise ConfigError(f"HistoryJournal({name}=...) must be an int >= 1, got {value!r}")
         self.window = window
         self.chunk_rows = chunk_rows
-        self.store: BlobStore | None = None
-        self.run_id = ""
-        #: (epoch, manifest) of every publication of this run the trainer knows, oldest first
-        self.published: list[tuple[int, str]] = []
 
     def __repr__(self) -> str:
         return f"HistoryJournal(window={self.window}, chunk_rows={self.chunk_rows})"
 
-    def bind(self, store: BlobStore, run_id: str, committed: Sequence[tuple[int, str]]) -> None:
-        """Write into ``store`` for run ``run_id``, after the run's committed publications (a resume's)."""
-        self.store, self.run_id, self.published = store, run_id, list(committed)
+    def open(self, store: BlobStore, run_id: str, committed: Sequence[tuple[int, str]]) -> RunJournal:
+        """This journal for one run: written into ``store`` for run ``run_id``, after the run's committed
+        publications ``committed`` (a resume's; none for a new run)."""
+        return RunJournal(store, run_id, committed, chunk_rows=self.chunk_rows)
+
+
+def check_history(history: object) -> HistoryJournal | None:
+    """``history`` (a trainer's argument) when it is a :class:`HistoryJournal` or None.
+
+    Raises:
+        ConfigError: anything else.
+    """
+    if history is not None and not isinstance(history, HistoryJournal):
+        raise ConfigError(f"history must be a nnx_es.rows.HistoryJournal or None, got {history!r}")
+    return history
+
+
+class RunJournal:
+    """One run's history journal (one fit's, built by :meth:`HistoryJournal.open`): the chunks and
+    manifests it publishes into ``store`` for ``run_id``, chained to the publications it knows."""
+
+    def __init__(self, store: BlobStore, run_id: str, committed: Sequence[tuple[int, str]], *,
+                 chunk_rows: int) -> None:
+        self.store = store
+        self.run_id = run_id
+        self.chunk_rows = chunk_rows
+        #: (epoch, manifest) of every publication of this run the trainer knows, oldest first
+        self.published: list[tuple[int, str]] = list(committed)
 
     @property
     def head(self) -> str:
@@ -117,7 +139,6 @@ class HistoryJournal:
             CheckpointWriteError: a blob could not be written (nothing is published).
         """
         store = self.store
-        assert store is not None, "HistoryJournal.bind first"
         datas: list[bytes] = []
         layout: list[tuple[str, int, list[tuple[int, int, int]]]] = []
         for part in parts:
@@ -143,7 +164,6 @@ class HistoryJournal:
 
     def parts(self) -> list[Part]:
         """Lazy parts of every publication this journal knows (see :func:`manifest_parts`)."""
-        assert self.store is not None
         return [p for _, digest in self.published for p in manifest_parts(self.store, digest)]
 
 

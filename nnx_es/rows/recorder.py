@@ -44,7 +44,7 @@ from nnx_es.batches import row_ids_of
 from nnx_es.errors import ConfigError
 from nnx_es.objective import Objective, accuracy_kind, ignored_mask, row_losses
 from nnx_es.rows.columns import SPLITS, VALUES, EpochRows, Part, RowView
-from nnx_es.rows.journal import HistoryJournal, manifest_parts
+from nnx_es.rows.journal import HistoryJournal, RunJournal, manifest_parts
 from nnx_es.runtime.run_state import World
 
 if TYPE_CHECKING:
@@ -122,42 +122,32 @@ def row_values(objective: Objective, outputs: Tensor, targets: Tensor) -> Tensor
 
 
 class RowRecorder:
-    """Per-row records of one trainer's runs (see the module docstring).
+    """Per-row records of one fit's run (see the module docstring), built once the run is open.
+
+    The window and journal start from the run's committed records (a resume's; none for a new run):
+    the writer reads them from ``log`` and ``store``; under data parallelism it hands every other rank
+    what it read (one broadcast, on every rank), and the others' journal names its chunks without
+    keeping them (:class:`~nnx_es.distributed.follower.NamingBlobStore`): only the writer's are read back.
 
     Args:
         objective: the run's loss (each row's ``loss`` is its unweighted total).
-        journal: the history journal, or ``None`` (records in the log; every epoch in memory).
+        journal: the history journal's settings (:class:`~nnx_es.rows.journal.HistoryJournal`), or
+            ``None`` (records in the log; every epoch in memory).
+        log / store / run_id: the run's event log, blob store and id.
+        world: the process group (default: one process).
     """
 
-    def __init__(self, objective: Objective, journal: HistoryJournal | None = None) -> None:
-        if journal is not None and not isinstance(journal, HistoryJournal):
-            raise ConfigError(f"history must be a nnx_es.rows.HistoryJournal or None, got {journal!r}")
+    def __init__(self, objective: Objective, journal: HistoryJournal | None, log: EventLog, store: BlobStore,
+                 run_id: str, *, world: World | None = None) -> None:
+        from projections import committed
+
         self.objective = objective
-        self.journal = journal
+        self.world = world = world or World()
         self._batches: dict[str, list[tuple[Tensor, Tensor]]] = {s: [] for s in SPLITS}
         self._plain = dict.fromkeys(SPLITS, 0)  # batches without ids, this epoch
         self.validating = False  # the epoch's own validation pass is running
         self.current: list[EpochRows] = []  # the epoch being closed (until its history step)
         self._window: deque[list[EpochRows]] = deque(maxlen=journal.window if journal else None)
-        self.world = World()
-
-    # --- per run ----------------------------------------------------------------------------
-
-    def begin_run(self, log: EventLog, store: BlobStore, run_id: str, *, world: World | None = None) -> None:
-        """Start a run: the window and journal from the run's committed records (a resume's; none for a new run).
-
-        ``world``: the process group (default: one process). The writer reads the records from ``log``
-        and ``store``; under data parallelism it hands every other rank what it read (one broadcast,
-        on every rank), and the others' journal names its chunks without keeping them
-        (:class:`~nnx_es.distributed.follower.NamingBlobStore`): only the writer's are read back.
-        """
-        from projections import committed
-
-        world = world or World()
-        self.world = world
-        self._reset_epoch()
-        self.current = []
-        self._window.clear()
         published: list[tuple[int, str]] = []
         window: list[list[EpochRows]] = []
         if world.is_writer:
@@ -169,19 +159,19 @@ class RowRecorder:
                             EpochRows.decode(event.epoch, event.split, event.rows, event.columns))
                     elif type(event) is JournalPublished:
                         published.append((event.epoch, event.manifest))
-            if self.journal is not None:
+            if journal is not None:
                 window = [[p.load() for p in manifest_parts(store, digest)]
-                          for _, digest in published[-self.journal.window:]]
+                          for _, digest in published[-journal.window:]]
             else:
                 window = [recorded[e] for e in sorted(recorded)]
         if world.distributed:
             published, window = world.share((published, window) if world.is_writer else None)
-        if self.journal is not None:
-            if not world.is_writer:
-                from nnx_es.distributed.follower import NamingBlobStore
+        if journal is not None and not world.is_writer:
+            from nnx_es.distributed.follower import NamingBlobStore
 
-                store = NamingBlobStore(store.root)
-            self.journal.bind(store, run_id, published)
+            store = NamingBlobStore(store.root)
+        #: this run's journal (None: records in the log)
+        self.journal: RunJournal | None = journal.open(store, run_id, published) if journal is not None else None
         self._window.extend(window)
 
     def _reset_epoch(self) -> None:
@@ -305,7 +295,7 @@ class RowRecorder:
 
     def full(self) -> RowView:
         """Every epoch of the run (a journal's lazily, from its chunks) and the epoch being closed."""
-        if self.journal is None or self.journal.store is None:
+        if self.journal is None:
             return self.window()
         parts: list[EpochRows | Part] = [*self.journal.parts(), *self.current]
         return RowView(parts)

@@ -49,8 +49,10 @@ import math
 import operator
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
+import msgspec
 import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
@@ -76,6 +78,8 @@ MicrobatchResult = tuple[Any, Any, "Tensor | None", LossParts, Tensor]
 PRECISIONS = ("fp32", "bf16", "fp16")
 
 _LR = operator.itemgetter("lr")
+#: a window's gradients, those that are set: ``filter(_IS_SET, map(_GRAD, params))`` (no Python call per parameter)
+_GRAD, _IS_SET = operator.attrgetter("grad"), partial(operator.is_not, None)
 
 
 def default_forward(net: nn.Module, batch: Any) -> tuple[Tensor, Tensor, Tensor | None]:
@@ -116,20 +120,23 @@ class UpdateSettings:
             raise ConfigError(f"precision must be 'fp32', 'bf16' or 'fp16', got {self.precision!r}")
 
 
-class UpdateResult:
+class UpdateResult(msgspec.Struct):
     """What one window's end did: ``reason`` None (committed) or why it was skipped
     (``"masked"``, ``"nonfinite"``, ``"vetoed"``) with ``detail``; ``optimizers`` stepped (or
     skipped) by name; ``microbatches``; ``loss`` the window's mean loss; ``grad_norm`` (None when not
     computed), ``clipped``; ``lrs`` each optimizer's learning rates at the step; ``counts`` the step
     receipt's accounting (local / global examples, data-parallel size, accumulation steps,
-    collective bytes)."""
+    collective bytes). A struct: built without a Python call, once per update."""
 
-    __slots__ = ("reason", "detail", "optimizers", "microbatches", "loss", "grad_norm", "clipped", "lrs", "counts")
-
-    def __init__(self, reason: str | None, detail: str, optimizers: list[str], microbatches: int, loss: float,
-                 grad_norm: float | None, clipped: bool, lrs: dict[str, list[float]], counts: dict[str, Any]) -> None:
-        self.reason, self.detail, self.optimizers, self.microbatches = reason, detail, optimizers, microbatches
-        self.loss, self.grad_norm, self.clipped, self.lrs, self.counts = loss, grad_norm, clipped, lrs, counts
+    reason: str | None
+    detail: str
+    optimizers: list[str]
+    microbatches: int
+    loss: float
+    grad_norm: float | None
+    clipped: bool
+    lrs: dict[str, list[float]]
+    counts: dict[str, Any]
 
     @property
     def committed(self) -> bool:
@@ -349,7 +356,7 @@ class UpdateEngine:
             unscaled = True
         wg = self.grads
         seen = not wg.unseen  # every gradient's layout known before this window (strided() learns new ones)
-        grads = wg.strided() if wg.sparse or not seen else [p.grad for p in wg.params if p.grad is not None]
+        grads = wg.strided() if wg.sparse or not seen else list(filter(_IS_SET, map(_GRAD, wg.params)))
         divide_by = 1.0  # the division left to the fused finiteness check (bitwise the same), if any
         if not window.divided:
             if W != size:

@@ -225,7 +225,9 @@ class TrainingLoop:
         self.net.train()
         self.callbacks.epoch_begin(ctx)
         self.stages(TrainingStage.BEFORE_EPOCH, ctx)
-        self.progress.start_epoch(epoch, length_of(train_loader), epochs=self._epochs)
+        progress = self.progress if self.progress.enabled else None
+        if progress:  # the loader's length only for a display that shows it
+            progress.start_epoch(epoch, length_of(train_loader), epochs=self._epochs)
         set_epoch = getattr(getattr(train_loader, "sampler", None), "set_epoch", None)
         if set_epoch is not None:  # a partition (nnx_es.distributed.train_loader, DistributedSampler) deals this epoch
             set_epoch(epoch)
@@ -236,7 +238,6 @@ class TrainingLoop:
         # validation) is decided once per epoch, not per batch
         stages = self.stages if self.stages.by_stage else None
         batch_end = self.callbacks.batch_end if self.callbacks.has("on_batch_end") else None
-        progress = self.progress if self.progress.enabled else None
         validate_on_step = val_loader is not None and self.cadence.every_steps is not None
         # parameter digests every K updates (DDP(digest_every=K)); at the epoch's end only: none per update
         digest_each = self.digest if self.digest is not None and self.digest.every is not None else None

@@ -4,12 +4,15 @@ It also folds the live counters from the same events (the counters projection's 
 ``projections.counters.CountersAccumulator``),
 so the counters a checkpoint stores are, by construction, the counters projection.
 
-An event whose values still live on a device (a microbatch's loss, read back once per
-window: :mod:`nnx_es.runtime.window`) is emitted *held*: it passes the machine and the counters
-at once and takes its seq, but it and every event after it wait in order until the
-holder releases it (:meth:`Recorder.release`) with its final values. Before any write
-the recorder asks the holder to settle (the ``settle`` given to :meth:`Recorder.hold`), so
-nothing is ever written out of order or with a placeholder value.
+An emitted event passes the machine and the counters at once and takes its seq; it waits in
+the recorder, in order, until the recorder's next write (:meth:`Recorder.flush`,
+:meth:`Recorder.maybe_flush`, :meth:`Recorder.sync`) hands every waiting event to the log in
+one append (:meth:`events.logbase.LogBase.extend`): per event, a check, a fold and a place in a
+list. An event whose values still live on a device (a microbatch's loss, read back once per
+window: :mod:`nnx_es.runtime.window`) is emitted *held*: its final values come with
+:meth:`Recorder.release`. Before any write the recorder asks the holder to settle (the
+``settle`` given to :meth:`Recorder.hold`), so nothing is ever written out of order or with a
+placeholder value.
 
 After each synced write (a commit) the recorder folds the events written since the last
 commit (read back from the log, a chunk at a time, partially decoded) and, every
@@ -82,7 +85,7 @@ class Recorder:
     """
 
     __slots__ = ("log", "lifecycle", "live", "_frozen", "last_seq", "flush_interval_s", "_last_flush", "_written",
-                 "_held", "_hold", "_settle_held", "_snapshots", "_snapshot_start")
+                 "_waiting", "_hold", "_holding", "_settle_held", "_snapshots", "_snapshot_start")
 
     def __init__(self, log: EventLog, lifecycle: Lifecycle | None = None, counters: Counters | None = None, *,
                  snapshot_start: Snapshot | None | bool = True) -> None:
@@ -91,14 +94,16 @@ class Recorder:
         #: the counters fold applied in place (``live.step`` etc. are read on the hot path)
         self.live = CountersAccumulator(counters or Counters())
         self._frozen: Counters | None = None
-        self.last_seq = -1
+        #: the seq of the latest event emitted (the log's next seq - 1 before any)
+        self.last_seq = log.next_seq - 1
         self.flush_interval_s = 0.5
         self._last_flush = time.monotonic()
         #: (lifecycle state, counters, last seq) as of the last successful write: what a dropped buffer returns to
-        self._written = (self.lifecycle.state, self.live.freeze(), -1)
-        #: events waiting for a held one's values, in seq order (see the module docstring)
-        self._held: list[Event] = []
+        self._written = (self.lifecycle.state, self.live.freeze(), self.last_seq)
+        #: the events emitted since the last write, in seq order (the first has seq ``last_seq + 1 - len``)
+        self._waiting: list[Event] = []
         self._hold = False  # the next emitted event is held
+        self._holding = False  # some waiting events are held (see the module docstring)
         #: the holder's settle: called before a write while events are held; must :meth:`release` them
         self._settle_held: Callable[[], None] | None = None
         #: the fold behind the projection snapshots: None until the first commit, False when off
@@ -115,46 +120,52 @@ class Recorder:
         return self._frozen
 
     def emit(self, event: Event) -> int:
-        """Append ``event`` to the buffer (written at the next flush); held after :meth:`hold`."""
+        """Check and fold ``event`` and give it the next seq (returned); it waits for the next write
+        (see the module docstring), held after :meth:`hold`."""
         hold, self._hold = self._hold, False
-        lifecycle = self.lifecycle
-        lifecycle.advance(event.KIND)  # raises IllegalTransitionError
+        self.lifecycle.advance(event.KIND)  # raises IllegalTransitionError
+        if hold:
+            self._holding = True
         if self.live.apply(event):
             self._frozen = None
-        if hold or self._held:
-            self._held.append(event)
-            self.last_seq = self.log.next_seq + len(self._held) - 1
-        else:
-            self.last_seq = self.log.append(event)
-        return self.last_seq
+        self._waiting.append(event)
+        self.last_seq = seq = self.last_seq + 1
+        return seq
 
     def hold(self, settle: Callable[[], None]) -> None:
-        """Hold the next emitted event: its values are not final yet; it (and what follows) waits
-        for :meth:`release`. ``settle()``: called before any write while events are held; it
-        must :meth:`release` them (see the module docstring)."""
+        """Hold the next emitted event: its values are not final yet; it waits for :meth:`release`.
+        ``settle()``: called before any write while events are held; it must :meth:`release` them
+        (see the module docstring)."""
         self._hold = True
         self._settle_held = settle
 
     @property
     def holding(self) -> bool:
         """Whether events are held (see the module docstring)."""
-        return bool(self._held)
+        return self._holding
 
     def release(self, final: dict[int, Event]) -> None:
-        """Append the held events, each replaced by ``final[seq]`` when given, in seq order."""
-        held, self._held = self._held, []
-        seq = self.log.next_seq
-        for i, event in enumerate(held):
-            self.log.append(final[seq + i] if seq + i in final else event)
+        """Release the held events, each replaced by ``final[seq]`` when given."""
+        waiting = self._waiting
+        first = self.last_seq + 1 - len(waiting)
+        for seq, event in final.items():
+            waiting[seq - first] = event
+        self._holding = False
 
     def _settle(self) -> None:
-        if self._held:
+        if self._holding:
             try:
                 if self._settle_held is not None:
                     self._settle_held()
             finally:
-                if self._held:  # nobody settled them (or settling failed): written as they are
-                    self.release({})
+                self._holding = False  # nobody settled them (or settling failed): written as they are
+
+    def _hand_off(self) -> None:
+        """Hand the waiting events (settled) to the log, in one append."""
+        waiting = self._waiting
+        if waiting:
+            self.log.extend(waiting)  # all or none
+            self._waiting = []
 
     def commit(self, event: Event) -> int:
         """Append ``event`` and make it and everything before it durable (one sync).
@@ -176,8 +187,10 @@ class Recorder:
         """
         self._settle()
         try:
+            self._hand_off()
             self.log.flush(sync=True)
         except BaseException:
+            self._waiting = []
             self.log.discard_buffer()
             state, counters, self.last_seq = self._written
             self.lifecycle.state = state
@@ -206,7 +219,7 @@ class Recorder:
         if self._snapshots is False:
             return False
         try:
-            return self._folder().due(self.log.next_seq)
+            return self._folder().due(self.last_seq + 1)
         except Exception as exc:  # a cache: the run goes on without it
             self._snapshots_off(exc)
             return False
@@ -232,7 +245,7 @@ class Recorder:
         (no more snapshots from this recorder). Saves the writer a second fold of its own log
         at finalization (:mod:`nnx_es.runtime.finalize`)."""
         folder = self._snapshots
-        if not isinstance(folder, SnapshotFolder) or folder.next_seq != self.log.next_seq or self._held \
+        if not isinstance(folder, SnapshotFolder) or folder.next_seq != self.log.next_seq or self._waiting \
                 or self.log.durable_seq != self.log.next_seq:
             return None
         self._snapshots = False
@@ -246,15 +259,14 @@ class Recorder:
         """Flush (no sync) when ``flush_interval_s`` has passed: live readers see progress."""
         now = time.monotonic()
         if now - self._last_flush >= self.flush_interval_s:
-            self._settle()
-            self.log.flush()
-            self._wrote()
+            self.flush()
 
     def accepts(self, kind: str) -> bool:
         return self.lifecycle.accepts(kind)
 
     def flush(self) -> None:
         self._settle()
+        self._hand_off()
         self.log.flush()
         self._wrote()
 

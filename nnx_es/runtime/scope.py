@@ -2,11 +2,12 @@
 
 :class:`RunPlan` is what a :class:`~nnx_es.Trainer` fixes once, at construction, for all its
 fits: the update engine, the schedulers, the monitor, the callbacks, the stage hooks, the
-per-row records, the validation pass and the settings of the loop and the commits.
+history journal's settings, the validation pass and the settings of the loop and the commits.
 :class:`RunScope` is one fit's run, built from the plan once the session is open: the state
-(the session's), the engine (through the data-parallel strategy under DDP), the step recorder,
-the hooks' view, the committer, finalization, the parameter digests and the loop -- each
-given what it needs when it is built, nothing bound to it afterwards.
+(the session's), the engine (through the data-parallel strategy under DDP), the per-row
+records (from the run's committed ones), the step recorder, the hooks' view, the committer,
+finalization, the parameter digests and the loop -- each given what it needs when it is built,
+nothing bound to it afterwards.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from nnx_es.callbacks import Callback, CallbackList
 from nnx_es.runtime.commit import Committer
 from nnx_es.runtime.finalize import Finalization
 from nnx_es.progress import Progress
+from nnx_es.rows.dataset import carries_row_ids
+from nnx_es.rows.recorder import RowRecorder
 from nnx_es.runtime.context import TrainContext
 from nnx_es.runtime.engine import UpdateEngine
 from nnx_es.runtime.loop import LoopSettings, TrainingLoop
@@ -27,7 +30,7 @@ from nnx_es.stages import StageDispatcher
 
 if TYPE_CHECKING:
     from nnx_es.monitor import Monitor
-    from nnx_es.rows.recorder import RowRecorder
+    from nnx_es.rows.journal import HistoryJournal
     from nnx_es.schedulers import Scheduler
     from nnx_es.runtime.session import Session
     from nnx_es.runtime.components import RunComponents
@@ -50,6 +53,8 @@ class CommitSettings:
 class RunPlan:
     """What every fit of one Trainer runs with (see the module docstring).
 
+    ``history``: the per-row records' journal (None: records in the log; each fit's
+    :class:`~nnx_es.rows.recorder.RowRecorder` is built by its scope).
     ``validate(loader) -> (val_ metrics, rows)``: one validation pass. ``progress``: show a
     progress display (None: when stderr is a terminal). ``digest_every``: under data
     parallelism, compare the ranks' parameters every N updates (None: each epoch's end).
@@ -62,7 +67,7 @@ class RunPlan:
     metrics: tuple[Any, ...]
     callbacks: Sequence[Callback]
     stages: StageDispatcher
-    rows: RowRecorder
+    history: HistoryJournal | None
     validate: Callable[[Iterable[Any]], tuple[dict[str, float], int]]
     loop: LoopSettings
     commit: CommitSettings
@@ -93,16 +98,19 @@ class RunScope:
             from nnx_es.runtime.parallel import DataParallel
 
             engine = engine.under(DataParallel(ddp_module, world))
+        rec = state.recorder
         self.callbacks = CallbackList(plan.callbacks)
-        self.steps = StepRecorder(engine, state.recorder, self.callbacks, plan.schedulers, metrics=plan.metrics,
-                                  rows=plan.rows, world_size=world.size)
+        self.rows = RowRecorder(engine.objective, plan.history, rec.log, state.store, state.run_id, world=world)
+        # training's per-row records: none asked of each microbatch when the train loader's batches cannot carry ids
+        train_rows = self.rows if carries_row_ids(components.loaders.get("train")) else None
+        self.steps = StepRecorder(engine, rec, self.callbacks, plan.schedulers, metrics=plan.metrics,
+                                  rows=train_rows, world_size=world.size)
         self.ctx = TrainContext(state=state, steps=self.steps, net=engine.net, optimizers=engine.optimizers,
                                 schedulers=list(plan.schedulers), monitor=plan.monitor, trainer=plan.trainer,
-                                row_records=plan.rows)
-        self.stages, self.rows, self.monitor, self.schedulers = plan.stages, plan.rows, plan.monitor, plan.schedulers
+                                row_records=self.rows)
+        self.stages, self.monitor, self.schedulers = plan.stages, plan.monitor, plan.schedulers
         self.validate = plan.validate
         self.progress = Progress(plan.progress)
-        rec = state.recorder
         self.live = LiveSinks(state.run_dir, rec.log, rec.log.next_seq, plan.sinks) \
             if plan.sinks and world.is_writer else None
         c = plan.commit
@@ -116,7 +124,6 @@ class RunScope:
             from nnx_es.distributed.digest import ParamDigest
 
             self.digest = ParamDigest(engine.net, world, plan.digest_every)
-        plan.rows.begin_run(rec.log, state.store, state.run_id, world=world)
         self.loop = TrainingLoop(self, plan.loop)
 
     def run(self, train_loader: Iterable[Any], val_loader: Iterable[Any] | None, epochs: int) -> None:

@@ -151,32 +151,35 @@ class StepRecorder:
         engine = self.engine
         full = engine.window.microbatches >= engine.accumulation
         if full and update and self._direct and not self._held:  # its window is read next, before anything sees it
-            self._held.append((-1, self.epoch, index, rows, loss_t))  # recorded when read (_release)
-            return self.finalize(ctx)
+            return self.finalize(ctx, (self.epoch, index, rows, loss_t))  # recorded when read (_release)
         rec = self.recorder
         rec.hold(self.settle)  # its loss is filled in when the window's values are read (one transfer)
         seq = rec.emit(MicrobatchDone(epoch=self.epoch, batch=index, rows=rows, examples=parts.den, loss=math.nan))
         self._held.append((seq, self.epoch, index, rows, loss_t))
         return self.finalize(ctx) if full and update else None
 
-    def settle(self) -> None:
+    def settle(self, last: tuple[int, int, int, Tensor] | None = None) -> None:
         """Read the held microbatches' losses now and record them (the recorder asks before it
-        writes while events are held: a flush inside a window)."""
+        writes while events are held: a flush inside a window); ``last``: see :meth:`_release`."""
         self.engine.window.read()
-        self._release()
+        self._release(last)
 
-    def _release(self) -> None:
+    def _release(self, last: tuple[int, int, int, Tensor] | None = None) -> None:
         """Record the held microbatches the window has read, with their floats: the held
-        ``microbatch_done`` events released (one not emitted yet, emitted), the epoch's sums (in
-        microbatch order: every float is what a read per microbatch gave), the view's loss."""
+        ``microbatch_done`` events released, the epoch's sums (in microbatch order: every float is
+        what a read per microbatch gave), the view's loss. ``last``: the window's only microbatch,
+        not emitted yet (epoch, batch, rows, loss on the device): emitted now."""
         window = self.engine.window
         reads = window.reads
         if not reads:
             return
         window.reads = []  # taken
-        n = len(reads)
-        held = self._held
-        self._held = held[n:]
+        if last is None:
+            n = len(reads)
+            held = self._held
+            self._held = held[n:]
+        else:
+            n, held = 1, [(-1, *last)]
         sums = self.totals.sums
         nan = math.nan
         final: dict[int, MicrobatchDone] = {}
@@ -200,14 +203,16 @@ class StepRecorder:
 
     # --- the window's end -----------------------------------------------------------------
 
-    def finalize(self, ctx: TrainContext) -> UpdateResult | None:
-        """Close the open window (see the module docstring); None when none is open."""
+    def finalize(self, ctx: TrainContext, last: tuple[int, int, int, Tensor] | None = None) -> UpdateResult | None:
+        """Close the open window (see the module docstring); None when none is open. ``last``: the
+        window's only microbatch, recorded after the window's read (see :meth:`_release`)."""
         try:
             result = self.engine.update(ctx)
         finally:  # what the update read is recorded now (and, when it failed before reading, read now)
-            self._release()
-            if self._held and self._held[0][0] < 0:
-                self.settle()
+            if last is not None and not self.engine.window.reads:
+                self.settle(last)
+            else:
+                self._release(last)
         if result is None:
             return None
         self.update = result

@@ -124,7 +124,7 @@ class AccumulationWindow:
             if floats and READ_EACH_ON_CPU and len(tensors) <= READ_EACH_MAX and tensors[0].device.type == "cpu":
                 # nothing to wait for on the CPU: each value read where it is, no stack op; the floats the
                 # stacked read gives (a floating dtype converts to a Python float exactly; anything else is stacked)
-                values = [t.item() for t in tensors]
+                values = list(map(Tensor.item, tensors))
             else:
                 values = torch.stack(tensors).tolist()  # dtypes promote exactly (fp16/bf16 -> fp32 -> fp64)
         reads = self.reads

@@ -165,8 +165,8 @@ class Reference:
                      min(len(history), len(self.history)))
             want = self.history[i] if i < len(self.history) else "no record"
             got = history[i] if i < len(history) else "no record"
-            raise Finding(f"the resumed run's history is the reference's (epoch {i} differs)", _short(want),
-                          _short(got), divergence)
+            raise Finding("the resumed run's history is the reference's", f"epoch {i}: {_short(want)}",
+                          f"epoch {i}: {_short(got)}", divergence)
         for f in _FINAL:
             if final[f] != self.final[f]:
                 raise Finding(f"the resumed run's final {f.upper() if f in ('last', 'best') else f} is the "

@@ -35,7 +35,8 @@ class TransformAt(Callback):
 
     Raises:
         ConfigError: ``epoch`` is not an int >= 0, ``when`` is neither ``"end"`` nor ``"begin"``, or
-            ``transform`` is not recordable or changes parameters (named).
+            ``transform`` is not recordable or changes parameters (named); when training begins, a
+            ``transform`` that would refuse the net (a target matching no layer), before any update.
     """
 
     distributed = "all"  # every rank transforms its replica alike, at the same boundary
@@ -61,6 +62,11 @@ class TransformAt(Callback):
 
     def recipe_kwargs(self) -> dict[str, Any]:
         return {"epoch": self.epoch, "transform": self.transform, "when": self.when, "name": self._name}
+
+    def on_train_begin(self, ctx: Any) -> None:
+        """Refuse, before any training, a transform that would refuse the net at its epoch
+        (:meth:`Transform.check`): a wrong target found epochs into a run would waste them."""
+        self.transform.check(ctx.net)
 
     def _fire(self, ctx: Any) -> None:
         (done,) = extend(ctx.net, [self.transform], origin="callback", epoch=ctx.epoch)

@@ -54,6 +54,16 @@ class Transform:
     def apply(self, net: nn.Module) -> None:
         raise NotImplementedError
 
+    def check(self, net: nn.Module) -> None:
+        """Raise what :meth:`apply` would raise on ``net``, changing nothing: what a transform applied later
+        in the run (:class:`~nnx_es.transforms.TransformAt`) is checked with before training. The default
+        applies it to a copy of ``net``; a subclass that can tell more cheaply overrides it.
+
+        Raises:
+            ConfigError: ``net`` is refused (named, as :meth:`apply` names it).
+        """
+        self.apply(clone(net))
+
     def __repr__(self) -> str:
         try:
             kwargs = describe(self)

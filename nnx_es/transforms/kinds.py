@@ -66,7 +66,8 @@ class Prune(Transform):
         parameter: the parameter's name (default ``"weight"``).
 
     Raises:
-        ConfigError: a bad argument (now), or targets that match nothing or no prunable layer (when applied).
+        ConfigError: a bad argument (now), or targets that match nothing or no prunable layer (when applied;
+            under :class:`~nnx_es.transforms.TransformAt`, when training begins).
     """
 
     keeps_parameters: ClassVar[bool] = True
@@ -82,12 +83,20 @@ class Prune(Transform):
             raise ConfigError(f"Prune: parameter must be a parameter's name, got {parameter!r}")
         self.amount, self.permanent, self.parameter = float(amount), permanent, parameter
 
-    def apply(self, net: nn.Module) -> None:
+    def check(self, net: nn.Module) -> list[tuple[str, nn.Module]]:
+        """The layers it prunes in ``net`` (path, layer); changes nothing.
+
+        Raises:
+            ConfigError: a target matches no submodule or no prunable layer, or a layer has no such tensor.
+        """
         layers = match_modules(net, self.targets, _PRUNABLE, "Prune")
         for path, layer in layers:
             if not (isinstance(getattr(layer, self.parameter, None), Tensor)):
                 raise ConfigError(f"Prune: layer {path!r} has no tensor {self.parameter!r}")
-        for _, layer in layers:
+        return layers
+
+    def apply(self, net: nn.Module) -> None:
+        for _, layer in self.check(net):
             torch_prune.l1_unstructured(layer, self.parameter, amount=self.amount)
             if self.permanent:
                 torch_prune.remove(layer, self.parameter)

@@ -3,9 +3,11 @@ and ``tools/replay``, never on a fold of its own.
 
 | function | shows | built on |
 |---|---|---|
-| :func:`runs` | every run: status, live or not, epochs, BEST, events, lineage | :func:`nnx_es.cli.projected.summary_doc` (``inspect summary``) |
-| :func:`run` | one run's summary, declaration and history records | the same, and the run's ``run_started`` |
-| :func:`curves` | per-epoch and per-update curves | the history projection, :func:`nnx_es.plotting.committed_curves` |
+| :func:`overview` | what the three below show, read once | :func:`nnx_es.cli.projected.summary_doc` (``inspect summary``), the run's ``run_started`` |
+| :func:`runs` | every run: status, live or not, epochs, BEST, events, lineage | :func:`run_row` of each run's overview |
+| :func:`run` | one run's summary, declaration and history records | its overview |
+| :func:`epoch_curves` | the per-epoch curves | the history projection of its overview |
+| :func:`update_curves` | the per-update curves, downsampled, read a bounded part at a time | :class:`nnx_es.web.curves.UpdateCurves` |
 | :func:`events` | a page of events, filtered by kind and epoch | the log's chunks; rows as ``inspect`` prints them |
 | :func:`event` | one event's fields and the commit that holds it | :func:`projections.committed` from :func:`nnx_es.audit.reading.restart_seq` |
 | :func:`at` | every projection at a seq (time travel) | :func:`nnx_es.cli.projected.at_doc` (``inspect --at``) |
@@ -13,8 +15,8 @@ and ``tools/replay``, never on a fold of its own.
 | :func:`diff` | where two runs first differ, both logs around it | :func:`nnx_es.cli.many.first_difference` (``inspect diff``) |
 | :func:`rows` | the cartography data map | :func:`nnx_es.rows.read_rows`, :func:`nnx_es.rows.dynamics.cartography` |
 
-Each takes the directories :meth:`nnx_es.web.reading.RunsRoot.reading` resolved, and opens the logs
-itself, read-only. Strings from a log are returned as they are: the page inserts them as text, never
+Each takes the directories :meth:`nnx_es.web.reading.RunsRoot.reading` resolved (or a run's :class:`Overview`),
+and opens the logs itself, read-only. Strings from a log are returned as they are: the page inserts them as text, never
 as markup, and the JSON escapes a terminal's controls (:func:`nnx_es.cli._format.json_line`).
 """
 
@@ -22,42 +24,45 @@ from __future__ import annotations
 
 import itertools
 import math
+import re
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgspec
 import numpy as np
 
 from events.codec import KINDS, decode, decode_many
 from events.errors import CorruptEventError, NnxError
+from events.lmdbfile import MAX_SEQ
 from events.log import LmdbLog
+from events.paths import check_entry
 from events.schema import Event, HistoryRecord, LastCommitted, RunResumed, RunStarted
-from nnx_es.audit import INVARIANTS, audit_run, decoded, open_run_log, project_log
+from nnx_es.audit import INVARIANTS, audit_run, decoded, open_run_log
 from nnx_es.audit.reading import restart_seq
 from nnx_es.cli.listing import compact, event_epoch, event_json
 from nnx_es.cli.many import first_difference
 from nnx_es.cli.projected import at_doc, summary_doc
-from nnx_es.plotting import Envelope, committed_curves
-from projections import committed
+from nnx_es.web.curves import UpdateCurves, finite
+from projections import Projections, committed
 from projections.commits import CLOSING_KINDS, GROUP_KINDS
 from projections.status import UNFINISHED
 
-__all__ = ["CURVES", "MAX_LIMIT", "NoSuchEventError", "MAX_POINTS", "SCAN_BUDGET", "at", "audit", "curves", "diff", "event", "events", "rows",
-           "run", "runs"]
+__all__ = ["CURVES", "MAX_LIMIT", "MAX_POINTS", "NoSuchEventError", "Overview", "SCAN_BUDGET", "at", "audit", "diff",
+           "epoch_curves", "event", "events", "in_range", "log_identity", "overview", "rows", "run", "run_row", "runs",
+           "unreadable_row", "update_curves"]
 
 #: most events one page of :func:`events` holds
 MAX_LIMIT = 1000
 #: most events one call of :func:`events` reads looking for matches (a filter that matches few events of a
 #: long log answers with the matches so far and where to go on: ``next``)
 SCAN_BUDGET = 1 << 20
-#: buckets a per-update curve keeps (each a min and a max: :class:`nnx_es.plotting.Envelope`)
-CURVE_BUCKETS = 2048
 #: most rows the data map returns (a longer run's rows: an even sample, said in ``shown``)
 MAX_POINTS = 20000
 #: events shown on each side of where two runs first differ
 DIFF_CONTEXT = 12
+_INTEGER = re.compile(r"-?[0-9]{1,20}")
 
 
 class NoSuchEventError(NnxError, LookupError):
@@ -85,7 +90,25 @@ def _first(log: LmdbLog) -> Event | None:
     return None if pair is None else pair[1]
 
 
-def _overview(run_dir: Path) -> tuple[dict[str, Any], Any, Event | None]:
+class Overview(NamedTuple):
+    """What the runs list, a run's page and its per-epoch curves show of a run, read once (:func:`overview`):
+    ``run_id`` (its directory's name); ``doc``, its summary; ``projections``, the state ``doc`` was made
+    from; ``first``, its first event."""
+
+    run_id: str
+    doc: dict[str, Any]
+    projections: Projections
+    first: Event | None
+
+
+def overview(run_dir: Path) -> Overview:
+    """The run's summary (what ``inspect summary --json`` prints: folded from its newest snapshot, O(events since
+    it)) with ``damaged``, ``live``, ``started`` and ``lineage``, the projections it was made from, and its first
+    event.
+
+    Raises:
+        NotARunError / EventLogError / UnsafePathError / SequenceGapError: the run cannot be read.
+    """
     with open_run_log(run_dir) as log:
         doc, damaged, p = summary_doc(log, run_dir)
         first = _first(log)
@@ -93,20 +116,16 @@ def _overview(run_dir: Path) -> tuple[dict[str, Any], Any, Event | None]:
     doc["live"] = doc["status"] in UNFINISHED and bool(doc["writer_alive"])
     doc["started"] = _started(first)
     doc["lineage"] = _lineage(first)
-    return doc, p, first
+    return Overview(run_dir.name, doc, p, first)
 
 
-def run_row(run_dir: Path) -> dict[str, Any]:
+def run_row(ov: Overview) -> dict[str, Any]:
     """One run of :func:`runs`: ``run_id`` (the directory's name), ``status``, ``writer_alive`` (for a run
     not finalized: a process on this machine holds its writer lease; False: killed or crashed?), ``live``,
     ``epochs``, ``best`` (BEST's pointer: epoch, step, value), ``events``, ``tail``, ``started`` (UTC),
-    ``damaged`` (values read do not verify), ``lineage``.
-
-    Raises:
-        NotARunError / EventLogError / UnsafePathError / SequenceGapError: the run cannot be read.
-    """
-    doc, _, _ = _overview(run_dir)
-    return {"run_id": run_dir.name, **{k: doc[k] for k in (
+    ``damaged`` (values read do not verify), ``lineage``."""
+    doc = ov.doc
+    return {"run_id": ov.run_id, **{k: doc[k] for k in (
         "status", "writer_alive", "live", "epochs", "last_epoch", "best", "events", "tail", "started", "damaged",
         "lineage", "error_type", "error", "stop_reason")}}
 
@@ -130,98 +149,97 @@ def runs(rows: list[dict[str, Any]]) -> dict[str, Any]:
     return {"runs": rows, "live": any(r["live"] for r in rows)}
 
 
-def run(run_dir: Path) -> dict[str, Any]:
+def run(ov: Overview) -> dict[str, Any]:
     """One run: its summary (what ``inspect summary --json`` prints) with ``live``, ``started``,
     ``lineage``; ``declared`` (from ``run_started``: seed, optimizers, schedulers, monitor, callbacks,
     accumulation, world size); ``history`` (the history projection's records)."""
-    doc, p, first = _overview(run_dir)
-    declared: dict[str, Any] = {}
+    first, declared = ov.first, {}
     if isinstance(first, RunStarted):
         declared = {"seed": first.seed, "optimizers": first.optimizers, "callbacks": first.callbacks,
                     "schedulers": msgspec.to_builtins(first.schedulers), "monitor": msgspec.to_builtins(first.monitor),
                     "accumulation": first.accumulation, "world_size": first.world_size,
                     "from_spec": first.spec is not None}
-    return {**doc, "run_id": doc["run_id"] or run_dir.name, "declared": declared,
-            "history": msgspec.to_builtins(p.history.records)}
+    return {**ov.doc, "run_id": ov.doc["run_id"] or ov.run_id, "declared": declared,
+            "history": msgspec.to_builtins(ov.projections.history.records)}
 
 
 # --- curves --------------------------------------------------------------------------------------------------
 
 
-def _finite(values: Any) -> list[float | None]:
-    return [v if v is not None and math.isfinite(v) else None for v in values]
-
-
 CURVES = ("epoch", "update")
 
 
-def curves(run_dir: Path, per: tuple[str, ...] = CURVES) -> dict[str, Any]:
-    """The run's curves, from its committed view; ``per`` names which (``"epoch"``, ``"update"``).
+def epoch_curves(ov: Overview) -> dict[str, Any]:
+    """The run's per-epoch curves, from the history projection of its committed view: ``x`` (0-based epochs)
+    and one list per series -- ``train/<key>`` and ``val/<key>`` of each history record (losses, loss terms,
+    metrics), ``monitor``, ``lr/<optimizer>/<group>`` -- aligned on ``x`` (``None`` where a record has no such
+    value, or a value that is not finite); ``improved``: the monitor's decision of each."""
+    return _epoch_series(ov.projections.history.records)
 
-    ``epoch``: ``x`` (0-based epochs) and one list per series -- ``train/<key>`` and ``val/<key>`` of each
-    history record (losses, loss terms, metrics), ``monitor``, ``lr/<optimizer>/<group>`` -- aligned on
-    ``x`` (``None`` where a record has no such value, or a value that is not finite); ``improved``: the
-    monitor's decision of each. From the history projection: folded from the newest snapshot when only
-    these are asked (O(events since it)).
-    ``update``: per optimizer, ``loss/<opt>``, ``grad_norm/<opt>`` (when computed) and ``lr/<opt>`` (its
-    first group's rate) of each committed update, as ``{"x": steps, "y": values}``: exact up to
-    :data:`CURVE_BUCKETS` updates, beyond that each bucket's least and greatest value
-    (:class:`nnx_es.plotting.Envelope`; ``steps_per_bucket`` says how many steps a bucket holds). One pass
-    over the whole log (:func:`nnx_es.plotting.committed_curves`).
+
+def log_identity(run_dir: Path) -> tuple[Any, ...]:
+    """What tells one log from another at the same path: its path, the device and inode of its data file, and
+    the bytes of its first event (a run deleted and written again under the same id may get the same inode;
+    its ``run_started`` holds its start time).
 
     Raises:
-        ValueError: ``per`` names something else.
+        NotARunError / UnsafePathError / EventLogError: as :func:`nnx_es.audit.open_run_log`.
     """
-    if not per or set(per) - set(CURVES):
-        raise ValueError(f"per: expected some of {CURVES}, got {per!r}")
-    envelopes: dict[str, Envelope] = {}
-
-    def take(receipts: list[Any]) -> None:
-        by_opt: dict[str, list[Any]] = {}
-        for r in receipts:
-            by_opt.setdefault(r.optimizer, []).append(r)
-        for opt, rs in by_opt.items():
-            steps = np.fromiter((r.step for r in rs), dtype=np.int64, count=len(rs))
-            columns = {f"loss/{opt}": [r.loss for r in rs],
-                       f"lr/{opt}": [r.lrs[0] if r.lrs else math.nan for r in rs]}
-            if any(r.grad_norm is not None for r in rs):
-                columns[f"grad_norm/{opt}"] = [math.nan if r.grad_norm is None else r.grad_norm for r in rs]
-            for name, values in columns.items():
-                envelopes.setdefault(name, Envelope(CURVE_BUCKETS)).add(steps, np.asarray(values, dtype=np.float64))
-
     with open_run_log(run_dir) as log:
-        if "update" in per:
-            history = committed_curves(log, take)
-        else:
-            history = project_log(log, skip_undecodable=True).projections.history.records
-    out: dict[str, Any] = {}
-    if "epoch" in per:
-        out["epoch"] = _epoch_series(history)
-    if "update" in per:
-        update = {}
-        steps_per_bucket = 1
-        for name, env in sorted(envelopes.items()):
-            xs, ys = env.line()
-            update[name] = {"x": xs.tolist(), "y": _finite(ys.tolist())}
-            steps_per_bucket = max(steps_per_bucket, env.steps_per_bucket)
-        out["update"] = {"series": update, "steps_per_bucket": steps_per_bucket}
-    return out
+        st = check_entry(run_dir / "events.lmdb" / "data.mdb", "file")
+        first = next(iter(log.read_raw(0, 1)), None)
+    return (str(run_dir), st and st.st_dev, st and st.st_ino, None if first is None else bytes(first[1]))
+
+
+def update_curves(run_dir: Path, curves: UpdateCurves, budget: int) -> dict[str, Any]:
+    """The run's per-update curves: ``curves`` (this run's :class:`~nnx_es.web.curves.UpdateCurves`, kept
+    between requests) read up to ``budget`` more events of its log, then what it holds
+    (:meth:`~nnx_es.web.curves.UpdateCurves.doc`: per optimizer ``loss/<opt>``, ``grad_norm/<opt>`` when
+    computed and ``lr/<opt>`` (its first group's rate), each ``{"x": steps, "y": values, "updates": n}``, a min
+    and a max per bucket of ``steps_per_bucket`` steps; how much of the log is read: ``parts_read`` of
+    ``parts``, ``read``, ``complete``).
+
+    Raises:
+        WriterAppearedError: a writer opened the log during a read (what it read is not kept: read again).
+    """
+    with open_run_log(run_dir) as log:
+        curves.read(log, budget)
+    return curves.doc()
 
 
 def _epoch_series(history: tuple[HistoryRecord, ...]) -> dict[str, Any]:
     series: dict[str, list[float | None]] = {}
     for part in ("train", "val"):
         for key in sorted({k for r in history for k in getattr(r, part)}):
-            series[f"{part}/{key}"] = _finite(getattr(r, part).get(key, math.nan) for r in history)
+            series[f"{part}/{key}"] = finite(getattr(r, part).get(key, math.nan) for r in history)
     if any(r.monitor_value is not None for r in history):
-        series["monitor"] = _finite(r.monitor_value for r in history)
+        series["monitor"] = finite(r.monitor_value for r in history)
     for opt in sorted({o for r in history for o in r.lrs}):
         for g in range(max(len(r.lrs.get(opt, [])) for r in history)):
-            series[f"lr/{opt}/{g}"] = _finite(r.lrs[opt][g] if g < len(r.lrs.get(opt, [])) else None for r in history)
+            series[f"lr/{opt}/{g}"] = finite(r.lrs[opt][g] if g < len(r.lrs.get(opt, [])) else None for r in history)
     return {"x": [r.epoch for r in history], "series": series, "improved": [bool(r.improved) for r in history]}
 
 
 # --- events --------------------------------------------------------------------------------------------------
+
+
+def in_range(name: str, value: int | str | None, lo: int, hi: int, default: int | None = None) -> int:
+    """The integer parameter ``name`` (an int, or the text of a query parameter) checked to lie in ``lo..hi``;
+    ``default`` when it is missing (None or empty text). Every integer parameter of the API is read here, so a
+    bad one is always said the same way.
+
+    Raises:
+        ValueError: ``"<name>: expected an integer in <lo>..<hi>, got <value>"`` -- not an integer (text that
+            is not an optional minus and digits), out of range, or missing without a default.
+    """
+    if value is None or value == "":
+        if default is None:
+            raise ValueError(f"{name}: expected an integer in {lo}..{hi}, got nothing")
+        return default
+    n = value if type(value) is int else int(value) if isinstance(value, str) and _INTEGER.fullmatch(value) else None
+    if n is None or not lo <= n <= hi:
+        raise ValueError(f"{name}: expected an integer in {lo}..{hi}, got {value!r}")
+    return n
 
 
 def parse_kinds(text: str | None) -> frozenset[str] | None:
@@ -283,12 +301,9 @@ def events(run_dir: Path, *, start: int = 0, limit: int = 100, kinds: frozenset[
     O(seq)); a filter that matches few events of a long log reads up to ``budget`` and says where to go on.
 
     Raises:
-        ValueError: ``limit`` not in 1..:data:`MAX_LIMIT`, or ``start`` negative.
+        ValueError: ``limit`` not in 1..:data:`MAX_LIMIT`, or ``start`` not a seq (:func:`in_range`).
     """
-    if not 1 <= limit <= MAX_LIMIT:
-        raise ValueError(f"limit: expected 1..{MAX_LIMIT}, got {limit}")
-    if start < 0:
-        raise ValueError(f"from: expected a seq >= 0, got {start}")
+    limit, start = in_range("limit", limit, 1, MAX_LIMIT), in_range("from", start, 0, MAX_SEQ - 1)
     with open_run_log(run_dir) as log:
         total = log.next_seq
         found: list[dict[str, Any]] = []

@@ -5,7 +5,7 @@ Pages (one HTML shell; ``static/app.js`` draws each from the API, with uPlot, sh
 | page | API |
 |---|---|
 | ``/`` the runs | ``GET /api/runs`` |
-| ``/runs/{id}`` summary, history, curves | ``GET /api/runs/{id}``, ``GET /api/runs/{id}/curves?per=epoch|update`` |
+| ``/runs/{id}`` summary, history, curves | ``GET /api/runs/{id}``, ``GET /api/runs/{id}/curves?per=epoch|update`` (per update: downsampled, read a bounded part of the log per request: :mod:`nnx_es.web.curves`) |
 | ``/runs/{id}/events`` events, filtered and paged | ``GET /api/runs/{id}/events?from=&limit=&kind=&epoch=`` |
 | ``/runs/{id}/events/{seq}`` one event, its commit group | ``GET /api/runs/{id}/events/{seq}`` |
 | ``/runs/{id}/at`` time travel over seq | ``GET /api/runs/{id}/at?seq=`` |
@@ -52,6 +52,7 @@ from nnx_es.cli._format import json_line
 from nnx_es.errors import CorruptCheckpointError, InvalidRunIdError
 import nnx_es.web.api as api
 import nnx_es.web.studies as study_pages
+from nnx_es.web.curves import READ_BUDGET, UpdateCurves
 from nnx_es.web.reading import RunsRoot
 
 __all__ = ["LOOPBACK_HOSTS", "STATIC", "create_app", "hosts_for", "is_loopback"]
@@ -87,13 +88,12 @@ def _error(exc: BaseException) -> Response:
 
 
 class _Cache:
-    """The answers that read much of a log (a run's summary and row, its curves, its audit, its data map), by
-    run and the state of its log file and writer: a run that did not change since is answered again from
-    memory. Keeps the :data:`SIZE` newest."""
+    """Values by key, the ``size`` newest kept: the answers that read much of a log (a run's overview, its audit,
+    its data map) by run and the state of its log file and writer -- a run that did not change since is
+    answered again from memory -- and each run's per-update curves by its log's identity."""
 
-    SIZE = 64
-
-    def __init__(self) -> None:
+    def __init__(self, size: int = 64) -> None:
+        self.size = size
         self._items: OrderedDict[tuple[Any, ...], Any] = OrderedDict()
         self._lock = threading.Lock()
 
@@ -105,7 +105,7 @@ class _Cache:
         value = make()
         with self._lock:
             self._items[key] = value
-            while len(self._items) > self.SIZE:
+            while len(self._items) > self.size:
                 self._items.popitem(last=False)
         return value
 
@@ -117,30 +117,18 @@ def _log_state(run_dir: Path) -> tuple[Any, ...] | None:
     return None if st is None else (st.st_size, st.st_mtime_ns, st.st_ino, writer_alive(run_dir))
 
 
-def _int(request: Request, name: str, default: int | None = None) -> int:
-    text = request.query_params.get(name)
-    if text is None or text == "":
-        if default is None:
-            raise ValueError(f"{name}: required (a non-negative integer)")
-        return default
-    try:
-        value = int(text)
-    except ValueError:
-        raise ValueError(f"{name}: expected a non-negative integer, got {text!r}") from None
-    if not 0 <= value < MAX_SEQ:
-        raise ValueError(f"{name}: expected an integer in 0..{MAX_SEQ - 1}, got {text!r}")
-    return value
-
-
-def create_app(runs_root: str | Path, *, allowed_hosts: tuple[str, ...] = LOOPBACK_HOSTS) -> Starlette:
+def create_app(runs_root: str | Path, *, allowed_hosts: tuple[str, ...] = LOOPBACK_HOSTS,
+               curve_budget: int = READ_BUDGET) -> Starlette:
     """The app serving ``runs_root`` (see the module docstring); ``allowed_hosts``: the ``Host`` names it
-    answers (``"*"``: any; a request naming another gets 400).
+    answers (``"*"``: any; a request naming another gets 400); ``curve_budget``: the most events one request
+    of the per-update curves reads (:mod:`nnx_es.web.curves`).
 
     Raises:
         MissingDirectoryError: ``runs_root`` is not a directory.
     """
     root = RunsRoot(runs_root)
     cache = _Cache()
+    update_curves = _Cache(size=16)  # each run's UpdateCurves, by its log's identity
 
     def cached(name: str, fn: Callable[[Path], Any]) -> Callable[[Path], Any]:
         def read(run_dir: Path) -> Any:
@@ -155,11 +143,13 @@ def create_app(runs_root: str | Path, *, allowed_hosts: tuple[str, ...] = LOOPBA
                 return _error(exc)
         return handle
 
+    overview = cached("overview", api.overview)  # the runs list, a run's page and its epoch curves: one read
+
     def runs(request: Request) -> Any:
         rows = []
         for run_id in root.run_ids():
             try:
-                rows.append(root.read(cached("row", api.run_row), run_id))
+                rows.append(api.run_row(root.read(overview, run_id)))
             except Exception as exc:  # noqa: BLE001 - one unreadable run does not hide the others
                 rows.append(api.unreadable_row(run_id, exc))
         from nnx_es.search.study import study_names
@@ -167,19 +157,30 @@ def create_app(runs_root: str | Path, *, allowed_hosts: tuple[str, ...] = LOOPBA
         return {"root": str(root.path), **api.runs(rows), "studies": study_names(root.path)}
 
     def one(request: Request) -> Any:
-        return root.read(cached("run", api.run), request.path_params["run_id"])
+        return api.run(root.read(overview, request.path_params["run_id"]))
+
+    def per_update(run_dir: Path) -> Any:
+        curves = update_curves.get(("update", *api.log_identity(run_dir)), UpdateCurves)
+        return api.update_curves(run_dir, curves, curve_budget)
 
     def curves(request: Request) -> Any:
         text = request.query_params.get("per")
         per = api.CURVES if not text else tuple(p for p in api.CURVES if p in text.split(","))
         if text and (not per or set(text.split(",")) - set(api.CURVES)):
             raise ValueError(f"per: expected some of {', '.join(api.CURVES)} (comma-separated), got {text!r}")
-        return root.read(cached("curves/" + ",".join(per), lambda d: api.curves(d, per)), request.path_params["run_id"])
+        run_id = request.path_params["run_id"]
+        out = {}
+        if "epoch" in per:
+            out["epoch"] = api.epoch_curves(root.read(overview, run_id))
+        if "update" in per:
+            out["update"] = root.read(per_update, run_id)
+        return out
 
     def events(request: Request) -> Any:
         q = request.query_params
         kinds, epochs = api.parse_kinds(q.get("kind")), api.parse_epochs(q.get("epoch"))
-        start, limit = _int(request, "from", 0), _int(request, "limit", 100)
+        start = api.in_range("from", q.get("from"), 0, MAX_SEQ - 1, default=0)
+        limit = api.in_range("limit", q.get("limit"), 1, api.MAX_LIMIT, default=100)
         return root.read(lambda d: api.events(d, start=start, limit=limit, kinds=kinds, epochs=epochs),
                          request.path_params["run_id"])
 
@@ -190,7 +191,7 @@ def create_app(runs_root: str | Path, *, allowed_hosts: tuple[str, ...] = LOOPBA
         return root.read(lambda d: api.event(d, seq), request.path_params["run_id"])
 
     def at(request: Request) -> Any:
-        seq = _int(request, "seq")
+        seq = api.in_range("seq", request.query_params.get("seq"), 0, MAX_SEQ - 1)
         return root.read(lambda d: api.at(d, seq), request.path_params["run_id"])
 
     def audit(request: Request) -> Any:

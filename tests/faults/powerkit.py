@@ -91,7 +91,7 @@ def small_build(runs_root: Path, run_id: str) -> Fit:
 
 def old_lmdb_flags(runs_root: Path, run_id: str) -> Fit:
     """Planted: the log's LMDB flags until 2026-12-03 (MDB_NOSYNC; ``env.sync`` only at commits)."""
-    import events.log
+    import events.lmdbenv
 
-    events.log._DURABILITY.update(sync=False, metasync=True)
+    events.lmdbenv.DURABILITY.update(sync=False, metasync=True)
     return small_build(runs_root, run_id)

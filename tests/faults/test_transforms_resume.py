@@ -152,3 +152,42 @@ def test_transforms_that_would_train_silently_wrong_are_refused_before_training(
     model = NNModel(net)  # the first layer trains and feeds a quantized one: no gradient would reach it
     with pytest.raises(ConfigError, match="no gradient flows through int8 quantization"):
         model.train(*loaders(), epochs=1, transforms=[Quantize(["2"])], runs_root=tmp_path, progress=False)
+
+
+def test_a_transform_at_a_later_epoch_that_would_refuse_the_net_is_refused_before_any_update(tmp_path):
+    model = NNModel(small_net(5))
+    with pytest.raises(ConfigError, match=r"Prune: targets \['encoder\.\*'\] match no submodule"):
+        model.train(*loaders(batch_size=16, n_train=48), epochs=EPOCHS, runs_root=tmp_path, run_id="r", seed=3,
+                    progress=False, callbacks=[TransformAt(2, Prune(["encoder.*"], amount=0.5))],
+                    optimizer=lambda ps: torch.optim.SGD(ps, lr=0.2))
+    recorded = kinds(tmp_path / "r")
+    assert "run_failed" in recorded and not {"train_began", "microbatch_done", "update_committed"} & set(recorded)
+    assert applications(model.net) == []  # nothing was applied to the net either
+    net = small_net(5)
+    before = {k: v.clone() for k, v in net.state_dict().items()}
+    Prune(amount=0.5).check(net)  # a transform that fits: check changes nothing
+    LoRA(["0"], rank=2).check(net)  # (the default check applies to a copy)
+    assert net.state_dict().keys() == before.keys()
+    assert all(torch.equal(net.state_dict()[k], v) for k, v in before.items()) and applications(net) == []
+
+
+def test_a_spec_run_with_transforms_records_them_and_resumes_from_its_own_spec(tmp_path, monkeypatch, capsys):
+    from nnx_es.cli.main import main
+    from nnx_es import load_result
+    from nnx_es.recipes import to_spec
+    from nnx_es.recipes.runspec import build_run, scaffold, spec_hash
+
+    spec = msgspec.structs.replace(scaffold(epochs=1, batch_size=128), transforms=[to_spec(LoRA(["layers.0"], rank=2))])
+    (tmp_path / "spec.json").write_bytes(msgspec.json.encode(spec))
+    monkeypatch.chdir(tmp_path)
+    assert main(["run", "spec.json", "--run-id", "r"]) == 0
+    run_dir = tmp_path / "runs" / "r"
+    started = of_kind(run_dir, "run_started")[0]
+    assert started.spec["transforms"] == [msgspec.to_builtins(to_spec(LoRA(["layers.0"], rank=2)))]
+    assert started.spec_hash == spec_hash(started.spec)
+    assert main(["resume", "runs/r", "--epochs", "2"]) == 0, capsys.readouterr().err  # was refused: no LoRA declared
+    result = load_result(run_dir)
+    assert len(result.history) == 2 and result.status == "completed"
+    assert audit_run(run_dir).ok
+    plain = build_run(scaffold(epochs=1, batch_size=128), runs_root=tmp_path / "other").trainer.spec
+    assert "transforms" not in plain and "model" in plain  # a run without transforms records its spec as before

@@ -126,6 +126,13 @@ def test_a_planted_rng_bug_names_the_first_resumed_step_and_the_first_tensor(tmp
     # the first step after a resume from epoch k's LAST is step 4k + 1 (4 updates an epoch)
     assert "step " in f.divergence and "loss" in f.divergence
     assert "model['body.0.weight']" in f.divergence or "model['body" in f.divergence
+    # the promise is named as a promise; the epoch that broke it is in what was expected and found
+    history = [f for f in report.failures if "history" in f.check]
+    assert history, [f.check for f in report.failures]
+    for f in history:
+        assert f.check == "the resumed run's history is the reference's", f.check
+        epoch = f.expected.split(":")[0]
+        assert epoch.startswith("epoch ") and f.found.startswith(epoch + ":"), (f.expected, f.found)
 
 
 def test_a_correct_set_up_holds_at_every_crash_and_fault_point(tmp_path):

@@ -21,6 +21,7 @@ from events.codec import KINDS
 from nnx_es import Diagnostics, Trainer, diagnose, lr_find
 from nnx_es.audit import audit_run
 from nnx_es.cli.main import main as nnx_es_main
+from nnx_es.diagnostics.checks import CHECKS
 from nnx_es.diagnostics.lr_range import suggest
 from nnx_es.errors import ConfigError, UnsafePathError
 from trainkit import of_kind
@@ -76,7 +77,7 @@ def test_diagnose_is_quiet_on_the_healthy_digits_run_with_every_check_made(runs)
     diagnosis = diagnose(healthy.run_dir)
     assert diagnosis.findings == ()
     assert diagnosis.not_checked == {}
-    assert len(diagnosis.checked) == 7
+    assert set(diagnosis.checked) == {name for name, _ in CHECKS}
     assert "no findings" in str(diagnosis)
 
 
@@ -97,6 +98,18 @@ def test_diagnose_flags_a_dead_relu_network_as_dead_and_not_as_too_fast(runs):
     assert "update_ratio_high" not in codes and "exploding_gradients" not in codes
     dead = next(f for f in diagnosis.findings if f.code == "dead_units")
     assert "100%" in dead.title and "1:" in dead.title  # module "1" of the Sequential is the ReLU
+
+
+def test_a_diverged_run_is_said_to_diverge_and_is_never_told_to_raise_the_learning_rate(tmp_path, digits):
+    run = _fit(tmp_path, digits, "diverged", optimizer="sgd", lr=1e6, epochs=2)  # weights blown up by update 2
+    diagnosis = diagnose(run.run_dir)
+    codes = set(diagnosis.codes)
+    assert "loss_diverged" in codes and "update_ratio_low" not in codes, str(diagnosis)
+    assert not any("raise the learning rate" in f.advice for f in diagnosis.findings)  # was said: huge weights
+    diverged = next(f for f in diagnosis.findings if f.code == "loss_diverged")  # make every update look small
+    assert "lower the learning rate" in diverged.advice
+    first = diagnosis.run.losses[0]
+    assert f"the first update's {first:.3g}" in diverged.title and math.isfinite(first)
 
 
 def test_records_are_on_the_cadence_before_history_and_the_run_audits_clean(runs):

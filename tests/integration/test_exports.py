@@ -116,6 +116,8 @@ def test_a_small_cnn_exports_verified_on_a_given_batch_and_the_artifact_computes
         net = _CNN()
         net.load_state_dict(load_file(str(out)))
         got = net.eval()(x)
+        again = [model.export(tmp_path / f"again{i}.{fmt}", fmt, sample=sample) for i in range(7)]
+        assert {r.sha256 for r in again} == {report.sha256}  # byte for byte (two metadata keys: 1 in 128 would pass)
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)  # another batch size: the batch is dynamic
     assert audit_run(model.source.run_dir).ok
 

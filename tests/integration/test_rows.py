@@ -307,3 +307,22 @@ def test_rows_whose_target_the_loss_ignores_are_recorded_unscored(tmp_path):
     state = cartography(read_rows(trainer.run_dir))
     kept = sorted(set(c["row_id"][~ignored].tolist()))
     assert state.row_id[state.epochs > 0].tolist() == kept and (state.epochs[state.epochs > 0] == 2).all()
+
+
+def test_only_a_plain_tensor_dataset_loader_is_known_to_carry_no_row_ids():
+    from nnx_es.rows.dataset import carries_row_ids
+
+    (x, y), _ = _data()
+    w, ids = torch.ones(len(y)), torch.arange(len(y))
+    assert not carries_row_ids(DataLoader(TensorDataset(x, y), batch_size=8))  # lists of two tensors: never ids
+    assert not carries_row_ids(DataLoader(TensorDataset(x, y, w), batch_size=8))
+    assert carries_row_ids(DataLoader(TensorDataset(x, y, w, ids), batch_size=8))  # (x, y, w, idx)
+    assert carries_row_ids(DataLoader(with_row_ids(TensorDataset(x, y)), batch_size=8))  # {"x", "y", "idx"}
+    assert carries_row_ids(DataLoader(TensorDataset(x, y), batch_size=8, collate_fn=lambda rows: rows))
+    assert carries_row_ids([(x, y)]) and carries_row_ids(None)
+
+
+def test_a_loader_of_two_tensors_trains_without_per_row_records(tmp_path):
+    (x, y), _ = _data()
+    run = _trainer(tmp_path).fit(DataLoader(TensorDataset(x, y), batch_size=8), None, epochs=1)
+    assert of_kind(run.run_dir, "rows_recorded") == [] and audit_run(run.run_dir).ok

@@ -86,6 +86,23 @@ def test_curves_equal_the_history_and_the_committed_receipts(client, root):
     assert epoch_only == {"epoch": doc["epoch"]}
     assert _get(client, "/api/runs/base/curves?per=update") == {"update": doc["update"]}
     _get(client, "/api/runs/base/curves?per=step", 400)
+    assert doc["update"]["complete"] and doc["update"]["steps_per_bucket"] == 1  # 36 updates: not downsampled
+
+
+def test_the_per_update_curves_are_read_a_bounded_part_an_answer_until_complete(root, client):
+    """Each answer reads at most ``curve_budget`` events: the page asks again until ``complete``, and the last
+    answer equals the whole log read in one (``tests/integration/test_web_curves.py`` checks the values)."""
+    from nnx_es.web.app import create_app
+    from starlette.testclient import TestClient
+
+    whole = _get(client, "/api/runs/resumed/curves?per=update")["update"]
+    small = TestClient(create_app(root, curve_budget=16), base_url="http://127.0.0.1")
+    answers = []
+    while not (answers and answers[-1]["complete"]):
+        answers.append(_get(small, "/api/runs/resumed/curves?per=update")["update"])
+    assert len(answers) == -(-whole["total"] // 16)  # one part (the log is short), 16 events an answer
+    assert [a["complete"] for a in answers] == [False] * (len(answers) - 1) + [True]
+    assert answers[-1] == whole
 
 
 def test_event_pages_are_inspects_rows_filtered_and_chained(client, root, capsys):
@@ -186,6 +203,25 @@ def test_paths_stay_inside_the_runs_root(client, root, tmp_path):
     assert client.get("/static/../webkit.py").status_code == 404
 
 
+@pytest.mark.parametrize("text", ["0", "1001", "-1", "abc", "1.5", "1_0", " 5", str(2**64)])
+def test_every_integer_parameter_is_refused_in_one_message_naming_the_value_and_the_range(client, text):
+    from urllib.parse import quote
+
+    from events.lmdbfile import MAX_SEQ
+    from nnx_es.web.api import MAX_LIMIT
+
+    asks = [("/api/runs/base/events?limit=", "limit", 1, MAX_LIMIT), ("/api/runs/base/events?from=", "from", 0, MAX_SEQ - 1),
+            ("/api/runs/base/at?seq=", "seq", 0, MAX_SEQ - 1)]
+    for path, name, lo, hi in asks:
+        r = client.get(path + quote(text))
+        if text in ("0", "1001") and name != "limit":  # in range there
+            assert r.status_code == 200, r.text
+            continue
+        assert r.status_code == 400 and r.json()["error"] == {
+            "type": "ValueError", "message": f"{name}: expected an integer in {lo}..{hi}, got {text!r}"}, (path, r.text)
+    assert _get(client, "/api/runs/base/at", 400)["error"]["message"] == f"seq: expected an integer in 0..{MAX_SEQ - 1}, got nothing"
+
+
 def test_only_reads_from_this_machine_with_a_strict_policy(client, root):
     assert client.get("/api/runs", headers={"host": "attacker.example"}).status_code == 400
     assert client.post("/api/runs").status_code == 405
@@ -256,3 +292,5 @@ def test_a_live_run_is_read_beside_its_writer_and_listed_live(tmp_path):
     assert len(set(live_epochs)) >= 2, seen  # listed live, its epochs growing while it trains
     final = _get(client, "/api/runs")["runs"][0]
     assert (final["status"], final["live"], final["epochs"]) == ("completed", False, 6)
+    followed = _get(client, "/api/runs/live/curves?per=update")["update"]  # read on while the run grew
+    assert followed["complete"] and followed == _get(app_client(root), "/api/runs/live/curves?per=update")["update"]

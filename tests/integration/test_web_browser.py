@@ -1,8 +1,9 @@
 """``nnx-es serve`` in a real headless browser: Debian's chromium driven by Selenium through
 ``/usr/bin/chromedriver`` (selenium-manager downloads nothing). Each page loads on the runs of
-:mod:`webkit`, a click reaches an event, the time-travel slider moves, and the numbers shown equal
-the projections'. Each test saves a screenshot of its page into ``docs/images/`` for the guide
-(docs/guides/web.md).
+:mod:`webkit` (and a study of ``nnx-es search``), a click reaches an event, the time-travel slider moves,
+and the numbers shown equal the projections'. With ``NNX_ES_SCREENSHOTS=1`` (``make screenshots``) each
+test also saves a screenshot of its page into ``docs/images/`` for README.md and docs/guides/web.md;
+otherwise nothing is written outside the test's temporary directory.
 
 The test set-up installs the browser (``make test``: ``apt-get install chromium chromium-driver`` when
 they are missing and the set-up runs as root with apt); elsewhere these tests are skipped, saying why.
@@ -10,6 +11,7 @@ they are missing and the set-up runs as root with apt); elsewhere these tests ar
 
 from __future__ import annotations
 
+import os
 import shutil
 import time
 from pathlib import Path
@@ -42,10 +44,29 @@ def root(tmp_path_factory):
     return build_root(tmp_path_factory.mktemp("web"))
 
 
+#: events one answer of the per-update curves reads here: the run page asks several times (its loop is tested)
+CURVE_BUDGET = 64
+
+
 @pytest.fixture(scope="module")
 def server(root):
-    url, srv = serve_in_thread(create_app(root))
+    url, srv = serve_in_thread(create_app(root, curve_budget=CURVE_BUDGET))
     yield url
+    srv.should_exit = True
+
+
+@pytest.fixture(scope="module")
+def study(tmp_path_factory):
+    """A served runs root holding a three-trial ``nnx-es search`` study of the learning rate."""
+    pytest.importorskip("optuna")
+    from nnx_es.search import search
+    from plankit import spec
+
+    runs = tmp_path_factory.mktemp("web_study") / "runs"
+    search(spec(epochs=2), {"optimizers.main.kwargs.lr": {"float": [1e-3, 0.3], "log": True}}, 3, runs_root=runs,
+           study_name="lr-search", echo=lambda _line: None)
+    url, srv = serve_in_thread(create_app(runs))
+    yield url, runs
     srv.should_exit = True
 
 
@@ -70,7 +91,10 @@ def _wait(browser, css, timeout=20):
 
 
 def _shot(browser, name):
-    """A screenshot of the whole page (as tall as its content) into docs/images/web-<name>.png."""
+    """With ``NNX_ES_SCREENSHOTS=1``: a screenshot of the whole page (as tall as its content) into
+    docs/images/web-<name>.png."""
+    if os.environ.get("NNX_ES_SCREENSHOTS") != "1":
+        return
     IMAGES.mkdir(parents=True, exist_ok=True)
     height = browser.execute_script("return Math.min(2400, document.documentElement.scrollHeight)")
     browser.set_window_size(1280, max(700, height))
@@ -107,9 +131,14 @@ def test_the_run_page_shows_its_history_and_draws_its_curves(browser, server, ro
         row = browser.find_element(By.CSS_SELECTOR, f'#history tr[data-epoch="{r.epoch}"]')
         shown = [c.get_attribute("data-value") for c in row.find_elements(By.CSS_SELECTOR, "td.num")]
         assert float(shown[1]) == r.train["loss"] and float(shown[2]) == r.val["val_loss"]
-    # loss and lr per epoch, loss and lr per update: uPlot draws each on a canvas once its curves arrive
-    WebDriverWait(browser, 30).until(lambda b: len(b.find_elements(By.CSS_SELECTOR, "#update-charts .chart canvas")) >= 2)
+    # loss and lr per epoch, loss and lr per update: uPlot draws each on a canvas once its curves arrive; the
+    # per-update curves come CURVE_BUDGET events an answer, the page asking again until they are complete
+    WebDriverWait(browser, 30).until(lambda b: b.find_element(By.ID, "update-note").get_attribute("data-complete") == "true")
+    assert len(browser.find_elements(By.CSS_SELECTOR, "#update-charts .chart canvas")) >= 2
     assert len(browser.find_elements(By.CSS_SELECTOR, "#epoch-charts .chart canvas")) >= 2
+    updates = sum(1 for _ in _committed_receipts(root / "base"))
+    assert load_result(root / "base").events > CURVE_BUDGET  # so the page asked more than once
+    assert browser.find_element(By.ID, "update-note").text == f"every committed update ({updates}), not downsampled"
     assert browser.find_element(By.ID, "events-count").text == str(load_result(root / "base").events)
     _no_errors(browser)
     _shot(browser, "run")
@@ -203,6 +232,44 @@ def test_the_rows_page_draws_the_data_map(browser, server):
     _shot(browser, "rows")
     browser.get(server + "/runs/resumed/rows")
     _wait(browser, "#no-rows")
+
+
+def _committed_receipts(run_dir):
+    from events.log import LmdbLog
+    from projections import committed
+
+    with LmdbLog(run_dir / "events.lmdb", readonly=True) as log:
+        return [e for _, e in committed(log.read()) if e.KIND == "update_committed"]
+
+
+def test_the_study_pages_show_each_trial_beside_its_runs_best(browser, study):
+    url, runs = study
+    browser.get(url + "/studies")
+    row = _wait(browser, '#studies tr.study[data-study="lr-search"]')
+    cells = row.find_elements(By.TAG_NAME, "td")
+    assert [c.text for c in cells[1:4]] == ["minimize", "3", "3"]
+    _no_errors(browser)
+    _shot(browser, "studies")
+    cells[0].find_element(By.TAG_NAME, "a").click()
+    _wait(browser, "#trials tr.trial")
+    trials = {int(r.get_attribute("data-trial")): r for r in browser.find_elements(By.CSS_SELECTOR, "#trials tr.trial")}
+    assert sorted(trials) == [0, 1, 2]
+    bests = {}
+    for number, r in trials.items():
+        run_id = r.find_element(By.CSS_SELECTOR, "td a").text
+        best = load_result(runs / run_id).best.value  # the run's own log
+        value = r.find_elements(By.CSS_SELECTOR, "td.num")[1]
+        assert float(value.get_attribute("data-value")) == best == float(r.find_elements(By.CSS_SELECTOR, "td.num")[-1].get_attribute("data-value"))
+        assert "COMPLETE" in r.text and "completed" in r.text
+        bests[number] = best
+    best_trial = min(bests, key=lambda n: (bests[n], n))
+    assert [n for n, r in trials.items() if "best" in r.get_attribute("class").split()] == [best_trial]
+    _no_errors(browser)
+    _shot(browser, "study")
+    link = trials[best_trial].find_element(By.CSS_SELECTOR, "td a")
+    run_id = link.text
+    link.click()
+    WebDriverWait(browser, 20).until(lambda b: b.find_element(By.ID, "run-id").text == run_id)
 
 
 def test_browsing_changed_nothing_under_the_root(browser, server, root):

@@ -5,6 +5,7 @@
 const main = document.getElementById("main");
 const COLORS = ["#2b5797", "#d9480f", "#2f9e44", "#9c36b5", "#e67700", "#0c8599", "#c2255c", "#5f3dc4"];
 let timer = null;
+let drawn = 0;  // how many times a run's page was drawn: an older drawing stops asking for its curves
 
 function h(tag, attrs, ...kids) {
   const e = document.createElement(tag);
@@ -143,17 +144,28 @@ function epochCharts(c) {
     chart("learning rate per epoch", "epoch", x, lrs.map((n) => [n, s[n]]))];
 }
 
-function updateCharts(c) {
-  const u = c.update.series;
+function updateCharts(u) {
   const groups = [["loss/", "training loss per update"], ["grad_norm/", "gradient norm per update"], ["lr/", "learning rate per update"]];
-  const per = c.update.steps_per_bucket;
+  const per = u.steps_per_bucket;
   return groups.map(([prefix, title]) => {
-    const names = Object.keys(u).filter((n) => n.startsWith(prefix));
+    const names = Object.keys(u.series).filter((n) => n.startsWith(prefix));
     if (!names.length) return null;
     // eslint-disable-next-line no-undef
-    const joined = uPlot.join(names.map((n) => [u[n].x, u[n].y]));
+    const joined = uPlot.join(names.map((n) => [u.series[n].x, u.series[n].y]));
     return chart(title + (per > 1 ? " (min–max per " + per + " steps)" : ""), "step", joined[0], names.map((n, i) => [n, joined[i + 1]]));
   }).filter(Boolean);
+}
+
+// what the per-update curves show: downsampled or not, by how much, and how much of the log is read yet
+function updateNote(u) {
+  const loss = Object.keys(u.series).find((n) => n.startsWith("loss/"));
+  const updates = loss ? u.series[loss].updates : 0, points = loss ? u.series[loss].x.length : 0;
+  const n = (v) => v.toLocaleString("en-US");
+  const parts = [u.steps_per_bucket > 1
+    ? "downsampled: each curve keeps the least and the greatest value of each bucket of " + n(u.steps_per_bucket) + " steps (" + n(points) + " points for " + n(updates) + " committed updates)"
+    : "every committed update (" + n(updates) + "), not downsampled"];
+  if (!u.complete) parts.push("read " + u.parts_read + " of " + u.parts + " parts of the log (the newest and the first first, then the gaps): reading on…");
+  return parts.join(" · ");
 }
 
 function historyTable(records) {
@@ -185,17 +197,26 @@ async function pageRun(runId) {
     ["seed", d.seed], ["optimizers", (d.optimizers || []).join(", ")], ["callbacks", (d.callbacks || []).join(", ")],
     ["monitor", d.monitor ? d.monitor.name + " (" + d.monitor.mode + ")" : "–"], ["world size", d.world_size], ...lin,
   ]);
-  // the curves read the whole log: drawn when they arrive, the summary and the history first
+  // the curves are drawn when they arrive, the summary and the history first
   const perEpoch = h("div", { class: "charts", id: "epoch-charts" }, h("p", { class: "muted" }, "reading the curves…"));
+  const note = h("p", { class: "muted", id: "update-note" }, "reading the committed updates…");
   const perUpdate = h("div", { class: "charts", id: "update-charts" });
   show(h("h1", {}, "run ", h("code", { id: "run-id" }, runId)), summary,
-    h("h2", {}, "per epoch"), perEpoch, h("h2", {}, "per committed update"), perUpdate,
+    h("h2", {}, "per epoch"), perEpoch, h("h2", {}, "per committed update"), note, perUpdate,
     h("h2", {}, "history (committed epochs)"), doc.history.length ? historyTable(doc.history) : h("p", { class: "muted" }, "no committed epoch yet"));
   liveNote(doc.live ? "training: refreshing every 2 s" : "");
-  perUpdate.replaceChildren(h("p", { class: "muted" }, "reading every committed update…"));
-  try {  // per epoch: the history projection (from a snapshot); per update: a pass over the whole log
+  const drawing = ++drawn;
+  try {  // per epoch: the history projection (from a snapshot); per update: a bounded part of the log an answer
     perEpoch.replaceChildren(...epochCharts(await api("/api/runs/" + enc(runId) + "/curves?per=epoch")));
-    perUpdate.replaceChildren(...updateCharts(await api("/api/runs/" + enc(runId) + "/curves?per=update")));
+    for (;;) {
+      const u = (await api("/api/runs/" + enc(runId) + "/curves?per=update")).update;
+      if (drawing !== drawn) return;  // redrawn meanwhile (a live run)
+      perUpdate.replaceChildren(...updateCharts(u));
+      note.textContent = updateNote(u);
+      note.dataset.complete = String(u.complete);
+      note.dataset.stepsPerBucket = String(u.steps_per_bucket);
+      if (u.complete) break;
+    }
   } catch (e) { perUpdate.replaceChildren(h("p", { class: "error" }, String(e.message || e))); }
   if (doc.live) poll(() => pageRun(runId), 2000);
 }
