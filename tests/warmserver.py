@@ -300,10 +300,15 @@ def _start_as_fresh(path0: str) -> None:
 
 
 def _job(job: str, args: list[str]) -> object:
+    import types
+
     kind, _, target = job.partition(":")
+    main = types.ModuleType("__main__")  # the job's own __main__, never the warm process's (this module)
+    sys.modules["__main__"] = main
     if kind == "console":  # a console script: sys.exit(main()) with sys.argv = [script, *args]
         module, _, name = target.partition(":")
         sys.argv = list(args)
+        main.__file__ = args[0]
         return getattr(importlib.import_module(module), name)()
     if kind == "script":  # python SCRIPT ARGS
         import runpy
@@ -312,10 +317,6 @@ def _job(job: str, args: list[str]) -> object:
         runpy.run_path(args[0], run_name="__main__")
         return None
     if kind == "c":  # python -c CODE ARGS
-        import types
-
-        main = types.ModuleType("__main__")
-        sys.modules["__main__"] = main
         sys.argv = ["-c", *args[1:]]
         exec(compile(args[0], "<string>", "exec"), main.__dict__)  # noqa: S102 - the test's own code
         return None
