@@ -25,15 +25,23 @@ What differs from a new interpreter, and why it does not matter here: modules ar
 the environment is known. Those that read it at import are re-read at the start
 (``OMP_NUM_THREADS`` -> torch's thread count; ``NNX_ES_KILL_AT``, which nnx_es.runtime.session
 installs when imported; ``PYTHONPATH`` and ``PYTHONUNBUFFERED``); torch's C++ log level
-(``TORCH_CPP_LOG_LEVEL``) stays the warm process's. A module imported by the warm process stays the one
+(``TORCH_CPP_LOG_LEVEL``) stays the warm process's. NumPy's global random state, seeded from the OS at its
+import, is seeded again in each child (Python's ``random`` reseeds itself after a fork). A child's string
+hash seed is its warm process's: there are two warm processes (:func:`shared`), each with a hash seed of its
+own, and two jobs in a row (:func:`command`, :func:`python`, ...) or two neighbouring torchrun ranks never
+share one, so a result that depends on the order of a set is still seen to differ between two processes, as
+between two new interpreters (``PYTHONHASHSEED`` set in the environment: every process has it, as
+every new interpreter would). A module imported by the warm process stays the one
 it found. A test of the console scripts themselves, of a fresh interpreter's imports or of an
 environment read otherwise runs a real subprocess (``python -m nnx_es``, the installed script).
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
+import random
 import select
 import shutil
 import signal
@@ -41,13 +49,13 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from warmserver import SOCKET_VAR, entry_point, write_shims
 
 __all__ = ["REPO", "SOCKET_VAR", "Warm", "call", "close_shared", "command", "entry_point", "environment", "python",
-           "python_c", "shared"]
+           "python_c", "shared", "sockets"]
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -63,9 +71,12 @@ def environment(extra: Mapping[str, str] | None = None) -> dict[str, str]:
 class Warm:
     """The client of one warm process (started here, with ``python``'s interpreter and ``env``)."""
 
-    def __init__(self, python: str | Path = sys.executable, env: Mapping[str, str] | None = None) -> None:
+    def __init__(self, python: str | Path = sys.executable, env: Mapping[str, str] | None = None,
+                 hash_seed: int | None = None) -> None:
         env = dict(environment() if env is None else env)
         env.pop("OMP_NUM_THREADS", None)  # a child sets its own thread count from its environment
+        if hash_seed is not None and "PYTHONHASHSEED" not in env:  # the children's string hash seed
+            env["PYTHONHASHSEED"] = str(hash_seed)
         env["MPLBACKEND"] = env.get("MPLBACKEND", "Agg")
         self.python = str(python)
         self._proc = subprocess.Popen([self.python, str(Path(__file__).resolve().with_name("warmserver.py"))], env=env,
@@ -124,7 +135,10 @@ class Warm:
                    "stdin": None if stdin is None else str(stdin), "path0": str(path0 if path0 is not None else cwd)}
         self._proc.stdin.write(json.dumps(request).encode() + b"\n")  # type: ignore[union-attr]
         self._proc.stdin.flush()  # type: ignore[union-attr]
-        pid = int((self._line(timeout_s=60) or "pid -1").split()[1])
+        started = self._line(timeout_s=60)
+        if started is None or not started.startswith("pid "):
+            raise RuntimeError(f"the warm process did not start {job!r}: {started!r}")
+        pid = int(started.split()[1])
         done = self._line(timeout_s)
         if done is None:
             try:
@@ -136,25 +150,39 @@ class Warm:
         return int(done.split()[1])
 
     def close(self) -> None:
+        """End the warm process: it exits when its stdin closes and its last job has ended (killed after 60 s)."""
         self._proc.stdin.close()  # type: ignore[union-attr]
-        self._proc.wait(timeout=60)
+        try:
+            self._proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+            self._proc.wait()
         if self._shims is not None:
             shutil.rmtree(self._shims, ignore_errors=True)
 
 
-_SHARED: list[Warm] = []
+_SHARED: dict[int, Warm] = {}
+#: the two shared warm processes' string hash seeds: two different ones, drawn for this test process
+_HASH_SEEDS = random.SystemRandom().sample(range(1, 2**32), 2)
+_turn = itertools.count()
 
 
-def shared() -> Warm:
-    """This test process's warm process, started on first use (closed by tests/conftest.py at the session's end)."""
-    if not _SHARED:
-        _SHARED.append(Warm())
-    return _SHARED[0]
+def shared(which: int = 0) -> Warm:
+    """This test process's warm process ``which`` (0 or 1, each with a hash seed of its own), started on first
+    use (both closed by tests/conftest.py at the session's end)."""
+    if which not in _SHARED:
+        _SHARED[which] = Warm(hash_seed=_HASH_SEEDS[which])
+    return _SHARED[which]
+
+
+def sockets() -> str:
+    """Both shared warm processes' sockets for :data:`SOCKET_VAR` (a rank's shim takes the one of its rank's parity)."""
+    return os.pathsep.join(shared(i).socket for i in (0, 1))
 
 
 def close_shared() -> None:
     while _SHARED:
-        _SHARED.pop().close()
+        _SHARED.popitem()[1].close()
 
 
 # --- the commands, as their tests call them ----------------------------------------------------------
@@ -197,7 +225,7 @@ def python(script: str | Path, *args: str, cwd: str | Path, env: Mapping[str, st
 
 def _captured(job: str, args: list[str], *, cwd: str | Path, env: Mapping[str, str] | None, input: str | None,
               timeout: float, path0: str | Path | None = None) -> subprocess.CompletedProcess[str]:
-    warm = shared()
+    warm = shared(next(_turn) % 2)  # two jobs in a row: two hash seeds, as two new interpreters
     with tempfile.TemporaryDirectory(prefix="nnx-warm-") as tmp:
         out, err, inp = Path(tmp) / "stdout", Path(tmp) / "stderr", None
         if input is not None:

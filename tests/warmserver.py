@@ -51,13 +51,16 @@ def shim(script: str) -> None:
 
     This process (``python -S``: no site-packages, no torch) hands its argv, working directory, environment,
     process group and stdin/stdout/stderr (the descriptors themselves) to the warm process at
-    :data:`SOCKET_VAR`, forwards SIGTERM/SIGINT/SIGHUP to the command, and ends as it ended: its exit status,
+    :data:`SOCKET_VAR` (one of several, separated by ``os.pathsep``: the one of index ``RANK`` modulo
+    their number), forwards SIGTERM/SIGINT/SIGHUP to the command, and ends as it ended: its exit status,
     or killed by the same signal (``|| echo "killed: exit $?"`` says 137). Without a warm process it execs
     the installed script."""
     import signal
     import socket
 
-    path = os.environ.get(SOCKET_VAR, "")
+    paths = os.environ.get(SOCKET_VAR, "").split(os.pathsep)  # several: a torchrun rank takes its rank's
+    rank = os.environ.get("RANK", "0")
+    path = paths[int(rank) % len(paths) if rank.isdigit() else 0]
     args = sys.argv[1:]
     if script == "python":  # python [-u] SCRIPT ARGS, nothing else: -u is PYTHONUNBUFFERED
         while args[:1] == ["-u"]:
@@ -289,6 +292,8 @@ def _start_as_fresh(path0: str) -> None:
     interpreter's own), and what preloaded modules read from the environment when imported, now that it is known."""
     extra = [os.path.abspath(p) for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     sys.path[:] = [path0, *extra, *(p for p in _BASE_PATH if p not in extra)]
+    if "numpy" in sys.modules:  # its global RandomState is seeded from the OS when imported: each new interpreter's differs
+        sys.modules["numpy"].random.seed()
     threads = os.environ.get("OMP_NUM_THREADS", "")
     if threads.isdigit() and int(threads) > 0 and "torch" in sys.modules:
         sys.modules["torch"].set_num_threads(int(threads))

@@ -10,10 +10,11 @@ and elastic cases).
 
 ``warm=True``: torchrun's agent (a new interpreter: rendezvous, ranks' environment, monitoring,
 restarts) starts each rank with ``--no-python`` as warmkit's ``python`` shim, so a rank is a child of
-the suite's warm process (tests/warmkit.py) with torch imported once, not a new interpreter importing
-it (~4 s of CPU each); its environment, arguments, output, exit status and death by a signal are the
-rank's as torchrun gave them. The tests of launching itself (several agents, elastic restarts, the
-agent's store) start their ranks as new interpreters (``warm=False``).
+one of the suite's two warm processes (tests/warmkit.py: rank r in process r % 2, so two neighbouring
+ranks' string hash seeds differ, as two new interpreters' do) with torch imported once, not a new
+interpreter importing it (~4 s of CPU each); its environment, arguments, output, exit status and death
+by a signal are the rank's as torchrun gave them. The tests of launching itself (several agents, elastic
+restarts, the agent's store) start their ranks as new interpreters (``warm=False``).
 """
 
 from __future__ import annotations
@@ -71,7 +72,7 @@ def torchrun(script: str | Path, *args: str, nproc: int = 2, nnodes: int | str =
         import warmkit  # here: the scenario scripts import this module for write_result, without tests/ on their path
 
         options = ("--no-python", *options)
-        env[warmkit.SOCKET_VAR] = warmkit.shared().socket
+        env[warmkit.SOCKET_VAR] = warmkit.sockets()  # rank r in warm process r % 2: neighbours' hash seeds differ
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes}", f"--nproc-per-node={nproc}",
            "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", f"--max-restarts={max_restarts}",
            "--monitor-interval=0.5", *options]
