@@ -179,10 +179,12 @@ def _serve() -> int:
 
 def _connection(conn: Any) -> None:
     """A :func:`shim`'s connection (in a child of the warm process): run its command in a child with the
-    shim's descriptors and process group, say ``pid N``, then ``rc N``; a shim gone first takes the command along."""
+    shim's descriptors and process group, say ``pid N``, then ``rc N``; a shim gone first takes the command along,
+    and so does the warm process's end (a rank of a launch killed at its timeout, hanging: torchrun starts each
+    rank's shim in a session of its own, which the launch's kill does not reach)."""
     import socket
 
-    rc = 0
+    rc, warm = 0, os.getppid()
     try:
         data, fds, _, _ = socket.recv_fds(conn, 1 << 16, 3)
         size = int.from_bytes(data[:8], "big")
@@ -216,6 +218,8 @@ def _connection(conn: Any) -> None:
                 conn.sendall(f"rc {os.waitstatus_to_exitcode(status)}\n".encode())
                 break
             if select.select([conn], [], [], 0.2)[0] and not conn.recv(1):  # the shim died: so does its command
+                os.kill(pid, 9)
+            elif os.getppid() != warm:  # the warm process has ended (the session is over): a command left is a leak
                 os.kill(pid, 9)
     except BaseException:  # noqa: BLE001 - said on the warm process's stderr; the shim sees its end
         import traceback

@@ -4,6 +4,7 @@ their random states and hash seeds, their exit status, and a hang cut at the bou
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import time
 
@@ -24,7 +25,9 @@ def test_two_jobs_in_a_row_differ_in_hash_seed_and_random_states_and_each_reads_
     first, second = (warmkit.python_c(PROBE, cwd=tmp_path, env=env) for _ in range(2))
     assert first.returncode == 0 and second.returncode == 0, first.stderr + second.stderr
     a, b = json.loads(first.stdout), json.loads(second.stdout)
-    assert a["hash"] != b["hash"] and a["numpy"] != b["numpy"] and a["random"] != b["random"]
+    assert a["numpy"] != b["numpy"] and a["random"] != b["random"]
+    if "PYTHONHASHSEED" not in os.environ:  # set: every process has it, as every new interpreter would
+        assert a["hash"] != b["hash"]
     assert a["threads"] == b["threads"] == 1 and a["main"] == "__main__"
     env["OMP_NUM_THREADS"] = "2"
     assert json.loads(warmkit.python_c(PROBE, cwd=tmp_path, env=env).stdout)["threads"] == 2
@@ -59,3 +62,22 @@ def _alive(pid: int) -> bool:
             return f.read().split(")")[-1].split()[0] != "Z"
     except FileNotFoundError:
         return False
+
+
+def test_a_shims_command_still_running_when_its_warm_process_ends_is_killed_and_the_shim_ends(tmp_path) -> None:
+    """A torchrun rank left hanging by a launch killed at its timeout (its shim in a session of its own) does not
+    outlive the session's warm process."""
+    warm = warmkit.Warm()
+    try:
+        (tmp_path / "hang.py").write_text("import os, time\nopen('pid', 'w').write(str(os.getpid()))\ntime.sleep(600)\n")
+        shim = subprocess.Popen([str(warm.python_shim()), "hang.py"], cwd=tmp_path, start_new_session=True,
+                                env={**warmkit.environment(), warmkit.SOCKET_VAR: warm.socket})
+        deadline = time.monotonic() + 60
+        while not (tmp_path / "pid").exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        command = int((tmp_path / "pid").read_text())
+        assert _alive(command) and command != shim.pid  # the script runs in a child of the warm process
+    finally:
+        warm.close()
+    assert shim.wait(timeout=30) == -9
+    assert not _alive(command)
