@@ -7,6 +7,14 @@ may hang. A scenario script writes one JSON result per rank and case
 
 Reused by every test under ``tests/distributed`` (equivalence, refusals, the multi-node
 and elastic cases).
+
+``warm=True``: torchrun's agent (a new interpreter: rendezvous, ranks' environment, monitoring,
+restarts) starts each rank with ``--no-python`` as warmkit's ``python`` shim, so a rank is a child of
+one of the suite's two warm processes (tests/warmkit.py: rank r in process r % 2, so two neighbouring
+ranks' string hash seeds differ, as two new interpreters' do) with torch imported once, not a new
+interpreter importing it (~4 s of CPU each); its environment, arguments, output, exit status and death
+by a signal are the rank's as torchrun gave them. The tests of launching itself (several agents, elastic
+restarts, the agent's store) start their ranks as new interpreters (``warm=False``).
 """
 
 from __future__ import annotations
@@ -47,22 +55,31 @@ def env_for_ranks(extra: dict[str, str] | None = None) -> dict[str, str]:
 
 def torchrun(script: str | Path, *args: str, nproc: int = 2, nnodes: int | str = 1, node_rank: int | None = None,
              port: int | None = None, max_restarts: int = 0, timeout_s: float = DEFAULT_TIMEOUT_S,
-             env: dict[str, str] | None = None, wait: bool = True,
-             options: tuple[str, ...] = ()) -> subprocess.CompletedProcess | subprocess.Popen:
+             env: dict[str, str] | None = None, wait: bool = True, options: tuple[str, ...] = (),
+             warm: bool = True) -> subprocess.CompletedProcess | subprocess.Popen:
     """Run ``script args`` under ``python -m torch.distributed.run`` with a c10d rendezvous on 127.0.0.1.
 
     ``nnodes`` > 1 with ``node_rank``: one agent of a multi-node launch (start one per node with
     the same ``port``); ``"MIN:MAX"``: one agent of an elastic membership (torchrun's own syntax).
     ``options``: more torchrun options (``--rdzv-conf=...``). ``wait=False`` returns the ``Popen``
     (its own session: kill it with :func:`kill`). On timeout the whole launch is killed and
-    ``subprocess.TimeoutExpired`` raised.
+    ``subprocess.TimeoutExpired`` raised. ``warm``: the ranks are children of the warm process (the
+    module's docstring), else new interpreters.
     """
     port = port or free_port()
+    env = dict(env or {})
+    if warm:
+        import warmkit  # here: the scenario scripts import this module for write_result, without tests/ on their path
+
+        options = ("--no-python", *options)
+        env[warmkit.SOCKET_VAR] = warmkit.sockets()  # rank r in warm process r % 2: neighbours' hash seeds differ
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes}", f"--nproc-per-node={nproc}",
            "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", f"--max-restarts={max_restarts}",
            "--monitor-interval=0.5", *options]
     if isinstance(nnodes, int) and nnodes > 1 and node_rank is not None:
         cmd.append(f"--node-rank={node_rank}")
+    if warm:
+        cmd += [str(warmkit.shared().python_shim()), "-u"]
     cmd += [str(script), *args]
     proc = subprocess.Popen(cmd, cwd=str(REPO), env=env_for_ranks(env), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)

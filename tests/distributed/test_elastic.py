@@ -23,7 +23,8 @@ def test_a_rank_killed_mid_epoch_restarts_and_resumes_to_the_uninterrupted_param
     # after microbatch 2 of epoch 1 (epoch 0's LAST is committed, epoch 1 is not; its log may hold an
     # uncommitted tail); torchrun stops the other rank and restarts both
     try:
-        proc = torchrun(SCRIPT, str(tmp_path), "0:1:2", max_restarts=1, timeout_s=TIMEOUT_S)
+        proc = torchrun(SCRIPT, str(tmp_path), "0:1:2", max_restarts=1, timeout_s=TIMEOUT_S,
+                        warm=False)  # the agent restarts a new interpreter, as in production
     except subprocess.TimeoutExpired as exc:  # a hang is a failure, never a stuck suite
         pytest.fail(f"the launch did not end within {TIMEOUT_S} s:\n{(exc.output or '')[-3000:]}")
     assert proc.returncode == 0, proc.stdout[-4000:]

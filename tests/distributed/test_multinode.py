@@ -62,7 +62,8 @@ def test_two_agents_give_the_single_node_run_and_only_the_writer_writes(tmp_path
         d.mkdir()
     port = free_port()
     # the same script for both agents; only their runs root differs
-    agents = [torchrun(SCRIPT, *_script_args(root), nproc=1, nnodes=2, node_rank=i, port=port, wait=False)
+    agents = [torchrun(SCRIPT, *_script_args(root), nproc=1, nnodes=2, node_rank=i, port=port, wait=False,
+                       warm=False)  # two agents, each starting a new interpreter, as on two machines
               for i, root in enumerate(roots)]
     try:
         for a in agents:
@@ -71,7 +72,7 @@ def test_two_agents_give_the_single_node_run_and_only_the_writer_writes(tmp_path
         for a in agents:
             kill(a)
     try:
-        proc = torchrun(SCRIPT, *_script_args(single_root), nproc=2, timeout_s=TIMEOUT_S)
+        proc = torchrun(SCRIPT, *_script_args(single_root), nproc=2, timeout_s=TIMEOUT_S, warm=False)
     except subprocess.TimeoutExpired as exc:
         pytest.fail(f"the single-node launch did not end within {TIMEOUT_S} s:\n{(exc.output or '')[-3000:]}")
     assert proc.returncode == 0, proc.stdout[-4000:]

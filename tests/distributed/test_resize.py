@@ -116,7 +116,9 @@ def test_a_second_agent_joining_mid_run_continues_it_on_two_ranks_from_the_last_
     # store) across a membership change never publishes the new round's MASTER_ADDR: the joining agent waits
     # for it and fails after 60 s (seen here every time). Without the sharing every round gets a store of its own.
     env = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
-    first = torchrun(JOIN, str(tmp_path), nproc=1, nnodes="1:2", port=port, wait=False, options=options, env=env)
+    # ranks as new interpreters: the agents' membership change stops and restarts them, as in production
+    first = torchrun(JOIN, str(tmp_path), nproc=1, nnodes="1:2", port=port, wait=False, options=options, env=env,
+                     warm=False)
     second = None
     try:
         deadline = time.monotonic() + TIMEOUT_S
@@ -126,7 +128,7 @@ def test_a_second_agent_joining_mid_run_continues_it_on_two_ranks_from_the_last_
                 pytest.fail(f"the first agent never reached epoch 2 alone:\n{first.communicate()[0][-3000:]}")
             time.sleep(0.2)
         second = torchrun(JOIN, str(tmp_path), nproc=1, nnodes="1:2", port=port, wait=False, options=options,
-                          env=env)
+                          env=env, warm=False)
         for agent in (first, second):
             try:
                 out, _ = agent.communicate(timeout=max(1.0, deadline - time.monotonic()))

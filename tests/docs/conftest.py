@@ -1,4 +1,5 @@
-"""The docs tests' shared warm process: every page runs in a child forked from it (snippets.PageRunner)."""
+"""The docs tests' runner: every page runs in a child forked from the suite's warm process (snippets.PageRunner,
+tests/warmkit.py)."""
 
 from __future__ import annotations
 
@@ -10,12 +11,13 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import warmkit  # noqa: E402
 from snippets import PageRunner  # noqa: E402
 
 
 @pytest.fixture(scope="session")
 def page_runner() -> Iterator[PageRunner]:
-    runner = PageRunner()
+    runner = PageRunner(warmkit.shared())
     try:
         yield runner
     finally:

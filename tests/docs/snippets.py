@@ -5,11 +5,13 @@ The convention (docs/contributing.md, "Writing a docs page"):
 * every fenced ```` ```python ```` (or ``py``) and ```` ```bash ```` (or ``sh``, ``shell``) block of
   README.md and of every page under ``docs/`` is executed, in page order;
 * a page runs in a fresh temporary working directory, with the repository's ``.venv/bin`` first on
-  ``PATH`` and the repository root on ``PYTHONPATH``;
+  ``PATH`` (after the warm ``nnx-es``: see the shell blocks) and the repository root on ``PYTHONPATH``;
 * the Python blocks of one page share one namespace (a page builds on its earlier blocks, as a
   reader's session would), run in one process whose ``__name__`` is ``"__main__"``; each shell
   block is its own ``bash -e -o pipefail`` (its ``cd`` and ``export`` end with it; the working
-  directory and its files are the page's);
+  directory and its files are the page's); its ``nnx-es`` runs in a child of the warm process
+  (``warmserver.shim``: the installed command's function, with the shell's arguments, directory,
+  environment and descriptors; its exit status or signal is the shell's);
 * a block preceded, on the line just above its fence, by ``<!-- skip: reason -->`` is not run
   (the reason is required); ```` ```text ```` and every other language are output or data, never run;
 * a block with a file name, ```` ```python title="train.py" ```` (any language; Material shows the
@@ -26,8 +28,6 @@ from __future__ import annotations
 
 import os
 import re
-import select
-import signal
 import subprocess
 import sys
 import tempfile
@@ -35,6 +35,11 @@ import time
 import types
 from dataclasses import dataclass
 from pathlib import Path
+
+if str(Path(__file__).resolve().parents[1]) not in sys.path:  # tests/: the warm process (warmkit)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from warmkit import Warm  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -143,41 +148,20 @@ def environment(repo: Path = REPO) -> dict[str, str]:
 
 
 class PageRunner:
-    """Runs pages, each in a child forked from one warm process.
+    """Runs pages, each in a child forked from a warm process (``tests/warmkit.py``).
 
-    The warm process (``snippets.py --serve``, started in :func:`environment` with the pages'
-    interpreter) imports what pages commonly import (:data:`PRELOAD`) once and never runs a
-    tensor op itself, so a forked child starts with no thread pool to inherit. Each child
-    enters its page's working directory, sends its output to a log file and runs the blocks
-    (:func:`run_blocks`) with a fresh ``__main__``: what a page does stays in its child.
+    The warm process imports what pages commonly import (``warmserver.PRELOAD``) once and never runs
+    a tensor op itself, so a forked child starts with no thread pool to inherit. Each child enters
+    its page's working directory, sends its output to a log file and runs the blocks
+    (:func:`run_blocks`) with a fresh ``__main__``: what a page does stays in its child. ``warm``:
+    a warm process to share (the suite's, ``warmkit.shared()``); by default one of its own, started
+    with the pages' interpreter.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, warm: Warm | None = None) -> None:
         env = environment()
-        python = Path(env["PATH"].split(os.pathsep)[0]) / "python"
-        self._proc = subprocess.Popen(
-            [str(python), str(Path(__file__).resolve()), "--serve"], env=env, cwd=tempfile.gettempdir(),
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, bufsize=0,
-        )
-        self._buffer = b""
-        ready = self._line(timeout_s=300)
-        if ready != "ready":
-            raise RuntimeError(f"the snippet runner did not start: {ready!r}")
-
-    def _line(self, timeout_s: float) -> str | None:
-        """The warm process's next line, or None after ``timeout_s``."""
-        deadline = time.monotonic() + timeout_s
-        fd = self._proc.stdout.fileno()  # type: ignore[union-attr]
-        while b"\n" not in self._buffer:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0 or not select.select([fd], [], [], remaining)[0]:
-                return None
-            chunk = os.read(fd, 4096)
-            if not chunk:
-                raise RuntimeError(f"the snippet runner exited ({self._proc.wait()})")
-            self._buffer += chunk
-        line, _, self._buffer = self._buffer.partition(b"\n")
-        return line.decode()
+        self._own = warm is None
+        self._warm = Warm(Path(env["PATH"].split(os.pathsep)[0]) / "python", env) if warm is None else warm
 
     def check(self, page: Path, workdir: Path, timeout_s: float = PAGE_TIMEOUT_S) -> str:
         """Run every runnable block of ``page`` in ``workdir``, in order; return the output.
@@ -189,68 +173,24 @@ class PageRunner:
         blocks(page)  # a malformed page is refused here, before anything runs
         workdir.mkdir(parents=True, exist_ok=True)
         log = workdir.parent / f"{workdir.name}.snippets.log"
-        self._proc.stdin.write(f"{page.resolve()}\t{workdir.resolve()}\t{log}\n".encode())  # type: ignore[union-attr]
-        self._proc.stdin.flush()  # type: ignore[union-attr]
-        pid = int((self._line(timeout_s=60) or "pid -1").split()[1])
-        done = self._line(timeout_s)
-        if done is None:
-            os.killpg(pid, signal.SIGKILL)  # the page's child and whatever it started
-            self._line(timeout_s=60)
+        rc = self._warm.run(f"file:{Path(__file__).resolve()}:run_page", [str(page.resolve())], cwd=workdir.resolve(),
+                            env=self._warm.shim_env(environment()), stdout=log, timeout_s=timeout_s)
         output = log.read_text(errors="replace") if log.exists() else ""
-        if done is None:
+        if rc is None:
             raise SnippetError(f"{_shown(page)} took more than {timeout_s} s\n{output[-6000:]}")
-        rc = int(done.split()[1])
         if rc != 0:
             raise SnippetError(f"{_shown(page)}: a block failed (exit {rc})\n{output[-8000:]}")
         return output
 
     def close(self) -> None:
-        self._proc.stdin.close()  # type: ignore[union-attr]
-        self._proc.wait(timeout=60)
+        if self._own:
+            self._warm.close()
 
 
-#: what the warm process imports once (a page imports them again for free); names absent are skipped
-PRELOAD = ("torch", "numpy", "sklearn.datasets", "matplotlib.pyplot", "nnx_es.trainer", "nnx_es.nnmodel",
-           "nnx_es.testing", "torch.utils.data")
-
-
-def _serve() -> int:
-    """The warm process: one request a line (page, working directory, log); a child forked for each."""
-    import importlib
-
-    for name in PRELOAD:
-        try:
-            importlib.import_module(name)
-        except ImportError:
-            pass
-    out = sys.stdout.buffer
-    out.write(b"ready\n")
-    out.flush()
-    for request in sys.stdin:
-        page, workdir, log = request.rstrip("\n").split("\t")
-        pid = os.fork()
-        if pid == 0:  # the page's child
-            rc = 1
-            try:
-                os.setpgid(0, 0)
-                os.chdir(workdir)
-                fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-                os.dup2(fd, 1)
-                os.dup2(fd, 2)
-                os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
-                sys.path[0] = workdir  # as for a script run in the page's directory
-                sys.argv = [page]
-                rc = run_blocks(Path(page))
-            finally:
-                sys.stdout.flush()
-                sys.stderr.flush()
-                os._exit(rc)
-        out.write(f"pid {pid}\n".encode())
-        out.flush()
-        _, status = os.waitpid(pid, 0)
-        out.write(f"rc {os.waitstatus_to_exitcode(status)}\n".encode())
-        out.flush()
-    return 0
+def run_page(args: list[str]) -> int:
+    """The job of a page's child (in its working directory, output on the log): run the page's blocks."""
+    sys.argv = [args[0]]
+    return run_blocks(Path(args[0]))
 
 
 # --- the child: runs one page's blocks in order, in its working directory --------------------
@@ -292,8 +232,6 @@ def run_blocks(page: Path) -> int:
 
 
 def _main(argv: list[str]) -> int:
-    if argv[:1] == ["--serve"]:
-        return _serve()
     runner = PageRunner()
     status = 0
     try:

@@ -3,7 +3,7 @@
 ``mkdocs build --strict`` fails on any warning: a broken link or anchor, a page missing from the
 nav, a docstring reference mkdocstrings cannot resolve. One build (about 25 s of CPU on a loaded
 2-core machine: a small real run for the pictures, mkdocstrings over the public API) serves every
-test here.
+test here (on one xdist worker: tests/conftest.py XDIST_GROUPS).
 """
 
 from __future__ import annotations
@@ -16,9 +16,6 @@ from pathlib import Path
 import pytest
 
 from snippets import REPO
-
-#: one worker builds the site once for every test here (``make test`` runs ``-n 2 --dist loadgroup``)
-pytestmark = pytest.mark.xdist_group("docs-site")
 
 ENV = {**os.environ, "DISABLE_MKDOCS_2_WARNING": "true", "NO_MKDOCS_2_WARNING": "1"}
 

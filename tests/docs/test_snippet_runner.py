@@ -117,3 +117,24 @@ def test_pages_are_found_not_listed(tmp_path: Path) -> None:
     (tmp_path / "docs" / "guides" / "new-topic.md").write_text("# n\n")
     assert [p.relative_to(tmp_path).as_posix() for p in pages(tmp_path)] == [
         "README.md", "docs/guides/new-topic.md", "docs/index.md"]
+
+
+def test_a_shell_blocks_nnx_es_runs_in_a_warm_child_with_the_shells_arguments_status_pipes_and_signals(
+        tmp_path: Path, page_runner) -> None:
+    """``nnx-es`` in a shell block is warmkit's shim: the command's output goes through the shell's pipe, its
+    exit status and a kill by signal (NNX_ES_KILL_AT: SIGKILL, ``$?`` 137) are the shell's, as the installed
+    script's would be."""
+    page = tmp_path / "cli.md"
+    page.write_text('# c\n\n```bash\n'
+                    'command -v nnx-es > which.txt\n'
+                    'nnx-es init --out s.json --epochs 1 | head -1 > init.txt\n'
+                    'nnx-es --no-such-option 2> err.txt || echo "$?" > bad.txt\n'
+                    'NNX_ES_KILL_AT=event:3 nnx-es run s.json --run-id r || echo "$?" > killed.txt\n'
+                    '```\n')
+    page_runner.check(page, tmp_path / "work")
+    work = tmp_path / "work"
+    assert "nnx-shims-" in (work / "which.txt").read_text()
+    assert (work / "init.txt").read_text().startswith("wrote s.json: mlp on digits, 1 epochs")
+    assert (work / "bad.txt").read_text().strip() == "2" and "required: COMMAND" in (work / "err.txt").read_text()
+    assert (work / "killed.txt").read_text().strip() == "137"
+    assert len(list((work / "runs" / "r" / "events.lmdb").iterdir())) >= 1  # killed mid-run, not refused at once

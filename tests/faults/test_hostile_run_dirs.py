@@ -3,9 +3,10 @@ ends within a bound, and writes nothing (the log byte-identical, a link's target
 
 A run trained from a spec (its model state above INLINE_MAX: blob files), copied for each scenario;
 then a link planted where the run keeps its log, blobs, a blob or its views, a FIFO or a link to
-``/dev/zero`` in place of a blob, or a link where a runs root names the run. ``tools/replay``,
-``tools/inspect``, ``nnx-es resume`` and ``NNModel.load`` run in subprocesses under a timeout
-(a hang fails the test, it does not stall the suite). DESIGN.md "Trust boundaries".
+``/dev/zero`` in place of a blob, or a link where a runs root names the run. ``nnx-replay``,
+``nnx-inspect``, ``nnx-es resume`` and ``NNModel.load`` run in other processes (children of the suite's
+warm process, tests/warmkit.py) under a timeout (a hang fails the test, it does not stall the suite).
+DESIGN.md "Trust boundaries".
 """
 
 from __future__ import annotations
@@ -14,30 +15,25 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
+import warmkit
 from nnx_es.audit import audit_run
 from nnx_es.storage import Lease
 
-REPO = Path(__file__).resolve().parents[2]
 BOUND_S = 120  # every refusal below takes well under a second; a hang is cut here and fails
 
 
-def _env() -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-
-
 def _cli(cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    """Run a tool (``tools/replay``, ``tools/inspect``, or ``-m nnx_es``) with the bound; a hang fails."""
-    cmd = [sys.executable, str(REPO / "tools" / args[0]), *args[1:]] if args[0] in ("replay", "inspect") \
-        else [sys.executable, "-m", "nnx_es", *args]
+    """Run a tool (``replay``: nnx-replay, ``inspect``: nnx-inspect, else nnx-es) with the bound; a hang fails."""
+    script = {"replay": "nnx-replay", "inspect": "nnx-inspect"}.get(args[0])
     start = time.monotonic()
     try:
-        out = subprocess.run(cmd, cwd=cwd, env=_env(), capture_output=True, text=True, timeout=BOUND_S)
+        out = warmkit.command(script, *args[1:], cwd=cwd, timeout=BOUND_S) if script else \
+            warmkit.command("nnx-es", *args, cwd=cwd, timeout=BOUND_S)
     except subprocess.TimeoutExpired:
         pytest.fail(f"{' '.join(args)} did not end within {BOUND_S} s (it blocked on the run directory)")
     assert time.monotonic() - start < BOUND_S
@@ -185,8 +181,7 @@ def test_a_fifo_or_dev_zero_in_place_of_a_blob_ends_at_once_with_a_clear_error(w
             "try:\n    NNModel(MLP(64, 10, hidden=[1024])).load('runs/r', 'last')\n"
             "except UnsafePathError as exc:\n    print(exc, file=sys.stderr); sys.exit(2)\n")
     try:
-        out = subprocess.run([sys.executable, "-c", load], cwd=work, env=_env(), capture_output=True, text=True,
-                             timeout=BOUND_S)
+        out = warmkit.python_c(load, cwd=work, timeout=BOUND_S)
     except subprocess.TimeoutExpired:
         pytest.fail(f"NNModel.load did not end within {BOUND_S} s")
     _refused(out, said)

@@ -1,12 +1,16 @@
 """Power cuts (not process kills): the states the disk may hold after a cut at each sync of a
 traced run, each checked (nothing committed is lost, the audit holds, the run resumes bitwise);
-planted durability bugs are caught. See nnx_es/testing/powerloss.py."""
+planted durability bugs are caught. See nnx_es/testing/powerloss.py.
+
+A script or ``nnx-es crashtest`` runs in a child of the suite's warm process (tests/warmkit.py); the traced
+run it starts is a new interpreter (the tracing shim is loaded at exec), as ever."""
 
 from __future__ import annotations
 
 import pytest
 
 import powerkit
+import warmkit
 from nnx_es.errors import ConfigError
 from nnx_es.testing import power_loss_test
 from nnx_es.testing.tracer import NoCompilerError, build_shim
@@ -101,15 +105,12 @@ def test_a_script_whose_build_the_traced_interpreter_cannot_rebuild_is_refused_w
         tmp_path, script, message):
     import os
     import re
-    import subprocess
-    import sys
     from pathlib import Path
 
     (tmp_path / "check.py").write_text(script)
     here = Path(__file__).resolve()
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(here.parents[2]), str(here.parent)])}
-    proc = subprocess.run([sys.executable, "check.py"], cwd=tmp_path, env=env, capture_output=True, text=True,
-                          timeout=300)
+    proc = warmkit.python("check.py", cwd=tmp_path, env=env)
     assert proc.returncode != 0
     last = proc.stderr.strip().rpartition("\n")[2]
     assert last.startswith("nnx_es.errors.ConfigError: ") and re.search(message, last), proc.stderr[-3000:]
@@ -148,13 +149,11 @@ trainer.fit(train, epochs=int(sys.argv[1]))
 def test_nnx_es_crashtest_power_loss_checks_a_script_that_calls_fit_itself_drawing_from_unseeded_global_rngs(
         tmp_path):
     import os
-    import subprocess
-    import sys
     from pathlib import Path
 
     (tmp_path / "train.py").write_text(SCRIPT)
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
-    proc = subprocess.run([sys.executable, "-m", "nnx_es", "crashtest", "--power-loss", "train.py", "--states", "20",
-                           "--", "2"], cwd=tmp_path, env=env, capture_output=True, text=True)
+    proc = warmkit.command("nnx-es", "crashtest", "--power-loss", "train.py", "--states", "20", "--", "2",
+                           cwd=tmp_path, env=env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.startswith("power-loss test: ok") and "crash states" in proc.stdout, proc.stdout

@@ -1,5 +1,8 @@
 """The pytest plugin (loaded with -p, as the pytest11 entry point loads it), NNX_ES_KILL_AT,
-and ``nnx-es crashtest`` on a script that calls fit itself."""
+and ``nnx-es crashtest`` on a script that calls fit itself.
+
+``pytest`` and ``nnx-es`` run in children of the suite's warm process (tests/warmkit.py: torch imported
+once); a script under NNX_ES_KILL_AT runs as a new interpreter (the variable is read when nnx_es is imported)."""
 
 from __future__ import annotations
 
@@ -12,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+import warmkit
 from nnx_es.injection import Point, parse_point
 
 REPO = Path(__file__).resolve().parents[2]
@@ -91,9 +95,8 @@ def test_the_plugin_gives_a_suite_the_fixtures_and_the_points_option(tmp_path):
 
     # the installed package registers the plugin (pyproject's pytest11 entry point): no -p needed
     assert "nnx_es.testing.pytest_plugin" in {ep.value for ep in entry_points(group="pytest11")}
-    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--nnx-crash-points=3",
-                          "test_mine.py"],
-                         cwd=tmp_path, env=_env(), capture_output=True, text=True)
+    out = warmkit.command("pytest", "-q", "-p", "no:cacheprovider", "--nnx-crash-points=3", "test_mine.py",
+                          cwd=tmp_path, env=_env())
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]
     assert "2 passed" in out.stdout
 
@@ -128,8 +131,7 @@ def test_assert_report_ok_fails_with_the_summary_and_the_first_divergence_whole_
             report = crash_test(build, epochs=3, points=10)
             assert report.ok, report
     '''))
-    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "test_bug.py"],
-                         cwd=tmp_path, env=_env(), capture_output=True, text=True)
+    out = warmkit.command("pytest", "-q", "-p", "no:cacheprovider", "test_bug.py", cwd=tmp_path, env=_env())
     assert out.returncode == 1, out.stdout[-3000:] + out.stderr[-2000:]
     shown = next(line for line in out.stdout.splitlines() if line.startswith("E   ") and "AssertionError" in line)
     # the summary whole (no '...' elided from its middle), then the state the divergence shows in
@@ -139,8 +141,7 @@ def test_assert_report_ok_fails_with_the_summary_and_the_first_divergence_whole_
 
 def test_nnx_es_crashtest_runs_a_script_under_injection_and_exits_0_when_every_point_holds(tmp_path):
     (tmp_path / "train.py").write_text(SCRIPT)
-    out = subprocess.run([sys.executable, "-m", "nnx_es", "crashtest", "train.py", "--points", "2", "--", "1"],
-                         cwd=tmp_path, env=_env(), capture_output=True, text=True)
+    out = warmkit.command("nnx-es", "crashtest", "train.py", "--points", "2", "--", "1", cwd=tmp_path, env=_env())
     assert out.returncode == 0, out.stdout + out.stderr[-2000:]
     assert out.stdout.startswith("crash test: ok -- 2 of ")
     assert not (tmp_path / "runs").exists()  # every run went to the harness's own directory

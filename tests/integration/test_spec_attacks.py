@@ -1,5 +1,6 @@
-"""A spec or a run handed over by someone else: each attack recipe is refused with exit 2, and a subprocess shows
-that nothing ran (a marker file), nothing was imported past the registry check, and nothing was written."""
+"""A spec or a run handed over by someone else: each attack recipe is refused with exit 2, and another process
+(tests/spec_drive.py) shows that nothing ran (a marker file), nothing was imported past the registry check, and
+nothing was written."""
 
 from __future__ import annotations
 
@@ -8,7 +9,6 @@ import hashlib
 import json
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import msgspec
@@ -19,7 +19,8 @@ from events.log import LmdbLog
 from events.schema import RunStarted
 from events.specs import spec_hash
 from nnx_es.recipes.runspec import scaffold
-from spec_drive import REPO, drive
+import warmkit
+from spec_drive import drive
 
 
 def recipe(target: str, **kwargs) -> dict:
@@ -117,8 +118,7 @@ def digest(run_dir: Path) -> str:
 
 
 def replay(run_dir: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, str(REPO / "tools" / "replay"), str(run_dir)], capture_output=True,
-                          text=True, timeout=300)
+    return warmkit.command("nnx-replay", str(run_dir), cwd=run_dir.parent)
 
 
 def with_callback(marker: Path):

@@ -1,5 +1,9 @@
 """The digits main job from a spec through the CLI: init -> report -> run -> replay clean -> resume (and a fork);
-typed decisions on the trained model."""
+typed decisions on the trained model.
+
+The commands run in children of the suite's warm process (tests/warmkit.py: torch imported once, not per
+command); ``python -m nnx_es`` itself, a new interpreter, runs in
+test_resume_help_says_what_epochs_counts_for_a_resume_and_for_a_fork."""
 
 from __future__ import annotations
 
@@ -11,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+import warmkit
 from events.log import LmdbLog
 from events.schema import RunStarted
 from nnx_es import ConfigError, load_result
@@ -23,6 +28,12 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def nnx_es(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    """``nnx-es ARGS`` in ``tmp_path``, in a child of the warm process."""
+    return warmkit.command("nnx-es", *args, cwd=tmp_path)
+
+
+def nnx_es_process(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    """``python -m nnx_es ARGS`` in ``tmp_path``: a new interpreter."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     return subprocess.run([sys.executable, "-m", "nnx_es", *args], cwd=tmp_path, env=env, capture_output=True,
                           text=True, timeout=300)
@@ -55,8 +66,7 @@ def test_the_digits_job_runs_from_a_spec_audits_clean_and_resumes(digits_run: Pa
     first = started(digits_run)
     assert first.spec is not None and first.spec_hash == spec_hash(first.spec)
     assert first.spec["model"]["target"] == "nnx_es.recipes.models:MLP"
-    replay = subprocess.run([sys.executable, str(REPO / "tools" / "replay"), str(digits_run)], capture_output=True,
-                            text=True, timeout=300)
+    replay = warmkit.command("nnx-replay", str(digits_run), cwd=tmp)
     assert replay.returncode == 0, replay.stdout + replay.stderr
     resume = nnx_es(tmp, "resume", "runs/digits", "--epochs", "3")  # the spec the run recorded
     assert resume.returncode == 0, resume.stderr
@@ -99,7 +109,7 @@ def test_resume_with_a_spec_whose_learning_rate_differs_is_refused_naming_it_bef
 
 
 def test_resume_help_says_what_epochs_counts_for_a_resume_and_for_a_fork(tmp_path: Path) -> None:
-    out = nnx_es(tmp_path, "resume", "--help")
+    out = nnx_es_process(tmp_path, "resume", "--help")  # python -m nnx_es: the module's own entry, a new interpreter
     text = " ".join(out.stdout.split())
     assert out.returncode == 0 and "counted from the run's start" in text and "A fork (--from best|SEQ): the new " \
         "run's own epochs, counted from 0" in text, out.stdout
@@ -244,8 +254,7 @@ def test_one_spec_run_twice_is_one_run_twice(tmp_path: Path) -> None:
     digest = started(tmp_path / "runs" / "a").initial_weights
     assert len(digest) == 64 and digest == started(tmp_path / "runs" / "b").initial_weights
     def diff(x: str, y: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([sys.executable, str(REPO / "tools" / "inspect"), "diff", x, y], cwd=tmp_path,
-                              capture_output=True, text=True, timeout=300)
+        return warmkit.command("nnx-inspect", "diff", x, y, cwd=tmp_path)
 
     same = diff("runs/a", "runs/b")
     assert same.returncode == 0, same.stdout + same.stderr
