@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any, Protocol
 
 from events.schema import (
@@ -98,7 +99,7 @@ class CommittedCheck:
         self.pending_best: tuple[int, int, int] | None = None  # (LAST seq, epoch, decision seq)
         self.journal_head = ""  # the manifest of the newest committed journal_published
         self.update_clocked = False  # a scheduler on the optimizer_update clock is declared
-        self.exports: dict[str, tuple[int, ModelExported]] = {}  # path -> its latest model_exported (seq, event)
+        self.exports: dict[str, tuple[int, ModelExported]] = {}  # file (links resolved) -> its latest model_exported (seq, event)
 
     def hot_inert(self) -> bool:
         """Whether :meth:`feed` of a ``microbatch_done`` or an ``update_committed`` would only set ``prev_kind``
@@ -215,11 +216,12 @@ class CommittedCheck:
     def _exported(self, seq: int, event: ModelExported) -> None:
         """An export to a path supersedes the one recorded before it to the same path (the file was
         replaced on purpose): that one is noted; only each path's latest is checked, at :meth:`finish`."""
-        earlier = self.exports.get(event.path)
+        file = os.path.realpath(event.path)  # the file it names: one reached through a linked directory too
+        earlier = self.exports.get(file)
         if earlier is not None:
-            self.sink.note(f"model_exported of {event.path!r} was superseded by a later export to the same path: "
-                           f"not checked (seq {earlier[0]}, superseded at seq {seq})")
-        self.exports[event.path] = (seq, event)
+            self.sink.note(f"model_exported of {earlier[1].path!r} was superseded by a later export to the same "
+                           f"file: not checked (seq {earlier[0]}, superseded at seq {seq})")
+        self.exports[file] = (seq, event)
 
     def _artifact(self, seq: int, event: ModelExported) -> None:  # an artifact gone from its path is not checked
         try:

@@ -228,7 +228,7 @@ def test_a_later_export_to_the_same_path_supersedes_the_earlier_one_and_replay_c
     assert first.sha256 != latest.sha256
     report = audit_run(run_dir)
     assert report.ok, [v.line() for v in report.violations]
-    assert f"model_exported of {str(out)!r} was superseded by a later export to the same path: not checked" in "".join(
+    assert f"model_exported of {str(out)!r} was superseded by a later export to the same file: not checked" in "".join(
         report.notes)
     # the latest export is still checked, under the invariant that names exported artifacts
     out.write_bytes(out.read_bytes() + b"\0")
@@ -236,6 +236,21 @@ def test_a_later_export_to_the_same_path_supersedes_the_earlier_one_and_replay_c
     assert [(v.invariant, v.message) for v in report.violations] == [
         (4, f"the onnx artifact {str(out)!r} is not the file its latest export recorded (changed since)")]
     assert "exported artifact" in INVARIANTS[4]
+    out.unlink()
+
+
+def test_an_export_through_a_linked_directory_supersedes_one_to_the_same_file(mlp_run, tmp_path):
+    # found by a fresh user: the log records the path as given (links not resolved), so the second export,
+    # through a link to the first one's directory, was not seen to replace the file and replay failed
+    run_dir = mlp_run.run_dir
+    (tmp_path / "e").mkdir()
+    (tmp_path / "elink").symlink_to(tmp_path / "e")
+    out = tmp_path / "e" / "m2.safetensors"
+    assert nnx_es(["export", str(run_dir), "--format", "safetensors", "--out", str(out)]) == 0
+    assert nnx_es(["export", str(run_dir), "--format", "onnx", "--out", str(tmp_path / "elink" / "m2.safetensors")]) == 0
+    report = audit_run(run_dir)
+    assert report.ok, [v.line() for v in report.violations]
+    assert f"model_exported of {str(out)!r} was superseded by a later export to the same file" in "".join(report.notes)
     out.unlink()
 
 
